@@ -1,0 +1,432 @@
+//! The concurrent timer core and its reaper task.
+//!
+//! This is the only module that reads Tokio's clock. It wraps the pure
+//! [`Wheel`](crate::wheel::Wheel) in `N` mutex-guarded shards (an inserting thread
+//! keeps to one shard, so producers on different threads rarely meet), converts
+//! [`Instant`]s to ticks, and runs the reaper: one Tokio task that sleeps until the
+//! earliest bucket of any shard is due, takes the due entries out in bounded batches
+//! under the shard lock, and runs them with every lock released.
+//!
+//! # The wake protocol
+//!
+//! `next_wake` holds the tick the reaper is sleeping until (`u64::MAX`: not
+//! sleeping on any deadline). At the start of a turn the reaper stores `u64::MAX`, so
+//! an insert that lands during the turn lowers it and notifies; at the end it
+//! `fetch_min`s in its own answer, which keeps any lower value an inserter wrote.
+//! An inserter notifies only when it lowers `next_wake`, so inserts later than the
+//! reaper's target cost one atomic load. [`Notify`] keeps a permit, so a
+//! notification sent while the reaper is busy is not lost.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+use crate::wheel::{Key, Wheel};
+
+/// Work stored in the wheel: what to do when it expires, and when it is cleared out
+/// unrun.
+pub(crate) trait Job: Send + 'static {
+    /// The deadline passed; runs on the reaper task with no lock held.
+    fn expire(self);
+    /// The timer stopped before the deadline (`why` says how); runs with no lock held.
+    fn abandon(self, why: Closed);
+}
+
+/// Why a timer stopped accepting work.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Closed {
+    /// `shutdown()` was called, or the last owning handle was dropped.
+    Shutdown,
+    /// The reaper task ended without a shutdown: aborted, or its runtime stopped.
+    ReaperGone,
+}
+
+const RUNNING: u8 = 0;
+const SHUT_DOWN: u8 = 1;
+const REAPER_GONE: u8 = 2;
+
+/// Why an insert was refused; the job comes back with it.
+#[derive(Debug)]
+pub(crate) enum Refused<J> {
+    AtCapacity(J),
+    Closed(J, Closed),
+}
+
+/// The settings the core is built from (validated by the public builders).
+#[derive(Debug, Clone)]
+pub(crate) struct CoreConfig {
+    pub(crate) tick: Duration,
+    pub(crate) slots: usize,
+    pub(crate) levels: usize,
+    pub(crate) shards: usize,
+    pub(crate) max_pending: Option<usize>,
+    pub(crate) batch: usize,
+    pub(crate) name: Arc<str>,
+}
+
+/// A timer entry's address: shard and wheel key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct TimerKey {
+    shard: u32,
+    key: Key,
+}
+
+/// Ticks since an origin, in whole ticks of `tick_ns` nanoseconds.
+#[derive(Debug)]
+pub(crate) struct Clock {
+    origin: Instant,
+    tick_ns: u64,
+}
+
+impl Clock {
+    fn new(origin: Instant, tick: Duration) -> Clock {
+        let tick_ns = u64::try_from(tick.as_nanos()).unwrap_or(u64::MAX).max(1);
+        Clock { origin, tick_ns }
+    }
+
+    fn nanos_since_origin(&self, t: Instant) -> u64 {
+        // Whole seconds and nanoseconds separately: no u128 division on the hot path.
+        let d = t.saturating_duration_since(self.origin);
+        d.as_secs()
+            .saturating_mul(1_000_000_000)
+            .saturating_add(d.subsec_nanos() as u64)
+    }
+
+    /// The tick a deadline falls due in: rounded up, so it is never early.
+    /// Saturates at `u64::MAX` ("never").
+    pub(crate) fn deadline_tick(&self, deadline: Instant) -> u64 {
+        let ns = self.nanos_since_origin(deadline);
+        if ns == u64::MAX {
+            return u64::MAX;
+        }
+        ns.div_ceil(self.tick_ns)
+    }
+
+    /// The last whole tick that has passed at `now`.
+    pub(crate) fn now_tick(&self, now: Instant) -> u64 {
+        self.nanos_since_origin(now) / self.tick_ns
+    }
+
+    /// The instant tick `t` begins, or `None` when it is beyond what `Instant` holds.
+    pub(crate) fn instant_of(&self, t: u64) -> Option<Instant> {
+        let ns = t.checked_mul(self.tick_ns)?;
+        self.origin.checked_add(Duration::from_nanos(ns))
+    }
+}
+
+/// The deadline `delay` after `now`, saturating instead of overflowing.
+pub(crate) fn deadline_after(now: Instant, delay: Duration) -> Instant {
+    now.checked_add(delay)
+        .unwrap_or_else(|| far_future(now))
+}
+
+/// An instant later than any deadline the wheel can reach (about 30 years on).
+fn far_future(now: Instant) -> Instant {
+    const THIRTY_YEARS: Duration = Duration::from_secs(86_400 * 365 * 30);
+    now.checked_add(THIRTY_YEARS).unwrap_or(now)
+}
+
+#[derive(Debug)]
+struct Shard<J> {
+    wheel: Wheel<J>,
+    closed: bool,
+}
+
+/// Keeps each shard's lock on its own cache line.
+#[derive(Debug)]
+#[repr(align(128))]
+struct Padded<T>(T);
+
+/// Counters kept by the core (all monotonic).
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    pub(crate) wakeups: AtomicU64,
+    pub(crate) expired: AtomicU64,
+    pub(crate) panicked: AtomicU64,
+}
+
+/// Shards of wheels, the clock and the reaper's wake-up state.
+#[derive(Debug)]
+pub(crate) struct Core<J> {
+    shards: Box<[Padded<Mutex<Shard<J>>>]>,
+    clock: Clock,
+    next_wake: AtomicU64,
+    notify: Notify,
+    state: AtomicU8,
+    /// Pending jobs, kept only when a limit is set (a shared counter is the one
+    /// thing all producers would contend on).
+    pending: AtomicUsize,
+    max_pending: Option<usize>,
+    batch: usize,
+    pub(crate) counters: Counters,
+    pub(crate) name: Arc<str>,
+}
+
+thread_local! {
+    static SHARD_HINT: usize = {
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    };
+}
+
+impl<J: Job> Core<J> {
+    /// Builds the core and spawns its reaper on `rt`.
+    pub(crate) fn start(config: &CoreConfig, rt: &tokio::runtime::Handle) -> Arc<Core<J>> {
+        let shards = (0..config.shards.max(1))
+            .map(|_| {
+                let wheel = Wheel::new(config.slots, config.levels)
+                    .expect("wheel shape is validated by the builder");
+                Padded(Mutex::new(Shard {
+                    wheel,
+                    closed: false,
+                }))
+            })
+            .collect();
+        let core = Arc::new(Core {
+            shards,
+            clock: Clock::new(Instant::now(), config.tick),
+            next_wake: AtomicU64::new(u64::MAX),
+            notify: Notify::new(),
+            state: AtomicU8::new(RUNNING),
+            pending: AtomicUsize::new(0),
+            max_pending: config.max_pending,
+            batch: config.batch.max(1),
+            counters: Counters::default(),
+            name: config.name.clone(),
+        });
+        let guard = ReaperGuard(core.clone());
+        rt.spawn(run_reaper(guard));
+        core
+    }
+
+    fn lock(&self, shard: usize) -> MutexGuard<'_, Shard<J>> {
+        // A panic never happens while a shard is locked (user code runs unlocked),
+        // but recover from poisoning rather than propagate it to every caller.
+        self.shards[shard]
+            .0
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Why the core is closed, if it is.
+    pub(crate) fn closed(&self) -> Option<Closed> {
+        match self.state.load(Ordering::Acquire) {
+            RUNNING => None,
+            SHUT_DOWN => Some(Closed::Shutdown),
+            _ => Some(Closed::ReaperGone),
+        }
+    }
+
+    /// Inserts `job` to expire at `deadline`.
+    pub(crate) fn insert(&self, deadline: Instant, job: J) -> Result<TimerKey, Refused<J>> {
+        if let Some(max) = self.max_pending {
+            if self.pending.fetch_add(1, Ordering::AcqRel) >= max {
+                self.pending.fetch_sub(1, Ordering::AcqRel);
+                return Err(Refused::AtCapacity(job));
+            }
+        }
+        let tick = self.clock.deadline_tick(deadline);
+        let shard = SHARD_HINT.with(|h| *h) % self.shards.len();
+        let key = {
+            let mut s = self.lock(shard);
+            if s.closed {
+                drop(s);
+                self.release_capacity(1);
+                let why = self.closed().unwrap_or(Closed::Shutdown);
+                return Err(Refused::Closed(job, why));
+            }
+            s.wheel.insert(tick, job)
+        };
+        let mut cur = self.next_wake.load(Ordering::SeqCst);
+        while tick < cur {
+            match self.next_wake.compare_exchange_weak(
+                cur,
+                tick,
+                Ordering::SeqCst,
+                Ordering::SeqCst,
+            ) {
+                Ok(_) => {
+                    self.notify.notify_one();
+                    break;
+                }
+                Err(actual) => cur = actual,
+            }
+        }
+        Ok(TimerKey {
+            shard: shard as u32,
+            key,
+        })
+    }
+
+    /// Removes the entry of `key`, handing its job back; `None` when it already
+    /// expired, was removed, or the timer was cleared.
+    pub(crate) fn remove(&self, key: TimerKey) -> Option<J> {
+        let job = self.lock(key.shard as usize).wheel.remove(key.key);
+        if job.is_some() {
+            self.release_capacity(1);
+        }
+        job
+    }
+
+    /// Whether `key`'s entry is still waiting.
+    pub(crate) fn contains(&self, key: TimerKey) -> bool {
+        self.lock(key.shard as usize).wheel.contains(key.key)
+    }
+
+    /// Jobs waiting (sums the shards; exact when no call races it).
+    pub(crate) fn len(&self) -> usize {
+        (0..self.shards.len()).map(|i| self.lock(i).wheel.len()).sum()
+    }
+
+    fn release_capacity(&self, n: usize) {
+        if self.max_pending.is_some() && n > 0 {
+            self.pending.fetch_sub(n, Ordering::AcqRel);
+        }
+    }
+
+    /// Stops the core: no insert succeeds afterwards, and every job still waiting
+    /// is taken out and returned. Returns `None` when it was already closed.
+    pub(crate) fn close(&self, why: Closed) -> Option<Vec<J>> {
+        let to = if why == Closed::Shutdown {
+            SHUT_DOWN
+        } else {
+            REAPER_GONE
+        };
+        self.state
+            .compare_exchange(RUNNING, to, Ordering::AcqRel, Ordering::Acquire)
+            .ok()?;
+        let mut jobs = Vec::new();
+        for i in 0..self.shards.len() {
+            let mut s = self.lock(i);
+            s.closed = true;
+            jobs.append(&mut s.wheel.drain());
+        }
+        self.release_capacity(jobs.len());
+        self.notify.notify_one();
+        Some(jobs)
+    }
+
+    /// One reaper turn: expires at most `batch` due jobs per shard. Returns whether
+    /// more are due right now, and the earliest tick anything is due otherwise.
+    fn turn(&self, scratch: &mut Vec<J>) -> (bool, u64) {
+        let now = self.clock.now_tick(Instant::now());
+        let mut more = false;
+        let mut next = u64::MAX;
+        for i in 0..self.shards.len() {
+            let shard_next = {
+                let mut s = self.lock(i);
+                while scratch.len() < self.batch {
+                    match s.wheel.poll(now) {
+                        Some((_, job)) => scratch.push(job),
+                        None => break,
+                    }
+                }
+                s.wheel.next_expiration()
+            };
+            if scratch.len() == self.batch {
+                more = true;
+            }
+            self.release_capacity(scratch.len());
+            next = next.min(shard_next.unwrap_or(u64::MAX));
+            self.counters
+                .expired
+                .fetch_add(scratch.len() as u64, Ordering::Relaxed);
+            for job in scratch.drain(..) {
+                run_contained(&self.name, &self.counters, || job.expire());
+            }
+        }
+        (more || next <= now, next)
+    }
+
+    /// How many times the reaper has woken from a sleep.
+    pub(crate) fn wakeups(&self) -> u64 {
+        self.counters.wakeups.load(Ordering::Relaxed)
+    }
+}
+
+/// Runs user code, containing and reporting a panic.
+pub(crate) fn run_contained(name: &str, counters: &Counters, f: impl FnOnce()) {
+    if let Err(panic) = catch_unwind(AssertUnwindSafe(f)) {
+        counters.panicked.fetch_add(1, Ordering::Relaxed);
+        tracing::error!(
+            timer = name,
+            panic = panic_message(&*panic),
+            "a timer task panicked; the reaper carries on"
+        );
+    }
+}
+
+/// The text of a panic payload, when it has one.
+pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {
+    panic
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("<non-string panic payload>")
+}
+
+/// Owned by the reaper task. If the task is dropped without the core having been
+/// shut down (aborted, or its runtime stopped), the core is closed as
+/// [`Closed::ReaperGone`] and every waiting job is abandoned, so nothing waits on a
+/// timer that will never fire.
+struct ReaperGuard<J: Job>(Arc<Core<J>>);
+
+impl<J: Job> Drop for ReaperGuard<J> {
+    fn drop(&mut self) {
+        if let Some(jobs) = self.0.close(Closed::ReaperGone) {
+            tracing::warn!(
+                timer = &*self.0.name,
+                abandoned = jobs.len(),
+                "timer reaper stopped without a shutdown"
+            );
+            for job in jobs {
+                run_contained(&self.0.name, &self.0.counters, || {
+                    job.abandon(Closed::ReaperGone)
+                });
+            }
+        }
+    }
+}
+
+async fn run_reaper<J: Job>(guard: ReaperGuard<J>) {
+    let core = &*guard.0;
+    let mut scratch = Vec::with_capacity(core.batch.min(4096));
+    let sleep = tokio::time::sleep_until(far_future(Instant::now()));
+    tokio::pin!(sleep);
+    loop {
+        if core.closed().is_some() {
+            break;
+        }
+        core.next_wake.store(u64::MAX, Ordering::SeqCst);
+        let (more, next) = core.turn(&mut scratch);
+        if more {
+            // Let other tasks run between batches of expiries.
+            tokio::task::yield_now().await;
+            continue;
+        }
+        let target = core.next_wake.fetch_min(next, Ordering::SeqCst).min(next);
+        let wake_at = (target != u64::MAX)
+            .then(|| core.clock.instant_of(target))
+            .flatten();
+        tracing::trace!(timer = &*core.name, target, "reaper sleeping");
+        match wake_at {
+            Some(at) => {
+                sleep.as_mut().reset(at);
+                tokio::select! {
+                    biased;
+                    _ = core.notify.notified() => {}
+                    _ = &mut sleep => {}
+                }
+            }
+            None => core.notify.notified().await,
+        }
+        core.counters.wakeups.fetch_add(1, Ordering::Relaxed);
+    }
+    // Closed by `close`, which already took every job out: dropping the guard
+    // finds nothing left to abandon.
+    drop(guard);
+}

@@ -1,0 +1,119 @@
+//! Errors of the standalone timer (and of building a timer or purgatory).
+
+use std::fmt;
+
+/// A timer or purgatory could not be built.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BuildError {
+    kind: BuildErrorKind,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum BuildErrorKind {
+    NoRuntime,
+    Invalid(&'static str),
+}
+
+impl BuildError {
+    pub(crate) fn no_runtime() -> BuildError {
+        BuildError {
+            kind: BuildErrorKind::NoRuntime,
+        }
+    }
+
+    pub(crate) fn invalid(what: &'static str) -> BuildError {
+        BuildError {
+            kind: BuildErrorKind::Invalid(what),
+        }
+    }
+
+    /// Whether the build failed because no Tokio runtime was current (use
+    /// `build_on` with a [`tokio::runtime::Handle`] instead).
+    pub fn is_no_runtime(&self) -> bool {
+        self.kind == BuildErrorKind::NoRuntime
+    }
+}
+
+impl fmt::Display for BuildError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.kind {
+            BuildErrorKind::NoRuntime => {
+                f.write_str("no tokio runtime is current; build inside one or use build_on")
+            }
+            BuildErrorKind::Invalid(what) => write!(f, "invalid setting: {what}"),
+        }
+    }
+}
+
+impl std::error::Error for BuildError {}
+
+/// [`Timer::schedule`](crate::Timer::schedule) refused a task; the task is handed
+/// back unrun.
+#[derive(PartialEq, Eq)]
+pub enum ScheduleError<T> {
+    /// The timer holds its configured maximum of pending timeouts.
+    AtCapacity(T),
+    /// The timer was shut down (or its last [`Timer`](crate::Timer) handle dropped).
+    Shutdown(T),
+    /// The reaper task is gone (aborted, or its runtime shut down) without a
+    /// shutdown; nothing would ever run the task.
+    ReaperGone(T),
+}
+
+impl<T> ScheduleError<T> {
+    /// The task that was refused.
+    pub fn into_inner(self) -> T {
+        match self {
+            ScheduleError::AtCapacity(t)
+            | ScheduleError::Shutdown(t)
+            | ScheduleError::ReaperGone(t) => t,
+        }
+    }
+}
+
+impl<T> fmt::Debug for ScheduleError<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ScheduleError::AtCapacity(_) => f.write_str("AtCapacity(..)"),
+            ScheduleError::Shutdown(_) => f.write_str("Shutdown(..)"),
+            ScheduleError::ReaperGone(_) => f.write_str("ReaperGone(..)"),
+        }
+    }
+}
+
+impl<T> fmt::Display for ScheduleError<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ScheduleError::AtCapacity(_) => "timer is at its limit of pending timeouts",
+            ScheduleError::Shutdown(_) => "timer is shut down",
+            ScheduleError::ReaperGone(_) => "timer's reaper task is gone",
+        })
+    }
+}
+
+impl<T> std::error::Error for ScheduleError<T> {}
+
+/// A [`Sleep`](crate::timer::Sleep) ended without its deadline being reached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum TimerError {
+    /// The timer held its configured maximum of pending timeouts when the sleep
+    /// was created.
+    AtCapacity,
+    /// The timer was shut down (or its last handle dropped).
+    Shutdown,
+    /// The reaper task is gone (aborted, or its runtime shut down).
+    ReaperGone,
+}
+
+impl fmt::Display for TimerError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            TimerError::AtCapacity => "timer is at its limit of pending timeouts",
+            TimerError::Shutdown => "timer is shut down",
+            TimerError::ReaperGone => "timer's reaper task is gone",
+        })
+    }
+}
+
+impl std::error::Error for TimerError {}

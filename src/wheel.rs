@@ -1,0 +1,646 @@
+//! The pure hierarchical timing wheel.
+//!
+//! No Tokio, no clock, no locks: time is a tick count handed in by the caller, and
+//! the wheel only moves forward when [`Wheel::poll`] is given a later `now`.
+//!
+//! # Shape
+//!
+//! `levels` levels of `slots` slots each (2 ≤ `slots` ≤ 64, so a level's occupancy
+//! fits in one `u64`). A slot at level `l` covers `slots^l` ticks; level `l` as a
+//! whole covers `slots^(l+1)` ticks. Deadlines are written in base `slots`: an entry
+//! lives at the level of the highest digit in which its deadline differs from
+//! `elapsed`, in the slot named by that digit. Deadlines that differ from `elapsed`
+//! above the top level wait in an overflow list that is revisited once per top-level
+//! cycle, so any `u64` deadline is accepted and none fires early.
+//!
+//! # Cascading and lateness
+//!
+//! When the clock reaches a slot at level `l > 0`, its entries are re-inserted
+//! relative to the slot's start, which puts each at a lower level; they finally fire
+//! from level 0, in the tick of their deadline. Entries are therefore never yielded
+//! before their deadline tick, and `poll(now)` yields every entry whose deadline tick
+//! is `<= now`. The only lateness the wheel adds is the caller's rounding of a
+//! deadline up to a whole tick (less than one tick). We cascade, as Kafka's and
+//! tokio's wheels do, rather than accept Linux's non-cascading imprecision, because
+//! a purgatory's expiry times are user-visible timeouts.
+//!
+//! # Finding the next bucket
+//!
+//! Every entry at level 0 is due before any entry at level 1 (it shares all higher
+//! digits with `elapsed`, while a level-1 entry has a larger level-1 digit), and so
+//! on upward. So the earliest non-empty bucket is the first occupied slot, at or
+//! after `elapsed`'s digit, of the lowest non-empty level: one `trailing_zeros` per
+//! level, no scan of slots.
+//!
+//! # Storage
+//!
+//! Entries sit in a slab (`Vec` plus free list); buckets are intrusive doubly-linked
+//! lists threaded through the slab by `u32` index, so insert and remove are O(1) and
+//! a removed entry's value is handed back at once. Keys carry a generation, so a key
+//! whose entry is gone can never touch the entry that later reuses its slot.
+
+/// "No entry" in the intrusive lists and the free list.
+const NIL: u32 = u32::MAX;
+
+/// Location tag of an entry: which list it is threaded into.
+const LOC_OVERFLOW: u16 = 0xFFFE;
+const LOC_PENDING: u16 = 0xFFFD;
+const LOC_VACANT: u16 = 0xFFFF;
+
+/// Identifies an entry of a [`Wheel`]: slab index plus generation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) struct Key {
+    index: u32,
+    generation: u32,
+}
+
+impl Key {
+    /// Packs the key into one `u64` (generation high, index low).
+    pub(crate) fn to_bits(self) -> u64 {
+        ((self.generation as u64) << 32) | self.index as u64
+    }
+
+    /// Inverse of [`Key::to_bits`].
+    pub(crate) fn from_bits(bits: u64) -> Key {
+        Key {
+            index: bits as u32,
+            generation: (bits >> 32) as u32,
+        }
+    }
+}
+
+/// Why a wheel shape was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ShapeError {
+    /// `slots` is outside `2..=64`.
+    Slots,
+    /// `levels` is zero, or `slots^levels` does not fit in 62 bits.
+    Levels,
+}
+
+#[derive(Debug)]
+struct Entry<T> {
+    deadline: u64,
+    next: u32,
+    prev: u32,
+    generation: u32,
+    /// Level (high byte) and slot (low byte), or one of the `LOC_*` tags.
+    loc: u16,
+    value: Option<T>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct List {
+    head: u32,
+    tail: u32,
+    /// A lower bound on the deadlines in the list (exact until an entry is
+    /// removed). Lets the reaper sleep straight to the first real deadline instead
+    /// of waking once per cascade step.
+    min: u64,
+}
+
+impl List {
+    const EMPTY: List = List {
+        head: NIL,
+        tail: NIL,
+        min: u64::MAX,
+    };
+
+    fn is_empty(&self) -> bool {
+        self.head == NIL
+    }
+}
+
+#[derive(Debug)]
+struct Level {
+    /// Bit `s` set when slot `s` is non-empty.
+    occupied: u64,
+    slots: Box<[List]>,
+}
+
+/// A hierarchical timing wheel of values `T` keyed by deadline tick.
+#[derive(Debug)]
+pub(crate) struct Wheel<T> {
+    levels: Box<[Level]>,
+    /// `span[l]` = ticks covered by one slot of level `l` = `slots^l`;
+    /// `span[levels]` = ticks covered by the whole wheel.
+    span: Box<[u64]>,
+    slots: u64,
+    /// `log2(slots)` when `slots` is a power of two: digits by shift and mask.
+    shift: Option<u32>,
+    entries: Vec<Entry<T>>,
+    free: u32,
+    overflow: List,
+    /// Due entries not yet handed out by `poll`.
+    pending: List,
+    /// The wheel's notion of "now": every stored deadline is `>= elapsed`.
+    elapsed: u64,
+    len: usize,
+}
+
+impl<T> Wheel<T> {
+    /// A wheel of `levels` levels with `slots` slots each, at tick 0.
+    pub(crate) fn new(slots: usize, levels: usize) -> Result<Wheel<T>, ShapeError> {
+        if !(2..=64).contains(&slots) {
+            return Err(ShapeError::Slots);
+        }
+        if levels == 0 {
+            return Err(ShapeError::Levels);
+        }
+        let mut span = Vec::with_capacity(levels + 1);
+        let mut s: u64 = 1;
+        span.push(s);
+        for _ in 0..levels {
+            s = s
+                .checked_mul(slots as u64)
+                .filter(|s| *s < 1 << 62)
+                .ok_or(ShapeError::Levels)?;
+            span.push(s);
+        }
+        let levels = (0..levels)
+            .map(|_| Level {
+                occupied: 0,
+                slots: vec![List::EMPTY; slots].into_boxed_slice(),
+            })
+            .collect();
+        Ok(Wheel {
+            levels,
+            span: span.into_boxed_slice(),
+            slots: slots as u64,
+            shift: slots.is_power_of_two().then(|| slots.trailing_zeros()),
+            entries: Vec::new(),
+            free: NIL,
+            overflow: List::EMPTY,
+            pending: List::EMPTY,
+            elapsed: 0,
+            len: 0,
+        })
+    }
+
+    /// Number of entries held (including due ones not yet polled).
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// The tick the wheel has advanced to.
+    pub(crate) fn elapsed(&self) -> u64 {
+        self.elapsed
+    }
+
+    /// Ticks covered by the whole wheel before the overflow list is used.
+    #[cfg(test)]
+    pub(crate) fn horizon(&self) -> u64 {
+        self.span[self.levels.len()]
+    }
+
+    /// Bytes of heap held per slab slot (for memory accounting in docs and tests).
+    #[cfg(test)]
+    pub(crate) fn entry_size() -> usize {
+        std::mem::size_of::<Entry<T>>()
+    }
+
+    /// Inserts `value` to become due at tick `deadline`. A deadline `<= elapsed` is
+    /// due at once: the next `poll` yields it.
+    ///
+    /// # Panics
+    ///
+    /// If the wheel already holds `u32::MAX - 1` entries.
+    pub(crate) fn insert(&mut self, deadline: u64, value: T) -> Key {
+        let deadline = deadline.max(self.elapsed);
+        let index = self.alloc(deadline, value);
+        self.link(index);
+        self.len += 1;
+        Key {
+            index,
+            generation: self.entries[index as usize].generation,
+        }
+    }
+
+    /// Removes the entry of `key` and hands its value back, or `None` when the entry
+    /// was already removed or yielded (the key is stale).
+    pub(crate) fn remove(&mut self, key: Key) -> Option<T> {
+        let e = self.entries.get(key.index as usize)?;
+        if e.generation != key.generation || e.loc == LOC_VACANT {
+            return None;
+        }
+        self.unlink(key.index);
+        self.len -= 1;
+        Some(self.release(key.index))
+    }
+
+    /// Whether `key` names an entry still held.
+    pub(crate) fn contains(&self, key: Key) -> bool {
+        self.entries
+            .get(key.index as usize)
+            .is_some_and(|e| e.generation == key.generation && e.loc != LOC_VACANT)
+    }
+
+    /// The tick by which `poll` must next be called, or `None` when the wheel is
+    /// empty. A value `<= elapsed` means something is due now.
+    ///
+    /// It is the earliest bucket's lower bound on its deadlines (never before the
+    /// bucket's start), so it may be earlier than the earliest deadline after
+    /// removals, never later. Polling at that tick cascades the bucket down.
+    pub(crate) fn next_expiration(&self) -> Option<u64> {
+        if !self.pending.is_empty() {
+            return Some(self.elapsed);
+        }
+        self.next_bucket().map(|(start, bucket)| {
+            let min = match bucket {
+                Bucket::Slot(l, s) => self.levels[l].slots[s].min,
+                Bucket::Overflow => self.overflow.min,
+            };
+            start.max(min)
+        })
+    }
+
+    /// Yields one entry whose deadline is `<= now`, advancing the wheel as needed,
+    /// or `None` when none is due (the wheel is then at `now`). `now` earlier than
+    /// `elapsed` is treated as `elapsed`.
+    pub(crate) fn poll(&mut self, now: u64) -> Option<(Key, T)> {
+        loop {
+            if self.pending.head != NIL {
+                let index = self.pending.head;
+                self.unlink(index);
+                self.len -= 1;
+                let generation = self.entries[index as usize].generation;
+                return Some((Key { index, generation }, self.release(index)));
+            }
+            match self.next_bucket() {
+                Some((start, bucket)) if start <= now => {
+                    self.elapsed = self.elapsed.max(start);
+                    self.expire_bucket(bucket);
+                }
+                _ => {
+                    self.elapsed = self.elapsed.max(now);
+                    return None;
+                }
+            }
+        }
+    }
+
+    /// Earliest non-empty bucket: its start tick and where it is.
+    fn next_bucket(&self) -> Option<(u64, Bucket)> {
+        for (l, level) in self.levels.iter().enumerate() {
+            if level.occupied == 0 {
+                continue;
+            }
+            let digit = self.digit(self.elapsed, l);
+            let ahead = level.occupied >> digit;
+            debug_assert!(ahead != 0, "level {l} has an entry behind elapsed");
+            let slot = digit + ahead.trailing_zeros() as u64;
+            let cycle = self.span[l + 1];
+            let start = self.elapsed - self.elapsed % cycle + slot * self.span[l];
+            return Some((start, Bucket::Slot(l, slot as usize)));
+        }
+        if self.overflow.is_empty() {
+            return None;
+        }
+        // Revisit the overflow list at the next top-level cycle, or later: no cycle
+        // before the one holding its smallest deadline has anything to cascade.
+        // (Jumping there matters after a long gap: visiting every cycle in between
+        // would be unbounded work.)
+        let cycle = self.span[self.levels.len()];
+        let next_cycle = (self.elapsed / cycle)
+            .saturating_add(1)
+            .saturating_mul(cycle);
+        let min_cycle = self.overflow.min - self.overflow.min % cycle;
+        Some((next_cycle.max(min_cycle), Bucket::Overflow))
+    }
+
+    fn expire_bucket(&mut self, bucket: Bucket) {
+        let list = match bucket {
+            Bucket::Slot(l, s) => {
+                let level = &mut self.levels[l];
+                level.occupied &= !(1 << s);
+                std::mem::replace(&mut level.slots[s], List::EMPTY)
+            }
+            Bucket::Overflow => std::mem::replace(&mut self.overflow, List::EMPTY),
+        };
+        if let Bucket::Slot(0, _) = bucket {
+            // Level-0 entries are due: move the whole list to `pending`.
+            let mut i = list.head;
+            while i != NIL {
+                self.entries[i as usize].loc = LOC_PENDING;
+                i = self.entries[i as usize].next;
+            }
+            self.splice_pending(list);
+            return;
+        }
+        // Cascade: every entry goes to a lower level (or back to overflow).
+        let mut i = list.head;
+        while i != NIL {
+            let next = self.entries[i as usize].next;
+            self.link(i);
+            i = next;
+        }
+    }
+
+    fn splice_pending(&mut self, list: List) {
+        if list.is_empty() {
+            return;
+        }
+        if self.pending.is_empty() {
+            self.pending = list;
+        } else {
+            self.entries[self.pending.tail as usize].next = list.head;
+            self.entries[list.head as usize].prev = self.pending.tail;
+            self.pending.tail = list.tail;
+        }
+    }
+
+    /// Digit `l` (base `slots`) of tick `t`.
+    fn digit(&self, t: u64, l: usize) -> u64 {
+        match self.shift {
+            Some(b) => (t >> (b * l as u32)) & (self.slots - 1),
+            None => (t / self.span[l]) % self.slots,
+        }
+    }
+
+    /// Level of a deadline relative to `elapsed`, or `None` for the overflow list.
+    fn level_for(&self, deadline: u64) -> Option<usize> {
+        let levels = self.levels.len();
+        let l = match self.shift {
+            Some(b) => {
+                let masked = (self.elapsed ^ deadline) | (self.slots - 1);
+                ((63 - masked.leading_zeros()) / b) as usize
+            }
+            None => (0..levels)
+                .find(|&l| deadline / self.span[l + 1] == self.elapsed / self.span[l + 1])
+                .unwrap_or(levels),
+        };
+        (l < levels).then_some(l)
+    }
+
+    /// Threads entry `i` (not in any list) into the list its deadline belongs to.
+    fn link(&mut self, i: u32) {
+        let deadline = self.entries[i as usize].deadline;
+        let (loc, list) = match self.level_for(deadline) {
+            Some(l) => {
+                let s = self.digit(deadline, l) as usize;
+                let level = &mut self.levels[l];
+                level.occupied |= 1 << s;
+                (((l as u16) << 8) | s as u16, &mut level.slots[s])
+            }
+            None => (LOC_OVERFLOW, &mut self.overflow),
+        };
+        let old_tail = list.tail;
+        if old_tail == NIL {
+            list.head = i;
+        }
+        list.tail = i;
+        list.min = list.min.min(deadline);
+        let e = &mut self.entries[i as usize];
+        e.loc = loc;
+        e.prev = old_tail;
+        e.next = NIL;
+        if old_tail != NIL {
+            self.entries[old_tail as usize].next = i;
+        }
+    }
+
+    /// Unthreads entry `i` from whatever list holds it.
+    fn unlink(&mut self, i: u32) {
+        let (loc, prev, next) = {
+            let e = &self.entries[i as usize];
+            (e.loc, e.prev, e.next)
+        };
+        if prev != NIL {
+            self.entries[prev as usize].next = next;
+        }
+        if next != NIL {
+            self.entries[next as usize].prev = prev;
+        }
+        let list = match loc {
+            LOC_PENDING => &mut self.pending,
+            LOC_OVERFLOW => &mut self.overflow,
+            _ => {
+                let (l, s) = ((loc >> 8) as usize, (loc & 0xFF) as usize);
+                let level = &mut self.levels[l];
+                let list = &mut level.slots[s];
+                if list.head == i && list.tail == i {
+                    level.occupied &= !(1 << s);
+                }
+                list
+            }
+        };
+        if list.head == i {
+            list.head = next;
+        }
+        if list.tail == i {
+            list.tail = prev;
+        }
+        if list.head == NIL {
+            list.min = u64::MAX;
+        }
+    }
+
+    fn alloc(&mut self, deadline: u64, value: T) -> u32 {
+        if self.free != NIL {
+            let i = self.free;
+            let e = &mut self.entries[i as usize];
+            self.free = e.next;
+            e.deadline = deadline;
+            e.value = Some(value);
+            return i;
+        }
+        let i = u32::try_from(self.entries.len())
+            .ok()
+            .filter(|i| *i < NIL)
+            .expect("timing wheel is full (u32::MAX - 1 entries)");
+        self.entries.push(Entry {
+            deadline,
+            next: NIL,
+            prev: NIL,
+            generation: 0,
+            loc: LOC_VACANT,
+            value: Some(value),
+        });
+        i
+    }
+
+    fn release(&mut self, i: u32) -> T {
+        let e = &mut self.entries[i as usize];
+        e.loc = LOC_VACANT;
+        e.generation = e.generation.wrapping_add(1);
+        e.next = self.free;
+        e.prev = NIL;
+        self.free = i;
+        e.value.take().expect("occupied entry holds a value")
+    }
+
+    /// Takes every entry out, in no particular order (used at shutdown).
+    pub(crate) fn drain(&mut self) -> Vec<T> {
+        let mut out = Vec::with_capacity(self.len);
+        for i in 0..self.entries.len() {
+            if self.entries[i].loc != LOC_VACANT {
+                self.entries[i].loc = LOC_VACANT;
+                if let Some(v) = self.entries[i].value.take() {
+                    out.push(v);
+                }
+            }
+        }
+        for level in self.levels.iter_mut() {
+            level.occupied = 0;
+            level.slots.fill(List::EMPTY);
+        }
+        self.overflow = List::EMPTY;
+        self.pending = List::EMPTY;
+        self.entries.clear();
+        self.free = NIL;
+        self.len = 0;
+        out
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Bucket {
+    Slot(usize, usize),
+    Overflow,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn drain_due<T>(w: &mut Wheel<T>, now: u64) -> Vec<T> {
+        let mut v = Vec::new();
+        while let Some((_, x)) = w.poll(now) {
+            v.push(x);
+        }
+        v
+    }
+
+    #[test]
+    fn shapes_are_validated() {
+        assert_eq!(Wheel::<()>::new(1, 3).unwrap_err(), ShapeError::Slots);
+        assert_eq!(Wheel::<()>::new(65, 3).unwrap_err(), ShapeError::Slots);
+        assert_eq!(Wheel::<()>::new(64, 0).unwrap_err(), ShapeError::Levels);
+        assert_eq!(Wheel::<()>::new(64, 11).unwrap_err(), ShapeError::Levels);
+        assert!(Wheel::<()>::new(64, 10).is_ok());
+        assert!(Wheel::<()>::new(3, 30).is_ok());
+    }
+
+    #[test]
+    fn level_for_power_of_two_matches_the_generic_rule() {
+        let mut pow2 = Wheel::<()>::new(8, 5).unwrap();
+        for elapsed in [0u64, 1, 7, 8, 63, 64, 511, 4095, 4096, 30_000] {
+            pow2.elapsed = elapsed;
+            for d in elapsed..elapsed + 40_000 {
+                let generic = (0..5)
+                    .find(|&l| d / pow2.span[l + 1] == elapsed / pow2.span[l + 1]);
+                assert_eq!(pow2.level_for(d), generic, "elapsed {elapsed} deadline {d}");
+                for l in 0..5 {
+                    assert_eq!(pow2.digit(d, l), (d / pow2.span[l]) % 8);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn digits_for_non_power_of_two() {
+        let w = Wheel::<()>::new(3, 4).unwrap();
+        // 50 = 1*27 + 2*9 + 1*3 + 2 -> digits 2,1,2,1
+        assert_eq!(
+            (0..4).map(|l| w.digit(50, l)).collect::<Vec<_>>(),
+            [2, 1, 2, 1]
+        );
+        assert_eq!(w.level_for(0), Some(0));
+        assert_eq!(w.level_for(2), Some(0));
+        assert_eq!(w.level_for(3), Some(1));
+        assert_eq!(w.level_for(80), Some(3));
+        assert_eq!(w.level_for(81), None);
+    }
+
+    #[test]
+    fn fires_exactly_at_deadline_tick() {
+        let mut w = Wheel::new(64, 6).unwrap();
+        for d in [0u64, 1, 63, 64, 65, 4095, 4096, 100_000, 1 << 30] {
+            w.insert(d, d);
+        }
+        let mut fired = Vec::new();
+        while let Some(next) = w.next_expiration() {
+            assert!(next >= w.elapsed());
+            for d in drain_due(&mut w, next) {
+                assert_eq!(d, next, "fired at {next}, deadline {d}");
+                fired.push(d);
+            }
+        }
+        assert_eq!(fired.len(), 9);
+    }
+
+    #[test]
+    fn past_deadlines_are_due_on_next_poll() {
+        let mut w = Wheel::new(64, 6).unwrap();
+        assert!(w.poll(1000).is_none());
+        assert_eq!(w.elapsed(), 1000);
+        w.insert(5, "late");
+        assert_eq!(w.next_expiration(), Some(1000));
+        assert_eq!(w.poll(1000).map(|(_, v)| v), Some("late"));
+    }
+
+    #[test]
+    fn remove_is_immediate_and_generation_checked() {
+        let mut w = Wheel::new(64, 6).unwrap();
+        let a = w.insert(10, 'a');
+        assert!(w.contains(a));
+        assert_eq!(w.remove(a), Some('a'));
+        assert!(!w.contains(a));
+        assert_eq!(w.len(), 0);
+        let b = w.insert(10, 'b');
+        assert_eq!(a.index, b.index, "slot reused");
+        assert_eq!(w.remove(a), None, "stale key must not touch the new entry");
+        assert_eq!(w.next_expiration(), Some(10));
+        assert_eq!(w.remove(b), Some('b'));
+        assert_eq!(w.next_expiration(), None);
+        assert_eq!(Key::from_bits(b.to_bits()), b);
+    }
+
+    #[test]
+    fn overflow_never_fires_early() {
+        let mut w = Wheel::new(4, 2).unwrap(); // horizon 16 ticks
+        assert_eq!(w.horizon(), 16);
+        w.insert(100, 100u64);
+        w.insert(u64::MAX, u64::MAX);
+        let mut fired = Vec::new();
+        while let Some(now) = w.next_expiration().filter(|t| *t <= 200) {
+            for d in drain_due(&mut w, now) {
+                assert_eq!(d, now, "fired at {now}, deadline {d}");
+                fired.push(d);
+            }
+        }
+        assert_eq!(fired, [100]);
+        assert_eq!(w.len(), 1, "u64::MAX stays pending");
+        assert_eq!(w.next_expiration(), Some(u64::MAX));
+        // A jump to the end of time is cheap (no walk over every cycle) and fires it.
+        assert_eq!(drain_due(&mut w, u64::MAX), [u64::MAX]);
+    }
+
+    #[test]
+    fn long_gap_with_overflow_is_cheap() {
+        let mut w = Wheel::new(3, 3).unwrap(); // horizon 27 ticks
+        w.insert(1 << 40, 1u64 << 40);
+        assert!(w.poll((1 << 40) - 1).is_none());
+        assert_eq!(drain_due(&mut w, 1 << 40), [1 << 40]);
+    }
+
+    #[test]
+    fn removal_from_pending_list() {
+        let mut w = Wheel::new(64, 6).unwrap();
+        let keys: Vec<_> = (0..5).map(|i| w.insert(3, i)).collect();
+        let first = w.poll(3).unwrap().1;
+        assert_eq!(first, 0);
+        // Entries 1..5 are in `pending` now; remove one from the middle.
+        assert_eq!(w.remove(keys[2]), Some(2));
+        let rest: Vec<_> = drain_due(&mut w, 3);
+        assert_eq!(rest, [1, 3, 4]);
+        assert_eq!(w.len(), 0);
+    }
+
+    #[test]
+    fn entry_is_compact() {
+        // deadline + links + generation + location + pointer-sized value.
+        assert_eq!(Wheel::<Box<u8>>::entry_size(), 32);
+        assert_eq!(Wheel::<std::sync::Arc<u8>>::entry_size(), 32);
+    }
+}
