@@ -1,0 +1,420 @@
+//! The standalone timer, on paused Tokio time.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::time::{advance, Instant};
+use tokio_purgatory::timer::{ScheduleError, TimeoutStatus, TimerError};
+use tokio_purgatory::Timer;
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+/// Lets the reaper (and anything it woke) run without moving the clock.
+async fn settle() {
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+}
+
+fn counter() -> (Arc<AtomicUsize>, impl Fn() -> Box<dyn FnOnce() + Send>) {
+    let n = Arc::new(AtomicUsize::new(0));
+    let m = n.clone();
+    (n, move || {
+        let m = m.clone();
+        Box::new(move || {
+            m.fetch_add(1, Ordering::SeqCst);
+        })
+    })
+}
+
+#[tokio::test(start_paused = true)]
+async fn fires_no_earlier_than_its_deadline_and_within_a_tick() {
+    let timer = Timer::new();
+    let fired_at = Arc::new(Mutex::new(None));
+    let f = fired_at.clone();
+    let start = Instant::now();
+    timer
+        .schedule(ms(100), move || *f.lock().unwrap() = Some(Instant::now()))
+        .unwrap();
+    advance(ms(99)).await;
+    settle().await;
+    assert!(fired_at.lock().unwrap().is_none(), "fired early");
+    advance(ms(1)).await;
+    settle().await;
+    let at = fired_at.lock().unwrap().expect("fired at the deadline");
+    assert!(at - start >= ms(100) && at - start <= ms(101), "{:?}", at - start);
+}
+
+#[tokio::test(start_paused = true)]
+async fn zero_and_past_delays_run_on_the_reapers_next_turn() {
+    let timer = Timer::new();
+    let (n, task) = counter();
+    timer.schedule(Duration::ZERO, task()).unwrap();
+    timer
+        .schedule_at(Instant::now() - ms(500), task())
+        .unwrap();
+    assert_eq!(n.load(Ordering::SeqCst), 0, "never run inline");
+    settle().await;
+    assert_eq!(n.load(Ordering::SeqCst), 2);
+}
+
+/// Kafka `TimerTest.testAlreadyExpiredTask`: a task added after its deadline runs
+/// at once; one in the future does not.
+#[tokio::test(start_paused = true)]
+async fn kafka_already_expired_task() {
+    let timer = Timer::builder().slots_per_level(3).build().unwrap();
+    let (n, task) = counter();
+    for _ in 0..5 {
+        timer.schedule_at(Instant::now() - ms(5), task()).unwrap();
+    }
+    timer.schedule(ms(10), task()).unwrap();
+    settle().await;
+    assert_eq!(n.load(Ordering::SeqCst), 5);
+    advance(ms(10)).await;
+    settle().await;
+    assert_eq!(n.load(Ordering::SeqCst), 6);
+}
+
+/// Kafka `TimerTest.testTaskExpiration` on a 3-slot wheel: delays 0-4, 10-99 twice
+/// each and 100-499 all fire exactly once, in deadline order.
+#[tokio::test(start_paused = true)]
+async fn kafka_task_expiration_with_three_slots() {
+    let timer = Timer::builder()
+        .slots_per_level(3)
+        .levels(4) // horizon 81 ticks: most tasks start in the overflow list
+        .shards(1)
+        .build()
+        .unwrap();
+    let output = Arc::new(Mutex::new(Vec::new()));
+    let mut ids = Vec::new();
+    let mut delays: Vec<u64> = (0..5).collect();
+    for i in 10..100 {
+        delays.push(i);
+        delays.push(i);
+    }
+    delays.extend(100..500);
+    for &d in &delays {
+        let out = output.clone();
+        timer
+            .schedule(ms(d), move || out.lock().unwrap().push(d))
+            .unwrap();
+        ids.push(d);
+    }
+    advance(ms(2000)).await;
+    settle().await;
+    ids.sort();
+    assert_eq!(*output.lock().unwrap(), ids);
+    assert!(timer.is_empty());
+}
+
+#[tokio::test(start_paused = true)]
+async fn duration_max_saturates_and_never_fires() {
+    let timer = Timer::new();
+    let (n, task) = counter();
+    let t = timer.schedule(Duration::MAX, task()).unwrap();
+    let sleep = timer.sleep(Duration::MAX);
+    advance(Duration::from_secs(86_400 * 365 * 5)).await;
+    settle().await;
+    assert_eq!(n.load(Ordering::SeqCst), 0);
+    assert!(t.is_pending());
+    assert!(!sleep.is_elapsed());
+    assert!(t.cancel());
+    assert_eq!(t.status(), TimeoutStatus::Cancelled);
+}
+
+#[tokio::test(start_paused = true)]
+async fn long_uptime_then_short_timers() {
+    let timer = Timer::new();
+    // More than 2^36 ms, the span of the default wheel.
+    advance(Duration::from_millis((1 << 36) + 12_345)).await;
+    settle().await;
+    let (n, task) = counter();
+    timer.schedule(ms(5), task()).unwrap();
+    timer.schedule(ms(70_000), task()).unwrap();
+    advance(ms(4)).await;
+    settle().await;
+    assert_eq!(n.load(Ordering::SeqCst), 0);
+    advance(ms(1)).await;
+    settle().await;
+    assert_eq!(n.load(Ordering::SeqCst), 1);
+    advance(ms(70_000)).await;
+    settle().await;
+    assert_eq!(n.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn earlier_deadline_inserted_while_reaper_sleeps_on_a_later_one() {
+    let timer = Timer::new();
+    let (n, task) = counter();
+    timer.schedule(Duration::from_secs(60), task()).unwrap();
+    settle().await; // the reaper is now asleep until t+60s
+    timer.schedule(ms(10), task()).unwrap();
+    advance(ms(10)).await;
+    settle().await;
+    assert_eq!(n.load(Ordering::SeqCst), 1, "re-armed for the earlier deadline");
+}
+
+#[tokio::test(start_paused = true)]
+async fn many_timers_on_one_deadline_are_expired_in_batches() {
+    let timer = Timer::builder().batch_size(100).shards(1).build().unwrap();
+    let (n, task) = counter();
+    for _ in 0..10_000 {
+        timer.schedule(ms(50), task()).unwrap();
+    }
+    // Another task due at the same instant gets to run before the reaper is done.
+    let due = Instant::now() + ms(50);
+    let seen = {
+        let n = n.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep_until(due).await;
+            tokio::task::yield_now().await;
+            n.load(Ordering::SeqCst)
+        })
+    };
+    advance(ms(50)).await;
+    let seen = seen.await.unwrap();
+    assert!(seen < 10_000, "the reaper starved other tasks (saw {seen})");
+    for _ in 0..200 {
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(n.load(Ordering::SeqCst), 10_000);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_panicking_task_is_contained_and_later_timers_fire() {
+    let timer = Timer::new();
+    let (n, task) = counter();
+    timer.schedule(ms(10), || panic!("task bug")).unwrap();
+    timer.schedule(ms(10), task()).unwrap();
+    timer.schedule(ms(20), task()).unwrap();
+    advance(ms(20)).await;
+    settle().await;
+    assert_eq!(n.load(Ordering::SeqCst), 2);
+    assert_eq!(timer.stats().panicked, 1);
+    timer.schedule(ms(5), task()).unwrap();
+    advance(ms(5)).await;
+    settle().await;
+    assert_eq!(n.load(Ordering::SeqCst), 3, "the reaper survived");
+}
+
+#[tokio::test(start_paused = true)]
+async fn idle_reaper_does_not_wake() {
+    let timer = Timer::new();
+    settle().await;
+    advance(Duration::from_secs(3600)).await;
+    settle().await;
+    assert!(timer.stats().reaper_wakeups <= 1, "{:?}", timer.stats());
+}
+
+#[tokio::test(start_paused = true)]
+async fn one_timer_ten_minutes_out_costs_at_most_two_wakeups() {
+    let timer = Timer::new();
+    settle().await;
+    let (n, task) = counter();
+    timer.schedule(Duration::from_secs(600), task()).unwrap();
+    advance(Duration::from_secs(3600)).await;
+    settle().await;
+    assert_eq!(n.load(Ordering::SeqCst), 1);
+    assert!(timer.stats().reaper_wakeups <= 2, "{:?}", timer.stats());
+}
+
+#[tokio::test(start_paused = true)]
+async fn cancel_is_exact_and_status_tells() {
+    let timer = Timer::new();
+    let (n, task) = counter();
+    let a = timer.schedule(ms(10), task()).unwrap();
+    let b = timer.schedule(ms(10), task()).unwrap();
+    assert_eq!(a.status(), TimeoutStatus::Pending);
+    assert!(a.cancel());
+    assert!(!a.cancel(), "second cancel finds nothing");
+    assert_eq!(timer.len(), 1);
+    advance(ms(10)).await;
+    settle().await;
+    assert_eq!(n.load(Ordering::SeqCst), 1);
+    assert_eq!(a.status(), TimeoutStatus::Cancelled);
+    assert_eq!(b.status(), TimeoutStatus::Done);
+    assert!(!b.cancel());
+}
+
+#[tokio::test(start_paused = true)]
+async fn stale_handle_cannot_cancel_the_task_that_reuses_its_slot() {
+    let timer = Timer::builder().shards(1).build().unwrap();
+    let (n, task) = counter();
+    let old = timer.schedule(ms(1), task()).unwrap();
+    advance(ms(1)).await;
+    settle().await;
+    let new = timer.schedule(ms(10), task()).unwrap(); // reuses the slot
+    assert!(!old.cancel());
+    assert!(new.is_pending());
+    advance(ms(10)).await;
+    settle().await;
+    assert_eq!(n.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn capacity_limit_hands_the_task_back_and_is_freed_by_expiry_and_cancel() {
+    let timer = Timer::builder().max_pending(2).build().unwrap();
+    let a = timer.schedule(ms(10), || ()).unwrap();
+    let _b = timer.schedule(ms(20), || ()).unwrap();
+    let marker = Arc::new(());
+    let m = marker.clone();
+    let refused = timer.schedule(ms(10), move || drop(m)).unwrap_err();
+    assert!(matches!(refused, ScheduleError::AtCapacity(_)));
+    let task = refused.into_inner();
+    assert_eq!(Arc::strong_count(&marker), 2, "the very task comes back");
+    task();
+    assert_eq!(Arc::strong_count(&marker), 1);
+    assert_eq!(
+        timer.sleep(ms(1)).await,
+        Err(TimerError::AtCapacity),
+        "sleeps count too"
+    );
+    assert!(a.cancel());
+    timer.schedule(ms(10), || ()).unwrap();
+    assert!(timer.schedule(ms(10), || ()).is_err());
+    advance(ms(20)).await;
+    settle().await;
+    assert!(timer.is_empty());
+    timer.schedule(ms(10), || ()).unwrap();
+    timer.schedule(ms(10), || ()).unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn sleep_resolves_at_its_deadline() {
+    let timer = Timer::new();
+    let start = Instant::now();
+    let mut sleep = tokio_test::task::spawn(timer.sleep(ms(30)));
+    assert!(sleep.poll().is_pending());
+    advance(ms(29)).await;
+    settle().await;
+    assert!(!sleep.is_woken());
+    assert!(sleep.poll().is_pending());
+    advance(ms(1)).await;
+    settle().await;
+    assert!(sleep.is_woken());
+    assert_eq!(sleep.poll(), std::task::Poll::Ready(Ok(())));
+    assert!(Instant::now() - start >= ms(30));
+}
+
+#[tokio::test(start_paused = true)]
+async fn dropping_a_sleep_removes_its_entry() {
+    let timer = Timer::new();
+    let sleep = timer.sleep(ms(30));
+    assert_eq!(timer.len(), 1);
+    drop(sleep);
+    assert_eq!(timer.len(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn shutdown_hands_back_unrun_tasks_and_fails_sleeps() {
+    let timer = Timer::new();
+    let (n, task) = counter();
+    timer.schedule(ms(10), task()).unwrap();
+    timer.schedule(ms(20), task()).unwrap();
+    let sleep = timer.sleep(ms(10));
+    let unrun = timer.shutdown();
+    assert_eq!(unrun.len(), 2);
+    assert_eq!(sleep.await, Err(TimerError::Shutdown));
+    assert!(timer.is_shutdown());
+    let refused = timer.schedule(ms(1), task()).unwrap_err();
+    assert!(matches!(refused, ScheduleError::Shutdown(_)));
+    assert!(timer.shutdown().is_empty(), "second shutdown has nothing");
+    for t in unrun {
+        t.run();
+    }
+    assert_eq!(n.load(Ordering::SeqCst), 2, "handed-back tasks are intact");
+}
+
+#[tokio::test(start_paused = true)]
+async fn shutdown_from_inside_a_task_works() {
+    let timer = Timer::new();
+    let (n, task) = counter();
+    let t2 = timer.clone();
+    let unrun = Arc::new(Mutex::new(0));
+    let u = unrun.clone();
+    timer
+        .schedule(ms(10), move || *u.lock().unwrap() = t2.shutdown().len())
+        .unwrap();
+    timer.schedule(ms(30), task()).unwrap();
+    advance(ms(10)).await;
+    settle().await;
+    assert_eq!(*unrun.lock().unwrap(), 1, "the later task was handed back");
+    advance(ms(30)).await;
+    settle().await;
+    assert_eq!(n.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn dropping_the_last_timer_stops_the_reaper_and_fails_sleeps() {
+    let timer = Timer::new();
+    let (n, task) = counter();
+    timer.schedule(ms(10), task()).unwrap();
+    let sleep = timer.sleep(ms(10));
+    let clone = timer.clone();
+    drop(timer);
+    assert!(!clone.is_shutdown(), "a clone keeps it running");
+    drop(clone);
+    assert_eq!(sleep.await, Err(TimerError::Shutdown));
+    advance(ms(20)).await;
+    settle().await;
+    assert_eq!(n.load(Ordering::SeqCst), 0, "dropped unrun");
+}
+
+#[test]
+fn reaper_gone_with_its_runtime_fails_sleeps_and_schedules() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()
+        .unwrap();
+    let timer = Timer::builder().build_on(rt.handle()).unwrap();
+    let sleep = timer.sleep(ms(10));
+    drop(rt);
+    let other = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap();
+    assert_eq!(other.block_on(sleep), Err(TimerError::ReaperGone));
+    let refused = timer.schedule(ms(1), || ()).unwrap_err();
+    assert!(matches!(refused, ScheduleError::ReaperGone(_)));
+}
+
+#[test]
+fn building_outside_a_runtime_is_an_error() {
+    let err = Timer::builder().build().unwrap_err();
+    assert!(err.is_no_runtime());
+    assert!(Timer::builder().slots_per_level(1).build().is_err());
+    assert!(Timer::builder().tick(Duration::ZERO).build().is_err());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_tasks_insert_and_cancel_at_once() {
+    // Real time, but nothing here waits on the clock: all deadlines are far out
+    // except the ones awaited through the timer itself.
+    let timer = Timer::new();
+    let mut joins = Vec::new();
+    for t in 0..8 {
+        let timer = timer.clone();
+        joins.push(tokio::spawn(async move {
+            let mut kept = 0;
+            for i in 0..5_000u64 {
+                let h = timer.schedule(Duration::from_secs(3600 + i), || ()).unwrap();
+                if (i + t) % 5 != 0 {
+                    assert!(h.cancel());
+                } else {
+                    kept += 1;
+                }
+            }
+            kept
+        }));
+    }
+    let mut kept = 0;
+    for j in joins {
+        kept += j.await.unwrap();
+    }
+    assert_eq!(timer.len(), kept);
+    assert_eq!(timer.shutdown().len(), kept);
+}
