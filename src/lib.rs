@@ -1,4 +1,4 @@
-//! placeholder (crate docs written below)
+//! placeholder
 #![forbid(unsafe_code)]
 #![warn(
     missing_docs,
@@ -7,8 +7,14 @@
     unreachable_pub
 )]
 
+pub mod purgatory;
 mod reaper;
 pub mod timer;
+mod watchers;
 mod wheel;
 
+pub use purgatory::{
+    Completion, OpRef, Operation, OperationError, OperationHandle, Purgatory, PurgatoryBuilder,
+    PurgatoryMetrics, WatchError, WatchKey,
+};
 pub use timer::{Timer, TimerBuilder};

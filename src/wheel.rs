@@ -54,21 +54,6 @@ pub(crate) struct Key {
     generation: u32,
 }
 
-impl Key {
-    /// Packs the key into one `u64` (generation high, index low).
-    pub(crate) fn to_bits(self) -> u64 {
-        ((self.generation as u64) << 32) | self.index as u64
-    }
-
-    /// Inverse of [`Key::to_bits`].
-    pub(crate) fn from_bits(bits: u64) -> Key {
-        Key {
-            index: bits as u32,
-            generation: (bits >> 32) as u32,
-        }
-    }
-}
-
 /// Why a wheel shape was refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum ShapeError {
@@ -183,6 +168,7 @@ impl<T> Wheel<T> {
     }
 
     /// The tick the wheel has advanced to.
+    #[cfg(test)]
     pub(crate) fn elapsed(&self) -> u64 {
         self.elapsed
     }
@@ -593,7 +579,6 @@ mod tests {
         assert_eq!(w.next_expiration(), Some(10));
         assert_eq!(w.remove(b), Some('b'));
         assert_eq!(w.next_expiration(), None);
-        assert_eq!(Key::from_bits(b.to_bits()), b);
     }
 
     #[test]

@@ -1,0 +1,135 @@
+//! The watcher map: watch key -> operations watching it (many to many).
+//!
+//! Sharded by key hash; each shard is a `Mutex<HashMap<K, Vec<V>>>`. A list is
+//! only ever locked to copy, append or prune entries: no user code runs under a
+//! shard lock (the purgatory copies a key's live entries out, then checks them).
+//! A key whose list becomes empty is removed in the same critical section that
+//! emptied it, so it cannot race a concurrent watch of the same key.
+
+use std::collections::hash_map::{Entry, RandomState};
+use std::collections::HashMap;
+use std::hash::{BuildHasher, Hash};
+use std::sync::{Mutex, MutexGuard};
+
+#[derive(Debug)]
+#[repr(align(128))]
+struct Shard<K, V>(Mutex<HashMap<K, Vec<V>>>);
+
+#[derive(Debug)]
+pub(crate) struct Watchers<K, V> {
+    shards: Box<[Shard<K, V>]>,
+    hasher: RandomState,
+}
+
+impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
+    pub(crate) fn new(shards: usize) -> Self {
+        Watchers {
+            shards: (0..shards.max(1))
+                .map(|_| Shard(Mutex::new(HashMap::new())))
+                .collect(),
+            hasher: RandomState::new(),
+        }
+    }
+
+    fn shard(&self, key: &K) -> MutexGuard<'_, HashMap<K, Vec<V>>> {
+        let i = (self.hasher.hash_one(key) % self.shards.len() as u64) as usize;
+        lock(&self.shards[i].0)
+    }
+
+    /// Appends `v` to the list of every key.
+    pub(crate) fn watch(&self, keys: &[K], v: &V) {
+        for key in keys {
+            self.shard(key).entry(key.clone()).or_default().push(v.clone());
+        }
+    }
+
+    /// Copies `key`'s entries that are not `done` into `out`, and drops the done
+    /// ones from the list (removing the key if nothing is left). Returns how many
+    /// entries were dropped.
+    pub(crate) fn collect_live(
+        &self,
+        key: &K,
+        out: &mut Vec<V>,
+        done: impl Fn(&V) -> bool,
+    ) -> usize {
+        let mut map = self.shard(key);
+        let Some(list) = map.get_mut(key) else {
+            return 0;
+        };
+        let before = list.len();
+        list.retain(|v| {
+            let keep = !done(v);
+            if keep {
+                out.push(v.clone());
+            }
+            keep
+        });
+        let dropped = before - list.len();
+        if list.is_empty() {
+            map.remove(key);
+        }
+        dropped
+    }
+
+    /// Drops `key`'s done entries. Returns how many.
+    pub(crate) fn prune(&self, key: &K, done: impl Fn(&V) -> bool) -> usize {
+        let mut map = self.shard(key);
+        let Entry::Occupied(mut e) = map.entry(key.clone()) else {
+            return 0;
+        };
+        let before = e.get().len();
+        e.get_mut().retain(|v| !done(v));
+        let dropped = before - e.get().len();
+        if e.get().is_empty() {
+            e.remove();
+        }
+        dropped
+    }
+
+    /// Removes `key` and returns its whole list.
+    pub(crate) fn take(&self, key: &K) -> Vec<V> {
+        self.shard(key).remove(key).unwrap_or_default()
+    }
+
+    /// Drops every done entry of every key. Returns how many.
+    pub(crate) fn purge(&self, done: impl Fn(&V) -> bool) -> usize {
+        let mut dropped = 0;
+        for shard in self.shards.iter() {
+            let mut map = lock(&shard.0);
+            map.retain(|_, list| {
+                let before = list.len();
+                list.retain(|v| !done(v));
+                dropped += before - list.len();
+                !list.is_empty()
+            });
+            if map.is_empty() && map.capacity() > 64 {
+                // Give back the table after a burst of keys.
+                map.shrink_to_fit();
+            }
+        }
+        dropped
+    }
+
+    /// Removes every list, returning all entries (shutdown).
+    pub(crate) fn drain(&self) -> Vec<V> {
+        let mut out = Vec::new();
+        for shard in self.shards.iter() {
+            let map = std::mem::take(&mut *lock(&shard.0));
+            for (_, list) in map {
+                out.extend(list);
+            }
+        }
+        out
+    }
+
+    /// Number of keys with a list.
+    pub(crate) fn keys(&self) -> usize {
+        self.shards.iter().map(|s| lock(&s.0).len()).sum()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // No user code runs under these locks, so poisoning can only come from an
+    // allocation failure; the map is still consistent then.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
