@@ -20,7 +20,7 @@
 //! - Whoever sets `DONE` alone delivers the outcome: exactly once.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::Waker;
 
@@ -160,6 +160,10 @@ pub(crate) struct Delivery<T> {
 /// goes.
 pub(crate) struct OpCell<K: WatchKey, O: Operation> {
     state: AtomicU8,
+    /// The thread running the check while `CHECKING` is set, so that a check
+    /// re-entering itself (its code walking its own key) is not taken for an
+    /// event from elsewhere: re-running for it would loop forever.
+    checker: AtomicU64,
     op: Mutex<Option<O>>,
     delivery: Mutex<Delivery<O::Output>>,
     /// Number of watch lists holding this cell (tombstone accounting).
@@ -190,6 +194,7 @@ where
     pub(crate) fn new(op: O, keys: u32, shared: Arc<Shared<K, O>>) -> Self {
         OpCell {
             state: AtomicU8::new(0),
+            checker: AtomicU64::new(0),
             op: Mutex::new(Some(op)),
             delivery: Mutex::new(Delivery {
                 timer: None,
@@ -209,11 +214,15 @@ where
     /// Runs the operation's check, or asks the running checker to check again.
     /// Returns whether this call completed the operation.
     pub(crate) fn check(&self) -> bool {
+        let me = thread_id();
         let mut s = self.state.load(Ordering::Acquire);
         loop {
             let want = if s & DONE != 0 {
                 return false;
             } else if s & CHECKING != 0 {
+                if self.checker.load(Ordering::Acquire) == me {
+                    return false; // our own check, calling back into itself
+                }
                 s | RERUN
             } else {
                 s | CHECKING
@@ -227,6 +236,7 @@ where
                 Err(actual) => s = actual,
             }
         }
+        self.checker.store(me, Ordering::Release);
         loop {
             let out = {
                 let mut op = lock(&self.op);
@@ -248,7 +258,10 @@ where
                     self.shared.note_panic("try_complete", &*panic);
                 }
             }
-            // Release, acting on whatever was asked of us meanwhile.
+            // Release, acting on whatever was asked of us meanwhile. Clear the
+            // checker first: a thread must never find its own id here unless it
+            // really is the one checking (a stale id would make it drop an event).
+            self.checker.store(0, Ordering::Release);
             let mut s = self.state.load(Ordering::Acquire);
             loop {
                 let (want, then) = if s & RERUN != 0 {
@@ -265,7 +278,10 @@ where
                     .compare_exchange_weak(s, want, Ordering::AcqRel, Ordering::Acquire)
                 {
                     Ok(_) => match then {
-                        After::Recheck => break,
+                        After::Recheck => {
+                            self.checker.store(me, Ordering::Release);
+                            break;
+                        }
                         After::Release => return false,
                         After::Cancel => {
                             let op = lock(&self.op).take();
@@ -409,6 +425,16 @@ where
         };
         drop((stale, waker));
     }
+}
+
+/// A number naming the current thread (never 0).
+fn thread_id() -> u64 {
+    use std::sync::atomic::AtomicU64 as Counter;
+    static NEXT: Counter = Counter::new(1);
+    thread_local! {
+        static ID: u64 = NEXT.fetch_add(1, Ordering::Relaxed);
+    }
+    ID.with(|id| *id)
 }
 
 enum After {

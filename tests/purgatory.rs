@@ -1,0 +1,563 @@
+//! The purgatory, on paused Tokio time. The `kafka_*` tests port Kafka's
+//! `DelayedOperationTest` case by case.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::{advance, Instant};
+use tokio_purgatory::{
+    Completion, Operation, OperationError, Purgatory, PurgatoryMetrics, WatchError,
+};
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+async fn settle() {
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+}
+
+/// Kafka's `MockDelayedOperation`: completes once `completable` is set.
+#[derive(Debug, Clone, Default)]
+struct Mock {
+    completable: Arc<AtomicBool>,
+    checks: Arc<AtomicUsize>,
+}
+
+impl Mock {
+    fn set(&self) {
+        self.completable.store(true, Ordering::SeqCst);
+    }
+}
+
+impl Operation for Mock {
+    type Output = &'static str;
+    fn try_complete(&mut self) -> Option<&'static str> {
+        self.checks.fetch_add(1, Ordering::SeqCst);
+        self.completable
+            .load(Ordering::SeqCst)
+            .then_some("completed")
+    }
+    fn on_expiration(self) -> &'static str {
+        "expired"
+    }
+}
+
+fn purgatory() -> Purgatory<&'static str, Mock> {
+    Purgatory::builder("test")
+        .purge_interval(100_000)
+        .build()
+        .unwrap()
+}
+
+fn balanced(m: &PurgatoryMetrics) -> bool {
+    m.registered == m.completed + m.expired + m.cancelled + m.handed_back
+}
+
+/// `testRequestSatisfaction`
+#[tokio::test(start_paused = true)]
+async fn kafka_request_satisfaction() {
+    let p = purgatory();
+    let (r1, r2) = (Mock::default(), Mock::default());
+    let h1 = p.try_complete_else_watch(r1.clone(), ms(100_000), ["test1"]).unwrap();
+    let h2 = p.try_complete_else_watch(r2.clone(), ms(100_000), ["test2"]).unwrap();
+    assert_eq!(p.try_complete_watched(&"test1"), 0, "nothing satisfiable yet");
+    assert_eq!(p.try_complete_watched(&"test2"), 0);
+    r1.set();
+    assert_eq!(p.try_complete_watched(&"test1"), 1, "r1 satisfied");
+    assert_eq!(p.try_complete_watched(&"test2"), 0);
+    r2.set();
+    assert_eq!(p.try_complete_watched(&"test2"), 1, "r2 satisfied");
+    assert_eq!(p.try_complete_watched(&"test1"), 0, "already done");
+    assert_eq!(h1.await, Ok(Completion::Completed("completed")));
+    assert_eq!(h2.await, Ok(Completion::Completed("completed")));
+}
+
+/// `testRequestExpiry`: expiry is no earlier than the timeout.
+#[tokio::test(start_paused = true)]
+async fn kafka_request_expiry() {
+    let p = purgatory();
+    let start = Instant::now();
+    let h1 = p.try_complete_else_watch(Mock::default(), ms(20), ["test1"]).unwrap();
+    let h2 = p.try_complete_else_watch(Mock::default(), ms(200), ["test1", "test2"]).unwrap();
+    let out1 = h1.await;
+    let t1 = Instant::now() - start;
+    assert_eq!(out1, Ok(Completion::Expired("expired")));
+    assert!(t1 >= ms(20) && t1 <= ms(21), "{t1:?}");
+    assert_eq!(h2.await, Ok(Completion::Expired("expired")));
+    let t2 = Instant::now() - start;
+    assert!(t2 >= ms(200) && t2 <= ms(201), "{t2:?}");
+    assert_eq!(p.delayed(), 0);
+}
+
+/// `testRequestPurge`: watched counts 6 -> 4 -> 2 -> 1 as keys are walked.
+#[tokio::test(start_paused = true)]
+async fn kafka_request_purge() {
+    let p = purgatory();
+    let (r1, r2, r3) = (Mock::default(), Mock::default(), Mock::default());
+    let _h1 = p.try_complete_else_watch(r1, ms(100_000), ["test1"]).unwrap();
+    let h2 = p.try_complete_else_watch(r2.clone(), ms(100_000), ["test1", "test2"]).unwrap();
+    let h3 = p
+        .try_complete_else_watch(r3.clone(), ms(100_000), ["test1", "test2", "test3"])
+        .unwrap();
+    assert_eq!(p.delayed(), 3);
+    assert_eq!(p.watched(), 6);
+
+    r2.set();
+    assert!(h2.op_ref().unwrap().try_complete());
+    assert_eq!(p.delayed(), 2);
+    r3.set();
+    assert!(h3.op_ref().unwrap().try_complete());
+    assert_eq!(p.delayed(), 1);
+
+    p.try_complete_watched(&"test1");
+    assert_eq!(p.watched(), 4);
+    p.try_complete_watched(&"test2");
+    assert_eq!(p.watched(), 2);
+    p.try_complete_watched(&"test3");
+    assert_eq!(p.watched(), 1);
+    assert_eq!(p.metrics().keys, 1, "emptied keys are removed");
+}
+
+/// `testShouldCancelForKeyReturningCancelledOperations`
+#[tokio::test(start_paused = true)]
+async fn kafka_cancel_for_key_returns_the_operations() {
+    let p = purgatory();
+    let h1 = p.try_complete_else_watch(Mock::default(), ms(10_000), ["key"]).unwrap();
+    let _h2 = p.try_complete_else_watch(Mock::default(), ms(10_000), ["key"]).unwrap();
+    let _h3 = p.try_complete_else_watch(Mock::default(), ms(10_000), ["key2"]).unwrap();
+    let cancelled = p.cancel_for_key(&"key");
+    assert_eq!(cancelled.len(), 2);
+    assert_eq!(p.delayed(), 1);
+    assert_eq!(p.watched(), 1);
+    assert_eq!(h1.await, Err(OperationError::Cancelled));
+    // Their timeouts were cancelled too: nothing expires later.
+    advance(ms(20_000)).await;
+    settle().await;
+    assert_eq!(p.metrics().expired, 1, "only key2's operation expired");
+}
+
+/// `testCancelForKeyReturningEmptyListIfKeyDoesNotExist`
+#[tokio::test(start_paused = true)]
+async fn kafka_cancel_for_unknown_key_is_empty() {
+    let p = purgatory();
+    assert!(p.cancel_for_key(&"key").is_empty());
+}
+
+/// `testTryCompleteWithMultipleThreads`: 100 operations, 20 completion attempts
+/// each from many threads; every operation completes exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_try_complete_with_multiple_threads() {
+    let p: Purgatory<usize, Counted> = Purgatory::builder("mt").build().unwrap();
+    let completions = Arc::new(AtomicUsize::new(0));
+    let mut handles = Vec::new();
+    let mut ops = Vec::new();
+    for i in 0..100 {
+        let op = Counted {
+            attempts: Arc::new(AtomicUsize::new(0)),
+            need: 20,
+            completions: completions.clone(),
+        };
+        ops.push(op.attempts.clone());
+        handles.push(
+            p.try_complete_else_watch(op, Duration::from_secs(3600), [i])
+                .unwrap(),
+        );
+    }
+    let mut tasks = Vec::new();
+    for round in 0..20 {
+        for i in 0..100 {
+            let p = p.clone();
+            let attempts = ops[i].clone();
+            tasks.push(tokio::spawn(async move {
+                attempts.fetch_add(1, Ordering::SeqCst);
+                if (i + round) % 2 == 0 {
+                    p.try_complete_watched(&i);
+                } else {
+                    tokio::task::yield_now().await;
+                    p.try_complete_watched(&i);
+                }
+            }));
+        }
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    for h in handles {
+        assert!(matches!(h.await, Ok(Completion::Completed(_))));
+    }
+    assert_eq!(completions.load(Ordering::SeqCst), 100, "each exactly once");
+    assert_eq!(p.delayed(), 0);
+}
+
+/// Completes once `attempts` reaches `need`; counts completions.
+struct Counted {
+    attempts: Arc<AtomicUsize>,
+    need: usize,
+    completions: Arc<AtomicUsize>,
+}
+
+impl Operation for Counted {
+    type Output = ();
+    fn try_complete(&mut self) -> Option<()> {
+        (self.attempts.load(Ordering::SeqCst) >= self.need).then(|| {
+            self.completions.fetch_add(1, Ordering::SeqCst);
+        })
+    }
+    fn on_expiration(self) {}
+}
+
+#[tokio::test(start_paused = true)]
+async fn completable_at_registration_never_watches() {
+    let p = purgatory();
+    let op = Mock::default();
+    op.set();
+    let h = p.try_complete_else_watch(op, ms(10), ["k"]).unwrap();
+    assert!(h.is_finished());
+    assert!(h.op_ref().is_none());
+    assert_eq!(p.watched(), 0);
+    assert_eq!(p.delayed(), 0);
+    assert_eq!(h.await, Ok(Completion::Completed("completed")));
+}
+
+/// An operation that becomes completable during registration, between the first
+/// check and the watch: the second check catches it.
+#[tokio::test(start_paused = true)]
+async fn becomes_completable_during_registration() {
+    struct Flaky(usize);
+    impl Operation for Flaky {
+        type Output = usize;
+        fn try_complete(&mut self) -> Option<usize> {
+            self.0 += 1;
+            // Not completable on the first check; the event lands just after.
+            (self.0 >= 2).then_some(self.0)
+        }
+        fn on_expiration(self) -> usize {
+            0
+        }
+    }
+    let p: Purgatory<u8, Flaky> = Purgatory::builder("flaky").build().unwrap();
+    let h = p.try_complete_else_watch(Flaky(0), ms(100), [1]).unwrap();
+    assert!(h.is_finished(), "the check after watching completed it");
+    assert_eq!(h.await, Ok(Completion::Completed(2)));
+    assert_eq!(p.metrics().completed, 1);
+    assert_eq!(p.delayed(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn registration_errors_hand_the_operation_back() {
+    let p: Purgatory<&str, Mock> = Purgatory::builder("t").max_pending(1).build().unwrap();
+    let op = Mock::default();
+    let err = p
+        .try_complete_else_watch(op.clone(), ms(10), Vec::<&str>::new())
+        .unwrap_err();
+    assert!(matches!(err, WatchError::NoKeys(_)));
+    assert!(Arc::ptr_eq(&err.into_inner().completable, &op.completable));
+
+    let _h = p.try_complete_else_watch(Mock::default(), ms(10), ["a"]).unwrap();
+    let err = p.try_complete_else_watch(op.clone(), ms(10), ["a"]).unwrap_err();
+    assert!(matches!(err, WatchError::AtCapacity(_)));
+    assert_eq!(op.checks.load(Ordering::SeqCst), 0, "refused before any check");
+
+    let taken = p.shutdown();
+    assert_eq!(taken.len(), 1);
+    let err = p.try_complete_else_watch(op, ms(10), ["a"]).unwrap_err();
+    assert!(matches!(err, WatchError::Shutdown(_)));
+}
+
+#[tokio::test(start_paused = true)]
+async fn capacity_is_freed_by_completion_expiry_and_cancellation() {
+    let p: Purgatory<&str, Mock> = Purgatory::builder("t").max_pending(1).build().unwrap();
+    // completion
+    let op = Mock::default();
+    let h = p.try_complete_else_watch(op.clone(), ms(10), ["a"]).unwrap();
+    op.set();
+    assert_eq!(p.try_complete_watched(&"a"), 1);
+    h.await.unwrap();
+    // expiry
+    let h = p.try_complete_else_watch(Mock::default(), ms(10), ["a"]).unwrap();
+    assert_eq!(h.await, Ok(Completion::Expired("expired")));
+    // cancellation by key
+    let _h = p.try_complete_else_watch(Mock::default(), ms(10), ["a"]).unwrap();
+    assert_eq!(p.cancel_for_key(&"a").len(), 1);
+    // cancellation by dropping the handle
+    let h = p.try_complete_else_watch(Mock::default(), ms(10), ["a"]).unwrap();
+    drop(h);
+    let _h = p.try_complete_else_watch(Mock::default(), ms(10), ["a"]).unwrap();
+    assert_eq!(p.delayed(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn dropping_the_handle_cancels_and_frees_the_operation() {
+    let p = purgatory();
+    let op = Mock::default();
+    let payload = op.completable.clone();
+    let h = p.try_complete_else_watch(op, ms(100), ["a", "b"]).unwrap();
+    assert_eq!(Arc::strong_count(&payload), 2);
+    drop(h);
+    assert_eq!(Arc::strong_count(&payload), 1, "operation dropped at once");
+    assert_eq!(p.delayed(), 0);
+    assert_eq!(p.metrics().cancelled, 1);
+    advance(ms(200)).await;
+    settle().await;
+    assert_eq!(p.metrics().expired, 0, "its timeout was cancelled");
+    p.try_complete_watched(&"a");
+    p.try_complete_watched(&"b");
+    assert_eq!(p.watched(), 0);
+    assert_eq!(p.metrics().keys, 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn detached_operations_run_their_own_completion_and_expiry() {
+    struct Responds(Arc<AtomicUsize>, bool);
+    impl Operation for Responds {
+        type Output = ();
+        fn try_complete(&mut self) -> Option<()> {
+            self.1.then(|| {
+                self.0.fetch_add(1, Ordering::SeqCst);
+            })
+        }
+        fn on_expiration(self) {
+            self.0.fetch_add(100, Ordering::SeqCst);
+        }
+    }
+    let p: Purgatory<u32, Responds> = Purgatory::builder("d").build().unwrap();
+    let sent = Arc::new(AtomicUsize::new(0));
+    p.try_complete_else_watch(Responds(sent.clone(), false), ms(50), [1])
+        .unwrap()
+        .detach();
+    advance(ms(50)).await;
+    settle().await;
+    assert_eq!(sent.load(Ordering::SeqCst), 100, "expired with nobody awaiting");
+    assert_eq!(p.metrics().expired, 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn completed_payload_is_dropped_at_once_leaving_small_tombstones() {
+    let p = purgatory();
+    let op = Mock::default();
+    let payload = op.checks.clone();
+    let flag = op.completable.clone();
+    let h = p.try_complete_else_watch(op, ms(1000), ["a", "b", "c"]).unwrap();
+    let r = h.op_ref().unwrap();
+    assert_eq!(Arc::strong_count(&payload), 2);
+    flag.store(true, Ordering::SeqCst);
+    assert_eq!(p.try_complete_watched(&"a"), 1);
+    assert_eq!(
+        Arc::strong_count(&payload),
+        1,
+        "payload dropped at completion, though b, c, the handle and a ref remain"
+    );
+    assert!(r.is_finished());
+    assert!(!r.try_complete(), "no check after completion");
+    assert_eq!(p.watched(), 2, "tombstones in b and c until walked or purged");
+    p.try_complete_watched(&"b");
+    p.try_complete_watched(&"c");
+    assert_eq!(p.watched(), 0);
+    assert_eq!(h.await, Ok(Completion::Completed("completed")));
+}
+
+#[tokio::test(start_paused = true)]
+async fn completion_through_one_key_drops_payload_and_purge_clears_tombstones() {
+    let p: Purgatory<u32, Mock> = Purgatory::builder("purge").purge_interval(10).build().unwrap();
+    let mut handles = Vec::new();
+    let mut mocks = Vec::new();
+    for i in 0..100u32 {
+        let op = Mock::default();
+        mocks.push(op.clone());
+        // Keys: i (own), 1000 + i % 7, 2000 + i % 3.
+        handles.push(
+            p.try_complete_else_watch(op, ms(100_000), [i, 1000 + i % 7, 2000 + i % 3])
+                .unwrap(),
+        );
+    }
+    assert_eq!(p.watched(), 300);
+    let payloads: Vec<_> = mocks.iter().map(|m| m.checks.clone()).collect();
+    for (i, m) in mocks.iter().enumerate() {
+        m.set();
+        assert_eq!(p.try_complete_watched(&(i as u32)), 1);
+    }
+    drop(mocks);
+    for pl in &payloads {
+        assert_eq!(Arc::strong_count(pl), 1, "payload dropped at completion");
+    }
+    let m = p.metrics();
+    assert!(m.purged > 0, "the amortised purge ran: {m:?}");
+    assert!(m.watched < 300 / 2, "tombstones were purged: {m:?}");
+    for k in (1000..1007).chain(2000..2003) {
+        p.try_complete_watched(&k);
+    }
+    assert_eq!(p.watched(), 0);
+    assert_eq!(p.metrics().keys, 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn panicking_check_and_expiry_are_contained() {
+    struct Bomb {
+        check_panics: bool,
+    }
+    impl Operation for Bomb {
+        type Output = u8;
+        fn try_complete(&mut self) -> Option<u8> {
+            if self.check_panics {
+                panic!("check bug");
+            }
+            None
+        }
+        fn on_expiration(self) -> u8 {
+            panic!("expiry bug");
+        }
+    }
+    let p: Purgatory<u8, Bomb> = Purgatory::builder("bomb").build().unwrap();
+    let a = p.try_complete_else_watch(Bomb { check_panics: true }, ms(10), [1]).unwrap();
+    let b = p.try_complete_else_watch(Bomb { check_panics: false }, ms(20), [1]).unwrap();
+    assert_eq!(p.try_complete_watched(&1), 0);
+    assert_eq!(a.await, Err(OperationError::Panicked));
+    assert_eq!(b.await, Err(OperationError::Panicked));
+    let m = p.metrics();
+    assert_eq!(m.expired, 2);
+    assert!(m.panicked >= 4, "{m:?}"); // two checks at registration + walk + expiries
+    // The purgatory still works.
+    let p2 = purgatory();
+    let h = p2.try_complete_else_watch(Mock::default(), ms(5), ["x"]).unwrap();
+    assert_eq!(h.await, Ok(Completion::Expired("expired")));
+}
+
+#[tokio::test(start_paused = true)]
+async fn shutdown_hands_back_everything_and_counts_balance() {
+    let p = purgatory();
+    let mut handles = Vec::new();
+    for i in 0..10 {
+        let op = Mock::default();
+        if i % 3 == 0 {
+            op.set();
+        }
+        handles.push(p.try_complete_else_watch(op, ms(50 + i * 10), ["a", "b"]).unwrap());
+    }
+    advance(ms(75)).await;
+    settle().await;
+    let back = p.shutdown();
+    let m = p.metrics();
+    assert_eq!(m.registered, 10);
+    assert_eq!(back.len() as u64, m.handed_back);
+    assert_eq!(m.completed, 4);
+    assert_eq!(m.expired, 2); // the ones due at 60 and 70 ms
+    assert!(balanced(&m), "{m:?}");
+    assert_eq!(p.delayed(), 0);
+    let mut shut = 0;
+    for h in handles {
+        if h.await == Err(OperationError::Shutdown) {
+            shut += 1;
+        }
+    }
+    assert_eq!(shut, back.len());
+    assert!(p.shutdown().is_empty());
+}
+
+#[tokio::test(start_paused = true)]
+async fn dropping_the_last_purgatory_resolves_handles() {
+    let p = purgatory();
+    let h = p.try_complete_else_watch(Mock::default(), ms(50), ["a"]).unwrap();
+    drop(p);
+    assert_eq!(h.await, Err(OperationError::Shutdown));
+}
+
+#[test]
+fn reaper_gone_resolves_handles_and_refuses_registration() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap();
+    let p: Purgatory<&str, Mock> = Purgatory::builder("gone").build_on(rt.handle()).unwrap();
+    let h = p.try_complete_else_watch(Mock::default(), ms(50), ["a"]).unwrap();
+    drop(rt);
+    let other = tokio::runtime::Builder::new_current_thread().build().unwrap();
+    assert_eq!(other.block_on(h), Err(OperationError::ReaperGone));
+    let err = p.try_complete_else_watch(Mock::default(), ms(50), ["a"]).unwrap_err();
+    assert!(matches!(err, WatchError::ReaperGone(_)));
+}
+
+#[tokio::test(start_paused = true)]
+async fn duplicate_keys_are_watched_once() {
+    let p = purgatory();
+    let _h = p.try_complete_else_watch(Mock::default(), ms(50), ["a", "a", "b", "a"]).unwrap();
+    assert_eq!(p.watched(), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn one_hot_key_with_100_000_operations() {
+    let p: Purgatory<u8, Mock> = Purgatory::builder("hot").build().unwrap();
+    let flag = Arc::new(AtomicBool::new(false));
+    let mut handles = Vec::with_capacity(100_000);
+    for _ in 0..100_000 {
+        let op = Mock {
+            completable: flag.clone(),
+            checks: Arc::new(AtomicUsize::new(0)),
+        };
+        let h = p.try_complete_else_watch(op, Duration::from_secs(60), [7]).unwrap();
+        h.op_ref().unwrap();
+        handles.push(h);
+    }
+    assert_eq!(p.watched(), 100_000);
+    assert_eq!(p.try_complete_watched(&7), 0);
+    flag.store(true, Ordering::SeqCst);
+    assert_eq!(p.try_complete_watched(&7), 100_000);
+    assert_eq!(p.watched(), 0);
+    assert_eq!(p.delayed(), 0);
+    for h in handles.drain(..).take(10) {
+        assert_eq!(h.await, Ok(Completion::Completed("completed")));
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn reentrant_calls_from_operation_code_do_not_deadlock() {
+    // The check calls back into the purgatory: walks its own key, registers
+    // another operation, and cancels by key.
+    struct Reenter {
+        p: Arc<std::sync::OnceLock<Purgatory<u32, Reenter>>>,
+        depth: u32,
+    }
+    impl Operation for Reenter {
+        type Output = u32;
+        fn try_complete(&mut self) -> Option<u32> {
+            let p = self.p.get()?;
+            p.try_complete_watched(&1); // same key, while being checked
+            if self.depth == 0 {
+                let child = Reenter {
+                    p: self.p.clone(),
+                    depth: 1,
+                };
+                p.try_complete_else_watch(child, ms(10), [2]).unwrap().detach();
+                p.cancel_for_key(&3);
+            }
+            None
+        }
+        fn on_expiration(self) -> u32 {
+            if let Some(p) = self.p.get() {
+                p.try_complete_watched(&1);
+                p.shutdown();
+            }
+            self.depth
+        }
+    }
+    let cell = Arc::new(std::sync::OnceLock::new());
+    let p: Purgatory<u32, Reenter> = Purgatory::builder("re").build().unwrap();
+    cell.set(p.clone()).unwrap();
+    let h = p
+        .try_complete_else_watch(Reenter { p: cell.clone(), depth: 0 }, ms(20), [1, 3])
+        .unwrap();
+    let out = tokio::time::timeout(ms(1000), h).await.expect("no deadlock");
+    // The check's own cancel_for_key(&3) cancelled it once the check returned.
+    assert_eq!(out, Err(OperationError::Cancelled));
+    // The child expires at 10 ms and shuts the purgatory down from expiry code.
+    tokio::time::timeout(ms(1000), async {
+        while !p.is_shutdown() {
+            tokio::time::sleep(ms(1)).await;
+        }
+    })
+    .await
+    .expect("shutdown from expiry code worked");
+}
