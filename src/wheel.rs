@@ -113,7 +113,7 @@ pub(crate) struct Wheel<T> {
     slots: u64,
     /// `log2(slots)` when `slots` is a power of two: digits by shift and mask.
     shift: Option<u32>,
-    entries: Vec<Entry<T>>,
+    entries: Pages<Entry<T>>,
     free: u32,
     overflow: List,
     /// Due entries not yet handed out by `poll`.
@@ -153,7 +153,7 @@ impl<T> Wheel<T> {
             span: span.into_boxed_slice(),
             slots: slots as u64,
             shift: slots.is_power_of_two().then(|| slots.trailing_zeros()),
-            entries: Vec::new(),
+            entries: Pages::new(),
             free: NIL,
             overflow: List::EMPTY,
             pending: List::EMPTY,
@@ -198,14 +198,14 @@ impl<T> Wheel<T> {
         self.len += 1;
         Key {
             index,
-            generation: self.entries[index as usize].generation,
+            generation: self.entries[index].generation,
         }
     }
 
     /// Removes the entry of `key` and hands its value back, or `None` when the entry
     /// was already removed or yielded (the key is stale).
     pub(crate) fn remove(&mut self, key: Key) -> Option<T> {
-        let e = self.entries.get(key.index as usize)?;
+        let e = self.entries.get(key.index)?;
         if e.generation != key.generation || e.loc == LOC_VACANT {
             return None;
         }
@@ -217,7 +217,7 @@ impl<T> Wheel<T> {
     /// Whether `key` names an entry still held.
     pub(crate) fn contains(&self, key: Key) -> bool {
         self.entries
-            .get(key.index as usize)
+            .get(key.index)
             .is_some_and(|e| e.generation == key.generation && e.loc != LOC_VACANT)
     }
 
@@ -249,7 +249,7 @@ impl<T> Wheel<T> {
                 let index = self.pending.head;
                 self.unlink(index);
                 self.len -= 1;
-                let generation = self.entries[index as usize].generation;
+                let generation = self.entries[index].generation;
                 return Some((Key { index, generation }, self.release(index)));
             }
             match self.next_bucket() {
@@ -307,8 +307,8 @@ impl<T> Wheel<T> {
             // Level-0 entries are due: move the whole list to `pending`.
             let mut i = list.head;
             while i != NIL {
-                self.entries[i as usize].loc = LOC_PENDING;
-                i = self.entries[i as usize].next;
+                self.entries[i].loc = LOC_PENDING;
+                i = self.entries[i].next;
             }
             self.splice_pending(list);
             return;
@@ -316,7 +316,7 @@ impl<T> Wheel<T> {
         // Cascade: every entry goes to a lower level (or back to overflow).
         let mut i = list.head;
         while i != NIL {
-            let next = self.entries[i as usize].next;
+            let next = self.entries[i].next;
             self.link(i);
             i = next;
         }
@@ -329,8 +329,8 @@ impl<T> Wheel<T> {
         if self.pending.is_empty() {
             self.pending = list;
         } else {
-            self.entries[self.pending.tail as usize].next = list.head;
-            self.entries[list.head as usize].prev = self.pending.tail;
+            self.entries[self.pending.tail].next = list.head;
+            self.entries[list.head].prev = self.pending.tail;
             self.pending.tail = list.tail;
         }
     }
@@ -360,7 +360,7 @@ impl<T> Wheel<T> {
 
     /// Threads entry `i` (not in any list) into the list its deadline belongs to.
     fn link(&mut self, i: u32) {
-        let deadline = self.entries[i as usize].deadline;
+        let deadline = self.entries[i].deadline;
         let (loc, list) = match self.level_for(deadline) {
             Some(l) => {
                 let s = self.digit(deadline, l) as usize;
@@ -376,26 +376,26 @@ impl<T> Wheel<T> {
         }
         list.tail = i;
         list.min = list.min.min(deadline);
-        let e = &mut self.entries[i as usize];
+        let e = &mut self.entries[i];
         e.loc = loc;
         e.prev = old_tail;
         e.next = NIL;
         if old_tail != NIL {
-            self.entries[old_tail as usize].next = i;
+            self.entries[old_tail].next = i;
         }
     }
 
     /// Unthreads entry `i` from whatever list holds it.
     fn unlink(&mut self, i: u32) {
         let (loc, prev, next) = {
-            let e = &self.entries[i as usize];
+            let e = &self.entries[i];
             (e.loc, e.prev, e.next)
         };
         if prev != NIL {
-            self.entries[prev as usize].next = next;
+            self.entries[prev].next = next;
         }
         if next != NIL {
-            self.entries[next as usize].prev = prev;
+            self.entries[next].prev = prev;
         }
         let list = match loc {
             LOC_PENDING => &mut self.pending,
@@ -424,16 +424,14 @@ impl<T> Wheel<T> {
     fn alloc(&mut self, deadline: u64, value: T) -> u32 {
         if self.free != NIL {
             let i = self.free;
-            let e = &mut self.entries[i as usize];
+            let e = &mut self.entries[i];
             self.free = e.next;
             e.deadline = deadline;
             e.value = Some(value);
             return i;
         }
-        let i = u32::try_from(self.entries.len())
-            .ok()
-            .filter(|i| *i < NIL)
-            .expect("timing wheel is full (u32::MAX - 1 entries)");
+        let i = self.entries.len();
+        assert!(i < NIL, "timing wheel is full (u32::MAX - 1 entries)");
         self.entries.push(Entry {
             deadline,
             next: NIL,
@@ -446,7 +444,7 @@ impl<T> Wheel<T> {
     }
 
     fn release(&mut self, i: u32) -> T {
-        let e = &mut self.entries[i as usize];
+        let e = &mut self.entries[i];
         e.loc = LOC_VACANT;
         e.generation = e.generation.wrapping_add(1);
         e.next = self.free;
@@ -455,15 +453,14 @@ impl<T> Wheel<T> {
         e.value.take().expect("occupied entry holds a value")
     }
 
-    /// Takes every entry out, in no particular order (used at shutdown).
+    /// Takes every entry out, in no particular order. Only for shutdown: the slab
+    /// is freed and generations restart, so the wheel must not be used after.
     pub(crate) fn drain(&mut self) -> Vec<T> {
         let mut out = Vec::with_capacity(self.len);
-        for i in 0..self.entries.len() {
-            if self.entries[i].loc != LOC_VACANT {
-                self.entries[i].loc = LOC_VACANT;
-                if let Some(v) = self.entries[i].value.take() {
-                    out.push(v);
-                }
+        for e in self.entries.iter_mut() {
+            if e.loc != LOC_VACANT {
+                e.loc = LOC_VACANT;
+                out.extend(e.value.take());
             }
         }
         for level in self.levels.iter_mut() {
@@ -476,6 +473,75 @@ impl<T> Wheel<T> {
         self.free = NIL;
         self.len = 0;
         out
+    }
+}
+
+/// Slab storage in fixed pages: growth never copies what is stored (no latency
+/// spike under a shard lock) and wastes at most one partly used page.
+#[derive(Debug)]
+struct Pages<E> {
+    pages: Vec<Vec<E>>,
+    len: u32,
+}
+
+const PAGE_BITS: u32 = 12;
+const PAGE: usize = 1 << PAGE_BITS;
+
+impl<E> Pages<E> {
+    fn new() -> Self {
+        Pages {
+            pages: Vec::new(),
+            len: 0,
+        }
+    }
+
+    fn len(&self) -> u32 {
+        self.len
+    }
+
+    fn push(&mut self, e: E) {
+        match self.pages.last_mut() {
+            Some(page) if page.len() < PAGE => page.push(e),
+            _ => {
+                // The first page grows as needed, so small wheels stay small.
+                let mut page = if self.pages.is_empty() {
+                    Vec::new()
+                } else {
+                    Vec::with_capacity(PAGE)
+                };
+                page.push(e);
+                self.pages.push(page);
+            }
+        }
+        self.len += 1;
+    }
+
+    fn get(&self, i: u32) -> Option<&E> {
+        self.pages
+            .get((i >> PAGE_BITS) as usize)?
+            .get(i as usize & (PAGE - 1))
+    }
+
+    fn iter_mut(&mut self) -> impl Iterator<Item = &mut E> {
+        self.pages.iter_mut().flatten()
+    }
+
+    fn clear(&mut self) {
+        self.pages.clear();
+        self.len = 0;
+    }
+}
+
+impl<E> std::ops::Index<u32> for Pages<E> {
+    type Output = E;
+    fn index(&self, i: u32) -> &E {
+        &self.pages[(i >> PAGE_BITS) as usize][i as usize & (PAGE - 1)]
+    }
+}
+
+impl<E> std::ops::IndexMut<u32> for Pages<E> {
+    fn index_mut(&mut self, i: u32) -> &mut E {
+        &mut self.pages[(i >> PAGE_BITS) as usize][i as usize & (PAGE - 1)]
     }
 }
 
@@ -627,6 +693,8 @@ mod tests {
         // deadline + links + generation + location + pointer-sized value.
         assert_eq!(Wheel::<Box<u8>>::entry_size(), 32);
         assert_eq!(Wheel::<std::sync::Arc<u8>>::entry_size(), 32);
+        // The standalone timer's tasks are thin trait objects.
+        assert_eq!(Wheel::<Box<dyn FnOnce() + Send>>::entry_size(), 40);
     }
 
     /// SplitMix64: a tiny seeded generator so failures name a reproducible seed.

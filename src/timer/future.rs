@@ -89,7 +89,7 @@ struct Registered {
 impl Sleep {
     pub(crate) fn new(core: &Arc<Core<TimerJob>>, deadline: Instant) -> Sleep {
         let signal = Arc::new(SleepSignal::default());
-        let inner = match core.insert(deadline, TimerJob::Sleep(signal.clone())) {
+        let inner = match core.insert(deadline, TimerJob::sleep(signal.clone())) {
             Ok(key) => Ok(Registered {
                 core: core.clone(),
                 key,
