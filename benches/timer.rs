@@ -17,8 +17,8 @@
 //!   task sleeping until the earliest deadline.
 
 use std::alloc::{GlobalAlloc, Layout, System};
-use std::collections::{BinaryHeap, HashSet};
 use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashSet};
 use std::hint::black_box;
 use std::sync::atomic::{AtomicIsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -76,7 +76,9 @@ static LATENESS: Mutex<Option<Histogram<u64>>> = Mutex::new(None);
 struct Lateness;
 
 fn record(_: &Lateness, deadline: Instant) {
-    let late = Instant::now().saturating_duration_since(deadline).as_micros() as u64;
+    let late = Instant::now()
+        .saturating_duration_since(deadline)
+        .as_micros() as u64;
     if let Some(h) = LATENESS.lock().unwrap().as_mut() {
         h.record(late.max(1)).ok();
     }
@@ -133,7 +135,10 @@ impl Peer for Dq {
     type Token = tokio_util::time::delay_queue::Key;
     fn schedule(&self, delay: Duration, payload: usize, _: &Lateness) -> Self::Token {
         let deadline = Instant::now() + delay;
-        self.q.lock().unwrap().insert_at((payload, deadline), deadline)
+        self.q
+            .lock()
+            .unwrap()
+            .insert_at((payload, deadline), deadline)
     }
     fn cancel(&self, t: Self::Token) {
         self.q.lock().unwrap().try_remove(&t);
@@ -291,7 +296,12 @@ async fn run_peer<P: Peer>(
 ) -> Row {
     let mut joins = Vec::new();
     for p in 0..producers {
-        joins.push(tokio::spawn(produce(peer.clone(), n / producers, 42 + p as u64, late)));
+        joins.push(tokio::spawn(produce(
+            peer.clone(),
+            n / producers,
+            42 + p as u64,
+            late,
+        )));
     }
     let mut total = Result1::default();
     let mut sched_wall = Duration::ZERO;
@@ -386,12 +396,40 @@ async fn all(flavour: &'static str, n: usize, producers: usize, rows: &mut Vec<R
     let stop = Arc::new(Notify::new());
 
     let late = hist();
-    let timer = Arc::new(Ours(Timer::new()));
-    rows.push(run_peer("tokio-purgatory", flavour, timer.clone(), n, producers, late).await);
+    let tick_us: u64 = std::env::var("TIMER_TICK_US")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1000);
+    let timer = Timer::builder()
+        .tick(Duration::from_micros(tick_us))
+        .build()
+        .unwrap();
+    let timer = Arc::new(Ours(timer));
+    rows.push(
+        run_peer(
+            "tokio-purgatory",
+            flavour,
+            timer.clone(),
+            n,
+            producers,
+            late,
+        )
+        .await,
+    );
     timer.0.shutdown();
 
     let late = hist();
-    rows.push(run_peer("task-per-timer", flavour, Arc::new(TaskPerTimer), n, producers, late).await);
+    rows.push(
+        run_peer(
+            "task-per-timer",
+            flavour,
+            Arc::new(TaskPerTimer),
+            n,
+            producers,
+            late,
+        )
+        .await,
+    );
 
     let late = hist();
     let dq = Arc::new(Dq {
@@ -421,9 +459,16 @@ fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
     let n = if quick { 100_000 } else { 1_000_000 };
     let mut rows = Vec::new();
-    for (flavour, producers) in [("current_thread", 1), ("multi_thread", 1), ("multi_thread", 2)] {
+    for (flavour, producers) in [
+        ("current_thread", 1),
+        ("multi_thread", 1),
+        ("multi_thread", 2),
+    ] {
         let rt = if flavour == "current_thread" {
-            tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap()
         } else {
             tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(2)
@@ -433,15 +478,26 @@ fn main() {
         };
         rt.block_on(all(flavour, n, producers, &mut rows));
     }
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    for name in ["tokio-purgatory", "task-per-timer", "DelayQueue", "BinaryHeap"] {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    for name in [
+        "tokio-purgatory",
+        "task-per-timer",
+        "DelayQueue",
+        "BinaryHeap",
+    ] {
         let b = rt.block_on(bytes_per_pending(name, n));
         for r in rows.iter_mut().filter(|r| r.name == name) {
             r.bytes = Some(b);
         }
     }
 
-    println!("timers: {n}, delays 1..1000 ms, {}% cancelled", CANCEL_PER_BATCH * 100 / BATCH);
+    println!(
+        "timers: {n}, delays 1..1000 ms, {}% cancelled",
+        CANCEL_PER_BATCH * 100 / BATCH
+    );
     println!(
         "| implementation | runtime | producers | schedule M/s | cancel M/s | bytes/pending | lateness p50 / p99 / max (ms) | fired |"
     );
@@ -464,10 +520,9 @@ fn main() {
     println!();
     println!("ratios (ours / peer, same runtime and producers):");
     for r in rows.iter().filter(|r| r.name != "tokio-purgatory") {
-        if let Some(o) = rows
-            .iter()
-            .find(|o| o.name == "tokio-purgatory" && o.flavour == r.flavour && o.producers == r.producers)
-        {
+        if let Some(o) = rows.iter().find(|o| {
+            o.name == "tokio-purgatory" && o.flavour == r.flavour && o.producers == r.producers
+        }) {
             println!(
                 "  vs {:<15} {:<14} x{}: schedule {:.1}x, cancel {:.1}x, bytes {:.2}x",
                 r.name,

@@ -120,8 +120,7 @@ impl Clock {
 
 /// The deadline `delay` after `now`, saturating instead of overflowing.
 pub(crate) fn deadline_after(now: Instant, delay: Duration) -> Instant {
-    now.checked_add(delay)
-        .unwrap_or_else(|| far_future(now))
+    now.checked_add(delay).unwrap_or_else(|| far_future(now))
 }
 
 /// An instant later than any deadline the wheel can reach (about 30 years on).
@@ -265,7 +264,14 @@ impl<J: Job> Core<J> {
     /// Removes the entry of `key`, handing its job back; `None` when it already
     /// expired, was removed, or the timer was cleared.
     pub(crate) fn remove(&self, key: TimerKey) -> Option<J> {
-        let job = self.lock(key.shard as usize).wheel.remove(key.key);
+        let job = {
+            let mut s = self.lock(key.shard as usize);
+            let job = s.wheel.remove(key.key);
+            if s.wheel.len() == 0 {
+                s.wheel.shrink();
+            }
+            job
+        };
         if job.is_some() {
             self.release_capacity(1);
         }
@@ -279,7 +285,9 @@ impl<J: Job> Core<J> {
 
     /// Jobs waiting (sums the shards; exact when no call races it).
     pub(crate) fn len(&self) -> usize {
-        (0..self.shards.len()).map(|i| self.lock(i).wheel.len()).sum()
+        (0..self.shards.len())
+            .map(|i| self.lock(i).wheel.len())
+            .sum()
     }
 
     fn release_capacity(&self, n: usize) {
@@ -324,6 +332,10 @@ impl<J: Job> Core<J> {
                         Some((_, job)) => scratch.push(job),
                         None => break,
                     }
+                }
+                if s.wheel.len() == 0 {
+                    // Give back a drained burst's slab (cheap when already small).
+                    s.wheel.shrink();
                 }
                 s.wheel.next_expiration()
             };

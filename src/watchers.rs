@@ -39,7 +39,10 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
     /// Appends `v` to the list of every key.
     pub(crate) fn watch(&self, keys: &[K], v: &V) {
         for key in keys {
-            self.shard(key).entry(key.clone()).or_default().push(v.clone());
+            self.shard(key)
+                .entry(key.clone())
+                .or_default()
+                .push(v.clone());
         }
     }
 

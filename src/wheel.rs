@@ -121,6 +121,10 @@ pub(crate) struct Wheel<T> {
     /// The wheel's notion of "now": every stored deadline is `>= elapsed`.
     elapsed: u64,
     len: usize,
+    /// Generation given to slots created from now on: above every generation
+    /// ever handed out, so that freeing the slab (`shrink`) cannot make an old key
+    /// match a new entry.
+    next_generation: u32,
 }
 
 impl<T> Wheel<T> {
@@ -159,6 +163,7 @@ impl<T> Wheel<T> {
             pending: List::EMPTY,
             elapsed: 0,
             len: 0,
+            next_generation: 0,
         })
     }
 
@@ -436,7 +441,7 @@ impl<T> Wheel<T> {
             deadline,
             next: NIL,
             prev: NIL,
-            generation: 0,
+            generation: self.next_generation,
             loc: LOC_VACANT,
             value: Some(value),
         });
@@ -447,10 +452,22 @@ impl<T> Wheel<T> {
         let e = &mut self.entries[i];
         e.loc = LOC_VACANT;
         e.generation = e.generation.wrapping_add(1);
+        self.next_generation = self.next_generation.max(e.generation.wrapping_add(1));
         e.next = self.free;
         e.prev = NIL;
         self.free = i;
         e.value.take().expect("occupied entry holds a value")
+    }
+
+    /// Frees the slab when the wheel is empty and holds more than one page, so a
+    /// burst's memory is given back once it has drained. Returns whether it did.
+    pub(crate) fn shrink(&mut self) -> bool {
+        if self.len != 0 || self.entries.pages.len() <= 1 {
+            return false;
+        }
+        self.entries.clear();
+        self.free = NIL;
+        true
     }
 
     /// Takes every entry out, in no particular order. Only for shutdown: the slab
@@ -579,8 +596,7 @@ mod tests {
         for elapsed in [0u64, 1, 7, 8, 63, 64, 511, 4095, 4096, 30_000] {
             pow2.elapsed = elapsed;
             for d in elapsed..elapsed + 40_000 {
-                let generic = (0..5)
-                    .find(|&l| d / pow2.span[l + 1] == elapsed / pow2.span[l + 1]);
+                let generic = (0..5).find(|&l| d / pow2.span[l + 1] == elapsed / pow2.span[l + 1]);
                 assert_eq!(pow2.level_for(d), generic, "elapsed {elapsed} deadline {d}");
                 for l in 0..5 {
                     assert_eq!(pow2.digit(d, l), (d / pow2.span[l]) % 8);
@@ -689,6 +705,22 @@ mod tests {
     }
 
     #[test]
+    fn shrink_frees_the_slab_and_old_keys_stay_dead() {
+        let mut w = Wheel::new(64, 6).unwrap();
+        let keys: Vec<_> = (0..10_000).map(|i| w.insert(5 + i % 100, i)).collect();
+        assert!(!w.shrink(), "not empty");
+        assert_eq!(drain_due(&mut w, 1000).len(), 10_000);
+        assert!(w.shrink());
+        assert_eq!(w.entries.len(), 0);
+        let fresh = w.insert(2000, 7);
+        assert_eq!(fresh.index, keys[0].index, "slot index reused after shrink");
+        for k in &keys {
+            assert_eq!(w.remove(*k), None, "a key from before the shrink matched");
+        }
+        assert_eq!(w.remove(fresh), Some(7));
+    }
+
+    #[test]
     fn entry_is_compact() {
         // deadline + links + generation + location + pointer-sized value.
         assert_eq!(Wheel::<Box<u8>>::entry_size(), 32);
@@ -770,10 +802,14 @@ mod tests {
                     }
                     for id in &fired {
                         let Some((_, deadline)) = live.remove(id) else {
-                            return Err(format!("{id} fired but was not live (twice or cancelled)"));
+                            return Err(format!(
+                                "{id} fired but was not live (twice or cancelled)"
+                            ));
                         };
                         if deadline > now {
-                            return Err(format!("{id} fired early: deadline {deadline}, now {now}"));
+                            return Err(format!(
+                                "{id} fired early: deadline {deadline}, now {now}"
+                            ));
                         }
                     }
                     // Everything due by the reference must have fired.
@@ -795,7 +831,11 @@ mod tests {
                 }
             }
             if w.len() != live.len() {
-                return Err(format!("len {} but reference holds {}", w.len(), live.len()));
+                return Err(format!(
+                    "len {} but reference holds {}",
+                    w.len(),
+                    live.len()
+                ));
             }
         }
         Ok(())

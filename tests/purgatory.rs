@@ -62,9 +62,17 @@ fn balanced(m: &PurgatoryMetrics) -> bool {
 async fn kafka_request_satisfaction() {
     let p = purgatory();
     let (r1, r2) = (Mock::default(), Mock::default());
-    let h1 = p.try_complete_else_watch(r1.clone(), ms(100_000), ["test1"]).unwrap();
-    let h2 = p.try_complete_else_watch(r2.clone(), ms(100_000), ["test2"]).unwrap();
-    assert_eq!(p.try_complete_watched(&"test1"), 0, "nothing satisfiable yet");
+    let h1 = p
+        .try_complete_else_watch(r1.clone(), ms(100_000), ["test1"])
+        .unwrap();
+    let h2 = p
+        .try_complete_else_watch(r2.clone(), ms(100_000), ["test2"])
+        .unwrap();
+    assert_eq!(
+        p.try_complete_watched(&"test1"),
+        0,
+        "nothing satisfiable yet"
+    );
     assert_eq!(p.try_complete_watched(&"test2"), 0);
     r1.set();
     assert_eq!(p.try_complete_watched(&"test1"), 1, "r1 satisfied");
@@ -81,8 +89,12 @@ async fn kafka_request_satisfaction() {
 async fn kafka_request_expiry() {
     let p = purgatory();
     let start = Instant::now();
-    let h1 = p.try_complete_else_watch(Mock::default(), ms(20), ["test1"]).unwrap();
-    let h2 = p.try_complete_else_watch(Mock::default(), ms(200), ["test1", "test2"]).unwrap();
+    let h1 = p
+        .try_complete_else_watch(Mock::default(), ms(20), ["test1"])
+        .unwrap();
+    let h2 = p
+        .try_complete_else_watch(Mock::default(), ms(200), ["test1", "test2"])
+        .unwrap();
     let out1 = h1.await;
     let t1 = Instant::now() - start;
     assert_eq!(out1, Ok(Completion::Expired("expired")));
@@ -98,8 +110,12 @@ async fn kafka_request_expiry() {
 async fn kafka_request_purge() {
     let p = purgatory();
     let (r1, r2, r3) = (Mock::default(), Mock::default(), Mock::default());
-    let _h1 = p.try_complete_else_watch(r1, ms(100_000), ["test1"]).unwrap();
-    let h2 = p.try_complete_else_watch(r2.clone(), ms(100_000), ["test1", "test2"]).unwrap();
+    let _h1 = p
+        .try_complete_else_watch(r1, ms(100_000), ["test1"])
+        .unwrap();
+    let h2 = p
+        .try_complete_else_watch(r2.clone(), ms(100_000), ["test1", "test2"])
+        .unwrap();
     let h3 = p
         .try_complete_else_watch(r3.clone(), ms(100_000), ["test1", "test2", "test3"])
         .unwrap();
@@ -126,9 +142,15 @@ async fn kafka_request_purge() {
 #[tokio::test(start_paused = true)]
 async fn kafka_cancel_for_key_returns_the_operations() {
     let p = purgatory();
-    let h1 = p.try_complete_else_watch(Mock::default(), ms(10_000), ["key"]).unwrap();
-    let _h2 = p.try_complete_else_watch(Mock::default(), ms(10_000), ["key"]).unwrap();
-    let _h3 = p.try_complete_else_watch(Mock::default(), ms(10_000), ["key2"]).unwrap();
+    let h1 = p
+        .try_complete_else_watch(Mock::default(), ms(10_000), ["key"])
+        .unwrap();
+    let _h2 = p
+        .try_complete_else_watch(Mock::default(), ms(10_000), ["key"])
+        .unwrap();
+    let _h3 = p
+        .try_complete_else_watch(Mock::default(), ms(10_000), ["key2"])
+        .unwrap();
     let cancelled = p.cancel_for_key(&"key");
     assert_eq!(cancelled.len(), 2);
     assert_eq!(p.delayed(), 1);
@@ -169,9 +191,9 @@ async fn kafka_try_complete_with_multiple_threads() {
     }
     let mut tasks = Vec::new();
     for round in 0..20 {
-        for i in 0..100 {
+        for (i, attempts) in ops.iter().enumerate() {
             let p = p.clone();
-            let attempts = ops[i].clone();
+            let attempts = attempts.clone();
             tasks.push(tokio::spawn(async move {
                 attempts.fetch_add(1, Ordering::SeqCst);
                 if (i + round) % 2 == 0 {
@@ -257,10 +279,18 @@ async fn registration_errors_hand_the_operation_back() {
     assert!(matches!(err, WatchError::NoKeys(_)));
     assert!(Arc::ptr_eq(&err.into_inner().completable, &op.completable));
 
-    let _h = p.try_complete_else_watch(Mock::default(), ms(10), ["a"]).unwrap();
-    let err = p.try_complete_else_watch(op.clone(), ms(10), ["a"]).unwrap_err();
+    let _h = p
+        .try_complete_else_watch(Mock::default(), ms(10), ["a"])
+        .unwrap();
+    let err = p
+        .try_complete_else_watch(op.clone(), ms(10), ["a"])
+        .unwrap_err();
     assert!(matches!(err, WatchError::AtCapacity(_)));
-    assert_eq!(op.checks.load(Ordering::SeqCst), 0, "refused before any check");
+    assert_eq!(
+        op.checks.load(Ordering::SeqCst),
+        0,
+        "refused before any check"
+    );
 
     let taken = p.shutdown();
     assert_eq!(taken.len(), 1);
@@ -273,20 +303,30 @@ async fn capacity_is_freed_by_completion_expiry_and_cancellation() {
     let p: Purgatory<&str, Mock> = Purgatory::builder("t").max_pending(1).build().unwrap();
     // completion
     let op = Mock::default();
-    let h = p.try_complete_else_watch(op.clone(), ms(10), ["a"]).unwrap();
+    let h = p
+        .try_complete_else_watch(op.clone(), ms(10), ["a"])
+        .unwrap();
     op.set();
     assert_eq!(p.try_complete_watched(&"a"), 1);
     h.await.unwrap();
     // expiry
-    let h = p.try_complete_else_watch(Mock::default(), ms(10), ["a"]).unwrap();
+    let h = p
+        .try_complete_else_watch(Mock::default(), ms(10), ["a"])
+        .unwrap();
     assert_eq!(h.await, Ok(Completion::Expired("expired")));
     // cancellation by key
-    let _h = p.try_complete_else_watch(Mock::default(), ms(10), ["a"]).unwrap();
+    let _h = p
+        .try_complete_else_watch(Mock::default(), ms(10), ["a"])
+        .unwrap();
     assert_eq!(p.cancel_for_key(&"a").len(), 1);
     // cancellation by dropping the handle
-    let h = p.try_complete_else_watch(Mock::default(), ms(10), ["a"]).unwrap();
+    let h = p
+        .try_complete_else_watch(Mock::default(), ms(10), ["a"])
+        .unwrap();
     drop(h);
-    let _h = p.try_complete_else_watch(Mock::default(), ms(10), ["a"]).unwrap();
+    let _h = p
+        .try_complete_else_watch(Mock::default(), ms(10), ["a"])
+        .unwrap();
     assert_eq!(p.delayed(), 1);
 }
 
@@ -331,7 +371,11 @@ async fn detached_operations_run_their_own_completion_and_expiry() {
         .detach();
     advance(ms(50)).await;
     settle().await;
-    assert_eq!(sent.load(Ordering::SeqCst), 100, "expired with nobody awaiting");
+    assert_eq!(
+        sent.load(Ordering::SeqCst),
+        100,
+        "expired with nobody awaiting"
+    );
     assert_eq!(p.metrics().expired, 1);
 }
 
@@ -341,7 +385,9 @@ async fn completed_payload_is_dropped_at_once_leaving_small_tombstones() {
     let op = Mock::default();
     let payload = op.checks.clone();
     let flag = op.completable.clone();
-    let h = p.try_complete_else_watch(op, ms(1000), ["a", "b", "c"]).unwrap();
+    let h = p
+        .try_complete_else_watch(op, ms(1000), ["a", "b", "c"])
+        .unwrap();
     let r = h.op_ref().unwrap();
     assert_eq!(Arc::strong_count(&payload), 2);
     flag.store(true, Ordering::SeqCst);
@@ -353,7 +399,11 @@ async fn completed_payload_is_dropped_at_once_leaving_small_tombstones() {
     );
     assert!(r.is_finished());
     assert!(!r.try_complete(), "no check after completion");
-    assert_eq!(p.watched(), 2, "tombstones in b and c until walked or purged");
+    assert_eq!(
+        p.watched(),
+        2,
+        "tombstones in b and c until walked or purged"
+    );
     p.try_complete_watched(&"b");
     p.try_complete_watched(&"c");
     assert_eq!(p.watched(), 0);
@@ -362,7 +412,10 @@ async fn completed_payload_is_dropped_at_once_leaving_small_tombstones() {
 
 #[tokio::test(start_paused = true)]
 async fn completion_through_one_key_drops_payload_and_purge_clears_tombstones() {
-    let p: Purgatory<u32, Mock> = Purgatory::builder("purge").purge_interval(10).build().unwrap();
+    let p: Purgatory<u32, Mock> = Purgatory::builder("purge")
+        .purge_interval(10)
+        .build()
+        .unwrap();
     let mut handles = Vec::new();
     let mut mocks = Vec::new();
     for i in 0..100u32 {
@@ -412,17 +465,29 @@ async fn panicking_check_and_expiry_are_contained() {
         }
     }
     let p: Purgatory<u8, Bomb> = Purgatory::builder("bomb").build().unwrap();
-    let a = p.try_complete_else_watch(Bomb { check_panics: true }, ms(10), [1]).unwrap();
-    let b = p.try_complete_else_watch(Bomb { check_panics: false }, ms(20), [1]).unwrap();
+    let a = p
+        .try_complete_else_watch(Bomb { check_panics: true }, ms(10), [1])
+        .unwrap();
+    let b = p
+        .try_complete_else_watch(
+            Bomb {
+                check_panics: false,
+            },
+            ms(20),
+            [1],
+        )
+        .unwrap();
     assert_eq!(p.try_complete_watched(&1), 0);
     assert_eq!(a.await, Err(OperationError::Panicked));
     assert_eq!(b.await, Err(OperationError::Panicked));
     let m = p.metrics();
     assert_eq!(m.expired, 2);
     assert!(m.panicked >= 4, "{m:?}"); // two checks at registration + walk + expiries
-    // The purgatory still works.
+                                       // The purgatory still works.
     let p2 = purgatory();
-    let h = p2.try_complete_else_watch(Mock::default(), ms(5), ["x"]).unwrap();
+    let h = p2
+        .try_complete_else_watch(Mock::default(), ms(5), ["x"])
+        .unwrap();
     assert_eq!(h.await, Ok(Completion::Expired("expired")));
 }
 
@@ -435,7 +500,10 @@ async fn shutdown_hands_back_everything_and_counts_balance() {
         if i % 3 == 0 {
             op.set();
         }
-        handles.push(p.try_complete_else_watch(op, ms(50 + i * 10), ["a", "b"]).unwrap());
+        handles.push(
+            p.try_complete_else_watch(op, ms(50 + i * 10), ["a", "b"])
+                .unwrap(),
+        );
     }
     advance(ms(75)).await;
     settle().await;
@@ -460,7 +528,9 @@ async fn shutdown_hands_back_everything_and_counts_balance() {
 #[tokio::test(start_paused = true)]
 async fn dropping_the_last_purgatory_resolves_handles() {
     let p = purgatory();
-    let h = p.try_complete_else_watch(Mock::default(), ms(50), ["a"]).unwrap();
+    let h = p
+        .try_complete_else_watch(Mock::default(), ms(50), ["a"])
+        .unwrap();
     drop(p);
     assert_eq!(h.await, Err(OperationError::Shutdown));
 }
@@ -472,18 +542,26 @@ fn reaper_gone_resolves_handles_and_refuses_registration() {
         .build()
         .unwrap();
     let p: Purgatory<&str, Mock> = Purgatory::builder("gone").build_on(rt.handle()).unwrap();
-    let h = p.try_complete_else_watch(Mock::default(), ms(50), ["a"]).unwrap();
+    let h = p
+        .try_complete_else_watch(Mock::default(), ms(50), ["a"])
+        .unwrap();
     drop(rt);
-    let other = tokio::runtime::Builder::new_current_thread().build().unwrap();
+    let other = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
     assert_eq!(other.block_on(h), Err(OperationError::ReaperGone));
-    let err = p.try_complete_else_watch(Mock::default(), ms(50), ["a"]).unwrap_err();
+    let err = p
+        .try_complete_else_watch(Mock::default(), ms(50), ["a"])
+        .unwrap_err();
     assert!(matches!(err, WatchError::ReaperGone(_)));
 }
 
 #[tokio::test(start_paused = true)]
 async fn duplicate_keys_are_watched_once() {
     let p = purgatory();
-    let _h = p.try_complete_else_watch(Mock::default(), ms(50), ["a", "a", "b", "a"]).unwrap();
+    let _h = p
+        .try_complete_else_watch(Mock::default(), ms(50), ["a", "a", "b", "a"])
+        .unwrap();
     assert_eq!(p.watched(), 2);
 }
 
@@ -497,7 +575,9 @@ async fn one_hot_key_with_100_000_operations() {
             completable: flag.clone(),
             checks: Arc::new(AtomicUsize::new(0)),
         };
-        let h = p.try_complete_else_watch(op, Duration::from_secs(60), [7]).unwrap();
+        let h = p
+            .try_complete_else_watch(op, Duration::from_secs(60), [7])
+            .unwrap();
         h.op_ref().unwrap();
         handles.push(h);
     }
@@ -530,7 +610,9 @@ async fn reentrant_calls_from_operation_code_do_not_deadlock() {
                     p: self.p.clone(),
                     depth: 1,
                 };
-                p.try_complete_else_watch(child, ms(10), [2]).unwrap().detach();
+                p.try_complete_else_watch(child, ms(10), [2])
+                    .unwrap()
+                    .detach();
                 p.cancel_for_key(&3);
             }
             None
@@ -547,9 +629,18 @@ async fn reentrant_calls_from_operation_code_do_not_deadlock() {
     let p: Purgatory<u32, Reenter> = Purgatory::builder("re").build().unwrap();
     cell.set(p.clone()).unwrap();
     let h = p
-        .try_complete_else_watch(Reenter { p: cell.clone(), depth: 0 }, ms(20), [1, 3])
+        .try_complete_else_watch(
+            Reenter {
+                p: cell.clone(),
+                depth: 0,
+            },
+            ms(20),
+            [1, 3],
+        )
         .unwrap();
-    let out = tokio::time::timeout(ms(1000), h).await.expect("no deadlock");
+    let out = tokio::time::timeout(ms(1000), h)
+        .await
+        .expect("no deadlock");
     // The check's own cancel_for_key(&3) cancelled it once the check returned.
     assert_eq!(out, Err(OperationError::Cancelled));
     // The child expires at 10 ms and shuts the purgatory down from expiry code.

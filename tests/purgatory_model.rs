@@ -89,7 +89,10 @@ async fn run(seed: u64, steps: usize) -> Result<(), String> {
                 let mut keys: Vec<u8> = (0..nkeys).map(|_| rng.below(8) as u8).collect();
                 let ready = Arc::new(AtomicBool::new(rng.below(10) == 0));
                 let timeout = Duration::from_millis(1 + rng.below(100));
-                let op = Op { id, ready: ready.clone() };
+                let op = Op {
+                    id,
+                    ready: ready.clone(),
+                };
                 let handle = p
                     .try_complete_else_watch(op, timeout, keys.clone())
                     .map_err(|e| format!("step {step}: registration failed: {e}"))?;
@@ -98,7 +101,14 @@ async fn run(seed: u64, steps: usize) -> Result<(), String> {
                 } else {
                     keys.sort();
                     keys.dedup();
-                    live.insert(id, Live { keys, deadline: Instant::now() + timeout, ready });
+                    live.insert(
+                        id,
+                        Live {
+                            keys,
+                            deadline: Instant::now() + timeout,
+                            ready,
+                        },
+                    );
                 }
                 let op_ref = handle.op_ref();
                 tracked.insert(id, Tracked { handle, op_ref });
@@ -123,16 +133,23 @@ async fn run(seed: u64, steps: usize) -> Result<(), String> {
                 }
                 let got = p.try_complete_watched(&key);
                 if got != want {
-                    return Err(format!("step {step}: try_complete_watched({key}) = {got}, expected {want}"));
+                    return Err(format!(
+                        "step {step}: try_complete_watched({key}) = {got}, expected {want}"
+                    ));
                 }
             }
             6 => {
                 // An event on one operation, through its reference.
-                if let Some(&id) = live.keys().nth(rng.below(live.len().max(1) as u64) as usize) {
+                if let Some(&id) = live
+                    .keys()
+                    .nth(rng.below(live.len().max(1) as u64) as usize)
+                {
                     live[&id].ready.store(true, Ordering::SeqCst);
                     let r = tracked[&id].op_ref.as_ref().expect("live ops have a ref");
                     if !r.try_complete() {
-                        return Err(format!("step {step}: op_ref.try_complete({id}) did not complete"));
+                        return Err(format!(
+                            "step {step}: op_ref.try_complete({id}) did not complete"
+                        ));
                     }
                     finish(&mut live, &mut expect, id, Expect::Completed);
                 }
@@ -145,12 +162,15 @@ async fn run(seed: u64, steps: usize) -> Result<(), String> {
                     .map(|(id, _)| *id)
                     .collect();
                 let got: Vec<u64> = {
-                    let mut v: Vec<u64> = p.cancel_for_key(&key).into_iter().map(|o| o.id).collect();
+                    let mut v: Vec<u64> =
+                        p.cancel_for_key(&key).into_iter().map(|o| o.id).collect();
                     v.sort();
                     v
                 };
                 if got != ids {
-                    return Err(format!("step {step}: cancel_for_key({key}) = {got:?}, expected {ids:?}"));
+                    return Err(format!(
+                        "step {step}: cancel_for_key({key}) = {got:?}, expected {ids:?}"
+                    ));
                 }
                 for id in ids {
                     finish(&mut live, &mut expect, id, Expect::Cancelled);
@@ -158,7 +178,10 @@ async fn run(seed: u64, steps: usize) -> Result<(), String> {
             }
             8 => {
                 // A client goes away: drop a live operation's handle.
-                if let Some(&id) = live.keys().nth(rng.below(live.len().max(1) as u64) as usize) {
+                if let Some(&id) = live
+                    .keys()
+                    .nth(rng.below(live.len().max(1) as u64) as usize)
+                {
                     tracked.remove(&id);
                     live.remove(&id);
                 }
@@ -179,13 +202,19 @@ async fn run(seed: u64, steps: usize) -> Result<(), String> {
             }
         }
         if p.delayed() != live.len() {
-            return Err(format!("step {step}: delayed {} but {} live", p.delayed(), live.len()));
+            return Err(format!(
+                "step {step}: delayed {} but {} live",
+                p.delayed(),
+                live.len()
+            ));
         }
         // Every finished operation's handle is ready with the expected outcome.
         let done: Vec<u64> = expect.keys().copied().collect();
         for id in done {
             let e = expect.remove(&id).unwrap();
-            let Some(mut t) = tracked.remove(&id) else { continue };
+            let Some(mut t) = tracked.remove(&id) else {
+                continue;
+            };
             let got = (&mut t.handle)
                 .now_or_never()
                 .ok_or_else(|| format!("step {step}: op {id} should be {e:?} but is pending"))?;
@@ -193,7 +222,10 @@ async fn run(seed: u64, steps: usize) -> Result<(), String> {
                 (e, &got),
                 (Expect::Completed, Ok(Completion::Completed(x)))
                     | (Expect::Expired, Ok(Completion::Expired(x))) if *x == id
-            ) || matches!((e, &got), (Expect::Cancelled, Err(OperationError::Cancelled)));
+            ) || matches!(
+                (e, &got),
+                (Expect::Cancelled, Err(OperationError::Cancelled))
+            );
             if !ok {
                 return Err(format!("step {step}: op {id} expected {e:?}, got {got:?}"));
             }
@@ -201,7 +233,11 @@ async fn run(seed: u64, steps: usize) -> Result<(), String> {
     }
     let back = p.shutdown();
     if back.len() != live.len() {
-        return Err(format!("shutdown handed back {}, {} live", back.len(), live.len()));
+        return Err(format!(
+            "shutdown handed back {}, {} live",
+            back.len(),
+            live.len()
+        ));
     }
     for (id, mut t) in tracked.drain() {
         if live.contains_key(&id) {
@@ -227,7 +263,11 @@ fn purgatory_matches_the_reference_model() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(0xC0FFEE);
-    let rounds = if std::env::var("PURGATORY_MODEL_SEED").is_ok() { 1 } else { 40 };
+    let rounds = if std::env::var("PURGATORY_MODEL_SEED").is_ok() {
+        1
+    } else {
+        40
+    };
     for round in 0..rounds {
         let seed = base.wrapping_add(round);
         let rt = tokio::runtime::Builder::new_current_thread()

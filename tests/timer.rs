@@ -45,7 +45,11 @@ async fn fires_no_earlier_than_its_deadline_and_within_a_tick() {
     advance(ms(1)).await;
     settle().await;
     let at = fired_at.lock().unwrap().expect("fired at the deadline");
-    assert!(at - start >= ms(100) && at - start <= ms(101), "{:?}", at - start);
+    assert!(
+        at - start >= ms(100) && at - start <= ms(101),
+        "{:?}",
+        at - start
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -53,9 +57,7 @@ async fn zero_and_past_delays_run_on_the_reapers_next_turn() {
     let timer = Timer::new();
     let (n, task) = counter();
     timer.schedule(Duration::ZERO, task()).unwrap();
-    timer
-        .schedule_at(Instant::now() - ms(500), task())
-        .unwrap();
+    timer.schedule_at(Instant::now() - ms(500), task()).unwrap();
     assert_eq!(n.load(Ordering::SeqCst), 0, "never run inline");
     settle().await;
     assert_eq!(n.load(Ordering::SeqCst), 2);
@@ -154,7 +156,11 @@ async fn earlier_deadline_inserted_while_reaper_sleeps_on_a_later_one() {
     timer.schedule(ms(10), task()).unwrap();
     advance(ms(10)).await;
     settle().await;
-    assert_eq!(n.load(Ordering::SeqCst), 1, "re-armed for the earlier deadline");
+    assert_eq!(
+        n.load(Ordering::SeqCst),
+        1,
+        "re-armed for the earlier deadline"
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -401,7 +407,9 @@ async fn many_tasks_insert_and_cancel_at_once() {
         joins.push(tokio::spawn(async move {
             let mut kept = 0;
             for i in 0..5_000u64 {
-                let h = timer.schedule(Duration::from_secs(3600 + i), || ()).unwrap();
+                let h = timer
+                    .schedule(Duration::from_secs(3600 + i), || ())
+                    .unwrap();
                 if (i + t) % 5 != 0 {
                     assert!(h.cancel());
                 } else {

@@ -134,7 +134,11 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
             .purged
             .fetch_add(removed as u64, Ordering::Relaxed);
         self.purging.store(false, Ordering::Release);
-        tracing::debug!(purgatory = &*self.name, removed, "purged finished operations");
+        tracing::debug!(
+            purgatory = &*self.name,
+            removed,
+            "purged finished operations"
+        );
     }
 }
 
@@ -157,6 +161,7 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
 ///     .max_pending(100_000)
 ///     .build()
 ///     .unwrap();
+/// assert_eq!(fetches.delayed(), 0);
 /// # }
 /// ```
 pub struct PurgatoryBuilder<K, O> {
@@ -260,10 +265,7 @@ impl<K: WatchKey, O: Operation> PurgatoryBuilder<K, O> {
     /// # Errors
     ///
     /// When a setting is out of range.
-    pub fn build_on(
-        self,
-        handle: &tokio::runtime::Handle,
-    ) -> Result<Purgatory<K, O>, BuildError> {
+    pub fn build_on(self, handle: &tokio::runtime::Handle) -> Result<Purgatory<K, O>, BuildError> {
         self.build_inner(Some(handle))
     }
 
@@ -481,7 +483,12 @@ impl<K: WatchKey, O: Operation> Purgatory<K, O> {
         }
         shared.counters.registered.fetch_add(1, Ordering::Relaxed);
         let deadline = deadline_after(Instant::now(), timeout);
-        tracing::trace!(purgatory = &*shared.name, keys = keys.len(), ?timeout, "register");
+        tracing::trace!(
+            purgatory = &*shared.name,
+            keys = keys.len(),
+            ?timeout,
+            "register"
+        );
 
         match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| op.try_complete())) {
             Ok(Some(output)) => {
@@ -534,7 +541,11 @@ impl<K: WatchKey, O: Operation> Purgatory<K, O> {
     pub fn try_complete_watched(&self, key: &K) -> usize {
         let shared = self.shared();
         let mut live = Vec::new();
-        shared.on_removed(shared.watchers.collect_live(key, &mut live, |c| c.is_done()));
+        shared.on_removed(
+            shared
+                .watchers
+                .collect_live(key, &mut live, |c| c.is_done()),
+        );
         let completed = live.iter().filter(|cell| cell.check()).count();
         if completed > 0 {
             shared.on_removed(shared.watchers.prune(key, |c| c.is_done()));

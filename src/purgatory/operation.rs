@@ -73,6 +73,12 @@ use crate::reaper::TimerKey;
 ///         Err("request timed out")
 ///     }
 /// }
+///
+/// let acked = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(1));
+/// let mut produce = DelayedProduce { acked: acked.clone(), required: 2 };
+/// assert_eq!(produce.try_complete(), None);
+/// acked.store(2, std::sync::atomic::Ordering::Release);
+/// assert_eq!(produce.try_complete(), Some(Ok(())));
 /// ```
 pub trait Operation: Send + 'static {
     /// What the operation produces, by completion or by expiry. Use `()` when the
@@ -290,7 +296,9 @@ where
                             return false;
                         }
                         After::Expire => {
-                            let op = lock(&self.op).take().expect("expiring operation is present");
+                            let op = lock(&self.op)
+                                .take()
+                                .expect("expiring operation is present");
                             self.run_expiry(op);
                             return false;
                         }
