@@ -394,6 +394,8 @@ async fn bytes_per_pending(name: &str, n: usize) -> f64 {
 
 async fn all(flavour: &'static str, n: usize, producers: usize, rows: &mut Vec<Row>) {
     let stop = Arc::new(Notify::new());
+    // `TIMER_BENCH_ONLY=ours` measures our timer alone (for profiling).
+    let only_ours = std::env::var("TIMER_BENCH_ONLY").is_ok_and(|v| v == "ours");
 
     let late = hist();
     let tick_us: u64 = std::env::var("TIMER_TICK_US")
@@ -417,6 +419,9 @@ async fn all(flavour: &'static str, n: usize, producers: usize, rows: &mut Vec<R
         .await,
     );
     timer.0.shutdown();
+    if only_ours {
+        return;
+    }
 
     let late = hist();
     rows.push(
@@ -488,6 +493,10 @@ fn main() {
         "DelayQueue",
         "BinaryHeap",
     ] {
+        if std::env::var("TIMER_BENCH_ONLY").is_ok_and(|v| v == "ours") && name != "tokio-purgatory"
+        {
+            continue;
+        }
         let b = rt.block_on(bytes_per_pending(name, n));
         for r in rows.iter_mut().filter(|r| r.name == name) {
             r.bytes = Some(b);

@@ -45,6 +45,9 @@ pub(crate) enum Closed {
     ReaperGone,
 }
 
+/// Most entries the reaper takes from a shard per acquisition of its lock.
+const LOCK_RUN: usize = 64;
+
 const RUNNING: u8 = 0;
 const SHUT_DOWN: u8 = 1;
 const REAPER_GONE: u8 = 2;
@@ -325,31 +328,46 @@ impl<J: Job> Core<J> {
         let mut more = false;
         let mut next = u64::MAX;
         for i in 0..self.shards.len() {
-            let shard_next = {
+            let mut taken = 0;
+            let shard_next = loop {
+                // Hold the shard lock for a short run of polls at a time, so a
+                // producer on another worker waits microseconds, not a whole batch.
                 let mut s = self.lock(i);
-                while scratch.len() < self.batch {
+                let run = LOCK_RUN.min(self.batch - taken);
+                while scratch.len() < run {
                     match s.wheel.poll(now) {
                         Some((_, job)) => scratch.push(job),
                         None => break,
                     }
                 }
-                if s.wheel.len() == 0 {
-                    // Give back a drained burst's slab (cheap when already small).
-                    s.wheel.shrink();
+                let drained = scratch.len() < run;
+                let shard_next = if drained {
+                    if s.wheel.len() == 0 {
+                        // Give back a drained burst's slab (cheap when already small).
+                        s.wheel.shrink();
+                    }
+                    Some(s.wheel.next_expiration())
+                } else {
+                    None
+                };
+                drop(s);
+                taken += scratch.len();
+                self.release_capacity(scratch.len());
+                self.counters
+                    .expired
+                    .fetch_add(scratch.len() as u64, Ordering::Relaxed);
+                for job in scratch.drain(..) {
+                    run_contained(&self.name, &self.counters, || job.expire());
                 }
-                s.wheel.next_expiration()
+                if let Some(n) = shard_next {
+                    break n;
+                }
+                if taken >= self.batch {
+                    more = true;
+                    break self.lock(i).wheel.next_expiration();
+                }
             };
-            if scratch.len() == self.batch {
-                more = true;
-            }
-            self.release_capacity(scratch.len());
             next = next.min(shard_next.unwrap_or(u64::MAX));
-            self.counters
-                .expired
-                .fetch_add(scratch.len() as u64, Ordering::Relaxed);
-            for job in scratch.drain(..) {
-                run_contained(&self.name, &self.counters, || job.expire());
-            }
         }
         (more || next <= now, next)
     }
