@@ -105,7 +105,8 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         counter.fetch_add(1, Ordering::Relaxed);
         tracing::trace!(purgatory = &*self.name, ?fate, "operation finished");
         self.tombstones.fetch_add(keys as isize, Ordering::AcqRel);
-        self.maybe_purge();
+        // No purge here: this runs on the reaper too, and a purge walks every
+        // list. Registration and key walks purge instead (Kafka's places).
     }
 
     /// Watch-list entries removed: they were (or are about to be) tombstones.
@@ -118,7 +119,8 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
 
     /// Kafka's `purgeInterval`, made amortised O(1): purge once tombstones exceed
     /// both the interval and the live entries, so each purge removes at least half
-    /// of what it walks.
+    /// of what it walks. Called on registration, key walks and cancellation by key,
+    /// never on the reaper (expiries would wait behind the walk).
     fn maybe_purge(&self) {
         let tomb = self.tombstones.load(Ordering::Acquire).max(0) as usize;
         if tomb <= self.purge_interval {
@@ -525,12 +527,16 @@ impl<K: WatchKey, O: Operation> Purgatory<K, O> {
             }
             Err(Refused::AtCapacity(_)) => unreachable!("the purgatory's timer has no limit"),
         }
+        shared.maybe_purge();
         Ok(OperationHandle::waiting(cell))
     }
 
     /// Checks the operations watching `key` and completes those that can be (Kafka's
     /// `checkAndComplete`). Returns how many this call completed. Also removes the
-    /// key's tombstones, and the key itself when its list empties.
+    /// tombstones it finds in the key's list, and the key itself when its list
+    /// empties. Operations this call completes are removed at once when they are at
+    /// least a quarter of the list; otherwise they stay as tombstones until the
+    /// key's next walk (or the amortised purge).
     ///
     /// # Concurrent calls
     ///
@@ -546,10 +552,16 @@ impl<K: WatchKey, O: Operation> Purgatory<K, O> {
                 .watchers
                 .collect_live(key, &mut live, |c| c.is_done()),
         );
+        let checked = live.len();
         let completed = live.iter().filter(|cell| cell.check()).count();
-        if completed > 0 {
+        drop(live);
+        // Compact now only when much of the list finished: otherwise the finished
+        // entries are tombstones the key's next walk drops anyway, and a second
+        // full walk per event would double the cost of hot keys.
+        if completed > 0 && completed * 4 >= checked {
             shared.on_removed(shared.watchers.prune(key, |c| c.is_done()));
         }
+        shared.maybe_purge();
         completed
     }
 
@@ -569,10 +581,12 @@ impl<K: WatchKey, O: Operation> Purgatory<K, O> {
         let shared = self.shared();
         let cells = shared.watchers.take(key);
         shared.on_removed(cells.len());
-        cells
+        let ops = cells
             .iter()
             .filter_map(|cell| cell.cancel(OperationError::Cancelled, Fate::Cancelled))
-            .collect()
+            .collect();
+        shared.maybe_purge();
+        ops
     }
 
     /// Number of watch-list entries, tombstones included (Kafka's `watched`). O(1).
