@@ -63,6 +63,7 @@ struct Opts {
     compare: bool,
     sweep: Option<Vec<f64>>,
     out: String,
+    chart: Option<String>,
     quiet: bool,
 }
 
@@ -82,6 +83,7 @@ fn parse() -> Opts {
         compare: false,
         sweep: None,
         out: "target/purgatory-perf".into(),
+        chart: None,
         quiet: false,
     };
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -110,6 +112,7 @@ fn parse() -> Opts {
             "--impl" => o.imp = val(),
             "--runtime" => o.runtime = val(),
             "--out" => o.out = val(),
+            "--chart" => o.chart = Some(val()),
             "--sweep" => {
                 o.sweep = Some(val().split(',').map(|r| num(r.to_string())).collect());
             }
@@ -157,7 +160,7 @@ fn usage(err: &str) -> ! {
         "usage: purgatory_perf [--num N] [--rate R] [--keys K] [--key-space-size S] [--timeout MS]\n\
          \t[--pct50 MS] [--pct75 MS] [--size BYTES] [--mode kafka|key|awaited]\n\
          \t[--impl purgatory|task|delayqueue] [--runtime current|multi]\n\
-         \t[--compare] [--sweep R1,R2,..] [--out PREFIX] [--quiet]"
+         \t[--compare] [--sweep R1,R2,..] [--out PREFIX] [--chart CSV] [--quiet]"
     );
     std::process::exit(if err.is_empty() { 0 } else { 2 })
 }
@@ -835,9 +838,15 @@ fn svg(rows: &[(String, f64, f64)], path: &str, title: &str) -> std::io::Result<
             let (px, py) = p.split_once(',').unwrap();
             let _ = writeln!(s, r#"<circle cx="{px}" cy="{py}" r="3" fill="{c}"/>"#);
         }
+        let label = match name.as_str() {
+            "purgatory" => "tokio-purgatory",
+            "task" => "task per request + DashMap",
+            "delayqueue" => "purgatory on one DelayQueue",
+            other => other,
+        };
         let _ = writeln!(
             s,
-            r#"<text x="{}" y="{}" fill="{c}">{name}</text>"#,
+            r#"<text x="{}" y="{}" fill="{c}">{label}</text>"#,
             m + 12.0,
             m + 16.0 * i as f64
         );
@@ -846,8 +855,33 @@ fn svg(rows: &[(String, f64, f64)], path: &str, title: &str) -> std::io::Result<
     std::fs::write(path, s)
 }
 
+/// Draws the SVG of a CSV written by `--sweep` (next to it, same name).
+fn chart(csv_path: &str) {
+    let text = std::fs::read_to_string(csv_path).expect("read csv");
+    let mut points = Vec::new();
+    let mut title = String::new();
+    for line in text.lines().skip(1) {
+        let f: Vec<&str> = line.split('\t').collect();
+        if f.len() < 7 {
+            continue;
+        }
+        title = format!("achieved vs target rate: mode {}, {} runtime", f[2], f[3]);
+        let t: f64 = f[5].parse().unwrap_or(0.0);
+        let a: f64 = f[6].parse().unwrap_or(0.0);
+        points.push((f[1].to_string(), t, a));
+    }
+    points.sort_by(|a, b| a.0.cmp(&b.0).then(a.1.total_cmp(&b.1)));
+    let out = csv_path.trim_end_matches(".csv").to_string() + ".svg";
+    svg(&points, &out, &title).expect("write svg");
+    println!("wrote {out}");
+}
+
 fn main() {
     let o = parse();
+    if let Some(csv) = &o.chart {
+        chart(csv);
+        return;
+    }
     let imps = ["purgatory", "task", "delayqueue"];
     if let Some(rates) = &o.sweep {
         let mut csv = String::from("target_rate_requested\t");

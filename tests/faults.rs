@@ -1,0 +1,368 @@
+//! Faults and hostile use (issue 5, first part): re-entrancy, dropped runtimes,
+//! handles shared between tasks, misbehaving keys, and a cross-thread stress whose
+//! counters must balance. Tests that could deadlock run under a timeout.
+
+use std::hash::{Hash, Hasher};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use tokio::time::{advance, timeout};
+use tokio_purgatory::{Completion, Operation, OperationError, Purgatory, Timer};
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+async fn settle() {
+    for _ in 0..20 {
+        tokio::task::yield_now().await;
+    }
+}
+
+struct Flag(Arc<AtomicBool>);
+
+impl Operation for Flag {
+    type Output = ();
+    fn try_complete(&mut self) -> Option<()> {
+        self.0.load(Ordering::SeqCst).then_some(())
+    }
+    fn on_expiration(self) {}
+}
+
+/// A timer task that schedules, cancels and shuts down its own timer.
+#[tokio::test(start_paused = true)]
+async fn timer_tasks_reenter_the_timer() {
+    let timer = Timer::new();
+    let ran = Arc::new(AtomicUsize::new(0));
+    let (t, r) = (timer.clone(), ran.clone());
+    let victim = Arc::new(Mutex::new(None));
+    let v = victim.clone();
+    *victim.lock().unwrap() = Some(
+        timer
+            .schedule(ms(50), || panic!("must be cancelled"))
+            .unwrap(),
+    );
+    timer
+        .schedule(ms(10), move || {
+            // Reschedule (Dubbo-style periodic task), cancel another, then stop.
+            let r2 = r.clone();
+            t.schedule(ms(10), move || {
+                r2.fetch_add(1, Ordering::SeqCst);
+            })
+            .unwrap();
+            assert!(v.lock().unwrap().take().unwrap().cancel());
+            r.fetch_add(1, Ordering::SeqCst);
+        })
+        .unwrap();
+    timeout(ms(1000), async {
+        advance(ms(10)).await; // the task runs at 10 ms and reschedules for 20 ms
+        settle().await;
+        advance(ms(10)).await;
+        settle().await;
+    })
+    .await
+    .expect("no deadlock");
+    assert_eq!(ran.load(Ordering::SeqCst), 2);
+    assert_eq!(timer.stats().panicked, 0);
+}
+
+/// A check that shuts the purgatory down from inside.
+#[tokio::test(start_paused = true)]
+async fn shutdown_from_inside_a_check() {
+    struct Stopper(Arc<OnceLock<Purgatory<u8, Stopper>>>, Arc<AtomicBool>);
+    impl Operation for Stopper {
+        type Output = usize;
+        fn try_complete(&mut self) -> Option<usize> {
+            if !self.1.load(Ordering::SeqCst) {
+                return None;
+            }
+            Some(self.0.get().map_or(0, |p| p.shutdown().len()))
+        }
+        fn on_expiration(self) -> usize {
+            0
+        }
+    }
+    let cell = Arc::new(OnceLock::new());
+    let p: Purgatory<u8, Stopper> = Purgatory::builder("stop").build().unwrap();
+    cell.set(p.clone()).unwrap();
+    let go = Arc::new(AtomicBool::new(false));
+    let first = p
+        .try_complete_else_watch(Stopper(cell.clone(), go.clone()), ms(100), [1])
+        .unwrap();
+    let second = p
+        .try_complete_else_watch(
+            Stopper(cell.clone(), Arc::new(AtomicBool::new(false))),
+            ms(100),
+            [2],
+        )
+        .unwrap();
+    go.store(true, Ordering::SeqCst);
+    let n = timeout(ms(1000), async { p.try_complete_watched(&1) })
+        .await
+        .expect("no deadlock");
+    assert_eq!(n, 1);
+    // The check itself was mid-run, so shutdown handed back only the other one.
+    assert_eq!(first.await, Ok(Completion::Completed(1)));
+    assert_eq!(second.await, Err(OperationError::Shutdown));
+    let m = p.metrics();
+    assert_eq!(
+        m.registered,
+        m.completed + m.expired + m.cancelled + m.handed_back
+    );
+}
+
+/// The runtime that runs the reaper goes away while tasks on another runtime await
+/// handles, some of them never polled: every handle resolves, nothing hangs.
+#[test]
+fn runtime_dropped_while_handles_are_awaited() {
+    let reaper_rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_time()
+        .build()
+        .unwrap();
+    let p: Purgatory<u32, Flag> = Purgatory::builder("dies")
+        .build_on(reaper_rt.handle())
+        .unwrap();
+    let waiting: Vec<_> = (0..100)
+        .map(|i| {
+            p.try_complete_else_watch(
+                Flag(Arc::new(AtomicBool::new(false))),
+                Duration::from_secs(60),
+                [i % 7],
+            )
+            .unwrap()
+        })
+        .collect();
+    let other = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap();
+    let (polled, never_polled): (Vec<_>, Vec<_>) = waiting
+        .into_iter()
+        .enumerate()
+        .partition(|(i, _)| i % 2 == 0);
+    let joins: Vec<_> = polled.into_iter().map(|(_, h)| other.spawn(h)).collect();
+    other.block_on(async { settle().await });
+    drop(reaper_rt);
+    other.block_on(async {
+        for j in joins {
+            let out = timeout(Duration::from_secs(5), j)
+                .await
+                .expect("resolved")
+                .unwrap();
+            assert_eq!(out, Err(OperationError::ReaperGone));
+        }
+        for (_, h) in never_polled {
+            assert_eq!(h.await, Err(OperationError::ReaperGone));
+        }
+    });
+    assert!(p
+        .try_complete_else_watch(Flag(Arc::new(AtomicBool::new(true))), ms(1), [1])
+        .is_err());
+}
+
+/// Polling one handle from different tasks wakes the latest waker.
+#[tokio::test(start_paused = true)]
+async fn latest_poller_is_woken() {
+    let p: Purgatory<u8, Flag> = Purgatory::builder("wake").build().unwrap();
+    let flag = Arc::new(AtomicBool::new(false));
+    let handle = p
+        .try_complete_else_watch(Flag(flag.clone()), ms(1000), [1])
+        .unwrap();
+    let mut first = tokio_test::task::spawn(());
+    let mut second = tokio_test::task::spawn(());
+    let mut handle = Box::pin(handle);
+    assert!(first.enter(|cx, _| handle.as_mut().poll(cx)).is_pending());
+    assert!(second.enter(|cx, _| handle.as_mut().poll(cx)).is_pending());
+    flag.store(true, Ordering::SeqCst);
+    p.try_complete_watched(&1);
+    assert!(second.is_woken(), "the latest poller is woken");
+    assert!(second.enter(|cx, _| handle.as_mut().poll(cx)).is_ready());
+}
+
+use std::future::Future;
+
+/// A key type whose `Hash` disagrees with its `Eq`: no panic, no corruption; the
+/// operation is still finished by its timeout.
+#[tokio::test(start_paused = true)]
+async fn hash_and_eq_disagreeing_keys_fall_back_to_the_timeout() {
+    #[derive(Clone, Debug)]
+    struct Liar(u32);
+    impl PartialEq for Liar {
+        fn eq(&self, _: &Self) -> bool {
+            true // everything is equal...
+        }
+    }
+    impl Eq for Liar {}
+    impl Hash for Liar {
+        fn hash<H: Hasher>(&self, h: &mut H) {
+            self.0.hash(h); // ...but hashes differ
+        }
+    }
+    let p: Purgatory<Liar, Flag> = Purgatory::builder("liar").build().unwrap();
+    let flag = Arc::new(AtomicBool::new(false));
+    let h = p
+        .try_complete_else_watch(Flag(flag.clone()), ms(50), [Liar(1), Liar(2), Liar(3)])
+        .unwrap();
+    flag.store(true, Ordering::SeqCst);
+    p.try_complete_watched(&Liar(99)); // may or may not find it
+    let out = h.await;
+    assert!(matches!(
+        out,
+        Ok(Completion::Completed(())) | Ok(Completion::Expired(()))
+    ));
+    for k in 0..100 {
+        p.try_complete_watched(&Liar(k));
+    }
+    let m = p.metrics();
+    assert_eq!(m.delayed, 0);
+    assert_eq!(m.registered, m.completed + m.expired);
+}
+
+/// A very large key space with churn: the watcher map shrinks back to empty.
+#[tokio::test(start_paused = true)]
+async fn key_churn_leaves_an_empty_map() {
+    let p: Purgatory<u64, Flag> = Purgatory::builder("churn").build().unwrap();
+    for round in 0..5u64 {
+        let flag = Arc::new(AtomicBool::new(false));
+        let mut handles = Vec::new();
+        for i in 0..20_000u64 {
+            let base = round * 1_000_000 + i * 3;
+            handles.push(
+                p.try_complete_else_watch(Flag(flag.clone()), ms(100), [base, base + 1, base + 2])
+                    .unwrap(),
+            );
+        }
+        assert_eq!(p.metrics().keys, 60_000);
+        flag.store(true, Ordering::SeqCst);
+        // Complete half by key, let the other half expire.
+        for i in (0..20_000u64).step_by(2) {
+            p.try_complete_watched(&(round * 1_000_000 + i * 3));
+        }
+        advance(ms(100)).await;
+        settle().await;
+        for h in handles {
+            h.detach();
+        }
+    }
+    // Registration triggers the amortised purge; walk what is left.
+    let _ = p.try_complete_else_watch(Flag(Arc::new(AtomicBool::new(true))), ms(1), [0]);
+    let m = p.metrics();
+    assert_eq!(m.delayed, 0);
+    assert!(m.keys < 60_000, "tombstoned keys were purged: {m:?}");
+    let rest: Vec<u64> = (0..5u64)
+        .flat_map(|r| (0..60_000u64).map(move |i| r * 1_000_000 + i))
+        .collect();
+    for k in rest {
+        p.try_complete_watched(&k);
+    }
+    let m = p.metrics();
+    assert_eq!((m.keys, m.watched), (0, 0), "{m:?}");
+}
+
+/// Many tasks on the multi-thread runtime register, complete by key and by
+/// reference, cancel by key, and drop handles while timeouts fire. Every operation
+/// has exactly one outcome and the counters balance.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stress_across_threads_balances() {
+    let p: Purgatory<u32, Counted> = Purgatory::builder("stress")
+        .purge_interval(64)
+        .build()
+        .unwrap();
+    let outcomes = Arc::new(AtomicUsize::new(0));
+    let finished = Arc::new(AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for t in 0..8u64 {
+        let p = p.clone();
+        let outcomes = outcomes.clone();
+        let finished = finished.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut seed = 0x9E37_79B9u64.wrapping_mul(t + 1);
+            let mut next = || {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                seed
+            };
+            for _ in 0..2_000 {
+                let flag = Arc::new(AtomicBool::new(false));
+                let keys = [(next() % 16) as u32, (next() % 16) as u32];
+                let op = Counted {
+                    ready: flag.clone(),
+                    finished: finished.clone(),
+                };
+                let h = p
+                    .try_complete_else_watch(op, Duration::from_micros(next() % 3000), keys)
+                    .unwrap();
+                match next() % 6 {
+                    0 => {
+                        flag.store(true, Ordering::SeqCst);
+                        p.try_complete_watched(&keys[0]);
+                    }
+                    1 => {
+                        flag.store(true, Ordering::SeqCst);
+                        if let Some(r) = h.op_ref() {
+                            r.try_complete();
+                        }
+                    }
+                    2 => {
+                        p.cancel_for_key(&keys[1]);
+                    }
+                    3 => {
+                        drop(h);
+                        continue;
+                    }
+                    _ => {}
+                }
+                let outcomes = outcomes.clone();
+                tokio::spawn(async move {
+                    let _ = h.await;
+                    outcomes.fetch_add(1, Ordering::SeqCst);
+                });
+                if next() % 8 == 0 {
+                    tokio::task::yield_now().await;
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    timeout(Duration::from_secs(30), async {
+        while p.delayed() > 0 {
+            tokio::time::sleep(ms(5)).await;
+        }
+    })
+    .await
+    .expect("every operation finished");
+    let m = p.metrics();
+    assert_eq!(m.registered, 16_000);
+    assert_eq!(
+        m.registered,
+        m.completed + m.expired + m.cancelled + m.handed_back,
+        "{m:?}"
+    );
+    // Completions and expiries each ran the operation's own code exactly once.
+    assert_eq!(
+        finished.load(Ordering::SeqCst) as u64,
+        m.completed + m.expired
+    );
+}
+
+struct Counted {
+    ready: Arc<AtomicBool>,
+    finished: Arc<AtomicUsize>,
+}
+
+impl Operation for Counted {
+    type Output = ();
+    fn try_complete(&mut self) -> Option<()> {
+        self.ready.load(Ordering::SeqCst).then(|| {
+            self.finished.fetch_add(1, Ordering::SeqCst);
+        })
+    }
+    fn on_expiration(self) {
+        self.finished.fetch_add(1, Ordering::SeqCst);
+    }
+}
