@@ -280,9 +280,11 @@ enum Target {
 
 // ---- peer (a): a task per request, `tokio::time::timeout` on a signal, DashMap of watchers
 
+/// A watcher of the task-per-request peer: when it completes, and its signal.
+type Watcher = (Option<Instant>, Arc<Mutex<Option<oneshot::Sender<()>>>>);
+
 struct TaskPeer {
-    watchers:
-        DashMap<u32, HashMap<u64, (Option<Instant>, Arc<Mutex<Option<oneshot::Sender<()>>>>)>>,
+    watchers: DashMap<u32, HashMap<u64, Watcher>>,
     next_id: AtomicU64,
 }
 
