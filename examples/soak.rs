@@ -1,0 +1,295 @@
+//! Soak: a mixed load for a given time, then a check that everything drains and
+//! memory comes back.
+//!
+//! ```sh
+//! cargo run --release --example soak -- --minutes 10
+//! ```
+//!
+//! The load (default 50,000 operations/s): each operation watches 2 keys out of
+//! 10,000 with a timeout of 50-250 ms. Of them, 40% are completed by a key event
+//! and 15% through their `OpRef`, both fired by a `Timer` 0-100 ms later; 10% are
+//! cancelled by key, 10% have their handle dropped, and the rest expire. The timer
+//! also carries retry-style tasks, half of them cancelled. Once a second it prints
+//! RSS, pending counts and expiry lateness. After the load it waits for the
+//! purgatory and timer to drain and exits non-zero unless pending counts are zero,
+//! the counters balance, and RSS is back within 10% (or 2 MB) of its level before
+//! the load.
+//!
+//! Options: `--minutes M` (fractions allowed), `--rate R`.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use hdrhistogram::Histogram;
+use tokio::time::Instant;
+use tokio_purgatory::{Operation, Purgatory, Timer};
+
+static LATENESS: Mutex<Option<Histogram<u64>>> = Mutex::new(None);
+
+/// Counts live heap bytes, so that memory this program holds can be told apart
+/// from memory the C allocator keeps after it was freed.
+struct Counting;
+static LIVE: std::sync::atomic::AtomicIsize = std::sync::atomic::AtomicIsize::new(0);
+
+unsafe impl std::alloc::GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: std::alloc::Layout) -> *mut u8 {
+        LIVE.fetch_add(l.size() as isize, Ordering::Relaxed);
+        unsafe { std::alloc::System.alloc(l) }
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: std::alloc::Layout) {
+        LIVE.fetch_sub(l.size() as isize, Ordering::Relaxed);
+        unsafe { std::alloc::System.dealloc(p, l) }
+    }
+    unsafe fn realloc(&self, p: *mut u8, l: std::alloc::Layout, new: usize) -> *mut u8 {
+        LIVE.fetch_add(new as isize - l.size() as isize, Ordering::Relaxed);
+        unsafe { std::alloc::System.realloc(p, l, new) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+fn live_mb() -> f64 {
+    LIVE.load(Ordering::Relaxed) as f64 / (1024.0 * 1024.0)
+}
+
+struct Op {
+    ready: Arc<AtomicBool>,
+    deadline: Instant,
+    _payload: Vec<u8>,
+}
+
+impl Operation for Op {
+    type Output = ();
+    fn try_complete(&mut self) -> Option<()> {
+        self.ready.load(Ordering::Acquire).then_some(())
+    }
+    fn on_expiration(self) {
+        let late = Instant::now().saturating_duration_since(self.deadline);
+        if let Some(h) = LATENESS.lock().unwrap().as_mut() {
+            h.record(late.as_micros().max(1) as u64).ok();
+        }
+    }
+}
+
+fn rss_mb() -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+        .map_or(0.0, |kb| kb / 1024.0)
+}
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+fn arg(name: &str, default: f64) -> f64 {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .map(|v| {
+            v.parse()
+                .unwrap_or_else(|_| panic!("{name}: not a number: {v}"))
+        })
+        .unwrap_or(default)
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    let minutes = arg("--minutes", 1.0);
+    let rate = arg("--rate", 50_000.0);
+    *LATENESS.lock().unwrap() = Some(Histogram::new(3).unwrap());
+
+    let purgatory: Purgatory<u32, Op> = Purgatory::builder("soak").build().unwrap();
+    let timer = Timer::new();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let cold_rss = rss_mb();
+    let cold_live = live_mb();
+    println!("soak: {minutes} min at {rate:.0} ops/s");
+
+    // Warm-up: a short burst, drained, so the allocator and runtime reach their
+    // working size. RSS after it is the level the main load must return to.
+    let warmup = (minutes * 60.0 / 10.0).clamp(2.0, 10.0);
+    println!("warm-up: {warmup:.0} s");
+    let mut registered = load(&purgatory, &timer, Duration::from_secs_f64(warmup), rate, 1).await;
+    drain(&purgatory, &timer).await;
+    let baseline = rss_mb();
+    let live_before = live_mb();
+    println!("before load: RSS {baseline:.1} MB, live heap {live_before:.2} MB (cold start: RSS {cold_rss:.1} MB, live heap {cold_live:.2} MB)");
+    registered += load(
+        &purgatory,
+        &timer,
+        Duration::from_secs_f64(minutes * 60.0),
+        rate,
+        2,
+    )
+    .await;
+    let drained = drain(&purgatory, &timer).await;
+
+    let m = purgatory.metrics();
+    let after = rss_mb();
+    let live_after = live_mb();
+    let balanced = m.registered == m.completed + m.expired + m.cancelled + m.handed_back;
+    println!(
+        "after load: registered {}, completed {}, expired {}, cancelled {}, purged {}, panicked {}",
+        m.registered, m.completed, m.expired, m.cancelled, m.purged, m.panicked
+    );
+    println!(
+        "after load: delayed {}, watched {}, keys {}, timer {}; RSS {:.1} MB (before load {:.1} MB, {:+.1}%); live heap {:.2} MB (before {:.2} MB)",
+        m.delayed,
+        m.watched,
+        m.keys,
+        timer.len(),
+        after,
+        baseline,
+        (after - baseline) / baseline * 100.0,
+        live_after,
+        live_before
+    );
+    let rss_ok = after <= baseline * 1.10;
+    let heap_ok = live_after <= live_before * 1.10 + 0.05;
+    let ok = drained
+        && balanced
+        && m.delayed == 0
+        && m.watched == 0
+        && m.keys == 0
+        && timer.is_empty()
+        && rss_ok
+        && heap_ok;
+    println!("soak {}", if ok { "passed" } else { "FAILED" });
+    assert_eq!(registered, m.registered);
+    if !ok {
+        std::process::exit(1);
+    }
+}
+
+/// Runs the mixed load for `load_for`, printing a line a second. Returns how many
+/// operations it registered.
+async fn load(
+    purgatory: &Purgatory<u32, Op>,
+    timer: &Timer,
+    load_for: Duration,
+    rate: f64,
+    seed: u64,
+) -> u64 {
+    let start = Instant::now();
+    let registered = Arc::new(AtomicU64::new(0));
+    let generator = {
+        let (p, t, registered) = (purgatory.clone(), timer.clone(), registered.clone());
+        tokio::spawn(async move {
+            let mut rng = Rng(0x5EED_50AC ^ seed);
+            let per_ms = (rate / 1000.0).max(1.0) as u64;
+            let mut tick = tokio::time::interval(Duration::from_millis(1));
+            while start.elapsed() < load_for {
+                tick.tick().await;
+                for _ in 0..per_ms {
+                    let ready = Arc::new(AtomicBool::new(false));
+                    let keys = [rng.below(10_000) as u32, rng.below(10_000) as u32];
+                    let timeout = Duration::from_millis(50 + rng.below(200));
+                    let op = Op {
+                        ready: ready.clone(),
+                        deadline: Instant::now() + timeout,
+                        _payload: vec![0; rng.below(256) as usize],
+                    };
+                    let handle = p
+                        .try_complete_else_watch(op, timeout, keys)
+                        .expect("accepted");
+                    registered.fetch_add(1, Ordering::Relaxed);
+                    let event_in = Duration::from_millis(rng.below(100));
+                    match rng.below(20) {
+                        0..=7 => {
+                            let p = p.clone();
+                            let _ = t.schedule(event_in, move || {
+                                ready.store(true, Ordering::Release);
+                                p.try_complete_watched(&keys[0]);
+                            });
+                            handle.detach();
+                        }
+                        8..=10 => {
+                            if let Some(r) = handle.op_ref() {
+                                let _ = t.schedule(event_in, move || {
+                                    ready.store(true, Ordering::Release);
+                                    r.try_complete();
+                                });
+                            }
+                            handle.detach();
+                        }
+                        11..=12 => {
+                            let p = p.clone();
+                            let _ = t.schedule(event_in, move || {
+                                drop(p.cancel_for_key(&keys[1]));
+                            });
+                            handle.detach();
+                        }
+                        13..=14 => drop(handle), // the client went away
+                        _ => handle.detach(),    // expires
+                    }
+                    // Retry-style timer tasks, half cancelled.
+                    if let Ok(h) = t.schedule(Duration::from_millis(rng.below(500)), || {}) {
+                        if rng.below(2) == 0 {
+                            h.cancel();
+                        }
+                    }
+                }
+            }
+        })
+    };
+
+    let mut second = tokio::time::interval(Duration::from_secs(1));
+    second.tick().await;
+    while !generator.is_finished() {
+        second.tick().await;
+        let m = purgatory.metrics();
+        let late = LATENESS
+            .lock()
+            .unwrap()
+            .replace(Histogram::new(3).unwrap())
+            .unwrap();
+        println!(
+            "{:>6.0} s  rss {:>6.1} MB  heap {:>6.2} MB  delayed {:>6}  watched {:>6}  keys {:>5}  timer {:>6}  expiry lateness p50 {:.2} p99 {:.2} max {:.2} ms",
+            start.elapsed().as_secs_f64(),
+            rss_mb(),
+            live_mb(),
+            m.delayed,
+            m.watched,
+            m.keys,
+            timer.len(),
+            late.value_at_quantile(0.5) as f64 / 1000.0,
+            late.value_at_quantile(0.99) as f64 / 1000.0,
+            late.max() as f64 / 1000.0,
+        );
+    }
+    generator.await.unwrap();
+    registered.load(Ordering::Relaxed)
+}
+
+/// Waits for everything pending to finish, then walks every key once so
+/// tombstones and emptied keys go (the amortised purge would do it on the next
+/// registrations). Returns whether it drained in time.
+async fn drain(purgatory: &Purgatory<u32, Op>, timer: &Timer) -> bool {
+    let drained = tokio::time::timeout(Duration::from_secs(10), async {
+        while purgatory.delayed() > 0 || !timer.is_empty() {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .is_ok();
+    for k in 0..10_000u32 {
+        purgatory.try_complete_watched(&k);
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    drained
+}
