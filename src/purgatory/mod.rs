@@ -6,6 +6,7 @@
 mod error;
 mod handle;
 mod operation;
+mod state;
 
 use std::hash::Hash;
 use std::marker::PhantomData;

@@ -1,30 +1,16 @@
 //! The operation trait and the per-operation completion state machine.
 //!
-//! # The state machine
-//!
-//! Each registered operation lives in an [`OpCell`] whose `state` byte has five
-//! bits: `CHECKING` (one caller owns the operation and is running its check),
-//! `RERUN` (another caller asked for a check meanwhile), `EXPIRE` and `CANCEL`
-//! (the timeout fired, or a cancel arrived, meanwhile), and `DONE` (terminal).
-//!
-//! - A check starts only by setting `CHECKING` on a state without it; if it is
-//!   set, the caller sets `RERUN` and returns, and the owner checks once more
-//!   before releasing. So checks never overlap, and an event that arrives during a
-//!   check is never lost (Kafka's KAFKA-6653 lost completions under contention;
-//!   its fix, `tryLock` plus a retry flag, is the same idea).
-//! - Expiry and cancellation claim the operation (`0 -> DONE`) when no check runs;
-//!   if one does, they leave a request bit and the owner acts on it after its
-//!   check returns `None`. So expiry code never runs beside a check of the same
-//!   operation (KAFKA-19312), and a check that succeeds wins over a concurrent
-//!   timeout.
-//! - Whoever sets `DONE` alone delivers the outcome: exactly once.
+//! Each registered operation lives in an [`OpCell`]: the state machine (see
+//! `state.rs`, checked by loom), the operation behind a lock only its checker
+//! takes, and where its outcome goes.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::Waker;
 
 use super::error::OperationError;
+use super::state::{After, Claim, State, CANCEL, EXPIRE};
 use super::{Shared, WatchKey};
 use crate::reaper::TimerKey;
 
@@ -126,12 +112,6 @@ impl<T> Completion<T> {
 /// What an operation handle resolves to.
 pub(crate) type Outcome<T> = Result<Completion<T>, OperationError>;
 
-const CHECKING: u8 = 1;
-const RERUN: u8 = 2;
-const EXPIRE: u8 = 4;
-const CANCEL: u8 = 8;
-const DONE: u8 = 16;
-
 /// How a finished operation is counted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Fate {
@@ -141,16 +121,6 @@ pub(crate) enum Fate {
     /// purgatory was dropped or lost its reaper.
     Cancelled,
     HandedBack,
-}
-
-/// What a claim found.
-pub(crate) enum Claim<O> {
-    /// The caller owns the operation now (state is `DONE`).
-    Won(O),
-    /// A check is running; it will act on the request after it returns.
-    Deferred,
-    /// Already finished.
-    Done,
 }
 
 #[derive(Debug)]
@@ -165,11 +135,7 @@ pub(crate) struct Delivery<T> {
 /// One registered operation: state byte, the operation, and where its outcome
 /// goes.
 pub(crate) struct OpCell<K: WatchKey, O: Operation> {
-    state: AtomicU8,
-    /// The thread running the check while `CHECKING` is set, so that a check
-    /// re-entering itself (its code walking its own key) is not taken for an
-    /// event from elsewhere: re-running for it would loop forever.
-    checker: AtomicU64,
+    state: State,
     op: Mutex<Option<O>>,
     delivery: Mutex<Delivery<O::Output>>,
     /// Number of watch lists holding this cell (tombstone accounting).
@@ -180,7 +146,7 @@ pub(crate) struct OpCell<K: WatchKey, O: Operation> {
 impl<K: WatchKey, O: Operation> std::fmt::Debug for OpCell<K, O> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("OpCell")
-            .field("state", &self.state.load(Ordering::Relaxed))
+            .field("done", &self.state.is_done())
             .field("keys", &self.keys)
             .finish_non_exhaustive()
     }
@@ -199,8 +165,7 @@ where
 {
     pub(crate) fn new(op: O, keys: u32, shared: Arc<Shared<K, O>>) -> Self {
         OpCell {
-            state: AtomicU8::new(0),
-            checker: AtomicU64::new(0),
+            state: State::new(),
             op: Mutex::new(Some(op)),
             delivery: Mutex::new(Delivery {
                 timer: None,
@@ -214,35 +179,16 @@ where
     }
 
     pub(crate) fn is_done(&self) -> bool {
-        self.state.load(Ordering::Acquire) & DONE != 0
+        self.state.is_done()
     }
 
     /// Runs the operation's check, or asks the running checker to check again.
     /// Returns whether this call completed the operation.
     pub(crate) fn check(&self) -> bool {
         let me = thread_id();
-        let mut s = self.state.load(Ordering::Acquire);
-        loop {
-            let want = if s & DONE != 0 {
-                return false;
-            } else if s & CHECKING != 0 {
-                if self.checker.load(Ordering::Acquire) == me {
-                    return false; // our own check, calling back into itself
-                }
-                s | RERUN
-            } else {
-                s | CHECKING
-            };
-            match self
-                .state
-                .compare_exchange_weak(s, want, Ordering::AcqRel, Ordering::Acquire)
-            {
-                Ok(_) if s & CHECKING != 0 => return false, // the owner will re-check
-                Ok(_) => break,
-                Err(actual) => s = actual,
-            }
+        if !self.state.begin_check(me) {
+            return false;
         }
-        self.checker.store(me, Ordering::Release);
         loop {
             let out = {
                 let mut op = lock(&self.op);
@@ -251,93 +197,47 @@ where
             };
             match out {
                 Ok(Some(output)) => {
-                    // We own CHECKING, so no one else can have set DONE; requests
-                    // left meanwhile (expire, cancel) lose to the completion.
-                    self.state.store(DONE, Ordering::Release);
+                    self.state.complete();
                     let op = lock(&self.op).take();
                     drop(op);
                     self.finish(Ok(Completion::Completed(output)), Fate::Completed, true);
                     return true;
                 }
                 Ok(None) => {}
-                Err(panic) => {
-                    self.shared.note_panic("try_complete", &*panic);
-                }
+                Err(panic) => self.shared.note_panic("try_complete", &*panic),
             }
-            // Release, acting on whatever was asked of us meanwhile. Clear the
-            // checker first: a thread must never find its own id here unless it
-            // really is the one checking (a stale id would make it drop an event).
-            self.checker.store(0, Ordering::Release);
-            let mut s = self.state.load(Ordering::Acquire);
-            loop {
-                let (want, then) = if s & RERUN != 0 {
-                    (s & !RERUN, After::Recheck)
-                } else if s & CANCEL != 0 {
-                    (DONE, After::Cancel)
-                } else if s & EXPIRE != 0 {
-                    (DONE, After::Expire)
-                } else {
-                    (0, After::Release)
-                };
-                match self
-                    .state
-                    .compare_exchange_weak(s, want, Ordering::AcqRel, Ordering::Acquire)
-                {
-                    Ok(_) => match then {
-                        After::Recheck => {
-                            self.checker.store(me, Ordering::Release);
-                            break;
-                        }
-                        After::Release => return false,
-                        After::Cancel => {
-                            let op = lock(&self.op).take();
-                            drop(op);
-                            self.finish(Err(OperationError::Cancelled), Fate::Cancelled, true);
-                            return false;
-                        }
-                        After::Expire => {
-                            let op = lock(&self.op)
-                                .take()
-                                .expect("expiring operation is present");
-                            self.run_expiry(op);
-                            return false;
-                        }
-                    },
-                    Err(actual) => s = actual,
+            match self.state.end_check(me) {
+                After::Recheck => continue,
+                After::Release => return false,
+                After::Cancel => {
+                    let op = lock(&self.op).take();
+                    drop(op);
+                    self.finish(Err(OperationError::Cancelled), Fate::Cancelled, true);
+                    return false;
+                }
+                After::Expire => {
+                    let op = lock(&self.op)
+                        .take()
+                        .expect("expiring operation is present");
+                    self.run_expiry(op);
+                    return false;
                 }
             }
         }
     }
 
-    /// Claims the operation unless a check is running, in which case `request`
-    /// (`EXPIRE` or `CANCEL`) is left for the checker.
-    fn claim(&self, request: u8) -> Claim<O> {
-        let mut s = self.state.load(Ordering::Acquire);
-        loop {
-            let want = if s & DONE != 0 {
-                return Claim::Done;
-            } else if s & CHECKING != 0 {
-                s | request
-            } else {
-                DONE
-            };
-            match self
-                .state
-                .compare_exchange_weak(s, want, Ordering::AcqRel, Ordering::Acquire)
-            {
-                Ok(_) if want == DONE => {
-                    let op = lock(&self.op).take().expect("claimed operation is present");
-                    return Claim::Won(op);
-                }
-                Ok(_) => return Claim::Deferred,
-                Err(actual) => s = actual,
-            }
+    /// Claims the operation (expiry or cancellation), taking it out, unless a
+    /// check is running: then the request is left for the checker.
+    fn claim(&self, request: u8) -> Option<O> {
+        match self.state.claim(request) {
+            Claim::Won => Some(lock(&self.op).take().expect("claimed operation is present")),
+            Claim::Deferred | Claim::Done => None,
         }
     }
 
     /// The timeout fired (on the reaper task, with no lock held).
     pub(crate) fn expire(&self) {
-        if let Claim::Won(op) = self.claim(EXPIRE) {
+        if let Some(op) = self.claim(EXPIRE) {
             self.run_expiry(op);
         }
     }
@@ -359,13 +259,9 @@ where
     /// this call took it (`why` is then delivered to the handle); `None` when it
     /// had finished, or a running check will finish it.
     pub(crate) fn cancel(&self, why: OperationError, fate: Fate) -> Option<O> {
-        match self.claim(CANCEL) {
-            Claim::Won(op) => {
-                self.finish(Err(why), fate, true);
-                Some(op)
-            }
-            Claim::Deferred | Claim::Done => None,
-        }
+        let op = self.claim(CANCEL)?;
+        self.finish(Err(why), fate, true);
+        Some(op)
     }
 
     /// Delivers the outcome once `DONE` is set, updates the counters, and removes
@@ -443,11 +339,4 @@ fn thread_id() -> u64 {
         static ID: u64 = NEXT.fetch_add(1, Ordering::Relaxed);
     }
     ID.with(|id| *id)
-}
-
-enum After {
-    Recheck,
-    Release,
-    Cancel,
-    Expire,
 }

@@ -1,0 +1,341 @@
+//! The per-operation completion state machine, on its own so that loom can check
+//! every interleaving of it (`RUSTFLAGS="--cfg purgatory_loom" cargo test --release --lib state`).
+//!
+//! Five bits: `CHECKING` (one caller owns the operation and runs its check),
+//! `RERUN` (another caller asked for a check meanwhile), `EXPIRE` and `CANCEL`
+//! (the timeout fired, or a cancel arrived, meanwhile), `DONE` (terminal).
+//!
+//! - A check starts only by setting `CHECKING` on a state without it; if it is
+//!   set, the caller sets `RERUN` and leaves, and the owner checks once more
+//!   before releasing. So checks never overlap and an event that arrives during a
+//!   check is never lost (Kafka's KAFKA-6653).
+//! - Expiry and cancellation claim the operation (`-> DONE`) when no check runs;
+//!   if one does, they leave a request bit and the owner acts on it after its check
+//!   returns "not yet". So expiry code never runs beside a check (KAFKA-19312),
+//!   and a check that succeeds wins over a concurrent timeout.
+//! - Whoever sets `DONE` alone finishes the operation: exactly once.
+//!
+//! The owner's thread is recorded while it checks, so that its own check calling
+//! back into itself (walking its own key) is not taken for an outside event: a
+//! re-run for that would loop forever.
+
+#[cfg(purgatory_loom)]
+use loom::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+#[cfg(not(purgatory_loom))]
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+
+const CHECKING: u8 = 1;
+const RERUN: u8 = 2;
+/// Request bit: the timeout fired during a check.
+pub(crate) const EXPIRE: u8 = 4;
+/// Request bit: a cancel arrived during a check.
+pub(crate) const CANCEL: u8 = 8;
+const DONE: u8 = 16;
+
+/// What a check that returned "not yet" must do next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum After {
+    /// Another caller asked for a check meanwhile: run it again.
+    Recheck,
+    /// Nothing was asked: the operation is released, still pending.
+    Release,
+    /// A cancel arrived meanwhile: the caller now owns it (`DONE`) and cancels it.
+    Cancel,
+    /// The timeout fired meanwhile: the caller now owns it (`DONE`) and expires it.
+    Expire,
+}
+
+/// What a claim (by expiry or cancellation) found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Claim {
+    /// The caller owns the operation now (`DONE`).
+    Won,
+    /// A check is running; it will act on the request when it returns "not yet".
+    Deferred,
+    /// Already finished.
+    Done,
+}
+
+#[derive(Debug)]
+pub(crate) struct State {
+    bits: AtomicU8,
+    /// The checking thread's id while `CHECKING` is set, else 0.
+    checker: AtomicU64,
+}
+
+impl State {
+    pub(crate) fn new() -> State {
+        State {
+            bits: AtomicU8::new(0),
+            checker: AtomicU64::new(0),
+        }
+    }
+
+    pub(crate) fn is_done(&self) -> bool {
+        self.bits.load(Ordering::Acquire) & DONE != 0
+    }
+
+    /// Tries to become the checker (thread `me`, never 0). Returns `false` when the
+    /// operation is finished, when another caller checks it (it is asked to check
+    /// again), or when `me` is that caller re-entering its own check.
+    pub(crate) fn begin_check(&self, me: u64) -> bool {
+        let mut s = self.bits.load(Ordering::Acquire);
+        loop {
+            let want = if s & DONE != 0 {
+                return false;
+            } else if s & CHECKING != 0 {
+                if self.checker.load(Ordering::Acquire) == me {
+                    return false;
+                }
+                s | RERUN
+            } else {
+                s | CHECKING
+            };
+            match self
+                .bits
+                .compare_exchange(s, want, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) if s & CHECKING != 0 => return false,
+                Ok(_) => {
+                    self.checker.store(me, Ordering::Release);
+                    return true;
+                }
+                Err(actual) => s = actual,
+            }
+        }
+    }
+
+    /// The owner's check completed the operation. Requests left meanwhile lose.
+    pub(crate) fn complete(&self) {
+        self.checker.store(0, Ordering::Release);
+        // A read-modify-write, like every other transition of `bits`: a plain
+        // store racing a requester's CAS is where loom found the state left at
+        // CHECKING|RERUN after completion.
+        self.bits.swap(DONE, Ordering::AcqRel);
+    }
+
+    /// The owner's check returned "not yet": release, or act on what was asked.
+    pub(crate) fn end_check(&self, me: u64) -> After {
+        // Clear the checker first: a thread must never find its own id here unless
+        // it really is the one checking (a stale id would make it drop an event).
+        self.checker.store(0, Ordering::Release);
+        let mut s = self.bits.load(Ordering::Acquire);
+        loop {
+            let (want, then) = if s & RERUN != 0 {
+                (s & !RERUN, After::Recheck)
+            } else if s & CANCEL != 0 {
+                (DONE, After::Cancel)
+            } else if s & EXPIRE != 0 {
+                (DONE, After::Expire)
+            } else {
+                (0, After::Release)
+            };
+            match self
+                .bits
+                .compare_exchange(s, want, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => {
+                    if then == After::Recheck {
+                        self.checker.store(me, Ordering::Release);
+                    }
+                    return then;
+                }
+                Err(actual) => s = actual,
+            }
+        }
+    }
+
+    /// Claims the operation for expiry or cancellation (`request` is [`EXPIRE`] or
+    /// [`CANCEL`]) unless a check runs, in which case the request is left for it.
+    pub(crate) fn claim(&self, request: u8) -> Claim {
+        let mut s = self.bits.load(Ordering::Acquire);
+        loop {
+            let want = if s & DONE != 0 {
+                return Claim::Done;
+            } else if s & CHECKING != 0 {
+                s | request
+            } else {
+                DONE
+            };
+            match self
+                .bits
+                .compare_exchange(s, want, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) if want == DONE => return Claim::Won,
+                Ok(_) => return Claim::Deferred,
+                Err(actual) => s = actual,
+            }
+        }
+    }
+}
+
+#[cfg(all(test, purgatory_loom))]
+mod loom_tests {
+    use super::*;
+    use loom::sync::atomic::{AtomicBool, AtomicUsize};
+    use loom::sync::Arc;
+    use loom::thread;
+
+    /// How an operation finished, counted per kind.
+    #[derive(Default)]
+    struct Outcomes {
+        completed: AtomicUsize,
+        expired: AtomicUsize,
+        cancelled: AtomicUsize,
+    }
+
+    impl Outcomes {
+        fn total(&self) -> usize {
+            self.completed.load(Ordering::SeqCst)
+                + self.expired.load(Ordering::SeqCst)
+                + self.cancelled.load(Ordering::SeqCst)
+        }
+    }
+
+    /// The purgatory's check loop, with "completable" read from `ready`.
+    fn check(state: &State, me: u64, ready: &AtomicBool, out: &Outcomes) {
+        if !state.begin_check(me) {
+            return;
+        }
+        loop {
+            if ready.load(Ordering::SeqCst) {
+                state.complete();
+                out.completed.fetch_add(1, Ordering::SeqCst);
+                return;
+            }
+            match state.end_check(me) {
+                After::Recheck => continue,
+                After::Release => return,
+                After::Cancel => {
+                    out.cancelled.fetch_add(1, Ordering::SeqCst);
+                    return;
+                }
+                After::Expire => {
+                    out.expired.fetch_add(1, Ordering::SeqCst);
+                    return;
+                }
+            }
+        }
+    }
+
+    fn claim(state: &State, request: u8, out: &Outcomes) {
+        if state.claim(request) == Claim::Won {
+            let counter = if request == EXPIRE {
+                &out.expired
+            } else {
+                &out.cancelled
+            };
+            counter.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    /// An event (ready, then check) racing another check: the event is never lost,
+    /// and the operation completes exactly once.
+    #[test]
+    fn event_during_a_check_is_not_lost() {
+        loom::model(|| {
+            let state = Arc::new(State::new());
+            let ready = Arc::new(AtomicBool::new(false));
+            let out = Arc::new(Outcomes::default());
+            let t = {
+                let (state, ready, out) = (state.clone(), ready.clone(), out.clone());
+                thread::spawn(move || check(&state, 1, &ready, &out))
+            };
+            ready.store(true, Ordering::SeqCst);
+            check(&state, 2, &ready, &out);
+            t.join().unwrap();
+            assert_eq!(out.completed.load(Ordering::SeqCst), 1);
+            assert_eq!(out.total(), 1);
+            assert!(
+                state.is_done(),
+                "bits {} after {} outcomes",
+                state.bits.load(Ordering::SeqCst),
+                out.total()
+            );
+        });
+    }
+
+    /// A check, an expiry and a cancel all racing: exactly one outcome.
+    #[test]
+    fn check_expiry_and_cancel_race_to_one_outcome() {
+        loom::model(|| {
+            let state = Arc::new(State::new());
+            let ready = Arc::new(AtomicBool::new(false));
+            let out = Arc::new(Outcomes::default());
+            let checker = {
+                let (state, ready, out) = (state.clone(), ready.clone(), out.clone());
+                thread::spawn(move || {
+                    ready.store(true, Ordering::SeqCst);
+                    check(&state, 1, &ready, &out);
+                })
+            };
+            let expirer = {
+                let (state, out) = (state.clone(), out.clone());
+                thread::spawn(move || claim(&state, EXPIRE, &out))
+            };
+            claim(&state, CANCEL, &out);
+            checker.join().unwrap();
+            expirer.join().unwrap();
+            assert_eq!(out.total(), 1, "exactly one outcome");
+            assert!(
+                state.is_done(),
+                "bits {} after {} outcomes",
+                state.bits.load(Ordering::SeqCst),
+                out.total()
+            );
+        });
+    }
+
+    /// A check that does not complete, racing an expiry: the expiry always
+    /// happens (directly, or by the checker after its check), never twice.
+    #[test]
+    fn expiry_during_a_failing_check_is_done_by_the_checker() {
+        loom::model(|| {
+            let state = Arc::new(State::new());
+            let ready = Arc::new(AtomicBool::new(false));
+            let out = Arc::new(Outcomes::default());
+            let checker = {
+                let (state, ready, out) = (state.clone(), ready.clone(), out.clone());
+                thread::spawn(move || check(&state, 1, &ready, &out))
+            };
+            claim(&state, EXPIRE, &out);
+            checker.join().unwrap();
+            assert_eq!(out.expired.load(Ordering::SeqCst), 1);
+            assert_eq!(out.total(), 1);
+        });
+    }
+
+    /// A check re-entering itself (its code walks its own key) neither loops nor
+    /// deadlocks, while another thread's event still triggers a re-check.
+    #[test]
+    fn reentrant_check_is_ignored_but_foreign_event_is_not() {
+        loom::model(|| {
+            let state = Arc::new(State::new());
+            let ready = Arc::new(AtomicBool::new(false));
+            let out = Arc::new(Outcomes::default());
+            let other = {
+                let (state, ready, out) = (state.clone(), ready.clone(), out.clone());
+                thread::spawn(move || {
+                    ready.store(true, Ordering::SeqCst);
+                    check(&state, 2, &ready, &out);
+                })
+            };
+            if state.begin_check(1) {
+                // Inside our own check: a nested request from this thread.
+                assert!(!state.begin_check(1));
+                loop {
+                    if ready.load(Ordering::SeqCst) {
+                        state.complete();
+                        out.completed.fetch_add(1, Ordering::SeqCst);
+                        break;
+                    }
+                    if state.end_check(1) != After::Recheck {
+                        break;
+                    }
+                }
+            }
+            other.join().unwrap();
+            assert_eq!(out.completed.load(Ordering::SeqCst), 1, "event not lost");
+        });
+    }
+}
