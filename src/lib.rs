@@ -76,7 +76,8 @@
 //!   cancellation or shutdown, however these race; its handle yields that one
 //!   outcome. Checks of one operation never overlap and never run after it
 //!   finished. (`tests/purgatory.rs`: `kafka_try_complete_with_multiple_threads`;
-//!   `tests/purgatory_model.rs`.)
+//!   `tests/purgatory_model.rs`; `tests/faults.rs`: `stress_across_threads_balances`;
+//!   and the loom models of the state machine in `src/purgatory/state.rs`.)
 //! - **No missed events.** An event that arrives while an operation registers,
 //!   or while another thread checks it, makes it check again.
 //!   (`becomes_completable_during_registration`.)
@@ -118,6 +119,32 @@
 //!   lists is a pointer-sized tombstone, removed by the next walk of that key or an
 //!   amortised purge. (`completed_payload_is_dropped_at_once_leaving_small_tombstones`,
 //!   `completion_through_one_key_drops_payload_and_purge_clears_tombstones`.)
+//!
+//! Under faults and hostile use (`tests/faults.rs`, `tests/overload.rs`):
+//!
+//! - **Re-entrancy is safe.** Timer tasks and operation code may schedule, cancel,
+//!   register, walk keys (their own included) and shut down from inside, without
+//!   deadlock. (`timer_tasks_reenter_the_timer`, `shutdown_from_inside_a_check`,
+//!   `reentrant_calls_from_operation_code_do_not_deadlock`.)
+//! - **A dropped runtime leaves nothing hanging.** Every handle resolves with an
+//!   error saying why, including handles never polled; nothing panics in `Drop`.
+//!   (`runtime_dropped_while_handles_are_awaited`,
+//!   `dropping_the_last_purgatory_resolves_handles`.)
+//! - **Handles are safe to share and to keep.** Polling from several tasks wakes
+//!   the latest; a timer handle whose slot was reused can never touch the newer
+//!   entry (generation-tagged keys); purgatory handles own their operation's cell.
+//!   (`latest_poller_is_woken`, `stale_handle_cannot_cancel_the_task_that_reuses_its_slot`.)
+//! - **Misbehaving keys cannot corrupt.** Duplicate keys are watched once; keys
+//!   whose `Hash` and `Eq` disagree at worst leave an operation to its timeout; a
+//!   churning key space shrinks back to an empty map.
+//!   (`duplicate_keys_are_watched_once`, `hash_and_eq_disagreeing_keys_fall_back_to_the_timeout`,
+//!   `key_churn_leaves_an_empty_map`.)
+//! - **Overload is refused, not queued.** At the pending limit, registrations come
+//!   back with their operation and counts never drift; without a limit, memory is
+//!   linear in pending operations and returns once they finish.
+//!   (`overload_is_refused_without_loss_and_memory_is_linear`.)
+//! - **Long runs drain.** `examples/soak.rs` runs a mixed load for any number of
+//!   minutes and checks that pending counts return to zero and memory returns.
 //!
 //! # Feature flags
 //!
