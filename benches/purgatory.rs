@@ -5,33 +5,17 @@
 //! what stays behind once they complete, and registration / completion throughput
 //! from one task on a current-thread runtime.
 
-use std::alloc::{GlobalAlloc, Layout, System};
 use std::hint::black_box;
-use std::sync::atomic::{AtomicIsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use tokio_purgatory::{Operation, Purgatory};
 
-struct Counting;
-static ALLOCATED: AtomicIsize = AtomicIsize::new(0);
-
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        ALLOCATED.fetch_add(l.size() as isize, Ordering::Relaxed);
-        unsafe { System.alloc(l) }
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        ALLOCATED.fetch_sub(l.size() as isize, Ordering::Relaxed);
-        unsafe { System.dealloc(p, l) }
-    }
-    unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
-        ALLOCATED.fetch_add(new as isize - l.size() as isize, Ordering::Relaxed);
-        unsafe { System.realloc(p, l, new) }
-    }
-}
+#[path = "../tests/support/alloc.rs"]
+mod alloc;
 
 #[global_allocator]
-static GLOBAL: Counting = Counting;
+static GLOBAL: alloc::Counting = alloc::Counting;
 
 /// A pointer-sized operation that completes once its key's event says so.
 struct Op(usize);
@@ -48,7 +32,7 @@ impl Operation for Op {
 }
 
 fn allocated() -> f64 {
-    ALLOCATED.load(Ordering::SeqCst) as f64
+    alloc::live_bytes() as f64
 }
 
 fn main() {

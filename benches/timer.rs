@@ -16,11 +16,9 @@
 //! - `BinaryHeap`: a min-heap with lazy cancellation behind a mutex, driven by one
 //!   task sleeping until the earliest deadline.
 
-use std::alloc::{GlobalAlloc, Layout, System};
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashSet};
 use std::hint::black_box;
-use std::sync::atomic::{AtomicIsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -29,42 +27,21 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 use tokio_purgatory::Timer;
 
-struct Counting;
-static ALLOCATED: AtomicIsize = AtomicIsize::new(0);
-
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        ALLOCATED.fetch_add(l.size() as isize, Ordering::Relaxed);
-        unsafe { System.alloc(l) }
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        ALLOCATED.fetch_sub(l.size() as isize, Ordering::Relaxed);
-        unsafe { System.dealloc(p, l) }
-    }
-    unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
-        ALLOCATED.fetch_add(new as isize - l.size() as isize, Ordering::Relaxed);
-        unsafe { System.realloc(p, l, new) }
-    }
-}
+#[path = "../tests/support/alloc.rs"]
+mod alloc;
 
 #[global_allocator]
-static GLOBAL: Counting = Counting;
+static GLOBAL: alloc::Counting = alloc::Counting;
 
 const BATCH: usize = 1000;
 const CANCEL_PER_BATCH: usize = 800;
 
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn delay(&mut self) -> Duration {
-        Duration::from_millis(1 + self.next() % 999)
-    }
+#[path = "../tests/support/rng.rs"]
+mod rng;
+use rng::Rng;
+
+fn delay(rng: &mut Rng) -> Duration {
+    Duration::from_millis(1 + rng.next() % 999)
 }
 
 /// One histogram for whichever implementation is running: a static, so that no
@@ -253,7 +230,7 @@ async fn produce<P: Peer>(peer: Arc<P>, n: usize, seed: u64, late: Lateness) -> 
         let m = BATCH.min(n - done);
         let t0 = std::time::Instant::now();
         for i in 0..m {
-            tokens.push(peer.schedule(rng.delay(), done + i, &late));
+            tokens.push(peer.schedule(delay(&mut rng), done + i, &late));
         }
         let t1 = std::time::Instant::now();
         let mut cancelled = 0;
@@ -343,7 +320,7 @@ async fn bytes_per_pending(name: &str, n: usize) -> f64 {
     match name {
         "tokio-purgatory" => {
             let t = Timer::new();
-            let base = ALLOCATED.load(Ordering::SeqCst);
+            let base = alloc::live_bytes();
             for i in 0..n {
                 // The handle lives on the caller's side (like DelayQueue's key);
                 // dropping it does not cancel.
@@ -351,13 +328,13 @@ async fn bytes_per_pending(name: &str, n: usize) -> f64 {
                     black_box(i);
                 }));
             }
-            let used = ALLOCATED.load(Ordering::SeqCst) - base;
+            let used = alloc::live_bytes() - base;
             let _ = t.shutdown();
             used as f64 / n as f64
         }
         "task-per-timer" => {
             let mut hs = Vec::with_capacity(n);
-            let base = ALLOCATED.load(Ordering::SeqCst);
+            let base = alloc::live_bytes();
             for i in 0..n {
                 hs.push(tokio::spawn(async move {
                     tokio::time::sleep(Duration::from_secs(3600)).await;
@@ -366,7 +343,7 @@ async fn bytes_per_pending(name: &str, n: usize) -> f64 {
             }
             tokio::task::yield_now().await;
             // The JoinHandles are the user's; count them as in the others' keys.
-            let used = ALLOCATED.load(Ordering::SeqCst) - base;
+            let used = alloc::live_bytes() - base;
             for h in hs {
                 h.abort();
             }
@@ -374,20 +351,20 @@ async fn bytes_per_pending(name: &str, n: usize) -> f64 {
         }
         "DelayQueue" => {
             let mut q = tokio_util::time::DelayQueue::new();
-            let base = ALLOCATED.load(Ordering::SeqCst);
+            let base = alloc::live_bytes();
             for i in 0..n {
                 q.insert(i, Duration::from_secs(3600));
             }
-            (ALLOCATED.load(Ordering::SeqCst) - base) as f64 / n as f64
+            (alloc::live_bytes() - base) as f64 / n as f64
         }
         _ => {
             let mut heap = BinaryHeap::new();
-            let base = ALLOCATED.load(Ordering::SeqCst);
+            let base = alloc::live_bytes();
             let now = Instant::now();
             for i in 0..n {
                 heap.push(Reverse((now + Duration::from_secs(3600), i as u64, i)));
             }
-            (ALLOCATED.load(Ordering::SeqCst) - base) as f64 / n as f64
+            (alloc::live_bytes() - base) as f64 / n as f64
         }
     }
 }

@@ -167,27 +167,9 @@ fn usage(err: &str) -> ! {
 
 // ---------------------------------------------------------------- sampling
 
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    /// Uniform in (0, 1].
-    fn unit(&mut self) -> f64 {
-        ((self.next() >> 11) as f64 + 1.0) / (1u64 << 53) as f64
-    }
-    fn normal(&mut self) -> f64 {
-        // Box-Muller.
-        (-2.0 * self.unit().ln()).sqrt() * (std::f64::consts::TAU * self.unit()).cos()
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-}
+#[path = "../tests/support/rng.rs"]
+mod rng;
+use rng::Rng;
 
 // ---------------------------------------------------------------- measurements
 
@@ -487,7 +469,9 @@ async fn run(o: Opts) -> RunResult {
     let mu = o.pct50.ln();
     let sigma = (o.pct75.ln() - mu) / 0.674490;
     let timeout = Duration::from_millis(o.timeout_ms);
-    let shared_keys: Vec<u32> = (0..o.keys).map(|_| rng.below(o.key_space) as u32).collect();
+    let shared_keys: Vec<u32> = (0..o.keys)
+        .map(|_| rng.below(o.key_space as u64) as u32)
+        .collect();
     let stop = Arc::new(tokio::sync::Notify::new());
 
     let target = match o.imp.as_str() {
@@ -591,7 +575,7 @@ async fn run(o: Opts) -> RunResult {
     for i in 0..o.num {
         // Poisson arrivals: exponential intervals. Sleep only when at least 1 ms
         // ahead, as Kafka's generator does (its clock is in ms).
-        let interval = -mean_interval_ns * o_unit(&mut rng).ln();
+        let interval = -mean_interval_ns * rng.unit().ln();
         arrival += Duration::from_nanos(interval as u64);
         let now = Instant::now();
         if arrival > now + Duration::from_millis(1) {
@@ -605,7 +589,7 @@ async fn run(o: Opts) -> RunResult {
             completes.then(|| arrival + Duration::from_secs_f64(latency_ms / 1000.0));
         if key_driven {
             for k in keys.iter_mut() {
-                *k = rng.below(o.key_space) as u32;
+                *k = rng.below(o.key_space as u64) as u32;
             }
         }
         let op = FakeOp {
@@ -688,10 +672,6 @@ async fn run(o: Opts) -> RunResult {
         p99: ms(h.value_at_quantile(0.99)),
         max: ms(h.max()),
     }
-}
-
-fn o_unit(rng: &mut Rng) -> f64 {
-    rng.unit()
 }
 
 // ---------------------------------------------------------------- driving runs

@@ -29,29 +29,14 @@ static LATENESS: Mutex<Option<Histogram<u64>>> = Mutex::new(None);
 
 /// Counts live heap bytes, so that memory this program holds can be told apart
 /// from memory the C allocator keeps after it was freed.
-struct Counting;
-static LIVE: std::sync::atomic::AtomicIsize = std::sync::atomic::AtomicIsize::new(0);
-
-unsafe impl std::alloc::GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: std::alloc::Layout) -> *mut u8 {
-        LIVE.fetch_add(l.size() as isize, Ordering::Relaxed);
-        unsafe { std::alloc::System.alloc(l) }
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: std::alloc::Layout) {
-        LIVE.fetch_sub(l.size() as isize, Ordering::Relaxed);
-        unsafe { std::alloc::System.dealloc(p, l) }
-    }
-    unsafe fn realloc(&self, p: *mut u8, l: std::alloc::Layout, new: usize) -> *mut u8 {
-        LIVE.fetch_add(new as isize - l.size() as isize, Ordering::Relaxed);
-        unsafe { std::alloc::System.realloc(p, l, new) }
-    }
-}
+#[path = "../tests/support/alloc.rs"]
+mod alloc;
 
 #[global_allocator]
-static GLOBAL: Counting = Counting;
+static GLOBAL: alloc::Counting = alloc::Counting;
 
 fn live_mb() -> f64 {
-    LIVE.load(Ordering::Relaxed) as f64 / (1024.0 * 1024.0)
+    alloc::live_bytes() as f64 / (1024.0 * 1024.0)
 }
 
 struct Op {
@@ -82,18 +67,9 @@ fn rss_mb() -> f64 {
         .map_or(0.0, |kb| kb / 1024.0)
 }
 
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
+#[path = "../tests/support/rng.rs"]
+mod rng;
+use rng::Rng;
 
 fn arg(name: &str, default: f64) -> f64 {
     let args: Vec<String> = std::env::args().collect();

@@ -1,35 +1,18 @@
 //! Overload (issue 5, row 8). One test in this binary: it counts heap bytes with a
 //! global allocator, which other tests running at once would disturb.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicBool, AtomicIsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::time::advance;
 use tokio_purgatory::{Operation, Purgatory, WatchError};
 
-struct Counting;
-static LIVE: AtomicIsize = AtomicIsize::new(0);
-
-// The crate itself forbids unsafe code; a test needs it only to count bytes.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        LIVE.fetch_add(l.size() as isize, Ordering::Relaxed);
-        unsafe { System.alloc(l) }
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        LIVE.fetch_sub(l.size() as isize, Ordering::Relaxed);
-        unsafe { System.dealloc(p, l) }
-    }
-    unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
-        LIVE.fetch_add(new as isize - l.size() as isize, Ordering::Relaxed);
-        unsafe { System.realloc(p, l, new) }
-    }
-}
+#[path = "support/alloc.rs"]
+mod alloc;
 
 #[global_allocator]
-static GLOBAL: Counting = Counting;
+static GLOBAL: alloc::Counting = alloc::Counting;
 
 struct Op(Arc<AtomicBool>, u64);
 
@@ -113,7 +96,7 @@ async fn overload_is_refused_without_loss_and_memory_is_linear() {
     // returns once they expire: no queue of expired work builds up anywhere.
     let q: Purgatory<u32, Op> = Purgatory::builder("unlimited").build().unwrap();
     let never = Arc::new(AtomicBool::new(false));
-    let base = LIVE.load(Ordering::SeqCst);
+    let base = alloc::live_bytes();
     let mut at = Vec::new();
     for n in [20_000u64, 40_000, 80_000] {
         for i in 0..n / 2 {
@@ -125,7 +108,7 @@ async fn overload_is_refused_without_loss_and_memory_is_linear() {
             .unwrap()
             .detach();
         }
-        at.push((q.delayed(), LIVE.load(Ordering::SeqCst) - base));
+        at.push((q.delayed(), alloc::live_bytes() - base));
     }
     // Pending 10k, 30k, 70k: bytes per pending operation stay within 25% of each
     // other (linear, no hidden per-operation growth).
@@ -145,7 +128,7 @@ async fn overload_is_refused_without_loss_and_memory_is_linear() {
     // What stays is bounded, not proportional to the burst: each timer shard keeps
     // its first slab page, and the watcher shards keep their table capacity.
     // (Measured: about 65 KB after a 14 MB peak.)
-    let left = LIVE.load(Ordering::SeqCst) - base;
+    let left = alloc::live_bytes() - base;
     let peak = at.last().unwrap().1;
     assert!(
         left < peak / 20,

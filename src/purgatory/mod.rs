@@ -200,23 +200,7 @@ impl<K, O> std::fmt::Debug for PurgatoryBuilder<K, O> {
 }
 
 impl<K: WatchKey, O: Operation> PurgatoryBuilder<K, O> {
-    /// The timer's tick (default 1 ms); see [`TimerBuilder::tick`](crate::TimerBuilder::tick).
-    pub fn tick(mut self, tick: Duration) -> Self {
-        self.wheel.tick = tick;
-        self
-    }
-
-    /// Slots per wheel level, 2 to 64 (default 64).
-    pub fn slots_per_level(mut self, slots: usize) -> Self {
-        self.wheel.slots = slots;
-        self
-    }
-
-    /// Wheel levels (default 6).
-    pub fn levels(mut self, levels: usize) -> Self {
-        self.wheel.levels = levels;
-        self
-    }
+    crate::timer::wheel_setters!();
 
     /// Independently locked timer wheels (default: the machine's parallelism, at
     /// most 16).
@@ -228,13 +212,6 @@ impl<K: WatchKey, O: Operation> PurgatoryBuilder<K, O> {
     /// Independently locked parts of the watcher map (default 64).
     pub fn watcher_shards(mut self, shards: usize) -> Self {
         self.watcher_shards = shards;
-        self
-    }
-
-    /// Most expiries the reaper runs from one timer shard before yielding
-    /// (default 1024).
-    pub fn batch_size(mut self, batch: usize) -> Self {
-        self.wheel.batch = batch;
         self
     }
 

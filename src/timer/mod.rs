@@ -168,6 +168,42 @@ pub(crate) fn runtime_handle(
     }
 }
 
+/// The wheel settings both builders share (the timer's and the purgatory's).
+macro_rules! wheel_setters {
+    () => {
+        /// The tick: the wheel's unit of time (default 1 ms). Deadlines are rounded
+        /// up to whole ticks, so a timeout is late by less than one tick, never
+        /// early. A larger tick means fewer reaper wake-ups for dense timeouts.
+        pub fn tick(mut self, tick: Duration) -> Self {
+            self.wheel.tick = tick;
+            self
+        }
+
+        /// Slots per wheel level, 2 to 64 (default 64). Powers of two are fastest.
+        pub fn slots_per_level(mut self, slots: usize) -> Self {
+            self.wheel.slots = slots;
+            self
+        }
+
+        /// Number of wheel levels (default 6: with 64 slots of 1 ms, 2^36 ms, about
+        /// 2.2 years). Later deadlines are still accepted and never fire early;
+        /// they wait in an overflow list revisited once per turn of the top level.
+        pub fn levels(mut self, levels: usize) -> Self {
+            self.wheel.levels = levels;
+            self
+        }
+
+        /// Most entries the reaper expires from one shard before yielding to other
+        /// tasks (default 1024), so a million timeouts sharing a deadline cannot
+        /// starve the runtime.
+        pub fn batch_size(mut self, batch: usize) -> Self {
+            self.wheel.batch = batch;
+            self
+        }
+    };
+}
+pub(crate) use wheel_setters;
+
 /// Builds a [`Timer`]: wheel shape, tick, sharding and an optional limit.
 ///
 /// # Examples
@@ -194,41 +230,13 @@ pub struct TimerBuilder {
 }
 
 impl TimerBuilder {
-    /// The tick: the wheel's unit of time (default 1 ms). Deadlines are rounded
-    /// up to whole ticks, so a timeout is late by less than one tick, never early.
-    /// A larger tick means fewer reaper wake-ups for dense timeouts.
-    pub fn tick(mut self, tick: Duration) -> Self {
-        self.wheel.tick = tick;
-        self
-    }
-
-    /// Slots per wheel level, 2 to 64 (default 64). Powers of two are fastest.
-    pub fn slots_per_level(mut self, slots: usize) -> Self {
-        self.wheel.slots = slots;
-        self
-    }
-
-    /// Number of wheel levels (default 6: with 64 slots of 1 ms, 2^36 ms, about
-    /// 2.2 years). Later deadlines are still accepted and never fire early; they
-    /// wait in an overflow list revisited once per turn of the top level.
-    pub fn levels(mut self, levels: usize) -> Self {
-        self.wheel.levels = levels;
-        self
-    }
+    wheel_setters!();
 
     /// Number of independently locked wheels (default: the machine's parallelism,
     /// at most 16). A thread always inserts into the same shard, so producers on
     /// different threads rarely contend.
     pub fn shards(mut self, shards: usize) -> Self {
         self.wheel.shards = shards;
-        self
-    }
-
-    /// Most entries the reaper expires from one shard before yielding to other
-    /// tasks (default 1024), so a million timers sharing a deadline cannot starve
-    /// the runtime.
-    pub fn batch_size(mut self, batch: usize) -> Self {
-        self.wheel.batch = batch;
         self
     }
 
