@@ -185,14 +185,12 @@ fn cpu_ms() -> u64 {
     ticks * 1000 / 100 // USER_HZ is 100 on Linux
 }
 
-/// Peak resident set size in MB, from /proc/self/status.
+#[path = "../tests/support/proc.rs"]
+mod procfs;
+
+/// Peak resident set size in MB.
 fn peak_rss_mb() -> f64 {
-    std::fs::read_to_string("/proc/self/status")
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
-        .map_or(0.0, |kb| kb / 1024.0)
+    procfs::status_mb("VmHWM")
 }
 
 #[derive(Default)]

@@ -58,13 +58,11 @@ impl Operation for Op {
     }
 }
 
+#[path = "../tests/support/proc.rs"]
+mod procfs;
+
 fn rss_mb() -> f64 {
-    std::fs::read_to_string("/proc/self/status")
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
-        .map_or(0.0, |kb| kb / 1024.0)
+    procfs::status_mb("VmRSS")
 }
 
 #[path = "../tests/support/rng.rs"]
