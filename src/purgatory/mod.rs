@@ -482,7 +482,10 @@ impl<K: WatchKey, O: Operation> Purgatory<K, O> {
         let cell = Arc::new(OpCell::new(op, keys.len() as u32, shared.clone()));
         shared.watched.fetch_add(keys.len(), Ordering::AcqRel);
         shared.watchers.watch(&keys, &cell);
-        cell.check();
+        if cell.check() {
+            // Completed by the check after watching: no timeout to start.
+            return Ok(OperationHandle::waiting(cell));
+        }
         match shared.core.insert(deadline, Expiry(cell.clone())) {
             Ok(key) => cell.set_timer(key),
             Err(Refused::Closed(job, why)) => {
