@@ -270,9 +270,7 @@ impl<J: Job> Core<J> {
         let job = {
             let mut s = self.lock(key.shard as usize);
             let job = s.wheel.remove(key.key);
-            if s.wheel.len() == 0 {
-                s.wheel.shrink();
-            }
+            s.wheel.shrink(); // a no-op unless that emptied the wheel
             job
         };
         if job.is_some() {
@@ -342,10 +340,8 @@ impl<J: Job> Core<J> {
                 }
                 let drained = scratch.len() < run;
                 let shard_next = if drained {
-                    if s.wheel.len() == 0 {
-                        // Give back a drained burst's slab (cheap when already small).
-                        s.wheel.shrink();
-                    }
+                    // Give back a drained burst's slab (a no-op unless empty).
+                    s.wheel.shrink();
                     Some(s.wheel.next_expiration())
                 } else {
                     None
@@ -363,8 +359,10 @@ impl<J: Job> Core<J> {
                     break n;
                 }
                 if taken >= self.batch {
+                    // More is due now: the reaper takes another turn at once, so
+                    // this shard's next deadline is not needed.
                     more = true;
-                    break self.lock(i).wheel.next_expiration();
+                    break None;
                 }
             };
             next = next.min(shard_next.unwrap_or(u64::MAX));
