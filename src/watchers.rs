@@ -6,7 +6,7 @@
 //! A key whose list becomes empty is removed in the same critical section that
 //! emptied it, so it cannot race a concurrent watch of the same key.
 
-use std::collections::hash_map::{Entry, RandomState};
+use std::collections::hash_map::RandomState;
 use std::collections::HashMap;
 use std::hash::{BuildHasher, Hash};
 use std::sync::{Mutex, MutexGuard};
@@ -55,6 +55,18 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
         out: &mut Vec<V>,
         done: impl Fn(&V) -> bool,
     ) -> usize {
+        self.retain(key, done, |v| out.push(v.clone()))
+    }
+
+    /// Drops `key`'s done entries. Returns how many.
+    pub(crate) fn prune(&self, key: &K, done: impl Fn(&V) -> bool) -> usize {
+        self.retain(key, done, |_| {})
+    }
+
+    /// Drops `key`'s done entries, showing each kept one to `kept`, and removes the
+    /// key when its list empties (in the same critical section, so a concurrent
+    /// watch of the key cannot be lost). Returns how many were dropped.
+    fn retain(&self, key: &K, done: impl Fn(&V) -> bool, mut kept: impl FnMut(&V)) -> usize {
         let mut map = self.shard(key);
         let Some(list) = map.get_mut(key) else {
             return 0;
@@ -63,28 +75,13 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
         list.retain(|v| {
             let keep = !done(v);
             if keep {
-                out.push(v.clone());
+                kept(v);
             }
             keep
         });
         let dropped = before - list.len();
         if list.is_empty() {
             map.remove(key);
-        }
-        dropped
-    }
-
-    /// Drops `key`'s done entries. Returns how many.
-    pub(crate) fn prune(&self, key: &K, done: impl Fn(&V) -> bool) -> usize {
-        let mut map = self.shard(key);
-        let Entry::Occupied(mut e) = map.entry(key.clone()) else {
-            return 0;
-        };
-        let before = e.get().len();
-        e.get_mut().retain(|v| !done(v));
-        let dropped = before - e.get().len();
-        if e.get().is_empty() {
-            e.remove();
         }
         dropped
     }

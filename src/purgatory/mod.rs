@@ -44,12 +44,24 @@ impl<K: WatchKey, O: Operation> Job for Expiry<K, O> {
     }
 
     fn abandon(self, why: Closed) {
-        let err = match why {
-            Closed::Shutdown => OperationError::Shutdown,
-            Closed::ReaperGone => OperationError::ReaperGone,
-        };
         // Dropped unrun: the purgatory itself is gone, or its reaper is.
-        drop(self.0.cancel(err, Fate::Cancelled));
+        drop(self.0.cancel(closed_error(why), Fate::Cancelled));
+    }
+}
+
+/// What a handle sees when the purgatory closed under its operation.
+fn closed_error(why: Closed) -> OperationError {
+    match why {
+        Closed::Shutdown => OperationError::Shutdown,
+        Closed::ReaperGone => OperationError::ReaperGone,
+    }
+}
+
+/// How a registration refused because the purgatory closed hands `op` back.
+fn closed_refusal<O>(op: O, why: Closed) -> WatchError<O> {
+    match why {
+        Closed::Shutdown => WatchError::Shutdown(op),
+        Closed::ReaperGone => WatchError::ReaperGone(op),
     }
 }
 
@@ -451,10 +463,8 @@ impl<K: WatchKey, O: Operation> Purgatory<K, O> {
         if keys.is_empty() {
             return Err(WatchError::NoKeys(op));
         }
-        match shared.core.closed() {
-            Some(Closed::Shutdown) => return Err(WatchError::Shutdown(op)),
-            Some(Closed::ReaperGone) => return Err(WatchError::ReaperGone(op)),
-            None => {}
+        if let Some(why) = shared.core.closed() {
+            return Err(closed_refusal(op, why));
         }
         let delayed = shared.delayed.fetch_add(1, Ordering::AcqRel);
         if shared.max_pending.is_some_and(|max| delayed >= max) {
@@ -492,18 +502,11 @@ impl<K: WatchKey, O: Operation> Purgatory<K, O> {
                 drop(job);
                 // A shutdown ran during registration. If it did not take the
                 // operation, hand it back here.
-                let err = match why {
-                    Closed::Shutdown => OperationError::Shutdown,
-                    Closed::ReaperGone => OperationError::ReaperGone,
-                };
-                if let Some(op) = cell.cancel(err, Fate::HandedBack) {
+                if let Some(op) = cell.cancel(closed_error(why), Fate::HandedBack) {
                     for key in &keys {
                         shared.on_removed(shared.watchers.prune(key, |c| c.is_done()));
                     }
-                    return Err(match why {
-                        Closed::Shutdown => WatchError::Shutdown(op),
-                        Closed::ReaperGone => WatchError::ReaperGone(op),
-                    });
+                    return Err(closed_refusal(op, why));
                 }
             }
             Err(Refused::AtCapacity(_)) => unreachable!("the purgatory's timer has no limit"),
