@@ -82,13 +82,17 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
         let dropped = before - list.len();
         if list.is_empty() {
             map.remove(key);
+            shrink_if_sparse(&mut map);
         }
         dropped
     }
 
     /// Removes `key` and returns its whole list.
     pub(crate) fn take(&self, key: &K) -> Vec<V> {
-        self.shard(key).remove(key).unwrap_or_default()
+        let mut map = self.shard(key);
+        let list = map.remove(key).unwrap_or_default();
+        shrink_if_sparse(&mut map);
+        list
     }
 
     /// Drops every done entry of every key. Returns how many.
@@ -102,10 +106,7 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
                 dropped += before - list.len();
                 !list.is_empty()
             });
-            if map.is_empty() && map.capacity() > 64 {
-                // Give back the table after a burst of keys.
-                map.shrink_to_fit();
-            }
+            shrink_if_sparse(&mut map);
         }
         dropped
     }
@@ -128,8 +129,70 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
     }
 }
 
+/// Gives back most of a shard's table once it has far more room than keys (a
+/// burst of keys has passed), so the map's memory follows the live key count, not
+/// its peak. It shrinks to twice the length: the map can grow again without a
+/// resize, and the next shrink waits until it loses most of its keys again, so
+/// each rehash is paid for by the removals before it (amortised O(1)).
+fn shrink_if_sparse<K: Hash + Eq, V>(map: &mut HashMap<K, Vec<V>>) {
+    if map.capacity() > 64 && map.len() * 8 < map.capacity() {
+        map.shrink_to(map.len() * 2);
+    }
+}
+
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // No user code runs under these locks, so poisoning can only come from an
     // allocation failure; the map is still consistent then.
     m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn capacity(w: &Watchers<u32, u32>) -> usize {
+        w.shards.iter().map(|s| lock(&s.0).capacity()).sum()
+    }
+
+    #[test]
+    fn table_follows_the_live_key_count_not_its_peak() {
+        let w: Watchers<u32, u32> = Watchers::new(4);
+        for k in 0..100_000 {
+            w.watch(&[k], &k);
+        }
+        let peak = capacity(&w);
+        assert!(peak >= 100_000);
+        // Walk all but 100 keys away, half by pruning and half by taking.
+        for k in 100..100_000 {
+            if k % 2 == 0 {
+                assert_eq!(w.prune(&k, |_| true), 1);
+            } else {
+                assert_eq!(w.take(&k), vec![k]);
+            }
+        }
+        assert_eq!(w.keys(), 100);
+        let left = capacity(&w);
+        assert!(
+            left <= 100 * 8,
+            "capacity {left} for 100 keys (peak {peak})"
+        );
+        // The survivors are intact and the map still works.
+        for k in 0..100 {
+            assert_eq!(w.take(&k), vec![k]);
+        }
+        assert_eq!(w.keys(), 0);
+        w.watch(&[7], &7);
+        assert_eq!(w.take(&7), vec![7]);
+    }
+
+    #[test]
+    fn purge_shrinks_the_table_too() {
+        let w: Watchers<u32, u32> = Watchers::new(2);
+        for k in 0..50_000 {
+            w.watch(&[k], &k);
+        }
+        assert_eq!(w.purge(|v| *v >= 10), 49_990);
+        assert_eq!(w.keys(), 10);
+        assert!(capacity(&w) <= 10 * 8, "capacity {}", capacity(&w));
+    }
 }
