@@ -31,3 +31,30 @@ unsafe impl GlobalAlloc for Counting {
 pub fn live_bytes() -> isize {
     LIVE.load(Ordering::SeqCst)
 }
+
+/// Asks the C allocator to give freed memory back to the system, so that RSS
+/// shows what the process holds rather than what the allocator keeps cached.
+///
+/// glibc returns a thread arena's free memory only when a large free (64 KiB or
+/// more) in that arena triggers a trim, and keeps every small freed chunk
+/// resident until then. A program whose allocations are all small, like a
+/// purgatory's, can free everything and still show its peak RSS. `malloc_trim(0)`
+/// consolidates every arena and releases their free pages; live memory cannot be
+/// released, so a leak still shows. Returns whether a trim was asked for (only
+/// on glibc).
+pub fn trim() -> bool {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        extern "C" {
+            fn malloc_trim(pad: usize) -> std::ffi::c_int;
+        }
+        // SAFETY: malloc_trim takes no pointers and is thread-safe; it only
+        // releases pages the allocator owns and no live allocation uses.
+        unsafe { malloc_trim(0) };
+        true
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    {
+        false
+    }
+}
