@@ -12,8 +12,8 @@
 //! also carries retry-style tasks, half of them cancelled. Once a second it prints
 //! RSS, pending counts and expiry lateness. After the load it waits for the
 //! purgatory and timer to drain and exits non-zero unless pending counts are zero,
-//! the counters balance, the live heap is back to its size before the load, and
-//! RSS is back within 10% of its level before the load.
+//! the counters balance, the live heap is back within 10% (plus 50 KB) of its size
+//! before the load, and RSS is back within 10% of its level before the load.
 //!
 //! RSS measures what the process holds only if the C allocator gives freed memory
 //! back, and glibc's defaults do not. Each thread keeps up to seven freed chunks

@@ -35,13 +35,13 @@ pub fn live_bytes() -> isize {
 /// Asks the C allocator to give freed memory back to the system, so that RSS
 /// shows what the process holds rather than what the allocator keeps cached.
 ///
-/// glibc returns a thread arena's free memory only when a large free (64 KiB or
-/// more) in that arena triggers a trim, and keeps every small freed chunk
-/// resident until then. A program whose allocations are all small, like a
+/// By itself glibc gives memory back only from the top of an arena, and only
+/// when a free leaves a free block of 64 KiB or more; small freed chunks below
+/// the top stay resident. A program whose allocations are all small, like a
 /// purgatory's, can free everything and still show its peak RSS. `malloc_trim(0)`
-/// consolidates every arena and releases their free pages; live memory cannot be
-/// released, so a leak still shows. Returns whether a trim was asked for (only
-/// on glibc).
+/// consolidates every arena and releases the free pages anywhere in it; live
+/// memory cannot be released, so a leak still shows. Returns whether a trim was
+/// asked for (only on glibc).
 pub fn trim() -> bool {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {
