@@ -459,10 +459,14 @@ impl<T> Wheel<T> {
         e.value.take().expect("occupied entry holds a value")
     }
 
-    /// Frees the slab when the wheel is empty and holds more than one page, so a
-    /// burst's memory is given back once it has drained. Returns whether it did.
+    /// Frees the slab when the wheel is empty and its storage is more than a small
+    /// first page, so a burst's memory is given back once it has drained and a
+    /// drained wheel holds the same (at most `KEEP_WHEN_EMPTY` entries) whatever
+    /// its history. A wheel that keeps emptying and refilling with more entries
+    /// than that regrows its first page each time: a few reallocations a cycle,
+    /// small beside the entries themselves. Returns whether it freed anything.
     pub(crate) fn shrink(&mut self) -> bool {
-        if self.len != 0 || self.entries.pages.len() <= 1 {
+        if self.len != 0 || self.entries.capacity() <= KEEP_WHEN_EMPTY {
             return false;
         }
         self.entries.clear();
@@ -501,6 +505,9 @@ struct Pages<E> {
     len: u32,
 }
 
+/// Slab capacity (entries) a drained wheel may keep rather than free.
+const KEEP_WHEN_EMPTY: usize = 64;
+
 const PAGE_BITS: u32 = 12;
 const PAGE: usize = 1 << PAGE_BITS;
 
@@ -514,6 +521,11 @@ impl<E> Pages<E> {
 
     fn len(&self) -> u32 {
         self.len
+    }
+
+    /// Entries the pages can hold without allocating.
+    fn capacity(&self) -> usize {
+        self.pages.iter().map(Vec::capacity).sum()
     }
 
     fn push(&mut self, e: E) {
@@ -718,6 +730,25 @@ mod tests {
             assert_eq!(w.remove(*k), None, "a key from before the shrink matched");
         }
         assert_eq!(w.remove(fresh), Some(7));
+    }
+
+    #[test]
+    fn a_drained_wheel_keeps_at_most_a_small_page_whatever_its_history() {
+        let mut w = Wheel::new(64, 6).unwrap();
+        // One partly grown page (no second page) is freed too.
+        for i in 0..1000 {
+            w.insert(5 + i % 100, i);
+        }
+        assert_eq!(w.entries.pages.len(), 1);
+        assert_eq!(drain_due(&mut w, 1000).len(), 1000);
+        assert!(w.shrink());
+        assert_eq!(w.entries.capacity(), 0);
+        // A small wheel keeps its page: no churn for a timer of a few entries.
+        let k = w.insert(3, 1);
+        assert_eq!(w.remove(k), Some(1));
+        assert!(!w.shrink());
+        assert!(w.entries.capacity() > 0);
+        assert!(w.entries.capacity() <= KEEP_WHEN_EMPTY);
     }
 
     #[test]
