@@ -108,10 +108,8 @@ const NO_TCACHE: &str = "glibc.malloc.tcache_count=0";
 fn main() {
     let defaults = std::env::args().any(|a| a == "--allocator-defaults");
     let tunables = std::env::var("GLIBC_TUNABLES").unwrap_or_default();
-    if cfg!(all(target_os = "linux", target_env = "gnu"))
-        && !defaults
-        && !tunables.contains("tcache_count")
-    {
+    let glibc = cfg!(all(target_os = "linux", target_env = "gnu"));
+    if glibc && !defaults && !tunables.contains("tcache_count") {
         // Tunables are read at process start, so the setting needs a new process.
         let tunables = if tunables.is_empty() {
             NO_TCACHE.to_string()
@@ -125,7 +123,7 @@ fn main() {
             .expect("run the soak again with the allocator set");
         std::process::exit(status.code().unwrap_or(1));
     }
-    let allocator = if cfg!(all(target_os = "linux", target_env = "gnu")) {
+    let allocator = if glibc {
         if tunables.contains("tcache_count") {
             format!("glibc, GLIBC_TUNABLES={tunables}")
         } else {

@@ -40,9 +40,8 @@ pub fn live_bytes() -> isize {
 /// the top stay resident. A program whose allocations are all small, like a
 /// purgatory's, can free everything and still show its peak RSS. `malloc_trim(0)`
 /// consolidates every arena and releases the free pages anywhere in it; live
-/// memory cannot be released, so a leak still shows. Returns whether a trim was
-/// asked for (only on glibc).
-pub fn trim() -> bool {
+/// memory cannot be released, so a leak still shows. Does nothing off glibc.
+pub fn trim() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {
         extern "C" {
@@ -51,10 +50,5 @@ pub fn trim() -> bool {
         // SAFETY: malloc_trim takes no pointers and is thread-safe; it only
         // releases pages the allocator owns and no live allocation uses.
         unsafe { malloc_trim(0) };
-        true
-    }
-    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-    {
-        false
     }
 }
