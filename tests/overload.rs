@@ -125,10 +125,10 @@ async fn overload_is_refused_without_loss_and_memory_is_linear() {
     for k in (0..1000).chain([5000]) {
         q.try_complete_watched(&k);
     }
-    // What stays is bounded, not proportional to the burst: each timer shard keeps
-    // its first slab page, and a watcher shard keeps at most a small table (room
-    // for 64 keys; larger ones shrink as keys go). (Measured: about 65 KB after a
-    // 14 MB peak.)
+    // What stays is bounded, not proportional to the burst: a drained timer shard
+    // keeps at most 64 slab entries, and a watcher shard at most a small table
+    // (room for 64 keys; larger ones shrink as keys go). Measured: about 65 KB
+    // after a 14 MB peak.
     let left = alloc::live_bytes() - base;
     let peak = at.last().unwrap().1;
     assert!(
