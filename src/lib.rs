@@ -108,17 +108,23 @@
 //!   is aborted, pending handles resolve with [`OperationError::ReaperGone`] and
 //!   registration fails with the operation handed back.
 //!   (`reaper_gone_resolves_handles_and_refuses_registration`.)
-//! - **User panics are contained.** A panicking check, expiry or timer task is
-//!   caught and reported through `tracing`; other operations still complete and
-//!   expire. (`panicking_check_and_expiry_are_contained`,
-//!   `a_panicking_task_is_contained_and_later_timers_fire`.)
-//! - **No lock is held while user code runs**, so operations may call back into
-//!   the purgatory, including `shutdown()`.
-//!   (`reentrant_calls_from_operation_code_do_not_deadlock`, `shutdown_from_inside_a_task_works`.)
-//! - **Finished operations free their memory at once**; what stays in other keys'
-//!   lists is a pointer-sized tombstone, removed by the next walk of that key or an
-//!   amortised purge. (`completed_payload_is_dropped_at_once_leaving_small_tombstones`,
-//!   `completion_through_one_key_drops_payload_and_purge_clears_tombstones`.)
+//! - **User panics are contained.** A panicking check, expiry or timer task, and
+//!   a panicking `Drop` of any operation, output, key or task the crate drops, is
+//!   caught, counted and reported through `tracing`; the call that ran it finishes
+//!   its work, every handle resolves, other operations still complete and expire.
+//!   A panic in a key's `Hash`, `Eq` or `Clone` propagates to the caller, with the
+//!   purgatory left as it was before the call.
+//! - **No lock of ours is held while operation code runs**, nor while the crate
+//!   drops a user value, so operations, outputs, keys and tasks may call back in
+//!   (including `shutdown()`) from their code and their `Drop`. Two locks do
+//!   surround user code, by design: an operation's own lock around its
+//!   `try_complete` (checks of one operation never overlap), and a watcher-map
+//!   shard lock around a key's `Hash`, `Eq` and `Clone`, which must not call back in.
+//! - **Finished operations free their memory at once**: the operation at once, an
+//!   output as soon as its handle reads it or is dropped. What stays in other
+//!   keys' lists is a tombstone keeping the operation's cell
+//!   ([`Purgatory::cell_bytes`]), removed by the next walk of that key or an
+//!   amortised purge, and counted in [`PurgatoryMetrics::tombstones`].
 //!
 //! Under faults and hostile use (`tests/faults.rs`, `tests/overload.rs`):
 //!
@@ -164,15 +170,16 @@
 //!   bitmaps to find the next bucket without scanning. Entries cascade down
 //!   the levels, so none fires early. Unlike Kafka's it is pure (no clock, no locks)
 //!   and needs no `DelayQueue` of buckets: the bitmaps answer "what is next".
-//! - **The reaper** is one Tokio task per timer or purgatory. It owns the only
-//!   calls to Tokio's clock, sleeps until the earliest bucket of any shard, and is
-//!   re-armed by inserts of earlier deadlines (a `fetch_min` on the wake target
-//!   plus a [`tokio::sync::Notify`]). Expired work runs on the reaper in bounded
+//! - **The reaper** is one Tokio task per timer or purgatory. It reads Tokio's
+//!   clock once per turn, sleeps until the earliest bucket of any shard, and is
+//!   re-armed by inserts of earlier deadlines made while it sleeps (a
+//!   compare-and-swap on the wake target plus a [`tokio::sync::Notify`]); inserts
+//!   made during its turn lower the target without waking it again. Expired work runs on the reaper in bounded
 //!   batches with every lock released; there is no unbounded queue of expired work.
 //! - **The watcher map** is a sharded `HashMap<K, Vec<cell>>`. A key's list is
 //!   copied under its lock and checked outside it.
 //! - **The purgatory** ties them: each operation lives in a small cell with an
-//!   atomic state machine (see `purgatory/operation.rs`) that serialises checks
+//!   atomic state machine (see `purgatory/state.rs`) that serialises checks
 //!   and lets expiry or cancellation that arrive mid-check be done by the checker.
 //!
 //! Kafka's bugs this design avoids by construction: lost completions under lock
@@ -191,6 +198,7 @@
 )]
 #![doc(test(attr(deny(warnings))))]
 
+mod loom;
 pub mod purgatory;
 mod reaper;
 pub mod timer;

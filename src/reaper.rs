@@ -1,30 +1,45 @@
 //! The concurrent timer core and its reaper task.
 //!
-//! This is the only module that reads Tokio's clock. It wraps the pure
-//! [`Wheel`](crate::wheel::Wheel) in `N` mutex-guarded shards (an inserting thread
-//! keeps to one shard, so producers on different threads rarely meet), converts
-//! [`Instant`]s to ticks, and runs the reaper: one Tokio task that sleeps until the
-//! earliest bucket of any shard is due, takes the due entries out in bounded batches
-//! under the shard lock, and runs them with every lock released.
+//! It wraps the pure [`Wheel`](crate::wheel::Wheel) in `N` mutex-guarded shards (an
+//! inserting thread keeps to one shard, so producers on different threads rarely
+//! meet), converts [`Instant`]s to ticks, and runs the reaper: one Tokio task that
+//! sleeps until the earliest bucket of any shard is due, takes the due entries out
+//! in bounded batches under the shard lock, and runs them with every lock released.
+//!
+//! # Ground rules
+//!
+//! - **Under a shard lock** only the wheel's own arithmetic runs: inserting,
+//!   removing, polling and draining entries. Jobs are moved out of the wheel and
+//!   run, dropped or handed back after the lock is released, so no user code (a
+//!   task, a task's `Drop`, an operation's cell) ever runs under it.
+//! - **The clock.** The reaper reads Tokio's clock once per turn; inserts are given
+//!   the caller's "now" (registration and `schedule` read it to compute the
+//!   deadline anyway), so that a deadline already past is due at once instead of
+//!   being rounded up to the next tick.
 //!
 //! # The wake protocol
 //!
-//! `next_wake` holds the tick the reaper is sleeping until (`u64::MAX`: not
-//! sleeping on any deadline). At the start of a turn the reaper stores `u64::MAX`, so
-//! an insert that lands during the turn lowers it and notifies; at the end it
-//! `fetch_min`s in its own answer, which keeps any lower value an inserter wrote.
-//! An inserter notifies only when it lowers `next_wake`, so inserts later than the
-//! reaper's target cost one atomic load. [`Notify`] keeps a permit, so a
-//! notification sent while the reaper is busy is not lost.
+//! [`WakeTarget`] holds the tick the reaper will next wake at, and a bit saying the
+//! reaper is in a turn (awake, and will read the target again before sleeping).
+//! An insert lowers the target with a compare-and-swap, and notifies the reaper
+//! only when it lowered the target of a reaper that is *asleep*. An insert during
+//! a turn (a task rescheduling itself, or a producer racing the reaper) lowers the
+//! target silently, and the reaper picks it up when it ends the turn: one wake-up
+//! per distinct due time. Inserts later than the target cost one atomic load.
+//! [`Notify`] keeps a permit, so a notification sent between the end of a turn and
+//! the start of the sleep is not lost. Loom checks the protocol (`loom_wake`).
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
+
+use crate::loom::MutexGuard;
 use std::time::Duration;
 
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
+use crate::loom::{lock, Mutex};
 use crate::wheel::{Key, Wheel};
 
 /// Work stored in the wheel: what to do when it expires, and when it is cleared out
@@ -109,6 +124,18 @@ impl Clock {
         ns.div_ceil(self.tick_ns)
     }
 
+    /// The tick an entry inserted at `now` with `deadline` is due in: rounded up
+    /// (never early), except that a deadline already reached is due in `now`'s
+    /// own tick, so it runs on the reaper's next turn instead of waiting for the
+    /// next tick boundary.
+    pub(crate) fn tick_for(&self, now: Instant, deadline: Instant) -> u64 {
+        if deadline <= now {
+            self.now_tick(now)
+        } else {
+            self.deadline_tick(deadline)
+        }
+    }
+
     /// The last whole tick that has passed at `now`.
     pub(crate) fn now_tick(&self, now: Instant) -> u64 {
         self.nanos_since_origin(now) / self.tick_ns
@@ -156,7 +183,7 @@ pub(crate) struct Counters {
 pub(crate) struct Core<J> {
     shards: Box<[Padded<Mutex<Shard<J>>>]>,
     clock: Clock,
-    next_wake: AtomicU64,
+    wake: WakeTarget,
     notify: Notify,
     state: AtomicU8,
     /// Pending jobs, kept only when a limit is set (a shared counter is the one
@@ -191,7 +218,7 @@ impl<J: Job> Core<J> {
         let core = Arc::new(Core {
             shards,
             clock: Clock::new(Instant::now(), config.tick),
-            next_wake: AtomicU64::new(u64::MAX),
+            wake: WakeTarget::new(),
             notify: Notify::new(),
             state: AtomicU8::new(RUNNING),
             pending: AtomicUsize::new(0),
@@ -206,12 +233,7 @@ impl<J: Job> Core<J> {
     }
 
     fn lock(&self, shard: usize) -> MutexGuard<'_, Shard<J>> {
-        // A panic never happens while a shard is locked (user code runs unlocked),
-        // but recover from poisoning rather than propagate it to every caller.
-        self.shards[shard]
-            .0
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        lock(&self.shards[shard].0)
     }
 
     /// Why the core is closed, if it is.
@@ -223,15 +245,21 @@ impl<J: Job> Core<J> {
         }
     }
 
-    /// Inserts `job` to expire at `deadline`.
-    pub(crate) fn insert(&self, deadline: Instant, job: J) -> Result<TimerKey, Refused<J>> {
+    /// Inserts `job` to expire at `deadline`; `now` is the caller's reading of the
+    /// clock (see [`Clock::tick_for`]).
+    pub(crate) fn insert(
+        &self,
+        now: Instant,
+        deadline: Instant,
+        job: J,
+    ) -> Result<TimerKey, Refused<J>> {
         if let Some(max) = self.max_pending {
             if self.pending.fetch_add(1, Ordering::AcqRel) >= max {
                 self.pending.fetch_sub(1, Ordering::AcqRel);
                 return Err(Refused::AtCapacity(job));
             }
         }
-        let tick = self.clock.deadline_tick(deadline);
+        let tick = self.clock.tick_for(now, deadline);
         let shard = SHARD_HINT.with(|h| *h) % self.shards.len();
         let key = {
             let mut s = self.lock(shard);
@@ -243,20 +271,8 @@ impl<J: Job> Core<J> {
             }
             s.wheel.insert(tick, job)
         };
-        let mut cur = self.next_wake.load(Ordering::SeqCst);
-        while tick < cur {
-            match self.next_wake.compare_exchange_weak(
-                cur,
-                tick,
-                Ordering::SeqCst,
-                Ordering::SeqCst,
-            ) {
-                Ok(_) => {
-                    self.notify.notify_one();
-                    break;
-                }
-                Err(actual) => cur = actual,
-            }
+        if self.wake.lower(tick) {
+            self.notify.notify_one();
         }
         Ok(TimerKey {
             shard: shard as u32,
@@ -320,8 +336,9 @@ impl<J: Job> Core<J> {
     }
 
     /// One reaper turn: expires at most `batch` due jobs per shard. Returns whether
-    /// more are due right now, and the earliest tick anything is due otherwise.
-    fn turn(&self, scratch: &mut Vec<J>) -> (bool, u64) {
+    /// more are due right now, the earliest tick anything is due otherwise, and the
+    /// turn's tick.
+    fn turn(&self, scratch: &mut Vec<J>) -> (bool, u64, u64) {
         let now = self.clock.now_tick(Instant::now());
         let mut more = false;
         let mut next = u64::MAX;
@@ -367,7 +384,7 @@ impl<J: Job> Core<J> {
             };
             next = next.min(shard_next.unwrap_or(u64::MAX));
         }
-        (more || next <= now, next)
+        (more || next <= now, next, now)
     }
 
     /// How many times the reaper has woken from a sleep.
@@ -376,16 +393,43 @@ impl<J: Job> Core<J> {
     }
 }
 
+/// Drops `value` with a panic in its `Drop` caught and handed to `on_panic`.
+pub(crate) fn drop_contained<T>(value: T, on_panic: impl FnOnce(&(dyn std::any::Any + Send))) {
+    if std::mem::needs_drop::<T>() {
+        if let Err(panic) = catch_unwind(AssertUnwindSafe(move || drop(value))) {
+            on_panic(&*panic);
+        }
+    }
+}
+
+/// Drops each of `values` on its own, containing each panic as [`drop_contained`]
+/// does (a panic in one drop does not skip the rest).
+pub(crate) fn drop_each_contained<T>(
+    values: impl IntoIterator<Item = T>,
+    mut on_panic: impl FnMut(&(dyn std::any::Any + Send)),
+) {
+    if std::mem::needs_drop::<T>() {
+        for v in values {
+            drop_contained(v, &mut on_panic);
+        }
+    }
+}
+
 /// Runs user code, containing and reporting a panic.
 pub(crate) fn run_contained(name: &str, counters: &Counters, f: impl FnOnce()) {
     if let Err(panic) = catch_unwind(AssertUnwindSafe(f)) {
-        counters.panicked.fetch_add(1, Ordering::Relaxed);
-        tracing::error!(
-            timer = name,
-            panic = panic_message(&*panic),
-            "a timer task panicked; the reaper carries on"
-        );
+        note_panic(name, counters, &*panic);
     }
+}
+
+/// Counts and reports a panic caught in a timer task (or its `Drop`).
+pub(crate) fn note_panic(name: &str, counters: &Counters, panic: &(dyn std::any::Any + Send)) {
+    counters.panicked.fetch_add(1, Ordering::Relaxed);
+    tracing::error!(
+        timer = name,
+        panic = panic_message(panic),
+        "a timer task panicked; the reaper carries on"
+    );
 }
 
 /// The text of a panic payload, when it has one.
@@ -429,15 +473,16 @@ async fn run_reaper<J: Job>(guard: ReaperGuard<J>) {
         if core.closed().is_some() {
             break;
         }
-        core.next_wake.store(u64::MAX, Ordering::SeqCst);
-        let (more, next) = core.turn(&mut scratch);
-        if more {
-            // Let other tasks run between batches of expiries.
+        core.wake.begin_turn();
+        let (more, next, now) = core.turn(&mut scratch);
+        let target = core.wake.end_turn(next);
+        if more || target <= now {
+            // More is due now (a batch was cut short, or a task run this turn
+            // scheduled work already due): let other tasks run, then go on.
             tokio::task::yield_now().await;
             continue;
         }
-        let target = core.next_wake.fetch_min(next, Ordering::SeqCst).min(next);
-        let wake_at = (target != u64::MAX)
+        let wake_at = (target != NEVER)
             .then(|| core.clock.instant_of(target))
             .flatten();
         tracing::trace!(timer = &*core.name, target, "reaper sleeping");
@@ -457,4 +502,162 @@ async fn run_reaper<J: Job>(guard: ReaperGuard<J>) {
     // Closed by `close`, which already took every job out: dropping the guard
     // finds nothing left to abandon.
     drop(guard);
+}
+
+/// A tick meaning "nothing scheduled": the largest the wake target holds.
+const NEVER: u64 = TURNING - 1;
+/// Set while the reaper is in a turn.
+const TURNING: u64 = 1 << 63;
+
+/// The reaper's next wake-up tick, and whether it is in a turn (see the module's
+/// wake protocol).
+#[derive(Debug)]
+pub(crate) struct WakeTarget(crate::loom::AtomicU64);
+
+impl WakeTarget {
+    pub(crate) fn new() -> WakeTarget {
+        WakeTarget(crate::loom::AtomicU64::new(NEVER))
+    }
+
+    /// An entry due at `tick` was inserted (after it is in the wheel). Lowers the
+    /// target to `tick`; returns whether the reaper must be notified: it is asleep
+    /// and would wake later than `tick`.
+    pub(crate) fn lower(&self, tick: u64) -> bool {
+        let tick = tick.min(NEVER);
+        let mut cur = self.0.load(Ordering::SeqCst);
+        loop {
+            if tick >= cur & NEVER {
+                return false;
+            }
+            match self.0.compare_exchange_weak(
+                cur,
+                (cur & TURNING) | tick,
+                Ordering::SeqCst,
+                Ordering::SeqCst,
+            ) {
+                Ok(_) => return cur & TURNING == 0,
+                Err(actual) => cur = actual,
+            }
+        }
+    }
+
+    /// The reaper starts a turn: inserts from now on lower the target silently.
+    pub(crate) fn begin_turn(&self) {
+        // A read-modify-write, like every other change of the target: with a plain
+        // store, loom found an insert inside the turn reading the value a racing
+        // insert wrote before the turn began, and notifying.
+        self.0.swap(TURNING | NEVER, Ordering::SeqCst);
+    }
+
+    /// The reaper ends a turn, having found `next` as the earliest due tick in the
+    /// wheels: returns the tick to sleep until, the earlier of `next` and anything
+    /// inserted during the turn. Inserts from now on notify.
+    pub(crate) fn end_turn(&self, next: u64) -> u64 {
+        let next = next.min(NEVER);
+        let mut cur = self.0.load(Ordering::SeqCst);
+        loop {
+            let target = (cur & NEVER).min(next);
+            match self
+                .0
+                .compare_exchange_weak(cur, target, Ordering::SeqCst, Ordering::SeqCst)
+            {
+                Ok(_) => return target,
+                Err(actual) => cur = actual,
+            }
+        }
+    }
+}
+
+#[cfg(all(test, purgatory_loom))]
+mod loom_wake {
+    //! The wake protocol under loom: the reaper's turn (read the wheels, end the
+    //! turn, sleep on the target unless notified) racing an insert from another
+    //! thread. The insert is never slept through, and an insert made inside the
+    //! turn leaves no notification behind.
+
+    use super::WakeTarget;
+    use loom::sync::atomic::{AtomicBool, AtomicU64};
+    use loom::sync::{Arc, Mutex};
+    use loom::thread;
+    use std::sync::atomic::Ordering::SeqCst;
+
+    /// The wheels, reduced to their earliest tick.
+    struct Model {
+        wake: WakeTarget,
+        wheel: Mutex<u64>,
+        /// `Notify`'s permit.
+        permit: AtomicBool,
+        /// The tick the reaper went to sleep on.
+        slept_until: AtomicU64,
+    }
+
+    /// Returns whether it notified.
+    fn insert(m: &Model, tick: u64) -> bool {
+        {
+            let mut w = m.wheel.lock().unwrap();
+            *w = (*w).min(tick);
+        }
+        let notify = m.wake.lower(tick);
+        if notify {
+            m.permit.store(true, SeqCst);
+        }
+        notify
+    }
+
+    fn reaper_turn(m: &Model) {
+        m.wake.begin_turn();
+        let next = *m.wheel.lock().unwrap();
+        m.slept_until.store(m.wake.end_turn(next), SeqCst);
+    }
+
+    fn model() -> Arc<Model> {
+        Arc::new(Model {
+            wake: WakeTarget::new(),
+            wheel: Mutex::new(u64::MAX),
+            permit: AtomicBool::new(false),
+            slept_until: AtomicU64::new(0),
+        })
+    }
+
+    #[test]
+    fn loom_an_insert_racing_a_turn_is_never_slept_through() {
+        loom::model(|| {
+            let m = model();
+            let t = {
+                let m = m.clone();
+                thread::spawn(move || {
+                    insert(&m, 10);
+                })
+            };
+            reaper_turn(&m);
+            t.join().unwrap();
+            let slept = m.slept_until.load(SeqCst);
+            assert!(
+                slept <= 10 || m.permit.load(SeqCst),
+                "slept until {slept} with an entry due at 10 and no notification"
+            );
+        });
+    }
+
+    #[test]
+    fn loom_an_insert_during_the_turn_leaves_no_notification() {
+        loom::model(|| {
+            let m = model();
+            // Another producer races the whole time.
+            let t = {
+                let m = m.clone();
+                thread::spawn(move || {
+                    insert(&m, 50);
+                })
+            };
+            // A task run by the reaper reschedules itself inside the turn.
+            m.wake.begin_turn();
+            let notified = insert(&m, 20);
+            let next = *m.wheel.lock().unwrap();
+            let target = m.wake.end_turn(next);
+            t.join().unwrap();
+            assert!(target <= 20, "the rescheduled entry is slept until");
+            assert!(!notified, "an insert inside the turn woke the reaper again");
+        });
+    }
 }

@@ -1,15 +1,28 @@
 //! The watcher map: watch key -> operations watching it (many to many).
 //!
-//! Sharded by key hash; each shard is a `Mutex<HashMap<K, Vec<V>>>`. A list is
-//! only ever locked to copy, append or prune entries: no user code runs under a
-//! shard lock (the purgatory copies a key's live entries out, then checks them).
-//! A key whose list becomes empty is removed in the same critical section that
-//! emptied it, so it cannot race a concurrent watch of the same key.
+//! Sharded by key hash; each shard is a `Mutex<HashMap<K, Vec<V>>>`.
+//!
+//! # Ground rules
+//!
+//! - **What runs under a shard lock.** Our own bookkeeping, plus the key's
+//!   `Hash` and `Eq` (to find its list) and, when a key is first watched, its
+//!   `Clone` (the map keeps its own copy). Those three are user code and must not
+//!   call back into the purgatory. Nothing else of the user's runs here: no
+//!   operation code and **no drop of a user value**. Every method that removes
+//!   entries or keys moves them out into a [`Removed`] that the caller drops after
+//!   the lock is released, because the last reference to an operation's cell, or
+//!   the map's copy of a key, may own user data whose `Drop` calls back in.
+//! - **Panics.** A panic in key code under a lock leaves the map as it was before
+//!   the call that panicked (each method changes the map only after the key code it
+//!   needs has returned), and the lock is recovered from poisoning.
+//! - **Empty keys.** A key whose list becomes empty is removed in the same critical
+//!   section that emptied it, so it cannot race a concurrent watch of the same key.
 
 use std::collections::hash_map::RandomState;
 use std::collections::HashMap;
 use std::hash::{BuildHasher, Hash};
-use std::sync::{Mutex, MutexGuard};
+
+use crate::loom::{lock, Mutex, MutexGuard};
 
 #[derive(Debug)]
 #[repr(align(128))]
@@ -19,6 +32,23 @@ struct Shard<K, V>(Mutex<HashMap<K, Vec<V>>>);
 pub(crate) struct Watchers<K, V> {
     shards: Box<[Shard<K, V>]>,
     hasher: RandomState,
+}
+
+/// What a call took out of the map, to be dropped by the caller once no lock is
+/// held: list entries and the map's own copies of keys that left it.
+#[derive(Debug)]
+pub(crate) struct Removed<K, V> {
+    pub(crate) entries: Vec<V>,
+    pub(crate) keys: Vec<K>,
+}
+
+impl<K, V> Default for Removed<K, V> {
+    fn default() -> Self {
+        Removed {
+            entries: Vec::new(),
+            keys: Vec::new(),
+        }
+    }
 }
 
 impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
@@ -36,91 +66,115 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
         lock(&self.shards[i].0)
     }
 
-    /// Appends `v` to the list of every key.
-    pub(crate) fn watch(&self, keys: &[K], v: &V) {
+    /// Appends `v` to the list of every key, counting in `added` the lists it
+    /// joined, so that a panic in key code part-way leaves a known count behind.
+    pub(crate) fn watch(&self, keys: &[K], v: &V, added: &mut usize) {
         for key in keys {
-            self.shard(key)
-                .entry(key.clone())
-                .or_default()
-                .push(v.clone());
+            let mut map = self.shard(key);
+            match map.get_mut(key) {
+                Some(list) => list.push(v.clone()),
+                None => {
+                    // Clone before inserting: a panicking clone leaves the map as it was.
+                    let own = key.clone();
+                    map.insert(own, vec![v.clone()]);
+                }
+            }
+            drop(map);
+            *added += 1;
         }
     }
 
-    /// Copies `key`'s entries that are not `done` into `out`, and drops the done
-    /// ones from the list (removing the key if nothing is left). Returns how many
-    /// entries were dropped.
+    /// Copies `key`'s entries that are not `done` into `out`, and takes the done
+    /// ones out of the list (and the key, if nothing is left) into `removed`.
     pub(crate) fn collect_live(
         &self,
         key: &K,
         out: &mut Vec<V>,
         done: impl Fn(&V) -> bool,
-    ) -> usize {
-        self.retain(key, done, |v| out.push(v.clone()))
+        removed: &mut Removed<K, V>,
+    ) {
+        self.retain(key, done, |v| out.push(v.clone()), removed)
     }
 
-    /// Drops `key`'s done entries. Returns how many.
-    pub(crate) fn prune(&self, key: &K, done: impl Fn(&V) -> bool) -> usize {
-        self.retain(key, done, |_| {})
+    /// Takes `key`'s done entries out into `removed`.
+    pub(crate) fn prune(&self, key: &K, done: impl Fn(&V) -> bool, removed: &mut Removed<K, V>) {
+        self.retain(key, done, |_| {}, removed)
     }
 
-    /// Drops `key`'s done entries, showing each kept one to `kept`, and removes the
-    /// key when its list empties (in the same critical section, so a concurrent
-    /// watch of the key cannot be lost). Returns how many were dropped.
-    fn retain(&self, key: &K, done: impl Fn(&V) -> bool, mut kept: impl FnMut(&V)) -> usize {
+    /// Takes `key`'s done entries out, showing each kept one to `kept`, and removes
+    /// the key when its list empties (in the same critical section, so a concurrent
+    /// watch of the key cannot be lost).
+    fn retain(
+        &self,
+        key: &K,
+        done: impl Fn(&V) -> bool,
+        mut kept: impl FnMut(&V),
+        removed: &mut Removed<K, V>,
+    ) {
         let mut map = self.shard(key);
         let Some(list) = map.get_mut(key) else {
-            return 0;
+            return;
         };
-        let before = list.len();
-        list.retain(|v| {
-            let keep = !done(v);
-            if keep {
+        removed.entries.extend(list.extract_if(.., |v| {
+            let gone = done(v);
+            if !gone {
                 kept(v);
             }
-            keep
-        });
-        let dropped = before - list.len();
+            gone
+        }));
         if list.is_empty() {
-            map.remove(key);
+            if let Some((k, _)) = map.remove_entry(key) {
+                removed.keys.push(k);
+            }
             shrink_if_sparse(&mut map);
         }
-        dropped
     }
 
-    /// Removes `key` and returns its whole list.
-    pub(crate) fn take(&self, key: &K) -> Vec<V> {
+    /// Removes `key` with its whole list, into `removed`.
+    pub(crate) fn take(&self, key: &K, removed: &mut Removed<K, V>) {
         let mut map = self.shard(key);
-        let list = map.remove(key).unwrap_or_default();
-        shrink_if_sparse(&mut map);
-        list
-    }
-
-    /// Drops every done entry of every key. Returns how many.
-    pub(crate) fn purge(&self, done: impl Fn(&V) -> bool) -> usize {
-        let mut dropped = 0;
-        for shard in self.shards.iter() {
-            let mut map = lock(&shard.0);
-            map.retain(|_, list| {
-                let before = list.len();
-                list.retain(|v| !done(v));
-                dropped += before - list.len();
-                !list.is_empty()
-            });
+        if let Some((k, list)) = map.remove_entry(key) {
+            removed.keys.push(k);
+            removed.entries.extend(list);
             shrink_if_sparse(&mut map);
         }
-        dropped
     }
 
-    /// Removes every list, returning all entries (shutdown).
-    pub(crate) fn drain(&self) -> Vec<V> {
-        let mut out = Vec::new();
+    /// Takes every done entry of every key out (and the keys left empty), one
+    /// shard at a time; `drop_batch` receives each shard's haul once that shard's
+    /// lock is released.
+    pub(crate) fn purge(
+        &self,
+        done: impl Fn(&V) -> bool,
+        mut drop_batch: impl FnMut(Removed<K, V>),
+    ) {
         for shard in self.shards.iter() {
-            let map = std::mem::take(&mut *lock(&shard.0));
-            for (_, list) in map {
-                out.extend(list);
+            let mut removed = Removed::default();
+            {
+                let mut map = lock(&shard.0);
+                let entries = &mut removed.entries;
+                let emptied = map.extract_if(|_, list| {
+                    entries.extend(list.extract_if(.., |v| done(v)));
+                    list.is_empty()
+                });
+                removed.keys.extend(emptied.map(|(k, _)| k));
+                shrink_if_sparse(&mut map);
+            }
+            if !removed.entries.is_empty() || !removed.keys.is_empty() {
+                drop_batch(removed);
             }
         }
-        out
+    }
+
+    /// Removes every list (shutdown), into `removed`.
+    pub(crate) fn drain(&self, removed: &mut Removed<K, V>) {
+        for shard in self.shards.iter() {
+            let map = std::mem::take(&mut *lock(&shard.0));
+            for (k, list) in map {
+                removed.keys.push(k);
+                removed.entries.extend(list);
+            }
+        }
     }
 
     /// Number of keys with a list.
@@ -134,16 +188,12 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
 /// its peak. It shrinks to twice the length: the map can grow again without a
 /// resize, and the next shrink waits until it loses most of its keys again, so
 /// each rehash is paid for by the removals before it (amortised O(1)).
+///
+/// Rehashing runs the keys' `Hash` under the lock (see the ground rules).
 fn shrink_if_sparse<K: Hash + Eq, V>(map: &mut HashMap<K, Vec<V>>) {
     if map.capacity() > 64 && map.len() * 8 < map.capacity() {
         map.shrink_to(map.len() * 2);
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // No user code runs under these locks, so poisoning can only come from an
-    // allocation failure; the map is still consistent then.
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 #[cfg(test)]
@@ -154,20 +204,28 @@ mod tests {
         w.shards.iter().map(|s| lock(&s.0).capacity()).sum()
     }
 
+    fn take(w: &Watchers<u32, u32>, k: u32) -> Vec<u32> {
+        let mut r = Removed::default();
+        w.take(&k, &mut r);
+        r.entries
+    }
+
     #[test]
     fn table_follows_the_live_key_count_not_its_peak() {
         let w: Watchers<u32, u32> = Watchers::new(4);
         for k in 0..100_000 {
-            w.watch(&[k], &k);
+            w.watch(&[k], &k, &mut 0);
         }
         let peak = capacity(&w);
         assert!(peak >= 100_000);
         // Walk all but 100 keys away, half by pruning and half by taking.
         for k in 100..100_000 {
             if k % 2 == 0 {
-                assert_eq!(w.prune(&k, |_| true), 1);
+                let mut r = Removed::default();
+                w.prune(&k, |_| true, &mut r);
+                assert_eq!((r.entries, r.keys), (vec![k], vec![k]));
             } else {
-                assert_eq!(w.take(&k), vec![k]);
+                assert_eq!(take(&w, k), vec![k]);
             }
         }
         assert_eq!(w.keys(), 100);
@@ -178,21 +236,73 @@ mod tests {
         );
         // The survivors are intact and the map still works.
         for k in 0..100 {
-            assert_eq!(w.take(&k), vec![k]);
+            assert_eq!(take(&w, k), vec![k]);
         }
         assert_eq!(w.keys(), 0);
-        w.watch(&[7], &7);
-        assert_eq!(w.take(&7), vec![7]);
+        w.watch(&[7], &7, &mut 0);
+        assert_eq!(take(&w, 7), vec![7]);
     }
 
     #[test]
     fn purge_shrinks_the_table_too() {
         let w: Watchers<u32, u32> = Watchers::new(2);
         for k in 0..50_000 {
-            w.watch(&[k], &k);
+            w.watch(&[k], &k, &mut 0);
         }
-        assert_eq!(w.purge(|v| *v >= 10), 49_990);
+        let mut removed = 0;
+        let mut keys = 0;
+        w.purge(
+            |v| *v >= 10,
+            |r| {
+                removed += r.entries.len();
+                keys += r.keys.len();
+            },
+        );
+        assert_eq!((removed, keys), (49_990, 49_990));
         assert_eq!(w.keys(), 10);
         assert!(capacity(&w) <= 10 * 8, "capacity {}", capacity(&w));
+    }
+
+    #[test]
+    fn a_walk_keeps_live_entries_and_hands_out_done_ones() {
+        let w: Watchers<u32, u32> = Watchers::new(1);
+        for v in 0..10 {
+            w.watch(&[1], &v, &mut 0);
+        }
+        let mut live = Vec::new();
+        let mut r = Removed::default();
+        w.collect_live(&1, &mut live, |v| v % 2 == 0, &mut r);
+        assert_eq!(live, vec![1, 3, 5, 7, 9], "in watch order");
+        assert_eq!(r.entries, vec![0, 2, 4, 6, 8]);
+        assert!(r.keys.is_empty(), "the key still has live entries");
+        let mut r = Removed::default();
+        w.prune(&1, |_| true, &mut r);
+        assert_eq!((r.entries.len(), r.keys), (5, vec![1]));
+        assert_eq!(w.keys(), 0);
+    }
+
+    #[test]
+    fn watch_counts_the_lists_it_joined_when_a_key_panics() {
+        #[derive(PartialEq, Eq, Debug)]
+        struct K(u32);
+        impl Hash for K {
+            fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
+                assert_ne!(self.0, 3, "hostile hash");
+                self.0.hash(h);
+            }
+        }
+        impl Clone for K {
+            fn clone(&self) -> Self {
+                K(self.0)
+            }
+        }
+        let w: Watchers<K, u32> = Watchers::new(4);
+        let mut added = 0;
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            w.watch(&[K(1), K(2), K(3), K(4)], &7, &mut added)
+        }));
+        assert!(r.is_err());
+        assert_eq!(added, 2);
+        assert_eq!(w.keys(), 2);
     }
 }

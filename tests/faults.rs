@@ -307,7 +307,7 @@ async fn stress_across_threads_balances() {
                         }
                     }
                     2 => {
-                        p.cancel_for_key(&keys[1]);
+                        drop(p.cancel_for_key(&keys[1]));
                     }
                     3 => {
                         drop(h);
@@ -365,4 +365,145 @@ impl Operation for Counted {
     fn on_expiration(self) {
         self.finished.fetch_add(1, Ordering::SeqCst);
     }
+}
+
+/// An operation whose check can be held at a barrier, to race a check against an
+/// event from another thread deterministically.
+struct Gated {
+    ready: Arc<AtomicBool>,
+    /// The next check blocks: it reads `ready`, then waits at `entered` and `release`.
+    hold_next: Arc<AtomicBool>,
+    entered: Arc<std::sync::Barrier>,
+    release: Arc<std::sync::Barrier>,
+    checks: Arc<AtomicUsize>,
+    /// On the check after a held one, walk this purgatory's key 1 from inside.
+    reenter: Option<Arc<OnceLock<Purgatory<u8, Gated>>>>,
+}
+
+impl Operation for Gated {
+    type Output = usize;
+    fn try_complete(&mut self) -> Option<usize> {
+        let n = self.checks.fetch_add(1, Ordering::SeqCst);
+        let ready = self.ready.load(Ordering::SeqCst);
+        if self.hold_next.swap(false, Ordering::SeqCst) {
+            self.entered.wait();
+            self.release.wait();
+        } else if let Some(p) = self.reenter.as_ref().and_then(|p| p.get()) {
+            // Re-entrant: the checker walks its own key. Not an outside event.
+            assert_eq!(p.try_complete_watched(&1), 0);
+        }
+        ready.then_some(n)
+    }
+    fn on_expiration(self) -> usize {
+        usize::MAX
+    }
+}
+
+/// Runs a check on another thread, held at the barrier, while this thread sends
+/// an event (`ready_first` sets the operation completable first). Returns what
+/// the held walk returned and what the event's walk returned.
+fn race_an_event_against_a_held_check(
+    p: &Purgatory<u8, Gated>,
+    op: &Gated,
+    ready_first: bool,
+) -> (usize, usize) {
+    op.hold_next.store(true, Ordering::SeqCst);
+    let held = {
+        let p = p.clone();
+        std::thread::spawn(move || p.try_complete_watched(&1))
+    };
+    op.entered.wait(); // the other thread is inside the check now
+    if ready_first {
+        op.ready.store(true, Ordering::SeqCst);
+    }
+    let event = p.try_complete_watched(&1);
+    op.release.wait();
+    (held.join().unwrap(), event)
+}
+
+fn gated(reenter: Option<Arc<OnceLock<Purgatory<u8, Gated>>>>) -> Gated {
+    Gated {
+        ready: Arc::default(),
+        hold_next: Arc::default(),
+        entered: Arc::new(std::sync::Barrier::new(2)),
+        release: Arc::new(std::sync::Barrier::new(2)),
+        checks: Arc::default(),
+        reenter,
+    }
+}
+
+fn share(g: &Gated) -> Gated {
+    Gated {
+        ready: g.ready.clone(),
+        hold_next: g.hold_next.clone(),
+        entered: g.entered.clone(),
+        release: g.release.clone(),
+        checks: g.checks.clone(),
+        reenter: g.reenter.clone(),
+    }
+}
+
+/// An event from another thread while a check runs is not lost: the checker
+/// checks again and completes it (KAFKA-6653). With thread ids that collapsed to
+/// one value, the event would pass for the checker re-entering, and be dropped.
+#[tokio::test]
+async fn an_event_during_another_threads_check_makes_it_check_again() {
+    let p: Purgatory<u8, Gated> = Purgatory::builder("race").build().unwrap();
+    let op = gated(None);
+    let handle = p
+        .try_complete_else_watch(share(&op), ms(60_000), [1])
+        .unwrap();
+    assert_eq!(
+        op.checks.load(Ordering::SeqCst),
+        2,
+        "two checks at registration"
+    );
+    let (held, event) = race_an_event_against_a_held_check(&p, &op, true);
+    assert_eq!(
+        event, 0,
+        "the event only asked the running check to run again"
+    );
+    assert_eq!(held, 1, "the held walk completed it on its re-check");
+    assert_eq!(handle.await.unwrap(), Completion::Completed(3));
+    assert_eq!(op.checks.load(Ordering::SeqCst), 4);
+}
+
+/// The same event when the re-check still says "not yet": the operation is
+/// released, still pending and checkable, and a later event completes it.
+#[tokio::test]
+async fn a_recheck_that_still_fails_leaves_the_operation_pending() {
+    let p: Purgatory<u8, Gated> = Purgatory::builder("race").build().unwrap();
+    let op = gated(None);
+    let handle = p
+        .try_complete_else_watch(share(&op), ms(60_000), [1])
+        .unwrap();
+    let (held, event) = race_an_event_against_a_held_check(&p, &op, false);
+    assert_eq!((held, event), (0, 0));
+    assert_eq!(
+        op.checks.load(Ordering::SeqCst),
+        4,
+        "the event caused a re-check"
+    );
+    assert!(!handle.is_finished());
+    assert_eq!(p.delayed(), 1);
+    op.ready.store(true, Ordering::SeqCst);
+    assert_eq!(p.try_complete_watched(&1), 1);
+    assert!(handle.await.unwrap().is_completed());
+}
+
+/// The re-check the event asked for walks its own key from inside: that nested
+/// walk is the checker itself (ignored, no loop), and the re-check completes.
+#[tokio::test]
+async fn a_recheck_may_reenter_its_own_key() {
+    let slot = Arc::new(OnceLock::new());
+    let p: Purgatory<u8, Gated> = Purgatory::builder("race").build().unwrap();
+    slot.set(p.clone()).ok();
+    let op = gated(Some(slot.clone()));
+    let handle = p
+        .try_complete_else_watch(share(&op), ms(60_000), [1])
+        .unwrap();
+    let (held, event) = race_an_event_against_a_held_check(&p, &op, true);
+    assert_eq!((held, event), (1, 0));
+    assert!(handle.await.unwrap().is_completed());
+    drop(slot);
 }

@@ -613,14 +613,14 @@ async fn reentrant_calls_from_operation_code_do_not_deadlock() {
                 p.try_complete_else_watch(child, ms(10), [2])
                     .unwrap()
                     .detach();
-                p.cancel_for_key(&3);
+                drop(p.cancel_for_key(&3));
             }
             None
         }
         fn on_expiration(self) -> u32 {
             if let Some(p) = self.p.get() {
                 p.try_complete_watched(&1);
-                p.shutdown();
+                drop(p.shutdown());
             }
             self.depth
         }

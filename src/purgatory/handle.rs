@@ -6,8 +6,9 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
+use super::cell::{Fate, OpCell, Outcome};
 use super::error::OperationError;
-use super::operation::{Completion, Fate, OpCell, Operation, Outcome};
+use super::operation::{Completion, Operation};
 use super::WatchKey;
 
 /// The future of a registered operation: resolves to how it finished.
@@ -22,20 +23,79 @@ use super::WatchKey;
 /// # Cancel safety
 ///
 /// **Dropping the handle cancels the operation** if it has not finished: it is
-/// removed from the timer at once, dropped on the dropping thread, and counted as
-/// cancelled; its watch-list entries become tombstones that the next walk of
-/// those keys (or the amortised purge) removes. This is what a request handler
-/// wants when its client goes away. To let the operation run on with nobody
-/// awaiting it (its own `try_complete`/`on_expiration` deliver the response, as
-/// Kafka's `onComplete` does), call [`detach`](OperationHandle::detach).
+/// removed from the timer at once, dropped on the dropping thread (a panic in its
+/// `Drop` is contained), and counted as cancelled; its watch-list entries become
+/// tombstones that the next walk of those keys (or the amortised purge) removes.
+/// This is what a request handler wants when its client goes away. If the
+/// operation had finished and its output was never read, the output is dropped
+/// at once. To let the operation run on with nobody awaiting it (its own
+/// `try_complete`/`on_expiration` deliver the response, as Kafka's `onComplete`
+/// does), call [`detach`](OperationHandle::detach).
+///
+/// Because dropping cancels, the handle is `#[must_use]`: an unused handle is a
+/// compile-time warning.
+///
+/// ```compile_fail
+/// #![deny(unused_must_use)]
+/// # struct Op;
+/// # impl tokio_purgatory::Operation for Op {
+/// #     type Output = ();
+/// #     fn try_complete(&mut self) -> Option<()> { None }
+/// #     fn on_expiration(self) {}
+/// # }
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// # let p: tokio_purgatory::Purgatory<u32, Op> =
+/// #     tokio_purgatory::Purgatory::builder("demo").build().unwrap();
+/// // Registers and cancels at once: refused under `deny(unused_must_use)`.
+/// p.try_complete_else_watch(Op, std::time::Duration::from_secs(1), [1]).unwrap();
+/// # }
+/// ```
+///
+/// ```
+/// #![deny(unused_must_use)]
+/// # struct Op;
+/// # impl tokio_purgatory::Operation for Op {
+/// #     type Output = ();
+/// #     fn try_complete(&mut self) -> Option<()> { None }
+/// #     fn on_expiration(self) {}
+/// # }
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// # let p: tokio_purgatory::Purgatory<u32, Op> =
+/// #     tokio_purgatory::Purgatory::builder("demo").build().unwrap();
+/// // What was meant: let it run on, answered by its own code.
+/// p.try_complete_else_watch(Op, std::time::Duration::from_secs(1), [1]).unwrap().detach();
+/// # }
+/// ```
 ///
 /// Polling from different tasks is allowed; the latest task to poll is woken.
 /// After it has returned `Ready`, polling again panics (as for any future).
+///
+/// # Examples
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+/// use std::time::Duration;
+/// use tokio_purgatory::{Completion, Operation, Purgatory};
+///
+/// struct Answer;
+/// impl Operation for Answer {
+///     type Output = u32;
+///     fn try_complete(&mut self) -> Option<u32> { None }
+///     fn on_expiration(self) -> u32 { 42 }
+/// }
+///
+/// let p: Purgatory<u32, Answer> = Purgatory::builder("demo").build().unwrap();
+/// let handle = p.try_complete_else_watch(Answer, Duration::from_millis(10), [1]).unwrap();
+/// assert!(!handle.is_finished());
+/// assert_eq!(handle.await, Ok(Completion::Expired(42)));
+/// # }
+/// ```
+#[must_use = "dropping an OperationHandle cancels its operation; await it, or call detach()"]
 pub struct OperationHandle<K: WatchKey, O: Operation> {
-    state: State<K, O>,
+    inner: Inner<K, O>,
 }
 
-enum State<K: WatchKey, O: Operation> {
+enum Inner<K: WatchKey, O: Operation> {
     /// Completed by the first check, before anything was registered.
     Ready(Completion<O::Output>),
     Waiting(Arc<OpCell<K, O>>),
@@ -44,10 +104,10 @@ enum State<K: WatchKey, O: Operation> {
 
 impl<K: WatchKey, O: Operation> fmt::Debug for OperationHandle<K, O> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let state = match &self.state {
-            State::Ready(_) => "ready",
-            State::Waiting(_) => "waiting",
-            State::Taken => "taken",
+        let state = match &self.inner {
+            Inner::Ready(_) => "ready",
+            Inner::Waiting(_) => "waiting",
+            Inner::Taken => "taken",
         };
         f.debug_struct("OperationHandle")
             .field("state", &state)
@@ -62,21 +122,21 @@ where
 {
     pub(crate) fn ready(c: Completion<O::Output>) -> Self {
         OperationHandle {
-            state: State::Ready(c),
+            inner: Inner::Ready(c),
         }
     }
 
     pub(crate) fn waiting(cell: Arc<OpCell<K, O>>) -> Self {
         OperationHandle {
-            state: State::Waiting(cell),
+            inner: Inner::Waiting(cell),
         }
     }
 
     /// Whether the operation has finished (so awaiting the handle would not wait).
     pub fn is_finished(&self) -> bool {
-        match &self.state {
-            State::Waiting(cell) => cell.is_done(),
-            State::Ready(_) | State::Taken => true,
+        match &self.inner {
+            Inner::Waiting(cell) => cell.is_finished(),
+            Inner::Ready(_) | Inner::Taken => true,
         }
     }
 
@@ -85,9 +145,9 @@ where
     /// operation an event concerns. `None` when the operation completed during
     /// registration (there is nothing left to check).
     pub fn op_ref(&self) -> Option<OpRef<K, O>> {
-        match &self.state {
-            State::Waiting(cell) => Some(OpRef { cell: cell.clone() }),
-            State::Ready(_) | State::Taken => None,
+        match &self.inner {
+            Inner::Waiting(cell) => Some(OpRef { cell: cell.clone() }),
+            Inner::Ready(_) | Inner::Taken => None,
         }
     }
 
@@ -95,7 +155,7 @@ where
     /// expires, and its output is dropped. Its own `try_complete` and
     /// `on_expiration` are then where the response is sent.
     pub fn detach(mut self) {
-        if let State::Waiting(cell) = std::mem::replace(&mut self.state, State::Taken) {
+        if let Inner::Waiting(cell) = std::mem::replace(&mut self.inner, Inner::Taken) {
             cell.detach();
         }
     }
@@ -113,27 +173,31 @@ where
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = &mut *self;
-        let out = match &this.state {
-            State::Waiting(cell) => match cell.poll_outcome(cx.waker()) {
+        let out = match &this.inner {
+            Inner::Waiting(cell) => match cell.poll_outcome(cx.waker()) {
                 Some(out) => out,
                 None => return Poll::Pending,
             },
-            State::Ready(_) => match std::mem::replace(&mut this.state, State::Taken) {
-                State::Ready(c) => return Poll::Ready(Ok(c)),
+            Inner::Ready(_) => match std::mem::replace(&mut this.inner, Inner::Taken) {
+                Inner::Ready(c) => return Poll::Ready(Ok(c)),
                 _ => unreachable!(),
             },
-            State::Taken => panic!("OperationHandle polled after it returned Ready"),
+            Inner::Taken => panic!("OperationHandle polled after it returned Ready"),
         };
-        this.state = State::Taken;
+        this.inner = Inner::Taken;
         Poll::Ready(out)
     }
 }
 
 impl<K: WatchKey, O: Operation> Drop for OperationHandle<K, O> {
     fn drop(&mut self) {
-        if let State::Waiting(cell) = &self.state {
-            // Nobody awaits it any more: cancel (a no-op once finished).
-            drop(cell.cancel_quietly());
+        if let Inner::Waiting(cell) = &self.inner {
+            // Nobody awaits it any more. Detach first, so an outcome delivered by a
+            // check that races this cancel is dropped at once rather than kept.
+            cell.detach();
+            if let Some(op) = cell.cancel(OperationError::Cancelled, Fate::Cancelled) {
+                cell.shared.drop_contained("drop of an operation", op);
+            }
         }
     }
 }
@@ -180,17 +244,6 @@ where
 
     /// Whether the operation has finished (completed, expired, or cancelled).
     pub fn is_finished(&self) -> bool {
-        self.cell.is_done()
-    }
-}
-
-impl<K, O> OpCell<K, O>
-where
-    K: WatchKey,
-    O: Operation,
-{
-    /// Cancellation on behalf of a dropped handle.
-    fn cancel_quietly(&self) -> Option<O> {
-        self.cancel(OperationError::Cancelled, Fate::Cancelled)
+        self.cell.is_finished()
     }
 }

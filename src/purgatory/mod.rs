@@ -3,26 +3,32 @@
 //!
 //! See [`Purgatory`] and the [crate docs](crate).
 
+mod builder;
+mod cell;
 mod error;
 mod handle;
 mod operation;
+mod shared;
 mod state;
 
 use std::hash::Hash;
 use std::marker::PhantomData;
-use std::sync::atomic::{AtomicBool, AtomicIsize, AtomicU64, AtomicUsize, Ordering};
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::time::Instant;
 
+pub use self::builder::PurgatoryBuilder;
+use self::cell::{thread_id, Checked, Fate, OpCell};
 pub use self::error::{OperationError, WatchError};
 pub use self::handle::{OpRef, OperationHandle};
 pub use self::operation::{Completion, Operation};
-use self::operation::{Fate, OpCell};
-use crate::reaper::{deadline_after, panic_message, Closed, Core, Job, Refused};
-use crate::timer::{runtime_handle, BuildError, WheelSettings};
-use crate::watchers::Watchers;
+use self::shared::{closed_refusal, Expiry, Shared};
+use crate::reaper::{deadline_after, drop_each_contained, Refused};
+use crate::timer::WheelSettings;
+use crate::watchers::Removed;
 
 /// What a watch key must be: hashable, comparable, cloneable and shareable.
 /// Implemented for every such type (strings, integers, `(topic, partition)`
@@ -31,266 +37,18 @@ use crate::watchers::Watchers;
 /// A key whose `Hash` and `Eq` disagree does not corrupt anything: at worst the
 /// operations watching it are not found by `try_complete_watched` and finish by
 /// their timeout.
+///
+/// # Key code runs under a lock
+///
+/// The key's `Hash` and `Eq` (to find its watch list) and `Clone` (when a key is
+/// first watched, the map keeps a copy) run under the lock of the watcher-map
+/// shard that holds the key. They must not call back into the purgatory; keep them
+/// plain. If one panics, the panic reaches the caller of the method that ran it,
+/// and the purgatory is left as it was before that call. A key's `Drop` runs with
+/// no lock held and may do anything; a panic in it is contained.
 pub trait WatchKey: Hash + Eq + Clone + Send + Sync + 'static {}
 
 impl<T: Hash + Eq + Clone + Send + Sync + 'static> WatchKey for T {}
-
-/// The timer job of an operation: its cell.
-struct Expiry<K: WatchKey, O: Operation>(Arc<OpCell<K, O>>);
-
-impl<K: WatchKey, O: Operation> Job for Expiry<K, O> {
-    fn expire(self) {
-        self.0.expire();
-    }
-
-    fn abandon(self, why: Closed) {
-        // Dropped unrun: the purgatory itself is gone, or its reaper is.
-        drop(self.0.cancel(closed_error(why), Fate::Cancelled));
-    }
-}
-
-/// What a handle sees when the purgatory closed under its operation.
-fn closed_error(why: Closed) -> OperationError {
-    match why {
-        Closed::Shutdown => OperationError::Shutdown,
-        Closed::ReaperGone => OperationError::ReaperGone,
-    }
-}
-
-/// How a registration refused because the purgatory closed hands `op` back.
-fn closed_refusal<O>(op: O, why: Closed) -> WatchError<O> {
-    match why {
-        Closed::Shutdown => WatchError::Shutdown(op),
-        Closed::ReaperGone => WatchError::ReaperGone(op),
-    }
-}
-
-#[derive(Debug, Default)]
-struct Counters {
-    registered: AtomicU64,
-    completed: AtomicU64,
-    expired: AtomicU64,
-    cancelled: AtomicU64,
-    handed_back: AtomicU64,
-    purged: AtomicU64,
-    panicked: AtomicU64,
-}
-
-/// State shared by the purgatory handles and every operation cell.
-pub(crate) struct Shared<K: WatchKey, O: Operation> {
-    core: Arc<Core<Expiry<K, O>>>,
-    watchers: Watchers<K, Arc<OpCell<K, O>>>,
-    /// Operations registered and not finished (Kafka's `numDelayed`).
-    delayed: AtomicUsize,
-    /// Watch-list entries, tombstones included (Kafka's `watched`).
-    watched: AtomicUsize,
-    /// Watch-list entries of finished operations. May dip below zero briefly when
-    /// an entry is removed just before its operation's finish is counted.
-    tombstones: AtomicIsize,
-    purging: AtomicBool,
-    purge_interval: usize,
-    max_pending: Option<usize>,
-    counters: Counters,
-    name: Arc<str>,
-}
-
-impl<K: WatchKey, O: Operation> Shared<K, O> {
-    fn note_panic(&self, what: &str, panic: &(dyn std::any::Any + Send)) {
-        self.counters.panicked.fetch_add(1, Ordering::Relaxed);
-        tracing::error!(
-            purgatory = &*self.name,
-            callback = what,
-            panic = panic_message(panic),
-            "an operation panicked; the purgatory carries on"
-        );
-    }
-
-    /// Counts a finished operation; its `keys` list entries are now tombstones.
-    fn on_finished(&self, fate: Fate, keys: u32) {
-        self.delayed.fetch_sub(1, Ordering::AcqRel);
-        let c = &self.counters;
-        let counter = match fate {
-            Fate::Completed => &c.completed,
-            Fate::Expired => &c.expired,
-            Fate::Cancelled => &c.cancelled,
-            Fate::HandedBack => &c.handed_back,
-        };
-        counter.fetch_add(1, Ordering::Relaxed);
-        tracing::trace!(purgatory = &*self.name, ?fate, "operation finished");
-        self.tombstones.fetch_add(keys as isize, Ordering::AcqRel);
-        // No purge here: this runs on the reaper too, and a purge walks every
-        // list. Registration and key walks purge instead (Kafka's places).
-    }
-
-    /// Watch-list entries removed: they were (or are about to be) tombstones.
-    fn on_removed(&self, n: usize) {
-        if n > 0 {
-            self.watched.fetch_sub(n, Ordering::AcqRel);
-            self.tombstones.fetch_sub(n as isize, Ordering::AcqRel);
-        }
-    }
-
-    /// Kafka's `purgeInterval`, made amortised O(1): purge once tombstones exceed
-    /// both the interval and the live entries, so each purge removes at least half
-    /// of what it walks. Called on registration, key walks and cancellation by key,
-    /// never on the reaper (expiries would wait behind the walk).
-    fn maybe_purge(&self) {
-        let tomb = self.tombstones.load(Ordering::Acquire).max(0) as usize;
-        if tomb <= self.purge_interval {
-            return;
-        }
-        let live = self.watched.load(Ordering::Acquire).saturating_sub(tomb);
-        if tomb <= live || self.purging.swap(true, Ordering::AcqRel) {
-            return;
-        }
-        let removed = self.watchers.purge(|c| c.is_done());
-        self.on_removed(removed);
-        self.counters
-            .purged
-            .fetch_add(removed as u64, Ordering::Relaxed);
-        self.purging.store(false, Ordering::Release);
-        tracing::debug!(
-            purgatory = &*self.name,
-            removed,
-            "purged finished operations"
-        );
-    }
-}
-
-/// Builds a [`Purgatory`].
-///
-/// # Examples
-///
-/// ```
-/// # #[tokio::main(flavor = "current_thread")] async fn main() {
-/// # struct Fetch;
-/// # impl tokio_purgatory::Operation for Fetch {
-/// #     type Output = ();
-/// #     fn try_complete(&mut self) -> Option<()> { None }
-/// #     fn on_expiration(self) {}
-/// # }
-/// use tokio_purgatory::Purgatory;
-///
-/// let fetches: Purgatory<(String, u32), Fetch> = Purgatory::builder("fetch")
-///     .purge_interval(1000)
-///     .max_pending(100_000)
-///     .build()
-///     .unwrap();
-/// assert_eq!(fetches.delayed(), 0);
-/// # }
-/// ```
-pub struct PurgatoryBuilder<K, O> {
-    name: Arc<str>,
-    wheel: WheelSettings,
-    watcher_shards: usize,
-    purge_interval: usize,
-    max_pending: Option<usize>,
-    _types: PhantomData<fn() -> (K, O)>,
-}
-
-impl<K, O> Clone for PurgatoryBuilder<K, O> {
-    fn clone(&self) -> Self {
-        PurgatoryBuilder {
-            name: self.name.clone(),
-            wheel: self.wheel.clone(),
-            _types: PhantomData,
-            ..*self
-        }
-    }
-}
-
-impl<K, O> std::fmt::Debug for PurgatoryBuilder<K, O> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PurgatoryBuilder")
-            .field("name", &&*self.name)
-            .field("wheel", &self.wheel)
-            .field("watcher_shards", &self.watcher_shards)
-            .field("purge_interval", &self.purge_interval)
-            .field("max_pending", &self.max_pending)
-            .finish()
-    }
-}
-
-impl<K: WatchKey, O: Operation> PurgatoryBuilder<K, O> {
-    crate::timer::wheel_setters!();
-
-    /// Independently locked timer wheels (default: the machine's parallelism, at
-    /// most 16).
-    pub fn timer_shards(mut self, shards: usize) -> Self {
-        self.wheel.shards = shards;
-        self
-    }
-
-    /// Independently locked parts of the watcher map (default 64).
-    pub fn watcher_shards(mut self, shards: usize) -> Self {
-        self.watcher_shards = shards;
-        self
-    }
-
-    /// Finished operations left as tombstones in watch lists before a purge may
-    /// run (default 1000, Kafka's `purgeInterval`). A purge runs once tombstones
-    /// exceed both this and the live entries, on the thread whose operation
-    /// finished; walking a key also removes its tombstones.
-    pub fn purge_interval(mut self, interval: usize) -> Self {
-        self.purge_interval = interval;
-        self
-    }
-
-    /// Limit on pending operations (default: none). At the limit, registration
-    /// hands the operation back in [`WatchError::AtCapacity`].
-    pub fn max_pending(mut self, max: usize) -> Self {
-        self.max_pending = Some(max);
-        self
-    }
-
-    /// Builds the purgatory and spawns its reaper on the current runtime.
-    ///
-    /// # Errors
-    ///
-    /// When a setting is out of range, or no runtime is current.
-    pub fn build(self) -> Result<Purgatory<K, O>, BuildError> {
-        self.build_inner(None)
-    }
-
-    /// Builds the purgatory and spawns its reaper on the runtime of `handle`.
-    ///
-    /// # Errors
-    ///
-    /// When a setting is out of range.
-    pub fn build_on(self, handle: &tokio::runtime::Handle) -> Result<Purgatory<K, O>, BuildError> {
-        self.build_inner(Some(handle))
-    }
-
-    fn build_inner(
-        self,
-        handle: Option<&tokio::runtime::Handle>,
-    ) -> Result<Purgatory<K, O>, BuildError> {
-        self.wheel.validate()?;
-        if self.watcher_shards == 0 || self.watcher_shards > 65_536 {
-            return Err(BuildError::invalid("watcher_shards must be in 1..=65536"));
-        }
-        if self.max_pending == Some(0) {
-            return Err(BuildError::invalid("max_pending must be at least 1"));
-        }
-        let rt = runtime_handle(handle)?;
-        let core = Core::start(&self.wheel.core_config(self.name.clone(), None), &rt);
-        let shared = Arc::new(Shared {
-            core,
-            watchers: Watchers::new(self.watcher_shards),
-            delayed: AtomicUsize::new(0),
-            watched: AtomicUsize::new(0),
-            tombstones: AtomicIsize::new(0),
-            purging: AtomicBool::new(false),
-            purge_interval: self.purge_interval,
-            max_pending: self.max_pending,
-            counters: Counters::default(),
-            name: self.name,
-        });
-        Ok(Purgatory {
-            owner: Arc::new(Owner { shared }),
-        })
-    }
-}
 
 /// Shuts the purgatory down when the last [`Purgatory`] clone is dropped.
 struct Owner<K: WatchKey, O: Operation> {
@@ -302,27 +60,11 @@ impl<K: WatchKey, O: Operation> Drop for Owner<K, O> {
         // Pending operations are dropped unrun; their handles see `Shutdown`.
         // Closing the timer and draining the lists also breaks the reference
         // cycles through the cells.
-        let ops = close(&self.shared, Fate::Cancelled);
-        drop(ops);
+        let ops = self.shared.close(Fate::Cancelled);
+        for op in ops {
+            self.shared.drop_contained("drop of an operation", op);
+        }
     }
-}
-
-/// Closes the timer and empties the watch lists; returns the operations taken.
-fn close<K: WatchKey, O: Operation>(shared: &Shared<K, O>, fate: Fate) -> Vec<O> {
-    let Some(jobs) = shared.core.close(Closed::Shutdown) else {
-        return Vec::new();
-    };
-    let mut ops = Vec::with_capacity(jobs.len());
-    for Expiry(cell) in jobs {
-        ops.extend(cell.cancel(OperationError::Shutdown, fate));
-    }
-    // Operations still registering are in lists but not yet in the timer.
-    let cells = shared.watchers.drain();
-    shared.on_removed(cells.len());
-    for cell in cells {
-        ops.extend(cell.cancel(OperationError::Shutdown, fate));
-    }
-    ops
 }
 
 /// Operations waiting on watch keys until they complete or time out: Kafka's
@@ -336,17 +78,42 @@ fn close<K: WatchKey, O: Operation>(shared: &Shared<K, O>, fate: Fate) -> Vec<O>
 ///
 /// # Concurrency
 ///
-/// No map or list lock is held while user code (`try_complete`,
-/// `on_expiration`, drops of operations and outputs) runs, so that code may call
-/// back into the purgatory. Checks of one operation never overlap; an event that
-/// arrives while one runs makes it check again.
+/// All methods may be called from any number of threads at once. What runs
+/// under which lock:
+///
+/// - Operation code (`try_complete`, `on_expiration`) and every drop of a user
+///   value the purgatory performs (operations, outputs, keys) run with no lock of
+///   the purgatory's held, so they may call back into it. The one lock held around
+///   user code is the operation's own, around its `try_complete`, which is how
+///   checks of one operation never overlap; an event that arrives while one runs
+///   makes it check again.
+/// - A key's `Hash`, `Eq` and `Clone` run under the lock of the watcher-map shard
+///   that holds the key (see [`WatchKey`]): they must not call back into the
+///   purgatory.
+///
+/// # Panics in user code
+///
+/// A panic in `try_complete`, `on_expiration` or the `Drop` of an operation,
+/// output or key is caught, counted in [`PurgatoryMetrics::panicked`] and reported
+/// through `tracing`; the call that ran it finishes its work, and every handle
+/// still resolves exactly once. A panic in a key's `Hash`, `Eq` or `Clone`
+/// propagates to the caller of the method that ran it, after the purgatory has
+/// been put back as it was before the call (see
+/// [`try_complete_else_watch`](Purgatory::try_complete_else_watch)).
 ///
 /// # Memory
 ///
-/// A finished operation is dropped at once. Its entries in the watch lists of its
-/// other keys become tombstones (a pointer to its small cell) until that key is
-/// next walked or the amortised purge runs (see
-/// [`PurgatoryBuilder::purge_interval`]). Keys whose lists empty are removed.
+/// A finished operation is dropped at once, and an output is dropped as soon as
+/// its handle reads it or is dropped. The operation's entries in the watch lists
+/// of its other keys become **tombstones** until that key is next walked or the
+/// amortised purge runs (see [`PurgatoryBuilder::purge_interval`]); keys whose
+/// lists empty are removed. A tombstone holds a pointer to the operation's cell,
+/// and the cell stays allocated until its last tombstone goes: it is
+/// [`Purgatory::cell_bytes`] bytes, which includes room for the operation
+/// (`size_of::<Op>()`) and for its outcome (`size_of::<Op::Output>()`, plus a
+/// word), both empty by then. Box a large operation or output
+/// (`Box<LargeState>`) to keep tombstones small. [`PurgatoryMetrics::tombstones`]
+/// counts them, apart from live watch entries.
 ///
 /// # Shutdown
 ///
@@ -416,6 +183,23 @@ impl<K: WatchKey, O: Operation> std::fmt::Debug for Purgatory<K, O> {
 
 impl<K: WatchKey, O: Operation> Purgatory<K, O> {
     /// A builder with default settings; `name` labels `tracing` events.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// # struct Join;
+    /// # impl tokio_purgatory::Operation for Join {
+    /// #     type Output = ();
+    /// #     fn try_complete(&mut self) -> Option<()> { None }
+    /// #     fn on_expiration(self) {}
+    /// # }
+    /// use tokio_purgatory::Purgatory;
+    ///
+    /// let joins: Purgatory<String, Join> = Purgatory::builder("join").build().unwrap();
+    /// assert!(!joins.is_shutdown());
+    /// # }
+    /// ```
     pub fn builder(name: &str) -> PurgatoryBuilder<K, O> {
         PurgatoryBuilder {
             name: name.into(),
@@ -424,6 +208,12 @@ impl<K: WatchKey, O: Operation> Purgatory<K, O> {
             purge_interval: 1000,
             max_pending: None,
             _types: PhantomData,
+        }
+    }
+
+    fn from_shared(shared: Arc<Shared<K, O>>) -> Self {
+        Purgatory {
+            owner: Arc::new(Owner { shared }),
         }
     }
 
@@ -436,7 +226,8 @@ impl<K: WatchKey, O: Operation> Purgatory<K, O> {
     /// not missed), and starts its timeout. Returns the handle to await.
     ///
     /// Duplicate keys are watched once. A timeout too large for `Instant`
-    /// saturates to about 30 years.
+    /// saturates to about 30 years. A zero timeout expires on the reaper's next
+    /// turn.
     ///
     /// # Errors
     ///
@@ -444,74 +235,193 @@ impl<K: WatchKey, O: Operation> Purgatory<K, O> {
     /// empty, the purgatory is at its pending limit, shut down, or has lost its
     /// reaper.
     ///
+    /// # Panics
+    ///
+    /// When a key's `Hash`, `Eq` or `Clone` panics, that panic propagates from
+    /// this call, and the operation is dropped unregistered: no handle, no
+    /// timeout, no counter changed (`registered` does not count it), and any
+    /// watch entries already made are tombstones that later walks remove. A panic
+    /// in the operation's own code is contained (see [`Purgatory`]).
+    ///
     /// # Concurrent calls
     ///
     /// A [`shutdown`](Purgatory::shutdown) racing this call either takes the
     /// operation (the handle resolves to [`OperationError::Shutdown`]) or this
-    /// call fails with [`WatchError::Shutdown`]: the operation is never lost.
+    /// call fails with [`WatchError::Shutdown`]: the operation is never lost. An
+    /// event on one of the keys, or a [`cancel_for_key`](Purgatory::cancel_for_key)
+    /// of one, while this call runs is acted on by this call before it returns.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// use std::time::Duration;
+    /// use tokio_purgatory::{Completion, Operation, Purgatory};
+    ///
+    /// struct Never;
+    /// impl Operation for Never {
+    ///     type Output = &'static str;
+    ///     fn try_complete(&mut self) -> Option<&'static str> { None }
+    ///     fn on_expiration(self) -> &'static str { "timed out" }
+    /// }
+    ///
+    /// let p: Purgatory<u32, Never> = Purgatory::builder("demo").build().unwrap();
+    /// let handle = p.try_complete_else_watch(Never, Duration::from_millis(5), [1, 2]).unwrap();
+    /// assert_eq!(handle.await, Ok(Completion::Expired("timed out")));
+    ///
+    /// // No keys: the operation comes back.
+    /// let refused = p.try_complete_else_watch(Never, Duration::from_millis(5), []);
+    /// assert!(matches!(refused.unwrap_err().into_inner(), Never));
+    /// # }
+    /// ```
     pub fn try_complete_else_watch<I>(
         &self,
-        mut op: O,
+        op: O,
         timeout: Duration,
         keys: I,
     ) -> Result<OperationHandle<K, O>, WatchError<O>>
     where
         I: IntoIterator<Item = K>,
     {
+        let now = Instant::now();
+        self.register(op, now, deadline_after(now, timeout), keys)
+    }
+
+    fn register<I>(
+        &self,
+        mut op: O,
+        now: Instant,
+        deadline: Instant,
+        keys: I,
+    ) -> Result<OperationHandle<K, O>, WatchError<O>>
+    where
+        I: IntoIterator<Item = K>,
+    {
         let shared = self.shared();
-        let keys = dedup(keys);
+        // Key code may panic: nothing is counted or registered until it has run.
+        let keys = match catch_unwind(AssertUnwindSafe(|| dedup(keys))) {
+            Ok((keys, dups)) => {
+                shared.drop_removed(Removed {
+                    entries: Vec::new(),
+                    keys: dups,
+                });
+                keys
+            }
+            Err(panic) => {
+                shared.drop_contained("drop of an operation", op);
+                resume_unwind(panic);
+            }
+        };
         if keys.is_empty() {
             return Err(WatchError::NoKeys(op));
         }
         if let Some(why) = shared.core.closed() {
+            shared.drop_removed(Removed {
+                entries: Vec::new(),
+                keys,
+            });
             return Err(closed_refusal(op, why));
         }
         let delayed = shared.delayed.fetch_add(1, Ordering::AcqRel);
         if shared.max_pending.is_some_and(|max| delayed >= max) {
             shared.delayed.fetch_sub(1, Ordering::AcqRel);
+            shared.drop_removed(Removed {
+                entries: Vec::new(),
+                keys,
+            });
             return Err(WatchError::AtCapacity(op));
         }
-        shared.counters.registered.fetch_add(1, Ordering::Relaxed);
-        let deadline = deadline_after(Instant::now(), timeout);
-        tracing::trace!(
-            purgatory = &*shared.name,
-            keys = keys.len(),
-            ?timeout,
-            "register"
-        );
+        tracing::trace!(purgatory = &*shared.name, keys = keys.len(), "register");
 
-        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| op.try_complete())) {
+        match catch_unwind(AssertUnwindSafe(|| op.try_complete())) {
             Ok(Some(output)) => {
+                shared.counters.registered.fetch_add(1, Ordering::Relaxed);
                 shared.on_finished(Fate::Completed, 0);
+                shared.drop_contained("drop of an operation", op);
+                shared.drop_removed(Removed {
+                    entries: Vec::new(),
+                    keys,
+                });
                 return Ok(OperationHandle::ready(Completion::Completed(output)));
             }
             Ok(None) => {}
             Err(panic) => shared.note_panic("try_complete", &*panic),
         }
 
-        let cell = Arc::new(OpCell::new(op, keys.len() as u32, shared.clone()));
-        shared.watched.fetch_add(keys.len(), Ordering::AcqRel);
-        shared.watchers.watch(&keys, &cell);
-        if cell.check() {
-            // Completed by the check after watching: no timeout to start.
-            return Ok(OperationHandle::waiting(cell));
+        // The cell starts owned by this thread's check: until the second check
+        // below, events only ask for it, and nothing can finish the operation.
+        let me = thread_id();
+        let cell = Arc::new(OpCell::registering(
+            op,
+            keys.len() as u32,
+            shared.clone(),
+            me,
+        ));
+        let mut added = 0;
+        let watched = catch_unwind(AssertUnwindSafe(|| {
+            shared.watchers.watch(&keys, &cell, &mut added)
+        }));
+        shared.watched.fetch_add(added, Ordering::AcqRel);
+        if let Err(panic) = watched {
+            // A key's code panicked: undo. The entries made are tombstones now.
+            let op = cell.abandon_registration();
+            shared
+                .tombstones
+                .fetch_add(added as isize, Ordering::AcqRel);
+            shared.delayed.fetch_sub(1, Ordering::AcqRel);
+            drop(cell);
+            shared.drop_contained("drop of an operation", op);
+            shared.drop_removed(Removed {
+                entries: Vec::new(),
+                keys,
+            });
+            resume_unwind(panic);
         }
-        match shared.core.insert(deadline, Expiry(cell.clone())) {
-            Ok(key) => cell.set_timer(key),
-            Err(Refused::Closed(job, why)) => {
-                drop(job);
-                // A shutdown ran during registration. If it did not take the
-                // operation, hand it back here.
-                if let Some(op) = cell.cancel(closed_error(why), Fate::HandedBack) {
-                    for key in &keys {
-                        shared.on_removed(shared.watchers.prune(key, |c| c.is_done()));
-                    }
-                    return Err(closed_refusal(op, why));
+        shared.counters.registered.fetch_add(1, Ordering::Relaxed);
+
+        let refused = match cell.run_checks(me) {
+            Checked::Completed | Checked::Expired => None,
+            Checked::Cancelled(op) => match shared.core.closed() {
+                // A shutdown took the entries meanwhile: hand the operation back.
+                Some(why) => {
+                    cell.finish(Err(why.into()), Fate::HandedBack, true);
+                    Some((op, why))
                 }
-            }
-            Err(Refused::AtCapacity(_)) => unreachable!("the purgatory's timer has no limit"),
+                None => {
+                    // Cancelled by key meanwhile.
+                    shared.drop_contained("drop of an operation", op);
+                    cell.finish(Err(OperationError::Cancelled), Fate::Cancelled, true);
+                    None
+                }
+            },
+            Checked::Pending => match shared.core.insert(now, deadline, Expiry(cell.clone())) {
+                Ok(key) => {
+                    cell.set_timer(key);
+                    None
+                }
+                Err(Refused::Closed(job, why)) => {
+                    drop(job);
+                    // A shutdown ran during registration. If it did not take the
+                    // operation, hand it back here.
+                    cell.cancel(why.into(), Fate::HandedBack)
+                        .map(|op| (op, why))
+                }
+                Err(Refused::AtCapacity(_)) => unreachable!("the purgatory's timer has no limit"),
+            },
+        };
+        if let Some((op, why)) = refused {
+            cell.detach();
+            shared.drop_removed(Removed {
+                entries: Vec::new(),
+                keys,
+            });
+            return Err(closed_refusal(op, why));
         }
         shared.maybe_purge();
+        shared.drop_removed(Removed {
+            entries: Vec::new(),
+            keys,
+        });
         Ok(OperationHandle::waiting(cell))
     }
 
@@ -522,28 +432,72 @@ impl<K: WatchKey, O: Operation> Purgatory<K, O> {
     /// least a quarter of the list; otherwise they stay as tombstones until the
     /// key's next walk (or the amortised purge).
     ///
+    /// # Panics
+    ///
+    /// When `key`'s `Hash` or `Eq` panics while its list is looked up, before
+    /// anything was checked; the purgatory is unchanged. Once the checks have run,
+    /// a panic in key code while compacting the list is contained. Panics in
+    /// operation code are contained (see [`Purgatory`]).
+    ///
     /// # Concurrent calls
     ///
     /// The key's list is copied under its lock and the checks run after the lock
     /// is released. An operation already being checked elsewhere is asked to check
     /// again instead (it is then not counted here). Calls for the same or other
     /// keys may run at once on any number of threads.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// use std::sync::atomic::{AtomicBool, Ordering};
+    /// use std::sync::Arc;
+    /// use std::time::Duration;
+    /// use tokio_purgatory::{Operation, Purgatory};
+    ///
+    /// struct Flag(Arc<AtomicBool>);
+    /// impl Operation for Flag {
+    ///     type Output = ();
+    ///     fn try_complete(&mut self) -> Option<()> { self.0.load(Ordering::SeqCst).then_some(()) }
+    ///     fn on_expiration(self) {}
+    /// }
+    ///
+    /// let p: Purgatory<&str, Flag> = Purgatory::builder("demo").build().unwrap();
+    /// let flag = Arc::new(AtomicBool::new(false));
+    /// let handle = p.try_complete_else_watch(Flag(flag.clone()), Duration::from_secs(1), ["a"]).unwrap();
+    /// assert_eq!(p.try_complete_watched(&"a"), 0, "not yet");
+    /// flag.store(true, Ordering::SeqCst);
+    /// assert_eq!(p.try_complete_watched(&"a"), 1);
+    /// assert!(handle.await.unwrap().is_completed());
+    /// # }
+    /// ```
     pub fn try_complete_watched(&self, key: &K) -> usize {
         let shared = self.shared();
         let mut live = Vec::new();
-        shared.on_removed(
-            shared
-                .watchers
-                .collect_live(key, &mut live, |c| c.is_done()),
-        );
+        let mut removed = Removed::default();
+        shared
+            .watchers
+            .collect_live(key, &mut live, |c| c.is_finished(), &mut removed);
+        shared.drop_removed(removed);
         let checked = live.len();
         let completed = live.iter().filter(|cell| cell.check()).count();
-        drop(live);
+        drop_each_contained(live, |p| {
+            shared.note_panic("drop of an operation's cell", p)
+        });
         // Compact now only when much of the list finished: otherwise the finished
         // entries are tombstones the key's next walk drops anyway, and a second
         // full walk per event would double the cost of hot keys.
         if completed > 0 && completed * 4 >= checked {
-            shared.on_removed(shared.watchers.prune(key, |c| c.is_done()));
+            let mut removed = Removed::default();
+            let pruned = catch_unwind(AssertUnwindSafe(|| {
+                shared
+                    .watchers
+                    .prune(key, |c| c.is_finished(), &mut removed)
+            }));
+            if let Err(panic) = pruned {
+                shared.note_panic("hash or eq of a key", &*panic);
+            }
+            shared.drop_removed(removed);
         }
         shared.maybe_purge();
         completed
@@ -556,39 +510,134 @@ impl<K: WatchKey, O: Operation> Purgatory<K, O> {
     ///
     /// An unknown key returns an empty list.
     ///
+    /// # Panics
+    ///
+    /// When `key`'s `Hash` or `Eq` panics while its list is looked up; nothing was
+    /// cancelled then. Drops the purgatory performs here are contained.
+    ///
     /// # Concurrent calls
     ///
     /// An operation being checked at this very moment is not returned: if that
     /// check completes it, it completes; otherwise the checker cancels it right
     /// after (its handle resolves to `Cancelled`, and the operation is dropped).
+    /// An operation still registering is cancelled the same way by its
+    /// registration.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// use std::time::Duration;
+    /// use tokio_purgatory::{Operation, OperationError, Purgatory};
+    ///
+    /// struct Heartbeat(u32);
+    /// impl Operation for Heartbeat {
+    ///     type Output = ();
+    ///     fn try_complete(&mut self) -> Option<()> { None }
+    ///     fn on_expiration(self) {}
+    /// }
+    ///
+    /// let p: Purgatory<&str, Heartbeat> = Purgatory::builder("heartbeat").build().unwrap();
+    /// let handle = p.try_complete_else_watch(Heartbeat(7), Duration::from_secs(10), ["group-a"]).unwrap();
+    /// let back = p.cancel_for_key(&"group-a");
+    /// assert_eq!(back.len(), 1);
+    /// assert_eq!(back[0].0, 7);
+    /// assert_eq!(handle.await, Err(OperationError::Cancelled));
+    /// # }
+    /// ```
+    #[must_use = "the cancelled operations are handed back; drop them explicitly if unwanted"]
     pub fn cancel_for_key(&self, key: &K) -> Vec<O> {
         let shared = self.shared();
-        let cells = shared.watchers.take(key);
-        shared.on_removed(cells.len());
-        let ops = cells
+        let mut removed = Removed::default();
+        shared.watchers.take(key, &mut removed);
+        let ops = removed
+            .entries
             .iter()
             .filter_map(|cell| cell.cancel(OperationError::Cancelled, Fate::Cancelled))
             .collect();
+        shared.drop_removed(removed);
         shared.maybe_purge();
         ops
     }
 
     /// Number of watch-list entries, tombstones included (Kafka's `watched`). O(1).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// # struct Op;
+    /// # impl tokio_purgatory::Operation for Op {
+    /// #     type Output = ();
+    /// #     fn try_complete(&mut self) -> Option<()> { None }
+    /// #     fn on_expiration(self) {}
+    /// # }
+    /// use std::time::Duration;
+    /// use tokio_purgatory::Purgatory;
+    ///
+    /// let p: Purgatory<u32, Op> = Purgatory::builder("demo").build().unwrap();
+    /// let h = p.try_complete_else_watch(Op, Duration::from_secs(1), [1, 2, 3]).unwrap();
+    /// assert_eq!(p.watched(), 3);
+    /// # drop(h);
+    /// # }
+    /// ```
     pub fn watched(&self) -> usize {
         self.shared().watched.load(Ordering::Acquire)
     }
 
     /// Number of operations registered and not finished (Kafka's `numDelayed`). O(1).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// # struct Op;
+    /// # impl tokio_purgatory::Operation for Op {
+    /// #     type Output = ();
+    /// #     fn try_complete(&mut self) -> Option<()> { None }
+    /// #     fn on_expiration(self) {}
+    /// # }
+    /// use std::time::Duration;
+    /// use tokio_purgatory::Purgatory;
+    ///
+    /// let p: Purgatory<u32, Op> = Purgatory::builder("demo").build().unwrap();
+    /// let h = p.try_complete_else_watch(Op, Duration::from_secs(1), [1]).unwrap();
+    /// assert_eq!(p.delayed(), 1);
+    /// drop(h); // cancels it
+    /// assert_eq!(p.delayed(), 0);
+    /// # }
+    /// ```
     pub fn delayed(&self) -> usize {
         self.shared().delayed.load(Ordering::Acquire)
     }
 
     /// Counters since the purgatory was built.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// # struct Op;
+    /// # impl tokio_purgatory::Operation for Op {
+    /// #     type Output = ();
+    /// #     fn try_complete(&mut self) -> Option<()> { Some(()) }
+    /// #     fn on_expiration(self) {}
+    /// # }
+    /// use std::time::Duration;
+    /// use tokio_purgatory::Purgatory;
+    ///
+    /// let p: Purgatory<u32, Op> = Purgatory::builder("demo").build().unwrap();
+    /// p.try_complete_else_watch(Op, Duration::from_secs(1), [1]).unwrap().await.unwrap();
+    /// let m = p.metrics();
+    /// assert_eq!((m.registered, m.completed, m.delayed), (1, 1, 0));
+    /// # }
+    /// ```
     pub fn metrics(&self) -> PurgatoryMetrics {
         let s = self.shared();
         let c = &s.counters;
         PurgatoryMetrics {
             watched: self.watched(),
+            tombstones: s.tombstones.load(Ordering::Acquire).max(0) as usize,
             delayed: self.delayed(),
             keys: s.watchers.keys(),
             registered: c.registered.load(Ordering::Relaxed),
@@ -602,6 +651,45 @@ impl<K: WatchKey, O: Operation> Purgatory<K, O> {
         }
     }
 
+    /// The bytes an operation's cell occupies on the heap: what each finished
+    /// operation keeps allocated until its last tombstone is removed (see
+    /// "Memory" on [`Purgatory`]). It grows with `size_of::<O>()` and
+    /// `size_of::<O::Output>()`.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # struct Small;
+    /// # impl tokio_purgatory::Operation for Small {
+    /// #     type Output = ();
+    /// #     fn try_complete(&mut self) -> Option<()> { None }
+    /// #     fn on_expiration(self) {}
+    /// # }
+    /// # struct Large(#[allow(dead_code)] [u8; 4096]);
+    /// # impl tokio_purgatory::Operation for Large {
+    /// #     type Output = ();
+    /// #     fn try_complete(&mut self) -> Option<()> { None }
+    /// #     fn on_expiration(self) {}
+    /// # }
+    /// use tokio_purgatory::Purgatory;
+    ///
+    /// let small = Purgatory::<u32, Small>::cell_bytes();
+    /// let large = Purgatory::<u32, Large>::cell_bytes();
+    /// assert!(large >= small + 4096);
+    /// // Boxed, the large state leaves the cell and is freed at completion.
+    /// # struct Boxed(#[allow(dead_code)] Box<[u8; 4096]>);
+    /// # impl tokio_purgatory::Operation for Boxed {
+    /// #     type Output = ();
+    /// #     fn try_complete(&mut self) -> Option<()> { None }
+    /// #     fn on_expiration(self) {}
+    /// # }
+    /// assert!(Purgatory::<u32, Boxed>::cell_bytes() < small + 64);
+    /// ```
+    pub fn cell_bytes() -> usize {
+        // The `Arc`'s two counts, then the cell.
+        2 * std::mem::size_of::<usize>() + std::mem::size_of::<OpCell<K, O>>()
+    }
+
     /// Stops the reaper and hands back every pending operation, in no particular
     /// order; their handles resolve to [`OperationError::Shutdown`]. Registration
     /// afterwards fails with [`WatchError::Shutdown`]. Returns an empty list when
@@ -613,11 +701,53 @@ impl<K: WatchKey, O: Operation> Purgatory<K, O> {
     /// finishes by that check or expiry, or is cancelled right after a check that
     /// did not complete it. Calling `shutdown` from inside an operation's code
     /// works.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// # struct Op;
+    /// # impl tokio_purgatory::Operation for Op {
+    /// #     type Output = ();
+    /// #     fn try_complete(&mut self) -> Option<()> { None }
+    /// #     fn on_expiration(self) {}
+    /// # }
+    /// use std::time::Duration;
+    /// use tokio_purgatory::{OperationError, Purgatory, WatchError};
+    ///
+    /// let p: Purgatory<u32, Op> = Purgatory::builder("demo").build().unwrap();
+    /// let h = p.try_complete_else_watch(Op, Duration::from_secs(1), [1]).unwrap();
+    /// assert_eq!(p.shutdown().len(), 1);
+    /// assert_eq!(h.await, Err(OperationError::Shutdown));
+    /// let refused = p.try_complete_else_watch(Op, Duration::from_secs(1), [1]);
+    /// assert!(matches!(refused, Err(WatchError::Shutdown(_))));
+    /// # }
+    /// ```
+    #[must_use = "the pending operations are handed back; drop them explicitly if unwanted"]
     pub fn shutdown(&self) -> Vec<O> {
-        close(self.shared(), Fate::HandedBack)
+        self.shared().close(Fate::HandedBack)
     }
 
     /// Whether the purgatory no longer accepts operations.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// # struct Op;
+    /// # impl tokio_purgatory::Operation for Op {
+    /// #     type Output = ();
+    /// #     fn try_complete(&mut self) -> Option<()> { None }
+    /// #     fn on_expiration(self) {}
+    /// # }
+    /// use tokio_purgatory::Purgatory;
+    ///
+    /// let p: Purgatory<u32, Op> = Purgatory::builder("demo").build().unwrap();
+    /// assert!(!p.is_shutdown());
+    /// drop(p.shutdown());
+    /// assert!(p.is_shutdown());
+    /// # }
+    /// ```
     pub fn is_shutdown(&self) -> bool {
         self.shared().core.closed().is_some()
     }
@@ -632,6 +762,11 @@ impl<K: WatchKey, O: Operation> Purgatory<K, O> {
 pub struct PurgatoryMetrics {
     /// Watch-list entries, tombstones included.
     pub watched: usize,
+    /// Watch-list entries of finished operations not yet removed (part of
+    /// `watched`). Each keeps its operation's cell allocated (see
+    /// [`Purgatory::cell_bytes`]); they go with the next walk of their key or the
+    /// amortised purge. Live watch entries are `watched - tombstones`.
+    pub tombstones: usize,
     /// Operations pending.
     pub delayed: usize,
     /// Keys with a watch list.
@@ -648,26 +783,35 @@ pub struct PurgatoryMetrics {
     pub handed_back: u64,
     /// Tombstones removed by the amortised purge (walks of keys not counted).
     pub purged: u64,
-    /// Panics caught in `try_complete` or `on_expiration`.
+    /// Panics caught in user code: `try_complete`, `on_expiration`, and the
+    /// `Drop` of operations, outputs and keys the purgatory dropped.
     pub panicked: u64,
     /// Times the reaper woke from a sleep.
     pub reaper_wakeups: u64,
 }
 
-fn dedup<K: WatchKey>(keys: impl IntoIterator<Item = K>) -> Vec<K> {
+/// The distinct keys of `keys`, in order, and the duplicates (to be dropped by the
+/// caller with its drops contained).
+fn dedup<K: WatchKey>(keys: impl IntoIterator<Item = K>) -> (Vec<K>, Vec<K>) {
     let mut out: Vec<K> = Vec::new();
+    let mut dups = Vec::new();
     for k in keys {
-        if out.len() < 16 {
-            if !out.contains(&k) {
-                out.push(k);
-            }
+        if out.len() >= 16 {
+            out.push(k);
+        } else if out.contains(&k) {
+            dups.push(k);
         } else {
             out.push(k);
         }
     }
     if out.len() > 16 {
-        let mut seen = std::collections::HashSet::with_capacity(out.len());
-        out.retain(|k| seen.insert(k.clone()));
+        let keep: Vec<bool> = {
+            let mut seen = std::collections::HashSet::with_capacity(out.len());
+            out.iter().map(|k| seen.insert(k)).collect()
+        };
+        let (kept, more): (Vec<_>, Vec<_>) = out.into_iter().zip(keep).partition(|(_, keep)| *keep);
+        out = kept.into_iter().map(|(k, _)| k).collect();
+        dups.extend(more.into_iter().map(|(k, _)| k));
     }
-    out
+    (out, dups)
 }

@@ -1,18 +1,5 @@
-//! The operation trait and the per-operation completion state machine.
-//!
-//! Each registered operation lives in an [`OpCell`]: the state machine (see
-//! `state.rs`, checked by loom), the operation behind a lock only its checker
-//! takes, and where its outcome goes.
-
-use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::task::Waker;
-
-use super::error::OperationError;
-use super::state::{After, Claim, State, CANCEL, EXPIRE};
-use super::{Shared, WatchKey};
-use crate::reaper::TimerKey;
+//! What users implement and match on: the [`Operation`] trait and the
+//! [`Completion`] it ends in.
 
 /// A request that waits in a [`Purgatory`](crate::Purgatory) until it can complete
 /// or its timeout fires (Kafka's `DelayedOperation`: a produce waiting for
@@ -27,14 +14,25 @@ use crate::reaper::TimerKey;
 ///
 /// Calls of `try_complete` on one operation never overlap, even when events on
 /// several keys arrive on several threads at once, and none happens after the
-/// operation has finished. Both methods run with no purgatory lock held, so they
-/// may call back into the purgatory. They run on whatever thread caused them: the
-/// caller of `try_complete_watched`, or the reaper task for expiry. Keep them short
-/// and non-blocking.
+/// operation has finished. That is done with a lock of the operation's own, held
+/// while `try_complete` runs; no lock of the purgatory's is held, so both methods
+/// may call back into the purgatory (walk keys, their own included, register
+/// operations, shut it down). They run on whatever thread caused them: the caller
+/// of `try_complete_watched` or of registration, or the reaper task for expiry.
+/// Keep them short and non-blocking.
 ///
-/// A panic in either is caught and reported through `tracing`. A panicking check
-/// counts as "not yet"; a panicking expiry resolves the handle with
-/// [`OperationError::Panicked`].
+/// # Panics and drops
+///
+/// A panic in either method is caught, counted in
+/// [`PurgatoryMetrics::panicked`](crate::PurgatoryMetrics::panicked) and reported
+/// through `tracing`. A panicking check counts as "not yet"; a panicking expiry
+/// resolves the handle with
+/// [`OperationError::Panicked`](crate::OperationError::Panicked).
+///
+/// The purgatory drops a finished operation at once, on the thread that finished
+/// it, with no lock held; so may it drop an output nobody will read. Their `Drop`
+/// may call back into the purgatory, and a panic in it is caught and counted the
+/// same way: the operation's handle still resolves.
 ///
 /// # Examples
 ///
@@ -107,236 +105,4 @@ impl<T> Completion<T> {
     pub fn is_expired(&self) -> bool {
         matches!(self, Completion::Expired(_))
     }
-}
-
-/// What an operation handle resolves to.
-pub(crate) type Outcome<T> = Result<Completion<T>, OperationError>;
-
-/// How a finished operation is counted.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Fate {
-    Completed,
-    Expired,
-    /// Cancelled by key or by dropping its handle, or dropped unrun because the
-    /// purgatory was dropped or lost its reaper.
-    Cancelled,
-    HandedBack,
-}
-
-#[derive(Debug)]
-pub(crate) struct Delivery<T> {
-    timer: Option<TimerKey>,
-    result: Option<Outcome<T>>,
-    waker: Option<Waker>,
-    /// Nobody will ever read `result`: don't keep it.
-    detached: bool,
-}
-
-/// One registered operation: state byte, the operation, and where its outcome
-/// goes.
-pub(crate) struct OpCell<K: WatchKey, O: Operation> {
-    state: State,
-    op: Mutex<Option<O>>,
-    delivery: Mutex<Delivery<O::Output>>,
-    /// Number of watch lists holding this cell (tombstone accounting).
-    keys: u32,
-    shared: Arc<Shared<K, O>>,
-}
-
-impl<K: WatchKey, O: Operation> std::fmt::Debug for OpCell<K, O> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("OpCell")
-            .field("done", &self.state.is_done())
-            .field("keys", &self.keys)
-            .finish_non_exhaustive()
-    }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // User code runs under `op` only inside `catch_unwind`, so a poisoned lock
-    // would mean a bug of ours; the data is still usable.
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-impl<K, O> OpCell<K, O>
-where
-    K: WatchKey,
-    O: Operation,
-{
-    pub(crate) fn new(op: O, keys: u32, shared: Arc<Shared<K, O>>) -> Self {
-        OpCell {
-            state: State::new(),
-            op: Mutex::new(Some(op)),
-            delivery: Mutex::new(Delivery {
-                timer: None,
-                result: None,
-                waker: None,
-                detached: false,
-            }),
-            keys,
-            shared,
-        }
-    }
-
-    pub(crate) fn is_done(&self) -> bool {
-        self.state.is_done()
-    }
-
-    /// Runs the operation's check, or asks the running checker to check again.
-    /// Returns whether this call completed the operation.
-    pub(crate) fn check(&self) -> bool {
-        let me = thread_id();
-        if !self.state.begin_check(me) {
-            return false;
-        }
-        loop {
-            let out = {
-                let mut op = lock(&self.op);
-                let op = op.as_mut().expect("a checkable operation is present");
-                catch_unwind(AssertUnwindSafe(|| op.try_complete()))
-            };
-            match out {
-                Ok(Some(output)) => {
-                    self.state.complete();
-                    let op = lock(&self.op).take();
-                    drop(op);
-                    self.finish(Ok(Completion::Completed(output)), Fate::Completed, true);
-                    return true;
-                }
-                Ok(None) => {}
-                Err(panic) => self.shared.note_panic("try_complete", &*panic),
-            }
-            match self.state.end_check(me) {
-                After::Recheck => continue,
-                After::Release => return false,
-                After::Cancel => {
-                    let op = lock(&self.op).take();
-                    drop(op);
-                    self.finish(Err(OperationError::Cancelled), Fate::Cancelled, true);
-                    return false;
-                }
-                After::Expire => {
-                    let op = lock(&self.op)
-                        .take()
-                        .expect("expiring operation is present");
-                    self.run_expiry(op);
-                    return false;
-                }
-            }
-        }
-    }
-
-    /// Claims the operation (expiry or cancellation), taking it out, unless a
-    /// check is running: then the request is left for the checker.
-    fn claim(&self, request: u8) -> Option<O> {
-        match self.state.claim(request) {
-            Claim::Won => Some(lock(&self.op).take().expect("claimed operation is present")),
-            Claim::Deferred | Claim::Done => None,
-        }
-    }
-
-    /// The timeout fired (on the reaper task, with no lock held).
-    pub(crate) fn expire(&self) {
-        if let Some(op) = self.claim(EXPIRE) {
-            self.run_expiry(op);
-        }
-    }
-
-    fn run_expiry(&self, op: O) {
-        let out = match catch_unwind(AssertUnwindSafe(|| op.on_expiration())) {
-            Ok(output) => Ok(Completion::Expired(output)),
-            Err(panic) => {
-                self.shared.note_panic("on_expiration", &*panic);
-                Err(OperationError::Panicked)
-            }
-        };
-        // The timer entry is already gone: it is what called us, or the checker
-        // that ran us was asked by it.
-        self.finish(out, Fate::Expired, false);
-    }
-
-    /// Cancels the operation: it will neither complete nor expire. Returns it when
-    /// this call took it (`why` is then delivered to the handle); `None` when it
-    /// had finished, or a running check will finish it.
-    pub(crate) fn cancel(&self, why: OperationError, fate: Fate) -> Option<O> {
-        let op = self.claim(CANCEL)?;
-        self.finish(Err(why), fate, true);
-        Some(op)
-    }
-
-    /// Delivers the outcome once `DONE` is set, updates the counters, and removes
-    /// the timer entry when `cancel_timer`.
-    fn finish(&self, result: Outcome<O::Output>, fate: Fate, cancel_timer: bool) {
-        self.shared.on_finished(fate, self.keys);
-        let (timer, waker, dropped) = {
-            let mut d = lock(&self.delivery);
-            let dropped = if d.detached {
-                Some(result)
-            } else {
-                d.result = Some(result);
-                None
-            };
-            (d.timer.take(), d.waker.take(), dropped)
-        };
-        drop(dropped); // user output dropped outside the lock
-        if cancel_timer {
-            if let Some(key) = timer {
-                drop(self.shared.core.remove(key));
-            }
-        }
-        if let Some(w) = waker {
-            w.wake();
-        }
-    }
-
-    /// Records the timer entry, or removes it at once if the operation finished
-    /// while it was being inserted.
-    pub(crate) fn set_timer(&self, key: TimerKey) {
-        let finished = {
-            let mut d = lock(&self.delivery);
-            if self.is_done() {
-                true
-            } else {
-                d.timer = Some(key);
-                false
-            }
-        };
-        if finished {
-            drop(self.shared.core.remove(key));
-        }
-    }
-
-    /// Takes the outcome, or registers `waker` to be woken when there is one.
-    pub(crate) fn poll_outcome(&self, waker: &Waker) -> Option<Outcome<O::Output>> {
-        let mut d = lock(&self.delivery);
-        match d.result.take() {
-            Some(r) => Some(r),
-            None => {
-                if !d.waker.as_ref().is_some_and(|w| w.will_wake(waker)) {
-                    d.waker = Some(waker.clone());
-                }
-                None
-            }
-        }
-    }
-
-    /// Nobody will read the outcome: drop any stored and don't store one later.
-    pub(crate) fn detach(&self) {
-        let (stale, waker) = {
-            let mut d = lock(&self.delivery);
-            d.detached = true;
-            (d.result.take(), d.waker.take())
-        };
-        drop((stale, waker));
-    }
-}
-
-/// A number naming the current thread (never 0).
-fn thread_id() -> u64 {
-    use std::sync::atomic::AtomicU64 as Counter;
-    static NEXT: Counter = Counter::new(1);
-    thread_local! {
-        static ID: u64 = NEXT.fetch_add(1, Ordering::Relaxed);
-    }
-    ID.with(|id| *id)
 }

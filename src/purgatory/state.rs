@@ -1,5 +1,5 @@
 //! The per-operation completion state machine, on its own so that loom can check
-//! every interleaving of it (`RUSTFLAGS="--cfg purgatory_loom" cargo test --release --lib state`).
+//! every interleaving of it (`RUSTFLAGS="--cfg purgatory_loom" cargo test --release --lib loom`).
 //!
 //! Five bits: `CHECKING` (one caller owns the operation and runs its check),
 //! `RERUN` (another caller asked for a check meanwhile), `EXPIRE` and `CANCEL`
@@ -19,10 +19,9 @@
 //! back into itself (walking its own key) is not taken for an outside event: a
 //! re-run for that would loop forever.
 
-#[cfg(purgatory_loom)]
-use loom::sync::atomic::{AtomicU64, AtomicU8, Ordering};
-#[cfg(not(purgatory_loom))]
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::Ordering;
+
+use crate::loom::{AtomicU64, AtomicU8};
 
 const CHECKING: u8 = 1;
 const RERUN: u8 = 2;
@@ -64,6 +63,7 @@ pub(crate) struct State {
 }
 
 impl State {
+    #[cfg(all(test, purgatory_loom))]
     pub(crate) fn new() -> State {
         State {
             bits: AtomicU8::new(0),
@@ -71,7 +71,16 @@ impl State {
         }
     }
 
-    pub(crate) fn is_done(&self) -> bool {
+    /// A state whose check is already owned by thread `me` (a registration, which
+    /// runs the operation's second check itself once it is watched).
+    pub(crate) fn checked_by(me: u64) -> State {
+        State {
+            bits: AtomicU8::new(CHECKING),
+            checker: AtomicU64::new(me),
+        }
+    }
+
+    pub(crate) fn is_finished(&self) -> bool {
         self.bits.load(Ordering::Acquire) & DONE != 0
     }
 
@@ -112,6 +121,13 @@ impl State {
         // store racing a requester's CAS is where loom found the state left at
         // CHECKING|RERUN after completion.
         self.bits.swap(DONE, Ordering::AcqRel);
+    }
+
+    /// The owner gives the operation up unfinished (its registration failed):
+    /// `DONE`, whatever was asked meanwhile. Requests left meanwhile lose, as on
+    /// completion.
+    pub(crate) fn abandon(&self) {
+        self.complete();
     }
 
     /// The owner's check returned "not yet": release, or act on what was asked.
@@ -170,7 +186,7 @@ impl State {
 }
 
 #[cfg(all(test, purgatory_loom))]
-mod loom_tests {
+mod loom_state {
     use super::*;
     use loom::sync::atomic::{AtomicBool, AtomicUsize};
     use loom::sync::Arc;
@@ -192,11 +208,15 @@ mod loom_tests {
         }
     }
 
-    /// The purgatory's check loop, with "completable" read from `ready`.
+    /// The purgatory's check, with "completable" read from `ready`.
     fn check(state: &State, me: u64, ready: &AtomicBool, out: &Outcomes) {
-        if !state.begin_check(me) {
-            return;
+        if state.begin_check(me) {
+            run_checks(state, me, ready, out);
         }
+    }
+
+    /// The check loop of `me`, owner of `CHECKING`.
+    fn run_checks(state: &State, me: u64, ready: &AtomicBool, out: &Outcomes) {
         loop {
             if ready.load(Ordering::SeqCst) {
                 state.complete();
@@ -247,7 +267,7 @@ mod loom_tests {
             assert_eq!(out.completed.load(Ordering::SeqCst), 1);
             assert_eq!(out.total(), 1);
             assert!(
-                state.is_done(),
+                state.is_finished(),
                 "bits {} after {} outcomes",
                 state.bits.load(Ordering::SeqCst),
                 out.total()
@@ -278,7 +298,7 @@ mod loom_tests {
             expirer.join().unwrap();
             assert_eq!(out.total(), 1, "exactly one outcome");
             assert!(
-                state.is_done(),
+                state.is_finished(),
                 "bits {} after {} outcomes",
                 state.bits.load(Ordering::SeqCst),
                 out.total()
@@ -336,6 +356,60 @@ mod loom_tests {
             }
             other.join().unwrap();
             assert_eq!(out.completed.load(Ordering::SeqCst), 1, "event not lost");
+        });
+    }
+
+    /// An event from another thread makes the owner check again, and that
+    /// re-check still says "not yet": the operation is released (checkable
+    /// again), neither finished nor left marked as being checked.
+    #[test]
+    fn a_recheck_that_still_fails_releases_the_operation() {
+        loom::model(|| {
+            let state = Arc::new(State::new());
+            let ready = Arc::new(AtomicBool::new(false));
+            let out = Arc::new(Outcomes::default());
+            let t = {
+                let (state, ready, out) = (state.clone(), ready.clone(), out.clone());
+                thread::spawn(move || check(&state, 1, &ready, &out))
+            };
+            check(&state, 2, &ready, &out);
+            t.join().unwrap();
+            assert_eq!(out.total(), 0);
+            assert_eq!(state.bits.load(Ordering::SeqCst), 0, "released");
+            assert_eq!(state.checker.load(Ordering::SeqCst), 0);
+            ready.store(true, Ordering::SeqCst);
+            check(&state, 2, &ready, &out);
+            assert_eq!(out.completed.load(Ordering::SeqCst), 1);
+        });
+    }
+
+    /// A registration owns the check from the start (`checked_by`): an event
+    /// from another thread before its second check is not lost, and a cancel
+    /// meanwhile is left for it.
+    #[test]
+    fn an_event_or_cancel_during_registration_is_left_for_the_registrar() {
+        loom::model(|| {
+            let state = Arc::new(State::checked_by(1));
+            let ready = Arc::new(AtomicBool::new(false));
+            let out = Arc::new(Outcomes::default());
+            let event = {
+                let (state, ready, out) = (state.clone(), ready.clone(), out.clone());
+                thread::spawn(move || {
+                    ready.store(true, Ordering::SeqCst);
+                    check(&state, 2, &ready, &out);
+                })
+            };
+            let cancel = {
+                let (state, out) = (state.clone(), out.clone());
+                thread::spawn(move || claim(&state, CANCEL, &out))
+            };
+            run_checks(&state, 1, &ready, &out);
+            event.join().unwrap();
+            cancel.join().unwrap();
+            // The event completed it, or the cancel was acted on (by the registrar
+            // if it came during its check): exactly one outcome, never none.
+            assert_eq!(out.total(), 1);
+            assert!(state.is_finished());
         });
     }
 }

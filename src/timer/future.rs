@@ -87,9 +87,9 @@ struct Registered {
 }
 
 impl Sleep {
-    pub(crate) fn new(core: &Arc<Core<TimerJob>>, deadline: Instant) -> Sleep {
+    pub(crate) fn new(core: &Arc<Core<TimerJob>>, now: Instant, deadline: Instant) -> Sleep {
         let signal = Arc::new(SleepSignal::default());
-        let inner = match core.insert(deadline, TimerJob::sleep(signal.clone())) {
+        let inner = match core.insert(now, deadline, TimerJob::sleep(signal.clone())) {
             Ok(key) => Ok(Registered {
                 core: core.clone(),
                 key,

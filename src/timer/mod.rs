@@ -19,7 +19,10 @@ use tokio::time::Instant;
 pub use self::error::{BuildError, ScheduleError, TimerError};
 pub use self::future::Sleep;
 use self::future::SleepSignal;
-use crate::reaper::{deadline_after, Closed, Core, CoreConfig, Job, Refused, TimerKey};
+use crate::reaper::{
+    deadline_after, drop_contained, note_panic, run_contained, Closed, Core, CoreConfig, Job,
+    Refused, TimerKey,
+};
 
 /// What the wheel holds: a user's task or a sleep's signal, behind one thin
 /// trait object (16 bytes, so a wheel entry stays at 40).
@@ -295,7 +298,11 @@ impl Drop for Owner {
     fn drop(&mut self) {
         if let Some(jobs) = self.core.close(Closed::Shutdown) {
             for job in jobs {
-                job.abandon(Closed::Shutdown);
+                // Each task is dropped on its own: a panicking `Drop` is counted and
+                // does not stop the others.
+                run_contained(&self.core.name, &self.core.counters, || {
+                    job.abandon(Closed::Shutdown)
+                });
             }
         }
     }
@@ -391,7 +398,8 @@ impl Timer {
     where
         F: FnOnce() + Send + 'static,
     {
-        self.schedule_at(deadline_after(Instant::now(), delay), task)
+        let now = Instant::now();
+        self.insert(now, deadline_after(now, delay), task)
     }
 
     /// Runs `task` on the reaper task once `deadline` has passed. A deadline in
@@ -404,8 +412,20 @@ impl Timer {
     where
         F: FnOnce() + Send + 'static,
     {
+        self.insert(Instant::now(), deadline, task)
+    }
+
+    fn insert<F>(
+        &self,
+        now: Instant,
+        deadline: Instant,
+        task: F,
+    ) -> Result<Timeout, ScheduleError<F>>
+    where
+        F: FnOnce() + Send + 'static,
+    {
         let core = self.core();
-        match core.insert(deadline, TimerJob(Box::new(task))) {
+        match core.insert(now, deadline, TimerJob(Box::new(task))) {
             Ok(key) => Ok(Timeout {
                 core: core.clone(),
                 key,
@@ -417,12 +437,13 @@ impl Timer {
 
     /// A future that resolves once `delay` has passed (see [`Sleep`]).
     pub fn sleep(&self, delay: Duration) -> Sleep {
-        self.sleep_until(deadline_after(Instant::now(), delay))
+        let now = Instant::now();
+        Sleep::new(self.core(), now, deadline_after(now, delay))
     }
 
     /// A future that resolves once `deadline` has passed (see [`Sleep`]).
     pub fn sleep_until(&self, deadline: Instant) -> Sleep {
-        Sleep::new(self.core(), deadline)
+        Sleep::new(self.core(), Instant::now(), deadline)
     }
 
     /// Pending timeouts and sleeps. Exact when no other call races it.
@@ -553,7 +574,8 @@ pub struct Timeout {
 
 impl Timeout {
     /// Cancels the task if it has not run: O(1), and the task is dropped at once,
-    /// on this thread. Returns whether this call cancelled it.
+    /// on this thread, with no lock held (a panic in its `Drop` is caught and
+    /// counted in [`TimerStats::panicked`]). Returns whether this call cancelled it.
     ///
     /// # Concurrent calls
     ///
@@ -563,7 +585,9 @@ impl Timeout {
         match self.core.remove(self.key) {
             Some(job) => {
                 self.cancelled.store(true, Ordering::Release);
-                drop(job);
+                drop_contained(job, |panic| {
+                    note_panic(&self.core.name, &self.core.counters, panic)
+                });
                 true
             }
             None => false,

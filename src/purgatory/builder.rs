@@ -1,0 +1,139 @@
+//! The purgatory's builder.
+
+use std::marker::PhantomData;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::shared::Shared;
+use super::{Operation, Purgatory, WatchKey};
+use crate::reaper::Core;
+use crate::timer::{runtime_handle, BuildError, WheelSettings};
+
+/// Builds a [`Purgatory`].
+///
+/// # Examples
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// # struct Fetch;
+/// # impl tokio_purgatory::Operation for Fetch {
+/// #     type Output = ();
+/// #     fn try_complete(&mut self) -> Option<()> { None }
+/// #     fn on_expiration(self) {}
+/// # }
+/// use tokio_purgatory::Purgatory;
+///
+/// let fetches: Purgatory<(String, u32), Fetch> = Purgatory::builder("fetch")
+///     .purge_interval(1000)
+///     .max_pending(100_000)
+///     .build()
+///     .unwrap();
+/// assert_eq!(fetches.delayed(), 0);
+/// # }
+/// ```
+pub struct PurgatoryBuilder<K, O> {
+    pub(super) name: Arc<str>,
+    pub(super) wheel: WheelSettings,
+    pub(super) watcher_shards: usize,
+    pub(super) purge_interval: usize,
+    pub(super) max_pending: Option<usize>,
+    pub(super) _types: PhantomData<fn() -> (K, O)>,
+}
+
+impl<K, O> Clone for PurgatoryBuilder<K, O> {
+    fn clone(&self) -> Self {
+        PurgatoryBuilder {
+            name: self.name.clone(),
+            wheel: self.wheel.clone(),
+            _types: PhantomData,
+            ..*self
+        }
+    }
+}
+
+impl<K, O> std::fmt::Debug for PurgatoryBuilder<K, O> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PurgatoryBuilder")
+            .field("name", &&*self.name)
+            .field("wheel", &self.wheel)
+            .field("watcher_shards", &self.watcher_shards)
+            .field("purge_interval", &self.purge_interval)
+            .field("max_pending", &self.max_pending)
+            .finish()
+    }
+}
+
+impl<K: WatchKey, O: Operation> PurgatoryBuilder<K, O> {
+    crate::timer::wheel_setters!();
+
+    /// Independently locked timer wheels (default: the machine's parallelism, at
+    /// most 16).
+    pub fn timer_shards(mut self, shards: usize) -> Self {
+        self.wheel.shards = shards;
+        self
+    }
+
+    /// Independently locked parts of the watcher map (default 64).
+    pub fn watcher_shards(mut self, shards: usize) -> Self {
+        self.watcher_shards = shards;
+        self
+    }
+
+    /// Finished operations left as tombstones in watch lists before a purge may
+    /// run (default 1000, Kafka's `purgeInterval`). A purge runs once tombstones
+    /// exceed both this and the live entries, on the thread of a registration, a
+    /// key walk or a cancellation by key that finds it due (never on the reaper);
+    /// walking a key also removes its own tombstones.
+    pub fn purge_interval(mut self, interval: usize) -> Self {
+        self.purge_interval = interval;
+        self
+    }
+
+    /// Limit on pending operations (default: none). At the limit, registration
+    /// hands the operation back in [`WatchError::AtCapacity`](super::WatchError::AtCapacity).
+    pub fn max_pending(mut self, max: usize) -> Self {
+        self.max_pending = Some(max);
+        self
+    }
+
+    /// Builds the purgatory and spawns its reaper on the current runtime.
+    ///
+    /// # Errors
+    ///
+    /// When a setting is out of range, or no runtime is current.
+    pub fn build(self) -> Result<Purgatory<K, O>, BuildError> {
+        self.build_inner(None)
+    }
+
+    /// Builds the purgatory and spawns its reaper on the runtime of `handle`.
+    ///
+    /// # Errors
+    ///
+    /// When a setting is out of range.
+    pub fn build_on(self, handle: &tokio::runtime::Handle) -> Result<Purgatory<K, O>, BuildError> {
+        self.build_inner(Some(handle))
+    }
+
+    fn build_inner(
+        self,
+        handle: Option<&tokio::runtime::Handle>,
+    ) -> Result<Purgatory<K, O>, BuildError> {
+        self.wheel.validate()?;
+        if self.watcher_shards == 0 || self.watcher_shards > 65_536 {
+            return Err(BuildError::invalid("watcher_shards must be in 1..=65536"));
+        }
+        if self.max_pending == Some(0) {
+            return Err(BuildError::invalid("max_pending must be at least 1"));
+        }
+        let rt = runtime_handle(handle)?;
+        let core = Core::start(&self.wheel.core_config(self.name.clone(), None), &rt);
+        let shared = Arc::new(Shared::new(
+            core,
+            self.watcher_shards,
+            self.purge_interval,
+            self.max_pending,
+            self.name,
+        ));
+        Ok(Purgatory::from_shared(shared))
+    }
+}

@@ -1,0 +1,452 @@
+//! The per-operation cell: the state machine, the operation, and where its
+//! outcome goes.
+//!
+//! # Ground rules
+//!
+//! Who may touch what, and under which lock:
+//!
+//! - **`state`** (lock-free, `state.rs`): decides who owns the operation at each
+//!   moment. Only the owner of `CHECKING` touches `op` to check it; only whoever
+//!   sets `DONE` takes `op` out and calls [`OpCell::finish`]. So the operation
+//!   finishes exactly once.
+//! - **`op`**: its mutex is held while the owner runs `try_complete` (by design: it
+//!   is what serialises checks with taking the operation out), and for the moment
+//!   it takes to move the operation out. No other user code runs under it, and the
+//!   operation is always dropped after the guard is gone.
+//! - **`delivery`**: a short lock around the outcome slot, the waker and the timer
+//!   key. No user code runs under it: outcomes, wakers and timer entries are moved
+//!   out, and dropped or woken after it is released.
+//! - **Drops.** Every user value this cell drops (the operation, an outcome nobody
+//!   will read) is dropped inside `catch_unwind` with no lock held, after the
+//!   state says `DONE`; a panic there is counted and reported, and the outcome is
+//!   still delivered.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+use std::task::Waker;
+
+use super::error::OperationError;
+use super::operation::{Completion, Operation};
+use super::shared::Shared;
+use super::state::{After, Claim, State, CANCEL, EXPIRE};
+use super::WatchKey;
+use crate::loom::{lock, Mutex};
+use crate::reaper::TimerKey;
+
+/// What an operation handle resolves to.
+pub(crate) type Outcome<T> = Result<Completion<T>, OperationError>;
+
+/// How a finished operation is counted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Fate {
+    Completed,
+    Expired,
+    /// Cancelled by key or by dropping its handle, or dropped unrun because the
+    /// purgatory was dropped or lost its reaper.
+    Cancelled,
+    HandedBack,
+}
+
+/// Where an outcome waits for its handle: a one-slot mailbox with a waker, and
+/// the key of the operation's timer entry. Loom checks it (`loom_delivery`).
+#[derive(Debug)]
+pub(crate) struct Delivery<T> {
+    slot: Mutex<Slot<T>>,
+}
+
+#[derive(Debug)]
+struct Slot<T> {
+    timer: Option<TimerKey>,
+    result: Option<T>,
+    waker: Option<Waker>,
+    /// Nobody will ever read `result`: don't keep one.
+    detached: bool,
+}
+
+/// What [`Delivery::deliver`] leaves the caller to do once the lock is gone.
+#[derive(Debug)]
+pub(crate) struct Delivered<T> {
+    /// The timer entry to remove.
+    pub(crate) timer: Option<TimerKey>,
+    /// The task to wake.
+    pub(crate) waker: Option<Waker>,
+    /// The outcome, back because nobody will read it: drop it.
+    pub(crate) unread: Option<T>,
+}
+
+impl<T> Delivery<T> {
+    pub(crate) fn new() -> Self {
+        Delivery {
+            slot: Mutex::new(Slot {
+                timer: None,
+                result: None,
+                waker: None,
+                detached: false,
+            }),
+        }
+    }
+
+    /// Stores the outcome for the handle, or hands it back when the handle is gone.
+    pub(crate) fn deliver(&self, result: T) -> Delivered<T> {
+        let mut s = lock(&self.slot);
+        let unread = if s.detached {
+            Some(result)
+        } else {
+            s.result = Some(result);
+            None
+        };
+        Delivered {
+            timer: s.timer.take(),
+            waker: s.waker.take(),
+            unread,
+        }
+    }
+
+    /// Takes the outcome, or registers `waker` to be woken when there is one.
+    pub(crate) fn poll(&self, waker: &Waker) -> Option<T> {
+        let mut s = lock(&self.slot);
+        if let Some(r) = s.result.take() {
+            return Some(r);
+        }
+        if s.waker.as_ref().is_some_and(|w| w.will_wake(waker)) {
+            return None;
+        }
+        let old = s.waker.replace(waker.clone());
+        drop(s);
+        drop(old);
+        None
+    }
+
+    /// Nobody will read the outcome: returns any stored one (and the waker) to be
+    /// dropped, and makes later deliveries hand theirs back.
+    pub(crate) fn detach(&self) -> (Option<T>, Option<Waker>) {
+        let mut s = lock(&self.slot);
+        s.detached = true;
+        (s.result.take(), s.waker.take())
+    }
+
+    /// Records the timer entry unless `finished()` says the outcome may already
+    /// have been delivered; returns whether it was recorded.
+    pub(crate) fn set_timer(&self, key: TimerKey, finished: impl FnOnce() -> bool) -> bool {
+        let mut s = lock(&self.slot);
+        if finished() {
+            return false;
+        }
+        s.timer = Some(key);
+        true
+    }
+}
+
+/// How a run of checks by the owner of `CHECKING` ended.
+#[derive(Debug)]
+pub(crate) enum Checked<O> {
+    /// A check completed the operation (finished and delivered).
+    Completed,
+    /// Every check said "not yet"; the operation is released, still pending.
+    Pending,
+    /// The timeout fired meanwhile; the operation expired (finished and delivered).
+    Expired,
+    /// A cancel arrived meanwhile: the caller now owns the operation (`DONE`) and
+    /// must finish it.
+    Cancelled(O),
+}
+
+/// One registered operation: its state, the operation, and where its outcome goes.
+pub(crate) struct OpCell<K: WatchKey, O: Operation> {
+    state: State,
+    op: Mutex<Option<O>>,
+    delivery: Delivery<Outcome<O::Output>>,
+    /// Number of watch lists holding this cell (tombstone accounting).
+    keys: u32,
+    pub(crate) shared: Arc<Shared<K, O>>,
+}
+
+impl<K: WatchKey, O: Operation> std::fmt::Debug for OpCell<K, O> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OpCell")
+            .field("finished", &self.state.is_finished())
+            .field("keys", &self.keys)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<K, O> OpCell<K, O>
+where
+    K: WatchKey,
+    O: Operation,
+{
+    /// A cell whose check is owned by thread `me` from the start: registration
+    /// watches it under its keys, then runs its second check as that owner, so an
+    /// event meanwhile only asks for that check to run again, and nothing can
+    /// finish the operation before it is fully registered.
+    pub(crate) fn registering(op: O, keys: u32, shared: Arc<Shared<K, O>>, me: u64) -> Self {
+        OpCell {
+            state: State::checked_by(me),
+            op: Mutex::new(Some(op)),
+            delivery: Delivery::new(),
+            keys,
+            shared,
+        }
+    }
+
+    pub(crate) fn is_finished(&self) -> bool {
+        self.state.is_finished()
+    }
+
+    /// Runs the operation's check, or asks the running checker to check again.
+    /// Returns whether this call completed the operation.
+    pub(crate) fn check(&self) -> bool {
+        let me = thread_id();
+        if !self.state.begin_check(me) {
+            return false;
+        }
+        match self.run_checks(me) {
+            Checked::Completed => true,
+            Checked::Cancelled(op) => {
+                self.shared.drop_contained("drop of an operation", op);
+                self.finish(Err(OperationError::Cancelled), Fate::Cancelled, true);
+                false
+            }
+            Checked::Pending | Checked::Expired => false,
+        }
+    }
+
+    /// The check loop of `me`, the owner of `CHECKING`.
+    pub(crate) fn run_checks(&self, me: u64) -> Checked<O> {
+        loop {
+            let out = {
+                let mut op = lock(&self.op);
+                let op = op.as_mut().expect("a checked operation is present");
+                catch_unwind(AssertUnwindSafe(|| op.try_complete()))
+            };
+            match out {
+                Ok(Some(output)) => {
+                    self.state.complete();
+                    let op = lock(&self.op).take();
+                    self.shared.drop_contained("drop of an operation", op);
+                    self.finish(Ok(Completion::Completed(output)), Fate::Completed, true);
+                    return Checked::Completed;
+                }
+                Ok(None) => {}
+                Err(panic) => self.shared.note_panic("try_complete", &*panic),
+            }
+            match self.state.end_check(me) {
+                After::Recheck => continue,
+                After::Release => return Checked::Pending,
+                After::Cancel => return Checked::Cancelled(self.take_op()),
+                After::Expire => {
+                    self.run_expiry(self.take_op());
+                    return Checked::Expired;
+                }
+            }
+        }
+    }
+
+    fn take_op(&self) -> O {
+        lock(&self.op)
+            .take()
+            .expect("the owner of a finished operation takes it once")
+    }
+
+    /// Abandons a registration whose key code panicked, as its owner: marks the
+    /// operation finished without counting it, and returns it.
+    pub(crate) fn abandon_registration(&self) -> O {
+        self.state.abandon();
+        drop(self.delivery.detach());
+        self.take_op()
+    }
+
+    /// Claims the operation (expiry or cancellation), taking it out, unless a
+    /// check is running: then the request is left for the checker.
+    fn claim(&self, request: u8) -> Option<O> {
+        match self.state.claim(request) {
+            Claim::Won => Some(self.take_op()),
+            Claim::Deferred | Claim::Done => None,
+        }
+    }
+
+    /// The timeout fired (on the reaper task, with no lock held).
+    pub(crate) fn expire(&self) {
+        if let Some(op) = self.claim(EXPIRE) {
+            self.run_expiry(op);
+        }
+    }
+
+    fn run_expiry(&self, op: O) {
+        let out = match catch_unwind(AssertUnwindSafe(|| op.on_expiration())) {
+            Ok(output) => Ok(Completion::Expired(output)),
+            Err(panic) => {
+                self.shared.note_panic("on_expiration", &*panic);
+                Err(OperationError::Panicked)
+            }
+        };
+        // The timer entry is already gone: it is what called us, or the checker
+        // that ran us was asked by it.
+        self.finish(out, Fate::Expired, false);
+    }
+
+    /// Cancels the operation: it will neither complete nor expire. Returns it when
+    /// this call took it (`why` is then delivered to the handle); `None` when it
+    /// had finished, or a running check will finish it.
+    pub(crate) fn cancel(&self, why: OperationError, fate: Fate) -> Option<O> {
+        let op = self.claim(CANCEL)?;
+        self.finish(Err(why), fate, true);
+        Some(op)
+    }
+
+    /// Counts the finished operation, delivers its outcome (once `DONE` is set)
+    /// and removes its timer entry when `cancel_timer`; then, with no lock held,
+    /// drops an outcome nobody will read and wakes the handle.
+    pub(crate) fn finish(&self, result: Outcome<O::Output>, fate: Fate, cancel_timer: bool) {
+        self.shared.on_finished(fate, self.keys);
+        let d = self.delivery.deliver(result);
+        if let Some(unread) = d.unread {
+            self.shared.drop_contained("drop of an output", unread);
+        }
+        if cancel_timer {
+            if let Some(key) = d.timer {
+                // The entry holds a clone of the cell, never the last one.
+                drop(self.shared.core.remove(key));
+            }
+        }
+        if let Some(w) = d.waker {
+            w.wake();
+        }
+    }
+
+    /// Records the timer entry, or removes it at once if the operation finished
+    /// while it was being inserted.
+    pub(crate) fn set_timer(&self, key: TimerKey) {
+        if !self.delivery.set_timer(key, || self.is_finished()) {
+            drop(self.shared.core.remove(key));
+        }
+    }
+
+    /// Takes the outcome, or registers `waker` to be woken when there is one.
+    pub(crate) fn poll_outcome(&self, waker: &Waker) -> Option<Outcome<O::Output>> {
+        self.delivery.poll(waker)
+    }
+
+    /// Nobody will read the outcome: drop any stored and don't store one later.
+    pub(crate) fn detach(&self) {
+        let (stale, waker) = self.delivery.detach();
+        drop(waker);
+        if let Some(stale) = stale {
+            self.shared.drop_contained("drop of an output", stale);
+        }
+    }
+}
+
+/// A number naming the current thread (never 0).
+pub(crate) fn thread_id() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    thread_local! {
+        static ID: u64 = NEXT.fetch_add(1, Ordering::Relaxed);
+    }
+    ID.with(|id| *id)
+}
+
+#[cfg(all(test, not(purgatory_loom)))]
+mod tests {
+    /// Events from other threads are told apart from the checker re-entering its
+    /// own check by thread id: ids that collapsed to one value would drop them.
+    #[test]
+    fn every_thread_gets_its_own_checker_id() {
+        let mine = super::thread_id();
+        assert_ne!(mine, 0, "0 means no checker");
+        assert_eq!(mine, super::thread_id(), "stable on one thread");
+        let others: Vec<u64> = (0..4)
+            .map(|_| std::thread::spawn(super::thread_id).join().unwrap())
+            .collect();
+        let mut all = others.clone();
+        all.push(mine);
+        all.sort();
+        all.dedup();
+        assert_eq!(all.len(), 5, "ids {others:?} and {mine}");
+    }
+}
+
+#[cfg(all(test, purgatory_loom))]
+mod loom_delivery {
+    //! The handle's delivery under loom: an outcome delivered while the handle
+    //! polls, or while it is dropped, is read exactly once or dropped exactly once,
+    //! and a handle that registered a waker before the delivery is woken.
+
+    use super::*;
+    use loom::sync::atomic::{AtomicUsize, Ordering};
+    use loom::thread;
+    use std::task::Wake;
+
+    struct Counter(AtomicUsize);
+
+    impl Wake for Counter {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    /// An outcome that counts its drops.
+    struct Value(Arc<AtomicUsize>);
+
+    impl Drop for Value {
+        fn drop(&mut self) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    /// The finisher's side: deliver, then (no lock) drop what came back and wake.
+    fn finish(d: &Delivery<Value>, v: Value) {
+        let out = d.deliver(v);
+        drop(out.unread);
+        if let Some(w) = out.waker {
+            w.wake();
+        }
+    }
+
+    #[test]
+    fn loom_delivery_racing_a_poll_is_read_or_woken() {
+        loom::model(|| {
+            let d = Arc::new(Delivery::new());
+            let drops = Arc::new(AtomicUsize::new(0));
+            let woken = Arc::new(Counter(AtomicUsize::new(0)));
+            let waker = Waker::from(woken.clone());
+            let t = {
+                let (d, drops) = (d.clone(), drops.clone());
+                thread::spawn(move || finish(&d, Value(drops)))
+            };
+            let first = d.poll(&waker);
+            t.join().unwrap();
+            match first {
+                Some(v) => drop(v),
+                None => {
+                    // Pending at the first poll: the delivery came after the waker
+                    // was registered, so the task was woken and the next poll reads.
+                    assert_eq!(woken.0.load(Ordering::SeqCst), 1, "lost wake-up");
+                    drop(d.poll(&waker).expect("delivered"));
+                }
+            }
+            assert_eq!(drops.load(Ordering::SeqCst), 1);
+        });
+    }
+
+    #[test]
+    fn loom_delivery_racing_a_dropped_handle_is_freed_once() {
+        loom::model(|| {
+            let d = Arc::new(Delivery::new());
+            let drops = Arc::new(AtomicUsize::new(0));
+            let t = {
+                let (d, drops) = (d.clone(), drops.clone());
+                thread::spawn(move || finish(&d, Value(drops)))
+            };
+            // The handle goes away: whatever was stored comes back to be dropped.
+            let (stale, _) = d.detach();
+            drop(stale);
+            t.join().unwrap();
+            // Freed at once whichever came first, and exactly once; nothing is
+            // left in the slot for the cell to keep.
+            assert_eq!(drops.load(Ordering::SeqCst), 1);
+            assert!(lock(&d.slot).result.is_none());
+        });
+    }
+}

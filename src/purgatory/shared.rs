@@ -1,0 +1,199 @@
+//! The books every purgatory handle and operation cell share: the timer core, the
+//! watcher map, the counters, the purge policy, and how closing works.
+
+use std::sync::atomic::{AtomicBool, AtomicIsize, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use super::cell::{Fate, OpCell};
+use super::error::{OperationError, WatchError};
+use super::operation::Operation;
+use super::WatchKey;
+use crate::reaper::{drop_contained, drop_each_contained, panic_message, Closed, Core, Job};
+use crate::watchers::{Removed, Watchers};
+
+/// The timer job of an operation: its cell.
+pub(crate) struct Expiry<K: WatchKey, O: Operation>(pub(crate) Arc<OpCell<K, O>>);
+
+impl<K: WatchKey, O: Operation> Job for Expiry<K, O> {
+    fn expire(self) {
+        self.0.expire();
+    }
+
+    fn abandon(self, why: Closed) {
+        // Dropped unrun: the purgatory itself is gone, or its reaper is.
+        let cell = self.0;
+        if let Some(op) = cell.cancel(why.into(), Fate::Cancelled) {
+            cell.shared.drop_contained("drop of an operation", op);
+        }
+    }
+}
+
+impl From<Closed> for OperationError {
+    fn from(why: Closed) -> Self {
+        match why {
+            Closed::Shutdown => OperationError::Shutdown,
+            Closed::ReaperGone => OperationError::ReaperGone,
+        }
+    }
+}
+
+/// How a registration refused because the purgatory closed hands `op` back.
+pub(crate) fn closed_refusal<O>(op: O, why: Closed) -> WatchError<O> {
+    match why {
+        Closed::Shutdown => WatchError::Shutdown(op),
+        Closed::ReaperGone => WatchError::ReaperGone(op),
+    }
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    pub(crate) registered: AtomicU64,
+    pub(crate) completed: AtomicU64,
+    pub(crate) expired: AtomicU64,
+    pub(crate) cancelled: AtomicU64,
+    pub(crate) handed_back: AtomicU64,
+    pub(crate) purged: AtomicU64,
+    pub(crate) panicked: AtomicU64,
+}
+
+/// State shared by the purgatory handles and every operation cell.
+pub(crate) struct Shared<K: WatchKey, O: Operation> {
+    pub(crate) core: Arc<Core<Expiry<K, O>>>,
+    pub(crate) watchers: Watchers<K, Arc<OpCell<K, O>>>,
+    /// Operations registered and not finished (Kafka's `numDelayed`).
+    pub(crate) delayed: AtomicUsize,
+    /// Watch-list entries, tombstones included (Kafka's `watched`).
+    pub(crate) watched: AtomicUsize,
+    /// Watch-list entries of finished operations. May dip below zero briefly when
+    /// an entry is removed just before its operation's finish is counted.
+    pub(crate) tombstones: AtomicIsize,
+    purging: AtomicBool,
+    purge_interval: usize,
+    pub(crate) max_pending: Option<usize>,
+    pub(crate) counters: Counters,
+    pub(crate) name: Arc<str>,
+}
+
+impl<K: WatchKey, O: Operation> Shared<K, O> {
+    pub(crate) fn new(
+        core: Arc<Core<Expiry<K, O>>>,
+        watcher_shards: usize,
+        purge_interval: usize,
+        max_pending: Option<usize>,
+        name: Arc<str>,
+    ) -> Self {
+        Shared {
+            core,
+            watchers: Watchers::new(watcher_shards),
+            delayed: AtomicUsize::new(0),
+            watched: AtomicUsize::new(0),
+            tombstones: AtomicIsize::new(0),
+            purging: AtomicBool::new(false),
+            purge_interval,
+            max_pending,
+            counters: Counters::default(),
+            name,
+        }
+    }
+
+    pub(crate) fn note_panic(&self, what: &str, panic: &(dyn std::any::Any + Send)) {
+        self.counters.panicked.fetch_add(1, Ordering::Relaxed);
+        tracing::error!(
+            purgatory = &*self.name,
+            callback = what,
+            panic = panic_message(panic),
+            "user code panicked; the purgatory carries on"
+        );
+    }
+
+    /// Drops a user value (an operation, an output, a key) with no lock held,
+    /// containing and counting a panic in its `Drop`.
+    pub(crate) fn drop_contained<T>(&self, what: &str, value: T) {
+        drop_contained(value, |p| self.note_panic(what, p));
+    }
+
+    /// Counts and drops what was taken out of the watcher map, with no lock held.
+    pub(crate) fn drop_removed(&self, removed: Removed<K, Arc<OpCell<K, O>>>) {
+        self.on_removed(removed.entries.len());
+        drop_each_contained(removed.entries, |p| {
+            self.note_panic("drop of a finished operation's cell", p)
+        });
+        drop_each_contained(removed.keys, |p| self.note_panic("drop of a key", p));
+    }
+
+    /// Counts a finished operation; its `keys` list entries are now tombstones.
+    pub(crate) fn on_finished(&self, fate: Fate, keys: u32) {
+        self.delayed.fetch_sub(1, Ordering::AcqRel);
+        let c = &self.counters;
+        let counter = match fate {
+            Fate::Completed => &c.completed,
+            Fate::Expired => &c.expired,
+            Fate::Cancelled => &c.cancelled,
+            Fate::HandedBack => &c.handed_back,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+        tracing::trace!(purgatory = &*self.name, ?fate, "operation finished");
+        self.tombstones.fetch_add(keys as isize, Ordering::AcqRel);
+        // No purge here: this runs on the reaper too, and a purge walks every
+        // list. Registration and key walks purge instead (Kafka's places).
+    }
+
+    /// Watch-list entries removed: they were (or are about to be) tombstones.
+    fn on_removed(&self, n: usize) {
+        if n > 0 {
+            self.watched.fetch_sub(n, Ordering::AcqRel);
+            self.tombstones.fetch_sub(n as isize, Ordering::AcqRel);
+        }
+    }
+
+    /// Kafka's `purgeInterval`, made amortised O(1): purge once tombstones exceed
+    /// both the interval and the live entries, so each purge removes at least half
+    /// of what it walks. Called on registration, key walks and cancellation by key,
+    /// never on the reaper (expiries would wait behind the walk).
+    pub(crate) fn maybe_purge(&self) {
+        let tomb = self.tombstones.load(Ordering::Acquire).max(0) as usize;
+        if tomb <= self.purge_interval {
+            return;
+        }
+        let live = self.watched.load(Ordering::Acquire).saturating_sub(tomb);
+        if tomb <= live || self.purging.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let mut purged = 0;
+        self.watchers.purge(
+            |c| c.is_finished(),
+            |removed| {
+                purged += removed.entries.len();
+                self.drop_removed(removed);
+            },
+        );
+        self.counters
+            .purged
+            .fetch_add(purged as u64, Ordering::Relaxed);
+        self.purging.store(false, Ordering::Release);
+        tracing::debug!(
+            purgatory = &*self.name,
+            removed = purged,
+            "purged finished operations"
+        );
+    }
+
+    /// Closes the timer and empties the watch lists; returns the operations taken.
+    /// Empties the lists even when the timer was closed already, so that entries a
+    /// registration racing the close left behind do not outlive the purgatory.
+    pub(crate) fn close(&self, fate: Fate) -> Vec<O> {
+        let jobs = self.core.close(Closed::Shutdown).unwrap_or_default();
+        let mut ops = Vec::with_capacity(jobs.len());
+        for Expiry(cell) in jobs {
+            ops.extend(cell.cancel(OperationError::Shutdown, fate));
+        }
+        // Operations still registering are in lists but not yet in the timer.
+        let mut removed = Removed::default();
+        self.watchers.drain(&mut removed);
+        for cell in &removed.entries {
+            ops.extend(cell.cancel(OperationError::Shutdown, fate));
+        }
+        self.drop_removed(removed);
+        ops
+    }
+}

@@ -1,0 +1,765 @@
+//! User code that fights back: keys, operations, outputs and timer tasks whose
+//! `Hash`, `Clone` or `Drop` panic or call back into the crate, and clocks that are
+//! not on the tick grid. Each test is named after the promise it pins.
+//!
+//! Scenarios that deadlocked before they were fixed run on their own thread under
+//! a bound (`within`), so a regression fails instead of hanging the suite.
+
+use std::hash::{Hash, Hasher};
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use tokio::time::{advance, Instant};
+use tokio_purgatory::{Completion, Operation, OperationError, Purgatory, PurgatoryMetrics, Timer};
+
+mod support;
+use support::{ms, settle};
+
+/// Runs `f` on its own thread and fails if it has not returned within `secs`
+/// seconds (a deadlock), re-raising its panic if it panicked.
+fn within<T: Send + 'static>(secs: u64, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(catch_unwind(AssertUnwindSafe(f)));
+    });
+    match rx.recv_timeout(Duration::from_secs(secs)) {
+        Ok(Ok(v)) => v,
+        Ok(Err(panic)) => resume_unwind(panic),
+        Err(_) => panic!("deadlock: no answer within {secs} s"),
+    }
+}
+
+/// A paused current-thread runtime.
+fn paused() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()
+        .unwrap()
+}
+
+type Hook = Arc<dyn Fn() + Send + Sync>;
+
+/// What an operation and its output do, and what they saw happen to them.
+#[derive(Clone, Default)]
+struct Hooks {
+    ready: Arc<AtomicBool>,
+    check_panics: Arc<AtomicBool>,
+    op_drops: Arc<AtomicUsize>,
+    out_drops: Arc<AtomicUsize>,
+    op_drop_panics: bool,
+    out_drop_panics: bool,
+    on_op_drop: Option<Hook>,
+    on_out_drop: Option<Hook>,
+}
+
+impl Hooks {
+    fn set_ready(&self) {
+        self.ready.store(true, Ordering::SeqCst);
+    }
+    fn op_drops(&self) -> usize {
+        self.op_drops.load(Ordering::SeqCst)
+    }
+    fn out_drops(&self) -> usize {
+        self.out_drops.load(Ordering::SeqCst)
+    }
+}
+
+/// An operation whose drop and output can be made hostile.
+struct Op(Hooks);
+
+/// Its output.
+struct Out(Hooks);
+
+impl Drop for Op {
+    fn drop(&mut self) {
+        self.0.op_drops.fetch_add(1, Ordering::SeqCst);
+        if let Some(h) = &self.0.on_op_drop {
+            h();
+        }
+        if self.0.op_drop_panics && !std::thread::panicking() {
+            panic!("hostile operation drop");
+        }
+    }
+}
+
+impl Drop for Out {
+    fn drop(&mut self) {
+        self.0.out_drops.fetch_add(1, Ordering::SeqCst);
+        if let Some(h) = &self.0.on_out_drop {
+            h();
+        }
+        if self.0.out_drop_panics && !std::thread::panicking() {
+            panic!("hostile output drop");
+        }
+    }
+}
+
+impl std::fmt::Debug for Out {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Out")
+    }
+}
+
+impl Operation for Op {
+    type Output = Out;
+    fn try_complete(&mut self) -> Option<Out> {
+        if self.0.check_panics.load(Ordering::SeqCst) {
+            panic!("hostile check");
+        }
+        self.0
+            .ready
+            .load(Ordering::SeqCst)
+            .then(|| Out(self.0.clone()))
+    }
+    fn on_expiration(self) -> Out {
+        Out(self.0.clone())
+    }
+}
+
+fn purgatory<K: tokio_purgatory::WatchKey>() -> Purgatory<K, Op> {
+    Purgatory::builder("hostile")
+        .purge_interval(1_000_000)
+        .build()
+        .unwrap()
+}
+
+fn balanced(m: &PurgatoryMetrics) -> bool {
+    m.registered == m.completed + m.expired + m.cancelled + m.handed_back
+}
+
+/// A hook that calls back into the purgatory `slot` will hold: walks `key` and
+/// reads the metrics (which takes every shard lock in turn).
+fn calls_back(slot: &Arc<OnceLock<Purgatory<u32, Op>>>, key: u32) -> Hook {
+    let slot = slot.clone();
+    Arc::new(move || {
+        if let Some(p) = slot.get() {
+            p.try_complete_watched(&key);
+            let _ = p.metrics();
+        }
+    })
+}
+
+// ---------------------------------------------------------------------------
+// No user drop under a lock of ours.
+
+/// An output left in a finished operation's cell, dropped when a walk of its
+/// other key removes the last tombstone, used to be dropped under that key's
+/// shard lock: an output whose `Drop` walked the key again deadlocked.
+#[test]
+fn an_output_dropped_by_a_later_walk_may_call_back_in() {
+    within(20, || {
+        paused().block_on(async {
+            let slot = Arc::new(OnceLock::new());
+            let p = purgatory::<u32>();
+            slot.set(p.clone()).ok();
+            let hooks = Hooks {
+                on_out_drop: Some(calls_back(&slot, 2)),
+                ..Hooks::default()
+            };
+            let handle = p
+                .try_complete_else_watch(Op(hooks.clone()), ms(1000), [1, 2])
+                .unwrap();
+            hooks.set_ready();
+            assert_eq!(p.try_complete_watched(&1), 1);
+            drop(handle); // never polled
+            p.try_complete_watched(&2);
+            assert_eq!(hooks.out_drops(), 1);
+            assert_eq!(p.metrics().watched, 0);
+            drop(slot);
+        })
+    });
+}
+
+/// The same through the amortised purge, which walks every key.
+#[test]
+fn an_output_dropped_by_the_purge_may_call_back_in() {
+    within(20, || {
+        paused().block_on(async {
+            let slot = Arc::new(OnceLock::new());
+            let p: Purgatory<u32, Op> = Purgatory::builder("hostile")
+                .purge_interval(0)
+                .build()
+                .unwrap();
+            slot.set(p.clone()).ok();
+            let hooks = Hooks {
+                on_out_drop: Some(calls_back(&slot, 2)),
+                ..Hooks::default()
+            };
+            let handle = p
+                .try_complete_else_watch(Op(hooks.clone()), ms(1000), [1, 2])
+                .unwrap();
+            hooks.set_ready();
+            // Completed through its reference: both entries become tombstones.
+            assert!(handle.op_ref().unwrap().try_complete());
+            drop(handle);
+            // Registration purges (tombstones exceed the live entries).
+            let other = Hooks::default();
+            let h2 = p
+                .try_complete_else_watch(Op(other.clone()), ms(1000), [3])
+                .unwrap();
+            assert_eq!(hooks.out_drops(), 1);
+            drop(h2);
+            drop(slot);
+        })
+    });
+}
+
+/// A key the map stores is dropped when its list empties; a key whose `Drop`
+/// read the metrics deadlocked on the shard lock it was dropped under.
+#[test]
+fn a_key_dropped_by_the_map_may_call_back_in() {
+    #[derive(Clone)]
+    struct Key(u32, Arc<OnceLock<Purgatory<Key, Op>>>);
+    impl PartialEq for Key {
+        fn eq(&self, o: &Self) -> bool {
+            self.0 == o.0
+        }
+    }
+    impl Eq for Key {}
+    impl Hash for Key {
+        fn hash<H: Hasher>(&self, h: &mut H) {
+            self.0.hash(h);
+        }
+    }
+    impl Drop for Key {
+        fn drop(&mut self) {
+            if let Some(p) = self.1.get() {
+                let _ = p.metrics();
+            }
+        }
+    }
+    within(20, || {
+        paused().block_on(async {
+            let slot = Arc::new(OnceLock::new());
+            let p = purgatory::<Key>();
+            slot.set(p.clone()).ok();
+            let key = |n| Key(n, slot.clone());
+            let a = Hooks::default();
+            let b = Hooks::default();
+            // A second watch of a key already in the map (the map keeps its own copy).
+            let ha = p
+                .try_complete_else_watch(Op(a.clone()), ms(100), [key(1), key(2)])
+                .unwrap();
+            let hb = p
+                .try_complete_else_watch(Op(b.clone()), ms(100), [key(1)])
+                .unwrap();
+            a.set_ready();
+            b.set_ready();
+            assert_eq!(p.try_complete_watched(&key(1)), 2); // key 1's list empties
+            assert!(p.cancel_for_key(&key(2)).is_empty()); // key 2 taken
+            assert!(ha.await.unwrap().is_completed());
+            assert!(hb.await.unwrap().is_completed());
+            assert_eq!(p.metrics().keys, 0);
+            // Shutdown drains the map too.
+            let c = Hooks::default();
+            let hc = p
+                .try_complete_else_watch(Op(c.clone()), ms(100), [key(3)])
+                .unwrap();
+            assert_eq!(p.shutdown().len(), 1);
+            assert_eq!(hc.await.unwrap_err(), OperationError::Shutdown);
+            drop(slot);
+        })
+    });
+}
+
+// ---------------------------------------------------------------------------
+// A dropped handle frees a stored output.
+
+/// An output stored for a handle nobody polls used to stay in the cell until the
+/// operation's other keys were walked or purged.
+#[tokio::test(start_paused = true)]
+async fn dropping_a_never_polled_handle_frees_its_output_at_once() {
+    let p = purgatory::<u32>();
+    let hooks = Hooks::default();
+    let handle = p
+        .try_complete_else_watch(Op(hooks.clone()), ms(1000), [1, 2, 3])
+        .unwrap();
+    hooks.set_ready();
+    assert_eq!(p.try_complete_watched(&1), 1);
+    assert_eq!(hooks.out_drops(), 0, "stored for the handle");
+    drop(handle);
+    assert_eq!(hooks.out_drops(), 1, "freed with the handle");
+
+    // The same for an expired operation.
+    let late = Hooks::default();
+    let handle = p
+        .try_complete_else_watch(Op(late.clone()), ms(10), [1, 2, 3])
+        .unwrap();
+    advance(ms(11)).await;
+    settle().await;
+    assert!(handle.is_finished());
+    assert_eq!(late.out_drops(), 0);
+    drop(handle);
+    assert_eq!(late.out_drops(), 1);
+}
+
+// ---------------------------------------------------------------------------
+// A panic in key code during registration leaves no ghost.
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Fault {
+    None,
+    Hash,
+    Clone,
+    Eq,
+}
+
+/// A key whose `Hash`, `Clone` or `Eq` panics.
+#[derive(Debug)]
+struct BadKey(u32, Fault);
+
+impl Clone for BadKey {
+    fn clone(&self) -> Self {
+        if self.1 == Fault::Clone {
+            panic!("hostile key clone");
+        }
+        BadKey(self.0, self.1)
+    }
+}
+
+impl PartialEq for BadKey {
+    fn eq(&self, o: &Self) -> bool {
+        if self.1 == Fault::Eq || o.1 == Fault::Eq {
+            panic!("hostile key eq");
+        }
+        self.0 == o.0
+    }
+}
+
+impl Eq for BadKey {}
+
+impl Hash for BadKey {
+    fn hash<H: Hasher>(&self, h: &mut H) {
+        if self.1 == Fault::Hash {
+            panic!("hostile key hash");
+        }
+        self.0.hash(h);
+    }
+}
+
+/// Registration with keys `[good, bad]` used to unwind after the counters were
+/// raised and before the timeout was armed: `delayed` stayed 1 forever.
+#[tokio::test(start_paused = true)]
+async fn a_panicking_key_during_registration_leaves_no_ghost() {
+    for fault in [Fault::Hash, Fault::Clone, Fault::Eq] {
+        let p = purgatory::<BadKey>();
+        let hooks = Hooks::default();
+        let r = catch_unwind(AssertUnwindSafe(|| {
+            let _ = p.try_complete_else_watch(
+                Op(hooks.clone()),
+                ms(100),
+                [BadKey(1, Fault::None), BadKey(2, fault)],
+            );
+        }));
+        assert!(r.is_err(), "{fault:?}: the key's panic reaches the caller");
+        let m = p.metrics();
+        assert_eq!(m.delayed, 0, "{fault:?}: {m:?}");
+        assert!(balanced(&m), "{fault:?}: {m:?}");
+        assert_eq!(hooks.op_drops(), 1, "{fault:?}: the operation was dropped");
+        // Nothing of it can complete or expire later.
+        hooks.set_ready();
+        assert_eq!(p.try_complete_watched(&BadKey(1, Fault::None)), 0);
+        advance(ms(200)).await;
+        settle().await;
+        let m = p.metrics();
+        assert_eq!((m.expired, m.completed, m.delayed), (0, 0, 0), "{m:?}");
+        assert_eq!(m.watched, 0, "{fault:?}: {m:?}");
+        // The purgatory still works.
+        let ok = Hooks::default();
+        let h = p
+            .try_complete_else_watch(Op(ok.clone()), ms(10), [BadKey(1, Fault::None)])
+            .unwrap();
+        advance(ms(11)).await;
+        assert!(h.await.unwrap().is_expired());
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Every drop of a user value is contained, and the handle always resolves.
+
+/// A completed operation whose `Drop` panicked used to leave its handle pending
+/// forever and `delayed` at 1 (the drop ran before the outcome was delivered).
+#[tokio::test(start_paused = true)]
+async fn a_completed_operation_whose_drop_panics_still_resolves_its_handle() {
+    let p = purgatory::<u32>();
+    let hooks = Hooks {
+        op_drop_panics: true,
+        ..Hooks::default()
+    };
+    let handle = p
+        .try_complete_else_watch(Op(hooks.clone()), ms(1000), [1])
+        .unwrap();
+    hooks.set_ready();
+    let walked = catch_unwind(AssertUnwindSafe(|| p.try_complete_watched(&1)));
+    assert_eq!(walked.ok(), Some(1), "the walk neither panics nor loses it");
+    assert!(handle.await.unwrap().is_completed());
+    let m = p.metrics();
+    assert_eq!(m.delayed, 0);
+    assert!(balanced(&m), "{m:?}");
+    assert_eq!(m.panicked, 1, "the drop's panic is counted");
+}
+
+/// The same when the first check, during registration, completes it: the output
+/// used to be lost in the unwinding.
+#[tokio::test(start_paused = true)]
+async fn an_operation_completed_at_registration_whose_drop_panics_is_delivered() {
+    let p = purgatory::<u32>();
+    let hooks = Hooks {
+        op_drop_panics: true,
+        ..Hooks::default()
+    };
+    hooks.set_ready();
+    let r = catch_unwind(AssertUnwindSafe(|| {
+        p.try_complete_else_watch(Op(hooks.clone()), ms(1000), [1])
+    }));
+    let handle = r.expect("no panic reaches the caller").unwrap();
+    let out = handle.await.unwrap();
+    assert!(out.is_completed());
+    drop(out);
+    assert_eq!(hooks.out_drops(), 1);
+    let m = p.metrics();
+    assert!(balanced(&m) && m.delayed == 0, "{m:?}");
+}
+
+/// Cancelling by key used to unwind half-way when dropping a tombstone ran a
+/// panicking output `Drop`: the operations already cancelled were lost (their
+/// handles said `Cancelled`, yet they were neither handed back nor dropped).
+#[tokio::test(start_paused = true)]
+async fn a_panicking_drop_inside_cancel_for_key_loses_nothing() {
+    let p = purgatory::<u32>();
+    let bad = Hooks {
+        out_drop_panics: true,
+        ..Hooks::default()
+    };
+    let hb = p
+        .try_complete_else_watch(Op(bad.clone()), ms(1000), [1, 2])
+        .unwrap();
+    bad.set_ready();
+    assert_eq!(p.try_complete_watched(&1), 1);
+    let others: Vec<Hooks> = (0..3).map(|_| Hooks::default()).collect();
+    let handles: Vec<_> = others
+        .iter()
+        .map(|h| {
+            p.try_complete_else_watch(Op(h.clone()), ms(1000), [2])
+                .unwrap()
+        })
+        .collect();
+    drop(hb); // its output's drop panics (contained)
+    let back = catch_unwind(AssertUnwindSafe(|| p.cancel_for_key(&2)))
+        .expect("no panic reaches the caller");
+    assert_eq!(back.len(), 3, "every pending operation is handed back");
+    for h in handles {
+        assert_eq!(h.await.unwrap_err(), OperationError::Cancelled);
+    }
+    drop(back);
+    let m = p.metrics();
+    assert!(balanced(&m) && m.delayed == 0, "{m:?}");
+    assert_eq!(m.watched, 0, "{m:?}");
+}
+
+/// A walk whose tombstone's drop panics still checks every live operation.
+#[tokio::test(start_paused = true)]
+async fn a_panicking_drop_inside_a_walk_leaves_it_whole() {
+    let p = purgatory::<u32>();
+    let bad = Hooks {
+        out_drop_panics: true,
+        op_drop_panics: true,
+        ..Hooks::default()
+    };
+    let hb = p
+        .try_complete_else_watch(Op(bad.clone()), ms(1000), [1, 2])
+        .unwrap();
+    bad.set_ready();
+    assert!(hb.op_ref().unwrap().try_complete());
+    drop(hb);
+    let good: Vec<Hooks> = (0..4).map(|_| Hooks::default()).collect();
+    let handles: Vec<_> = good
+        .iter()
+        .map(|h| {
+            p.try_complete_else_watch(Op(h.clone()), ms(1000), [2])
+                .unwrap()
+        })
+        .collect();
+    for h in &good {
+        h.set_ready();
+    }
+    let walked = catch_unwind(AssertUnwindSafe(|| p.try_complete_watched(&2)));
+    assert_eq!(walked.ok(), Some(4));
+    for h in handles {
+        assert!(h.await.unwrap().is_completed());
+    }
+    let m = p.metrics();
+    assert!(balanced(&m) && m.delayed == 0, "{m:?}");
+}
+
+/// Dropping the last purgatory clone drops every pending operation, each drop
+/// contained: one that panics does not stop the others.
+#[tokio::test(start_paused = true)]
+async fn dropping_the_purgatory_contains_panicking_operation_drops() {
+    let p = purgatory::<u32>();
+    let bad = Hooks {
+        op_drop_panics: true,
+        ..Hooks::default()
+    };
+    let good = Hooks::default();
+    let h1 = p
+        .try_complete_else_watch(Op(bad.clone()), ms(1000), [1])
+        .unwrap();
+    let h2 = p
+        .try_complete_else_watch(Op(good.clone()), ms(1000), [1])
+        .unwrap();
+    let h3 = p
+        .try_complete_else_watch(Op(good.clone()), ms(1000), [2])
+        .unwrap();
+    let dropped = catch_unwind(AssertUnwindSafe(|| drop(p)));
+    assert!(dropped.is_ok(), "no panic reaches the caller");
+    assert_eq!(bad.op_drops() + good.op_drops(), 3);
+    for h in [h1, h2, h3] {
+        assert_eq!(h.await.unwrap_err(), OperationError::Shutdown);
+    }
+}
+
+/// A handle dropped while its operation is pending drops the operation: a
+/// panicking drop stays inside.
+#[tokio::test(start_paused = true)]
+async fn dropping_a_handle_contains_a_panicking_operation_drop() {
+    let p = purgatory::<u32>();
+    let bad = Hooks {
+        op_drop_panics: true,
+        ..Hooks::default()
+    };
+    let h = p
+        .try_complete_else_watch(Op(bad.clone()), ms(1000), [1])
+        .unwrap();
+    assert!(catch_unwind(AssertUnwindSafe(|| drop(h))).is_ok());
+    assert_eq!(bad.op_drops(), 1);
+    let m = p.metrics();
+    assert_eq!((m.delayed, m.cancelled, m.panicked), (0, 1, 1), "{m:?}");
+}
+
+/// Operation and output drops may call back into the purgatory (walk a key,
+/// register, read metrics) wherever the crate drops them.
+#[test]
+fn operation_and_output_drops_may_call_back_in_everywhere() {
+    within(20, || {
+        paused().block_on(async {
+            let slot = Arc::new(OnceLock::new());
+            let p = purgatory::<u32>();
+            slot.set(p.clone()).ok();
+            let hooks = || Hooks {
+                on_op_drop: Some(calls_back(&slot, 9)),
+                on_out_drop: Some(calls_back(&slot, 9)),
+                ..Hooks::default()
+            };
+            // Completed by a walk, by reference, at registration; expired;
+            // cancelled by key, by handle; shut down.
+            let a = hooks();
+            let ha = p
+                .try_complete_else_watch(Op(a.clone()), ms(50), [1, 9])
+                .unwrap();
+            let b = hooks();
+            let hb = p
+                .try_complete_else_watch(Op(b.clone()), ms(50), [2, 9])
+                .unwrap();
+            let c = hooks();
+            c.set_ready();
+            let hc = p
+                .try_complete_else_watch(Op(c.clone()), ms(50), [3])
+                .unwrap();
+            let d = hooks();
+            let hd = p
+                .try_complete_else_watch(Op(d.clone()), ms(5), [4, 9])
+                .unwrap();
+            let e = hooks();
+            let he = p
+                .try_complete_else_watch(Op(e.clone()), ms(50), [5, 9])
+                .unwrap();
+            let f = hooks();
+            let hf = p
+                .try_complete_else_watch(Op(f.clone()), ms(50), [6, 9])
+                .unwrap();
+            let g = hooks();
+            let hg = p
+                .try_complete_else_watch(Op(g.clone()), ms(50), [7, 9])
+                .unwrap();
+            a.set_ready();
+            assert_eq!(p.try_complete_watched(&1), 1);
+            b.set_ready();
+            assert!(hb.op_ref().unwrap().try_complete());
+            advance(ms(6)).await;
+            settle().await;
+            assert_eq!(p.cancel_for_key(&5).len(), 1);
+            drop(hf);
+            assert_eq!(p.shutdown().len(), 1);
+            for h in [ha, hb, hc, hd] {
+                drop(h.await.unwrap());
+            }
+            assert_eq!(he.await.unwrap_err(), OperationError::Cancelled);
+            assert_eq!(hg.await.unwrap_err(), OperationError::Shutdown);
+            for x in [&a, &b, &c, &d, &e, &f, &g] {
+                assert_eq!(x.op_drops(), 1);
+            }
+            for x in [&a, &b, &c, &d] {
+                assert_eq!(x.out_drops(), 1);
+            }
+            drop(slot);
+        })
+    });
+}
+
+// ---------------------------------------------------------------------------
+// Timer tasks: drops contained.
+
+/// A task whose `Drop` panics: cancelling it, and dropping the timer with it
+/// pending, used to unwind into the caller.
+#[tokio::test(start_paused = true)]
+async fn timer_task_drops_are_contained() {
+    struct PanicOnDrop(Arc<AtomicUsize>);
+    impl Drop for PanicOnDrop {
+        fn drop(&mut self) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+            if !std::thread::panicking() {
+                panic!("hostile task drop");
+            }
+        }
+    }
+    let drops = Arc::new(AtomicUsize::new(0));
+    let timer = Timer::new();
+    let t = PanicOnDrop(drops.clone());
+    let timeout = timer
+        .schedule(ms(100), move || {
+            let _kept = &t;
+        })
+        .unwrap();
+    let cancelled = catch_unwind(AssertUnwindSafe(|| timeout.cancel()));
+    assert_eq!(cancelled.ok(), Some(true));
+    assert_eq!(drops.load(Ordering::SeqCst), 1);
+
+    let t = PanicOnDrop(drops.clone());
+    timer
+        .schedule(ms(100), move || {
+            let _kept = &t;
+        })
+        .unwrap();
+    let ran = Arc::new(AtomicBool::new(false));
+    let r = ran.clone();
+    let later = timer.clone();
+    assert!(catch_unwind(AssertUnwindSafe(|| drop(timer))).is_ok());
+    // The last clone goes: the task is dropped unrun, contained.
+    drop(later);
+    assert_eq!(drops.load(Ordering::SeqCst), 2);
+    assert!(!r.load(Ordering::SeqCst));
+}
+
+// ---------------------------------------------------------------------------
+// Zero and past deadlines off the tick grid.
+
+/// At 300 µs past a tick boundary, a zero delay, a deadline 100 µs in the past
+/// and a zero sleep used to wait for the next tick (a deadline rounds up, "now"
+/// rounds down). They run on the reaper's next turn, with no time passing.
+#[tokio::test(start_paused = true)]
+async fn zero_and_past_deadlines_off_the_tick_grid_run_at_once() {
+    let timer = Timer::new();
+    advance(Duration::from_micros(300)).await;
+    let t0 = Instant::now();
+    timer.sleep(Duration::ZERO).await.unwrap();
+    assert_eq!(Instant::now(), t0, "sleep(ZERO) waited for a tick");
+
+    let ran = Arc::new(AtomicUsize::new(0));
+    let r = ran.clone();
+    timer
+        .schedule(Duration::ZERO, move || {
+            r.fetch_add(1, Ordering::SeqCst);
+        })
+        .unwrap();
+    let r = ran.clone();
+    timer
+        .schedule_at(t0 - Duration::from_micros(100), move || {
+            r.fetch_add(1, Ordering::SeqCst);
+        })
+        .unwrap();
+    timer.sleep_until(t0).await.unwrap();
+    settle().await;
+    assert_eq!(ran.load(Ordering::SeqCst), 2);
+    assert_eq!(Instant::now(), t0, "past deadlines waited for a tick");
+
+    // The purgatory: a zero timeout expires on the reaper's next turn.
+    let p = purgatory::<u32>();
+    advance(Duration::from_micros(300)).await;
+    let t1 = Instant::now();
+    let h = p
+        .try_complete_else_watch(Op(Hooks::default()), Duration::ZERO, [1])
+        .unwrap();
+    assert!(h.await.unwrap().is_expired());
+    assert_eq!(Instant::now(), t1, "a zero timeout waited for a tick");
+}
+
+/// A future deadline off the grid still never fires early.
+#[tokio::test(start_paused = true)]
+async fn a_deadline_off_the_grid_is_never_early() {
+    let timer = Timer::new();
+    advance(Duration::from_micros(300)).await;
+    let t0 = Instant::now();
+    for us in [1, 200, 699, 700, 701, 1500] {
+        let at = t0 + Duration::from_micros(us);
+        timer.sleep_until(at).await.unwrap();
+        assert!(Instant::now() >= at, "{us} µs: fired early");
+    }
+}
+
+// ---------------------------------------------------------------------------
+// One wake-up per distinct due time.
+
+/// A heartbeat that schedules its next beat from inside its own run used to
+/// cost two reaper wake-ups per beat: the insert during the reaper's turn left a
+/// notification, so the reaper woke at once with nothing due.
+#[tokio::test(start_paused = true)]
+async fn a_task_that_reschedules_itself_costs_one_wakeup_per_beat() {
+    fn beat(timer: Timer, beats: Arc<AtomicUsize>, left: usize) {
+        beats.fetch_add(1, Ordering::SeqCst);
+        if left > 0 {
+            let t = timer.clone();
+            timer
+                .schedule(ms(100), move || beat(t, beats, left - 1))
+                .unwrap();
+        }
+    }
+    let timer = Timer::new();
+    let beats = Arc::new(AtomicUsize::new(0));
+    let (t, b) = (timer.clone(), beats.clone());
+    timer.schedule(ms(100), move || beat(t, b, 99)).unwrap();
+    let before = timer.stats().reaper_wakeups;
+    tokio::time::sleep(Duration::from_secs(11)).await;
+    assert_eq!(beats.load(Ordering::SeqCst), 100);
+    let wakeups = timer.stats().reaper_wakeups - before;
+    assert!(
+        wakeups <= 101,
+        "{wakeups} reaper wake-ups for 100 beats (one per beat expected)"
+    );
+}
+
+// ---------------------------------------------------------------------------
+// A check that panics, and expiry with hostile values.
+
+/// A panicking check counts as "not yet": the operation still expires, and its
+/// panicking output drop (after the handle read it) stays with the reader.
+#[tokio::test(start_paused = true)]
+async fn a_panicking_check_still_expires_and_balances() {
+    let p = purgatory::<u32>();
+    let hooks = Hooks::default();
+    hooks.check_panics.store(true, Ordering::SeqCst);
+    let r = catch_unwind(AssertUnwindSafe(|| {
+        p.try_complete_else_watch(Op(hooks.clone()), ms(10), [1])
+    }));
+    let h = r.expect("a check's panic is contained").unwrap();
+    assert_eq!(p.try_complete_watched(&1), 0);
+    advance(ms(11)).await;
+    let out = h.await.unwrap();
+    assert!(matches!(out, Completion::Expired(_)));
+    let m = p.metrics();
+    assert!(balanced(&m) && m.delayed == 0, "{m:?}");
+    assert_eq!(m.panicked, 3, "two at registration, one in the walk");
+}

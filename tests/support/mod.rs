@@ -1,0 +1,17 @@
+//! Helpers shared by the integration tests (`mod support;` in each).
+#![allow(dead_code)]
+
+use std::time::Duration;
+
+/// `n` milliseconds.
+pub fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+/// Lets spawned tasks (the reaper) run: enough yields for a reaper turn and the
+/// wake-ups it causes, with no time passing.
+pub async fn settle() {
+    for _ in 0..20 {
+        tokio::task::yield_now().await;
+    }
+}
