@@ -243,6 +243,31 @@ mod tests {
         assert_eq!(take(&w, 7), vec![7]);
     }
 
+    /// Shrinking has hysteresis: removing keys one at a time rehashes a handful
+    /// of times in all, not on every removal.
+    #[test]
+    fn the_table_shrinks_in_a_few_steps_not_on_every_removal() {
+        let w: Watchers<u32, u32> = Watchers::new(1);
+        for k in 0..20_000 {
+            w.watch(&[k], &k, &mut 0);
+        }
+        let mut changes = 0;
+        let mut cap = capacity(&w);
+        for k in 0..20_000 {
+            take(&w, k);
+            // A removal that leaves a deleted-slot marker lowers the capacity by
+            // one; a rehash moves it by far more.
+            let now = capacity(&w);
+            if now.abs_diff(cap) > 1 {
+                changes += 1;
+            }
+            cap = now;
+        }
+        assert!(changes >= 2, "the table never shrank ({cap})");
+        assert!(changes <= 12, "{changes} rehashes for 20,000 removals");
+        assert!(cap <= 64, "capacity {cap} with no keys");
+    }
+
     #[test]
     fn purge_shrinks_the_table_too() {
         let w: Watchers<u32, u32> = Watchers::new(2);

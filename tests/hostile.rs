@@ -763,3 +763,27 @@ async fn a_panicking_check_still_expires_and_balances() {
     assert!(balanced(&m) && m.delayed == 0, "{m:?}");
     assert_eq!(m.panicked, 3, "two at registration, one in the walk");
 }
+
+/// A detached operation's output is dropped as soon as it is produced, whether
+/// by a check or by expiry: nobody will read it.
+#[tokio::test(start_paused = true)]
+async fn a_detached_operations_output_is_dropped_at_once() {
+    let p = purgatory::<u32>();
+    let done = Hooks::default();
+    p.try_complete_else_watch(Op(done.clone()), ms(1000), [1, 2])
+        .unwrap()
+        .detach();
+    done.set_ready();
+    assert_eq!(p.try_complete_watched(&1), 1);
+    assert_eq!(done.out_drops(), 1, "completed: dropped by the walk");
+
+    let late = Hooks::default();
+    p.try_complete_else_watch(Op(late.clone()), ms(10), [1, 2])
+        .unwrap()
+        .detach();
+    advance(ms(11)).await;
+    settle().await;
+    assert_eq!(late.out_drops(), 1, "expired: dropped by the reaper");
+    let m = p.metrics();
+    assert!(balanced(&m) && m.delayed == 0, "{m:?}");
+}

@@ -253,6 +253,11 @@ async fn stale_handle_cannot_cancel_the_task_that_reuses_its_slot() {
     advance(ms(1)).await;
     settle().await;
     let new = timer.schedule(ms(10), task()).unwrap(); // reuses the slot
+    assert!(
+        !old.is_pending(),
+        "a stale handle must not see the new task"
+    );
+    assert_eq!(old.status(), TimeoutStatus::Done);
     assert!(!old.cancel());
     assert!(new.is_pending());
     advance(ms(10)).await;
@@ -425,4 +430,49 @@ async fn many_tasks_insert_and_cancel_at_once() {
     }
     assert_eq!(timer.len(), kept);
     assert_eq!(timer.shutdown().len(), kept);
+}
+
+/// The reaper expires at most `batch_size` entries of a shard per turn and yields
+/// between turns, so other tasks run while a burst due at one instant drains.
+#[tokio::test(start_paused = true)]
+async fn the_reaper_expires_at_most_a_batch_per_turn() {
+    let timer = Timer::builder().batch_size(10).shards(1).build().unwrap();
+    let (n, task) = counter();
+    for _ in 0..100 {
+        timer.schedule(ms(5), task()).unwrap();
+    }
+    advance(ms(5)).await;
+    let mut last = n.load(Ordering::SeqCst);
+    let mut turns = 0;
+    while last < 100 {
+        tokio::task::yield_now().await;
+        let now = n.load(Ordering::SeqCst);
+        assert!(now - last <= 10, "{} expired in one turn", now - last);
+        last = now;
+        turns += 1;
+        assert!(turns < 1000, "the burst never drained");
+    }
+    assert!(
+        turns >= 9,
+        "100 entries in batches of 10 took {turns} turns"
+    );
+}
+
+/// `reaper_wakeups` counts each wake-up from a sleep: one timer, one wake-up.
+#[tokio::test(start_paused = true)]
+async fn each_due_time_costs_exactly_one_wakeup() {
+    let timer = Timer::new();
+    settle().await;
+    let before = timer.stats().reaper_wakeups;
+    let (n, task) = counter();
+    timer.schedule(ms(10), task()).unwrap();
+    timer.schedule(ms(30), task()).unwrap();
+    advance(ms(10)).await;
+    settle().await;
+    assert_eq!(n.load(Ordering::SeqCst), 1);
+    assert_eq!(timer.stats().reaper_wakeups, before + 1);
+    advance(ms(20)).await;
+    settle().await;
+    assert_eq!(n.load(Ordering::SeqCst), 2);
+    assert_eq!(timer.stats().reaper_wakeups, before + 2);
 }

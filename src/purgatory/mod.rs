@@ -815,3 +815,64 @@ fn dedup<K: WatchKey>(keys: impl IntoIterator<Item = K>) -> (Vec<K>, Vec<K>) {
     }
     (out, dups)
 }
+
+#[cfg(all(test, not(purgatory_loom)))]
+mod tests {
+    use super::*;
+
+    struct Op(Arc<std::sync::atomic::AtomicBool>);
+
+    impl Operation for Op {
+        type Output = ();
+        fn try_complete(&mut self) -> Option<()> {
+            self.0.load(Ordering::SeqCst).then_some(())
+        }
+        fn on_expiration(self) {}
+    }
+
+    /// However an operation finishes before its deadline, its timer entry goes
+    /// with it: otherwise the wheel would hold request rate x timeout entries.
+    #[tokio::test(start_paused = true)]
+    async fn finishing_early_removes_the_timer_entry() {
+        let p: Purgatory<u32, Op> = Purgatory::builder("t").build().unwrap();
+        let timers = || p.shared().core.len();
+        let op = |ready: bool| Op(Arc::new(ready.into()));
+        let long = Duration::from_secs(3600);
+
+        // Completed by a walk.
+        let a = op(false);
+        let flag = a.0.clone();
+        let h = p.try_complete_else_watch(a, long, [1]).unwrap();
+        assert_eq!(timers(), 1);
+        flag.store(true, Ordering::SeqCst);
+        assert_eq!(p.try_complete_watched(&1), 1);
+        assert_eq!(timers(), 0, "completed by a walk");
+        drop(h);
+
+        // Completed through its reference.
+        let a = op(false);
+        let flag = a.0.clone();
+        let h = p.try_complete_else_watch(a, long, [1]).unwrap();
+        flag.store(true, Ordering::SeqCst);
+        assert!(h.op_ref().unwrap().try_complete());
+        assert_eq!(timers(), 0, "completed by reference");
+        drop(h);
+
+        // Cancelled by key, by its handle, and shut down.
+        let h = p.try_complete_else_watch(op(false), long, [2]).unwrap();
+        assert_eq!(p.cancel_for_key(&2).len(), 1);
+        assert_eq!(timers(), 0, "cancelled by key");
+        drop(h);
+        let h = p.try_complete_else_watch(op(false), long, [3]).unwrap();
+        drop(h);
+        assert_eq!(timers(), 0, "cancelled by its handle");
+        // Completed at registration: never armed.
+        let h = p.try_complete_else_watch(op(true), long, [4]).unwrap();
+        assert_eq!(timers(), 0, "completed at registration");
+        drop(h);
+        let _h = p.try_complete_else_watch(op(false), long, [5]).unwrap();
+        assert_eq!(timers(), 1);
+        assert_eq!(p.shutdown().len(), 1);
+        assert_eq!(timers(), 0, "shut down");
+    }
+}
