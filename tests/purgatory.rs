@@ -652,3 +652,43 @@ async fn reentrant_calls_from_operation_code_do_not_deadlock() {
     .await
     .expect("shutdown from expiry code worked");
 }
+
+/// A walk compacts its key's list at once only when at least a quarter of what
+/// it checked completed; otherwise the finished entries stay as tombstones until
+/// the key's next walk (which drops them before checking).
+#[tokio::test(start_paused = true)]
+async fn a_walk_compacts_at_once_only_when_a_quarter_completed() {
+    let p = purgatory();
+    let ops: Vec<Mock> = (0..8).map(|_| Mock::default()).collect();
+    let _handles: Vec<_> = ops
+        .iter()
+        .map(|op| {
+            p.try_complete_else_watch(op.clone(), ms(60_000), ["k"])
+                .unwrap()
+        })
+        .collect();
+    // 1 of 8: below a quarter, its entry stays as a tombstone.
+    ops[0].set();
+    assert_eq!(p.try_complete_watched(&"k"), 1);
+    let m = p.metrics();
+    assert_eq!((m.watched, m.tombstones), (8, 1), "{m:?}");
+    // The next walk drops that tombstone, then 2 of the 7 it checks complete:
+    // at least a quarter, so it compacts at once.
+    ops[1].set();
+    ops[2].set();
+    assert_eq!(p.try_complete_watched(&"k"), 2);
+    let m = p.metrics();
+    assert_eq!((m.watched, m.tombstones), (5, 0), "{m:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn debug_output_names_the_purgatory_and_its_counts() {
+    let p = purgatory();
+    let _h = p
+        .try_complete_else_watch(Mock::default(), ms(1000), ["a", "b"])
+        .unwrap();
+    let text = format!("{p:?}");
+    assert!(text.contains("\"test\""), "{text}");
+    assert!(text.contains("delayed: 1"), "{text}");
+    assert!(text.contains("watched: 2"), "{text}");
+}

@@ -15,3 +15,5 @@ pub async fn settle() {
         tokio::task::yield_now().await;
     }
 }
+
+pub mod rng;
