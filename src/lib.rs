@@ -198,9 +198,11 @@
 )]
 #![doc(test(attr(deny(warnings))))]
 
+mod clock;
 mod loom;
 pub mod purgatory;
 mod reaper;
+mod settings;
 pub mod timer;
 mod watchers;
 mod wheel;
@@ -209,4 +211,5 @@ pub use purgatory::{
     Completion, OpRef, Operation, OperationError, OperationHandle, Purgatory, PurgatoryBuilder,
     PurgatoryMetrics, WatchError, WatchKey,
 };
+pub use settings::BuildError;
 pub use timer::{Timer, TimerBuilder};

@@ -26,3 +26,14 @@ pub(crate) use std::sync::{
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
+
+/// A number naming the current thread, never 0 and never shared by two threads:
+/// the key of the thread's timer shard, and who owns an operation's check.
+pub(crate) fn thread_index() -> u64 {
+    use std::sync::atomic::{AtomicU64 as Counter, Ordering};
+    static NEXT: Counter = Counter::new(1);
+    thread_local! {
+        static INDEX: u64 = NEXT.fetch_add(1, Ordering::Relaxed);
+    }
+    INDEX.with(|i| *i)
+}

@@ -34,12 +34,13 @@ use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use crate::loom::MutexGuard;
-use std::time::Duration;
 
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use crate::loom::{lock, Mutex};
+use crate::clock::{far_future, Clock};
+use crate::loom::{lock, thread_index, Mutex};
+use crate::settings::Settings;
 use crate::wheel::{Key, Wheel};
 
 /// Work stored in the wheel: what to do when it expires, and when it is cleared out
@@ -74,89 +75,11 @@ pub(crate) enum Refused<J> {
     Closed(J, Closed),
 }
 
-/// The settings the core is built from (validated by the public builders).
-#[derive(Debug, Clone)]
-pub(crate) struct CoreConfig {
-    pub(crate) tick: Duration,
-    pub(crate) slots: usize,
-    pub(crate) levels: usize,
-    pub(crate) shards: usize,
-    pub(crate) max_pending: Option<usize>,
-    pub(crate) batch: usize,
-    pub(crate) name: Arc<str>,
-}
-
 /// A timer entry's address: shard and wheel key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct TimerKey {
     shard: u32,
     key: Key,
-}
-
-/// Ticks since an origin, in whole ticks of `tick_ns` nanoseconds.
-#[derive(Debug)]
-pub(crate) struct Clock {
-    origin: Instant,
-    tick_ns: u64,
-}
-
-impl Clock {
-    fn new(origin: Instant, tick: Duration) -> Clock {
-        let tick_ns = u64::try_from(tick.as_nanos()).unwrap_or(u64::MAX).max(1);
-        Clock { origin, tick_ns }
-    }
-
-    fn nanos_since_origin(&self, t: Instant) -> u64 {
-        // Whole seconds and nanoseconds separately: no u128 division on the hot path.
-        let d = t.saturating_duration_since(self.origin);
-        d.as_secs()
-            .saturating_mul(1_000_000_000)
-            .saturating_add(d.subsec_nanos() as u64)
-    }
-
-    /// The tick a deadline falls due in: rounded up, so it is never early.
-    /// Saturates at `u64::MAX` ("never").
-    pub(crate) fn deadline_tick(&self, deadline: Instant) -> u64 {
-        let ns = self.nanos_since_origin(deadline);
-        if ns == u64::MAX {
-            return u64::MAX;
-        }
-        ns.div_ceil(self.tick_ns)
-    }
-
-    /// The tick an entry inserted at `now` with `deadline` is due in: rounded up
-    /// (never early), except that a deadline already reached is due in `now`'s
-    /// own tick, so it runs on the reaper's next turn instead of waiting for the
-    /// next tick boundary.
-    pub(crate) fn tick_for(&self, now: Instant, deadline: Instant) -> u64 {
-        if deadline <= now {
-            self.now_tick(now)
-        } else {
-            self.deadline_tick(deadline)
-        }
-    }
-
-    /// The last whole tick that has passed at `now`.
-    pub(crate) fn now_tick(&self, now: Instant) -> u64 {
-        self.nanos_since_origin(now) / self.tick_ns
-    }
-
-    /// The instant tick `t` begins, or `None` when it is beyond what `Instant` holds.
-    pub(crate) fn instant_of(&self, t: u64) -> Option<Instant> {
-        let ns = t.checked_mul(self.tick_ns)?;
-        self.origin.checked_add(Duration::from_nanos(ns))
-    }
-}
-
-/// The deadline `delay` after `now`, saturating instead of overflowing.
-pub(crate) fn deadline_after(now: Instant, delay: Duration) -> Instant {
-    now.checked_add(delay).unwrap_or_else(|| far_future(now))
-}
-
-/// An instant later than any deadline the wheel can reach (about 30 years on).
-fn far_future(now: Instant) -> Instant {
-    const THIRTY_YEARS: Duration = Duration::from_secs(86_400 * 365 * 30);
-    now.checked_add(THIRTY_YEARS).unwrap_or(now)
 }
 
 #[derive(Debug)]
@@ -195,19 +118,18 @@ pub(crate) struct Core<J> {
     pub(crate) name: Arc<str>,
 }
 
-thread_local! {
-    static SHARD_HINT: usize = {
-        static NEXT: AtomicUsize = AtomicUsize::new(0);
-        NEXT.fetch_add(1, Ordering::Relaxed)
-    };
-}
-
 impl<J: Job> Core<J> {
-    /// Builds the core and spawns its reaper on `rt`.
-    pub(crate) fn start(config: &CoreConfig, rt: &tokio::runtime::Handle) -> Arc<Core<J>> {
-        let shards = (0..config.shards.max(1))
+    /// Builds the core and spawns its reaper on `rt`. `settings` were validated
+    /// by the builder.
+    pub(crate) fn start(
+        settings: &Settings,
+        name: Arc<str>,
+        max_pending: Option<usize>,
+        rt: &tokio::runtime::Handle,
+    ) -> Arc<Core<J>> {
+        let shards = (0..settings.shards.max(1))
             .map(|_| {
-                let wheel = Wheel::new(config.slots, config.levels)
+                let wheel = Wheel::new(settings.slots, settings.levels)
                     .expect("wheel shape is validated by the builder");
                 Padded(Mutex::new(Shard {
                     wheel,
@@ -217,15 +139,15 @@ impl<J: Job> Core<J> {
             .collect();
         let core = Arc::new(Core {
             shards,
-            clock: Clock::new(Instant::now(), config.tick),
+            clock: Clock::new(Instant::now(), settings.tick),
             wake: WakeTarget::new(),
             notify: Notify::new(),
             state: AtomicU8::new(RUNNING),
             pending: AtomicUsize::new(0),
-            max_pending: config.max_pending,
-            batch: config.batch.max(1),
+            max_pending,
+            batch: settings.batch.max(1),
             counters: Counters::default(),
-            name: config.name.clone(),
+            name,
         });
         let guard = ReaperGuard(core.clone());
         rt.spawn(run_reaper(guard));
@@ -260,7 +182,8 @@ impl<J: Job> Core<J> {
             }
         }
         let tick = self.clock.tick_for(now, deadline);
-        let shard = SHARD_HINT.with(|h| *h) % self.shards.len();
+        // A thread keeps to one shard, so producers on different threads rarely meet.
+        let shard = (thread_index() % self.shards.len() as u64) as usize;
         let key = {
             let mut s = self.lock(shard);
             if s.closed {

@@ -7,7 +7,7 @@ use std::time::Duration;
 use super::shared::Shared;
 use super::{Operation, Purgatory, WatchKey};
 use crate::reaper::Core;
-use crate::timer::{runtime_handle, BuildError, WheelSettings};
+use crate::settings::{runtime_handle, wheel_setters, BuildError, Settings};
 
 /// Builds a [`Purgatory`].
 ///
@@ -33,7 +33,7 @@ use crate::timer::{runtime_handle, BuildError, WheelSettings};
 /// ```
 pub struct PurgatoryBuilder<K, O> {
     pub(super) name: Arc<str>,
-    pub(super) wheel: WheelSettings,
+    pub(super) wheel: Settings,
     pub(super) watcher_shards: usize,
     pub(super) purge_interval: usize,
     pub(super) max_pending: Option<usize>,
@@ -64,7 +64,7 @@ impl<K, O> std::fmt::Debug for PurgatoryBuilder<K, O> {
 }
 
 impl<K: WatchKey, O: Operation> PurgatoryBuilder<K, O> {
-    crate::timer::wheel_setters!();
+    wheel_setters!();
 
     /// Independently locked timer wheels (default: the machine's parallelism, at
     /// most 16).
@@ -126,7 +126,7 @@ impl<K: WatchKey, O: Operation> PurgatoryBuilder<K, O> {
             return Err(BuildError::invalid("max_pending must be at least 1"));
         }
         let rt = runtime_handle(handle)?;
-        let core = Core::start(&self.wheel.core_config(self.name.clone(), None), &rt);
+        let core = Core::start(&self.wheel, self.name.clone(), None, &rt);
         let shared = Arc::new(Shared::new(
             core,
             self.watcher_shards,

@@ -30,7 +30,7 @@ use super::operation::{Completion, Operation};
 use super::shared::Shared;
 use super::state::{After, Claim, State, CANCEL, EXPIRE};
 use super::WatchKey;
-use crate::loom::{lock, Mutex};
+use crate::loom::{lock, thread_index, Mutex};
 use crate::reaper::TimerKey;
 
 /// What an operation handle resolves to.
@@ -196,7 +196,7 @@ where
     /// Runs the operation's check, or asks the running checker to check again.
     /// Returns whether this call completed the operation.
     pub(crate) fn check(&self) -> bool {
-        let me = thread_id();
+        let me = thread_index();
         if !self.state.begin_check(me) {
             return false;
         }
@@ -337,27 +337,21 @@ where
     }
 }
 
-/// A number naming the current thread (never 0).
-pub(crate) fn thread_id() -> u64 {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static NEXT: AtomicU64 = AtomicU64::new(1);
-    thread_local! {
-        static ID: u64 = NEXT.fetch_add(1, Ordering::Relaxed);
-    }
-    ID.with(|id| *id)
-}
-
 #[cfg(all(test, not(purgatory_loom)))]
 mod tests {
     /// Events from other threads are told apart from the checker re-entering its
     /// own check by thread id: ids that collapsed to one value would drop them.
     #[test]
     fn every_thread_gets_its_own_checker_id() {
-        let mine = super::thread_id();
+        let mine = crate::loom::thread_index();
         assert_ne!(mine, 0, "0 means no checker");
-        assert_eq!(mine, super::thread_id(), "stable on one thread");
+        assert_eq!(mine, crate::loom::thread_index(), "stable on one thread");
         let others: Vec<u64> = (0..4)
-            .map(|_| std::thread::spawn(super::thread_id).join().unwrap())
+            .map(|_| {
+                std::thread::spawn(crate::loom::thread_index)
+                    .join()
+                    .unwrap()
+            })
             .collect();
         let mut all = others.clone();
         all.push(mine);

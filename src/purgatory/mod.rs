@@ -21,13 +21,15 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 pub use self::builder::PurgatoryBuilder;
-use self::cell::{thread_id, Checked, Fate, OpCell};
+use self::cell::{Checked, Fate, OpCell};
 pub use self::error::{OperationError, WatchError};
 pub use self::handle::{OpRef, OperationHandle};
 pub use self::operation::{Completion, Operation};
 use self::shared::{closed_refusal, Expiry, Shared};
-use crate::reaper::{deadline_after, drop_each_contained, Refused};
-use crate::timer::WheelSettings;
+use crate::clock::deadline_after;
+use crate::loom::thread_index;
+use crate::reaper::{drop_each_contained, Refused};
+use crate::settings::Settings;
 use crate::watchers::Removed;
 
 /// What a watch key must be: hashable, comparable, cloneable and shareable.
@@ -203,7 +205,7 @@ impl<K: WatchKey, O: Operation> Purgatory<K, O> {
     pub fn builder(name: &str) -> PurgatoryBuilder<K, O> {
         PurgatoryBuilder {
             name: name.into(),
-            wheel: WheelSettings::default(),
+            wheel: Settings::default(),
             watcher_shards: 64,
             purge_interval: 1000,
             max_pending: None,
@@ -350,7 +352,7 @@ impl<K: WatchKey, O: Operation> Purgatory<K, O> {
 
         // The cell starts owned by this thread's check: until the second check
         // below, events only ask for it, and nothing can finish the operation.
-        let me = thread_id();
+        let me = thread_index();
         let cell = Arc::new(OpCell::registering(
             op,
             keys.len() as u32,

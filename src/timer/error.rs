@@ -1,51 +1,8 @@
-//! Errors of the standalone timer (and of building a timer or purgatory).
+//! Errors of the standalone timer.
 
 use std::fmt;
 
-/// A timer or purgatory could not be built.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct BuildError {
-    kind: BuildErrorKind,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum BuildErrorKind {
-    NoRuntime,
-    Invalid(&'static str),
-}
-
-impl BuildError {
-    pub(crate) fn no_runtime() -> BuildError {
-        BuildError {
-            kind: BuildErrorKind::NoRuntime,
-        }
-    }
-
-    pub(crate) fn invalid(what: &'static str) -> BuildError {
-        BuildError {
-            kind: BuildErrorKind::Invalid(what),
-        }
-    }
-
-    /// Whether the build failed because no Tokio runtime was current (use
-    /// `build_on` with a [`tokio::runtime::Handle`] instead).
-    pub fn is_no_runtime(&self) -> bool {
-        self.kind == BuildErrorKind::NoRuntime
-    }
-}
-
-impl fmt::Display for BuildError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match &self.kind {
-            BuildErrorKind::NoRuntime => {
-                f.write_str("no tokio runtime is current; build inside one or use build_on")
-            }
-            BuildErrorKind::Invalid(what) => write!(f, "invalid setting: {what}"),
-        }
-    }
-}
-
-impl std::error::Error for BuildError {}
+use crate::reaper::{Closed, Refused};
 
 /// [`Timer::schedule`](crate::Timer::schedule) refused a task; the task is handed
 /// back unrun.
@@ -117,3 +74,21 @@ impl fmt::Display for TimerError {
 }
 
 impl std::error::Error for TimerError {}
+
+impl<T> From<&Refused<T>> for TimerError {
+    fn from(refused: &Refused<T>) -> Self {
+        match refused {
+            Refused::AtCapacity(_) => TimerError::AtCapacity,
+            Refused::Closed(_, why) => (*why).into(),
+        }
+    }
+}
+
+impl From<Closed> for TimerError {
+    fn from(why: Closed) -> Self {
+        match why {
+            Closed::Shutdown => TimerError::Shutdown,
+            Closed::ReaperGone => TimerError::ReaperGone,
+        }
+    }
+}

@@ -10,7 +10,7 @@ use futures::task::AtomicWaker;
 use tokio::time::Instant;
 
 use super::error::TimerError;
-use super::TimerJob;
+use super::task::TimerJob;
 use crate::reaper::{Closed, Core, TimerKey};
 
 const WAITING: u8 = 0;
@@ -95,7 +95,7 @@ impl Sleep {
                 key,
                 signal,
             }),
-            Err(refused) => Err(super::refused_error(refused)),
+            Err(refused) => Err(TimerError::from(&refused)),
         };
         Sleep { inner, deadline }
     }

@@ -1,0 +1,150 @@
+//! What building a timer core takes: its settings (shared by the timer and
+//! purgatory builders, checked once here), the runtime to spawn the reaper on,
+//! and the error when either is wrong.
+
+use std::fmt;
+use std::time::Duration;
+
+use crate::wheel::{ShapeError, Wheel};
+
+/// The timer core's settings, shared by the timer and purgatory builders.
+#[derive(Debug, Clone)]
+pub(crate) struct Settings {
+    pub(crate) tick: Duration,
+    pub(crate) slots: usize,
+    pub(crate) levels: usize,
+    pub(crate) shards: usize,
+    pub(crate) batch: usize,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            tick: Duration::from_millis(1),
+            slots: 64,
+            levels: 6,
+            shards: std::thread::available_parallelism()
+                .map_or(4, |n| n.get())
+                .clamp(1, 16),
+            batch: 1024,
+        }
+    }
+}
+
+impl Settings {
+    pub(crate) fn validate(&self) -> Result<(), BuildError> {
+        if self.tick.is_zero() {
+            return Err(BuildError::invalid("tick must be longer than zero"));
+        }
+        // The wheel's own check is the only one.
+        match Wheel::<()>::new(self.slots, self.levels) {
+            Ok(_) => {}
+            Err(ShapeError::Slots) => {
+                return Err(BuildError::invalid("slots_per_level must be in 2..=64"))
+            }
+            Err(ShapeError::Levels) => {
+                return Err(BuildError::invalid(
+                    "levels must be at least 1 and slots_per_level^levels below 2^62",
+                ))
+            }
+        }
+        if self.shards == 0 || self.shards > 1024 {
+            return Err(BuildError::invalid("shards must be in 1..=1024"));
+        }
+        if self.batch == 0 {
+            return Err(BuildError::invalid("batch_size must be at least 1"));
+        }
+        Ok(())
+    }
+}
+
+pub(crate) fn runtime_handle(
+    given: Option<&tokio::runtime::Handle>,
+) -> Result<tokio::runtime::Handle, BuildError> {
+    match given {
+        Some(h) => Ok(h.clone()),
+        None => tokio::runtime::Handle::try_current().map_err(|_| BuildError::no_runtime()),
+    }
+}
+
+/// The setters both builders share (the timer's and the purgatory's), for a
+/// builder with a `wheel: Settings` field.
+macro_rules! wheel_setters {
+    () => {
+        /// The tick: the wheel's unit of time (default 1 ms). Deadlines are rounded
+        /// up to whole ticks, so a timeout is late by less than one tick, never
+        /// early. A larger tick means fewer reaper wake-ups for dense timeouts.
+        pub fn tick(mut self, tick: Duration) -> Self {
+            self.wheel.tick = tick;
+            self
+        }
+
+        /// Slots per wheel level, 2 to 64 (default 64). Powers of two are fastest.
+        pub fn slots_per_level(mut self, slots: usize) -> Self {
+            self.wheel.slots = slots;
+            self
+        }
+
+        /// Number of wheel levels (default 6: with 64 slots of 1 ms, 2^36 ms, about
+        /// 2.2 years). Later deadlines are still accepted and never fire early;
+        /// they wait in an overflow list revisited once per turn of the top level.
+        pub fn levels(mut self, levels: usize) -> Self {
+            self.wheel.levels = levels;
+            self
+        }
+
+        /// Most entries the reaper expires from one shard before yielding to other
+        /// tasks (default 1024), so a million timeouts sharing a deadline cannot
+        /// starve the runtime.
+        pub fn batch_size(mut self, batch: usize) -> Self {
+            self.wheel.batch = batch;
+            self
+        }
+    };
+}
+pub(crate) use wheel_setters;
+
+/// A timer or purgatory could not be built.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BuildError {
+    kind: BuildErrorKind,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum BuildErrorKind {
+    NoRuntime,
+    Invalid(&'static str),
+}
+
+impl BuildError {
+    pub(crate) fn no_runtime() -> BuildError {
+        BuildError {
+            kind: BuildErrorKind::NoRuntime,
+        }
+    }
+
+    pub(crate) fn invalid(what: &'static str) -> BuildError {
+        BuildError {
+            kind: BuildErrorKind::Invalid(what),
+        }
+    }
+
+    /// Whether the build failed because no Tokio runtime was current (use
+    /// `build_on` with a [`tokio::runtime::Handle`] instead).
+    pub fn is_no_runtime(&self) -> bool {
+        self.kind == BuildErrorKind::NoRuntime
+    }
+}
+
+impl fmt::Display for BuildError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.kind {
+            BuildErrorKind::NoRuntime => {
+                f.write_str("no tokio runtime is current; build inside one or use build_on")
+            }
+            BuildErrorKind::Invalid(what) => write!(f, "invalid setting: {what}"),
+        }
+    }
+}
+
+impl std::error::Error for BuildError {}

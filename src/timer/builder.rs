@@ -1,0 +1,89 @@
+//! The timer's builder.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::{Owner, Timer};
+use crate::reaper::Core;
+use crate::settings::{runtime_handle, wheel_setters, BuildError, Settings};
+
+/// Builds a [`Timer`]: wheel shape, tick, sharding and an optional limit.
+///
+/// # Examples
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// use std::time::Duration;
+/// use tokio_purgatory::Timer;
+///
+/// let timer = Timer::builder()
+///     .name("retries")
+///     .tick(Duration::from_millis(10))
+///     .max_pending(100_000)
+///     .build()
+///     .unwrap();
+/// assert!(timer.is_empty());
+/// # }
+/// ```
+#[derive(Debug, Clone)]
+pub struct TimerBuilder {
+    pub(super) wheel: Settings,
+    pub(super) max_pending: Option<usize>,
+    pub(super) name: Arc<str>,
+}
+
+impl TimerBuilder {
+    wheel_setters!();
+
+    /// Number of independently locked wheels (default: the machine's parallelism,
+    /// at most 16). A thread always inserts into the same shard, so producers on
+    /// different threads rarely contend.
+    pub fn shards(mut self, shards: usize) -> Self {
+        self.wheel.shards = shards;
+        self
+    }
+
+    /// Limit on pending timeouts (default: none). At the limit, `schedule`
+    /// returns the task in [`ScheduleError::AtCapacity`]. Counting pending entries
+    /// needs one shared counter, which costs some multi-producer throughput.
+    pub fn max_pending(mut self, max: usize) -> Self {
+        self.max_pending = Some(max);
+        self
+    }
+
+    /// A name for `tracing` events (default `"timer"`).
+    pub fn name(mut self, name: &str) -> Self {
+        self.name = name.into();
+        self
+    }
+
+    /// Builds the timer and spawns its reaper on the current Tokio runtime.
+    ///
+    /// # Errors
+    ///
+    /// When a setting is out of range, or no runtime is current.
+    pub fn build(self) -> Result<Timer, BuildError> {
+        self.build_inner(None)
+    }
+
+    /// Builds the timer and spawns its reaper on the runtime of `handle`.
+    ///
+    /// # Errors
+    ///
+    /// When a setting is out of range.
+    pub fn build_on(self, handle: &tokio::runtime::Handle) -> Result<Timer, BuildError> {
+        self.build_inner(Some(handle))
+    }
+
+    fn build_inner(self, handle: Option<&tokio::runtime::Handle>) -> Result<Timer, BuildError> {
+        self.wheel.validate()?;
+        if self.max_pending == Some(0) {
+            return Err(BuildError::invalid("max_pending must be at least 1"));
+        }
+        let rt = runtime_handle(handle)?;
+        let core = Core::start(&self.wheel, self.name, self.max_pending, &rt);
+        Ok(Timer {
+            owner: Arc::new(Owner { core }),
+        })
+    }
+}
