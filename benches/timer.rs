@@ -2,7 +2,7 @@
 //!
 //! Run: `cargo bench --bench timer` (add `-- --quick` for 100,000 timers).
 //!
-//! Workload (per issue 2): N timers with delays uniform in 1..1000 ms, 80% cancelled
+//! Workload: N timers with delays uniform in 1..1000 ms, 80% cancelled
 //! soon after being scheduled (in batches of 1,000: schedule the batch, cancel 800
 //! of it), the rest expiring. Reported per implementation, runtime flavour and
 //! producer count: schedule and cancel throughput (time spent in those calls

@@ -1,6 +1,10 @@
 //! The watcher map: watch key -> operations watching it (many to many).
 //!
-//! Sharded by key hash; each shard is a `Mutex<HashMap<K, Vec<V>>>`.
+//! Sharded by key hash; each shard is a `Mutex<HashMap<K, Vec<V>>>` and the
+//! number of entries its lists hold. The map keeps that count itself, changed
+//! under the shard's lock by the call that adds or removes entries, so callers
+//! never pair their changes with a count of their own; [`Watchers::len`] sums
+//! the shards.
 //!
 //! # Ground rules
 //!
@@ -21,12 +25,31 @@
 use std::collections::hash_map::RandomState;
 use std::collections::HashMap;
 use std::hash::{BuildHasher, Hash};
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crate::loom::{lock, Mutex, MutexGuard};
 
+/// A shard's map: each key's list.
+type Lists<K, V> = HashMap<K, Vec<V>>;
+
+/// One shard, on its own cache lines: its map, and the entries its lists hold
+/// (changed only with the map's lock held; read without it).
 #[derive(Debug)]
 #[repr(align(128))]
-struct Shard<K, V>(Mutex<HashMap<K, Vec<V>>>);
+struct Shard<K, V> {
+    map: Mutex<Lists<K, V>>,
+    entries: AtomicUsize,
+}
+
+impl<K, V> Shard<K, V> {
+    fn added(&self, n: usize) {
+        self.entries.fetch_add(n, Ordering::Relaxed);
+    }
+
+    fn removed(&self, n: usize) {
+        self.entries.fetch_sub(n, Ordering::Relaxed);
+    }
+}
 
 #[derive(Debug)]
 pub(crate) struct Watchers<K, V> {
@@ -55,22 +78,35 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
     pub(crate) fn new(shards: usize) -> Self {
         Watchers {
             shards: (0..shards.max(1))
-                .map(|_| Shard(Mutex::new(HashMap::new())))
+                .map(|_| Shard {
+                    map: Mutex::new(HashMap::new()),
+                    entries: AtomicUsize::new(0),
+                })
                 .collect(),
             hasher: RandomState::new(),
         }
     }
 
-    fn shard(&self, key: &K) -> MutexGuard<'_, HashMap<K, Vec<V>>> {
+    fn shard(&self, key: &K) -> (&Shard<K, V>, MutexGuard<'_, Lists<K, V>>) {
         let i = (self.hasher.hash_one(key) % self.shards.len() as u64) as usize;
-        lock(&self.shards[i].0)
+        let shard = &self.shards[i];
+        (shard, lock(&shard.map))
+    }
+
+    /// Watch-list entries held, tombstones included. Sums the shards: exact when
+    /// no call races it.
+    pub(crate) fn len(&self) -> usize {
+        self.shards
+            .iter()
+            .map(|s| s.entries.load(Ordering::Relaxed))
+            .sum()
     }
 
     /// Appends `v` to the list of every key, counting in `added` the lists it
     /// joined, so that a panic in key code part-way leaves a known count behind.
     pub(crate) fn watch(&self, keys: &[K], v: &V, added: &mut usize) {
         for key in keys {
-            let mut map = self.shard(key);
+            let (shard, mut map) = self.shard(key);
             match map.get_mut(key) {
                 Some(list) => list.push(v.clone()),
                 None => {
@@ -79,49 +115,57 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
                     map.insert(own, vec![v.clone()]);
                 }
             }
+            shard.added(1);
             drop(map);
             *added += 1;
         }
     }
 
-    /// Copies `key`'s entries that are not `done` into `out`, and takes the done
+    /// Copies `key`'s entries that are not `finished` into `out`, and takes the finished
     /// ones out of the list (and the key, if nothing is left) into `removed`.
     pub(crate) fn collect_live(
         &self,
         key: &K,
         out: &mut Vec<V>,
-        done: impl Fn(&V) -> bool,
+        finished: impl Fn(&V) -> bool,
         removed: &mut Removed<K, V>,
     ) {
-        self.retain(key, done, |v| out.push(v.clone()), removed)
+        self.retain(key, finished, |v| out.push(v.clone()), removed)
     }
 
-    /// Takes `key`'s done entries out into `removed`.
-    pub(crate) fn prune(&self, key: &K, done: impl Fn(&V) -> bool, removed: &mut Removed<K, V>) {
-        self.retain(key, done, |_| {}, removed)
+    /// Takes `key`'s finished entries out into `removed`.
+    pub(crate) fn prune(
+        &self,
+        key: &K,
+        finished: impl Fn(&V) -> bool,
+        removed: &mut Removed<K, V>,
+    ) {
+        self.retain(key, finished, |_| {}, removed)
     }
 
-    /// Takes `key`'s done entries out, showing each kept one to `kept`, and removes
+    /// Takes `key`'s finished entries out, showing each kept one to `kept`, and removes
     /// the key when its list empties (in the same critical section, so a concurrent
     /// watch of the key cannot be lost).
     fn retain(
         &self,
         key: &K,
-        done: impl Fn(&V) -> bool,
+        finished: impl Fn(&V) -> bool,
         mut kept: impl FnMut(&V),
         removed: &mut Removed<K, V>,
     ) {
-        let mut map = self.shard(key);
+        let (shard, mut map) = self.shard(key);
         let Some(list) = map.get_mut(key) else {
             return;
         };
+        let before = removed.entries.len();
         removed.entries.extend(list.extract_if(.., |v| {
-            let gone = done(v);
+            let gone = finished(v);
             if !gone {
                 kept(v);
             }
             gone
         }));
+        shard.removed(removed.entries.len() - before);
         if list.is_empty() {
             if let Some((k, _)) = map.remove_entry(key) {
                 removed.keys.push(k);
@@ -132,32 +176,34 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
 
     /// Removes `key` with its whole list, into `removed`.
     pub(crate) fn take(&self, key: &K, removed: &mut Removed<K, V>) {
-        let mut map = self.shard(key);
+        let (shard, mut map) = self.shard(key);
         if let Some((k, list)) = map.remove_entry(key) {
+            shard.removed(list.len());
             removed.keys.push(k);
             removed.entries.extend(list);
             shrink_if_sparse(&mut map);
         }
     }
 
-    /// Takes every done entry of every key out (and the keys left empty), one
+    /// Takes every finished entry of every key out (and the keys left empty), one
     /// shard at a time; `drop_batch` receives each shard's haul once that shard's
     /// lock is released.
     pub(crate) fn purge(
         &self,
-        done: impl Fn(&V) -> bool,
+        finished: impl Fn(&V) -> bool,
         mut drop_batch: impl FnMut(Removed<K, V>),
     ) {
         for shard in self.shards.iter() {
             let mut removed = Removed::default();
             {
-                let mut map = lock(&shard.0);
+                let mut map = lock(&shard.map);
                 let entries = &mut removed.entries;
                 let emptied = map.extract_if(|_, list| {
-                    entries.extend(list.extract_if(.., |v| done(v)));
+                    entries.extend(list.extract_if(.., |v| finished(v)));
                     list.is_empty()
                 });
                 removed.keys.extend(emptied.map(|(k, _)| k));
+                shard.removed(removed.entries.len());
                 shrink_if_sparse(&mut map);
             }
             if !removed.entries.is_empty() || !removed.keys.is_empty() {
@@ -169,7 +215,11 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
     /// Removes every list (shutdown), into `removed`.
     pub(crate) fn drain(&self, removed: &mut Removed<K, V>) {
         for shard in self.shards.iter() {
-            let map = std::mem::take(&mut *lock(&shard.0));
+            let map = {
+                let mut map = lock(&shard.map);
+                shard.entries.store(0, Ordering::Relaxed);
+                std::mem::take(&mut *map)
+            };
             for (k, list) in map {
                 removed.keys.push(k);
                 removed.entries.extend(list);
@@ -179,7 +229,7 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
 
     /// Number of keys with a list.
     pub(crate) fn keys(&self) -> usize {
-        self.shards.iter().map(|s| lock(&s.0).len()).sum()
+        self.shards.iter().map(|s| lock(&s.map).len()).sum()
     }
 }
 
@@ -201,7 +251,7 @@ mod tests {
     use super::*;
 
     fn capacity(w: &Watchers<u32, u32>) -> usize {
-        w.shards.iter().map(|s| lock(&s.0).capacity()).sum()
+        w.shards.iter().map(|s| lock(&s.map).capacity()).sum()
     }
 
     fn take(w: &Watchers<u32, u32>, k: u32) -> Vec<u32> {

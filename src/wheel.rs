@@ -580,6 +580,12 @@ enum Bucket {
     Overflow,
 }
 
+/// The tests' seeded generator, so failures name a reproducible seed.
+#[cfg(test)]
+#[path = "../tests/support/rng.rs"]
+#[allow(unreachable_pub)]
+mod test_rng;
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -760,20 +766,7 @@ mod tests {
         assert_eq!(Wheel::<Box<dyn FnOnce() + Send>>::entry_size(), 40);
     }
 
-    /// SplitMix64: a tiny seeded generator so failures name a reproducible seed.
-    struct Rng(u64);
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = self.0;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^ (z >> 31)
-        }
-        fn below(&mut self, n: u64) -> u64 {
-            self.next() % n
-        }
-    }
+    use super::test_rng::Rng;
 
     /// Drives the wheel with random insert/cancel/advance streams and checks it
     /// against a `BinaryHeap` + `HashMap` reference: nothing early, nothing later

@@ -1,4 +1,4 @@
-//! Faults and hostile use (issue 5, first part): re-entrancy, dropped runtimes,
+//! Faults and hostile use: re-entrancy, dropped runtimes,
 //! handles shared between tasks, misbehaving keys, and a cross-thread stress whose
 //! counters must balance. Tests that could deadlock run under a timeout.
 
@@ -10,15 +10,8 @@ use std::time::Duration;
 use tokio::time::{advance, timeout};
 use tokio_purgatory::{Completion, Operation, OperationError, Purgatory, Timer};
 
-fn ms(n: u64) -> Duration {
-    Duration::from_millis(n)
-}
-
-async fn settle() {
-    for _ in 0..20 {
-        tokio::task::yield_now().await;
-    }
-}
+mod support;
+use support::{ms, settle};
 
 struct Flag(Arc<AtomicBool>);
 

@@ -1,4 +1,5 @@
-//! Overload (issue 5, row 8). One test in this binary: it counts heap bytes with a
+//! Overload: a burst far over the pending limit is refused without loss, and
+//! memory is linear in pending operations and returned after expiry. One test in this binary: it counts heap bytes with a
 //! global allocator, which other tests running at once would disturb.
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -8,8 +9,10 @@ use std::time::Duration;
 use tokio::time::advance;
 use tokio_purgatory::{Operation, Purgatory, WatchError};
 
-#[path = "support/alloc.rs"]
-mod alloc;
+mod support;
+use support::settle;
+
+use support::alloc;
 
 #[global_allocator]
 static GLOBAL: alloc::Counting = alloc::Counting;
@@ -23,12 +26,6 @@ impl Operation for Op {
     }
     fn on_expiration(self) -> u64 {
         self.1
-    }
-}
-
-async fn settle() {
-    for _ in 0..50 {
-        tokio::task::yield_now().await;
     }
 }
 

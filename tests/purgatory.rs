@@ -10,15 +10,8 @@ use tokio_purgatory::{
     Completion, Operation, OperationError, Purgatory, PurgatoryMetrics, WatchError,
 };
 
-fn ms(n: u64) -> Duration {
-    Duration::from_millis(n)
-}
-
-async fn settle() {
-    for _ in 0..10 {
-        tokio::task::yield_now().await;
-    }
-}
+mod support;
+use support::{ms, settle};
 
 /// Kafka's `MockDelayedOperation`: completes once `completable` is set.
 #[derive(Debug, Clone, Default)]

@@ -22,6 +22,7 @@ use tokio_purgatory::{Completion, OpRef, Operation, OperationError, OperationHan
 
 mod support;
 use support::rng::Rng;
+use support::settle;
 
 /// A key; `fault` makes its `Hash` or `Clone` panic.
 #[derive(Debug)]
@@ -232,12 +233,6 @@ struct Tracked {
 /// Drops a value the test was handed, whose `Drop` may panic.
 fn discard<T>(v: T) {
     let _ = catch_unwind(AssertUnwindSafe(move || drop(v)));
-}
-
-async fn settle() {
-    for _ in 0..20 {
-        tokio::task::yield_now().await;
-    }
 }
 
 fn pick_drop(rng: &mut Rng, hostile: bool) -> OnDrop {

@@ -8,16 +8,10 @@ use tokio::time::{advance, Instant};
 use tokio_purgatory::timer::{ScheduleError, TimeoutStatus, TimerError};
 use tokio_purgatory::Timer;
 
-fn ms(n: u64) -> Duration {
-    Duration::from_millis(n)
-}
+mod support;
+use support::{ms, settle};
 
 /// Lets the reaper (and anything it woke) run without moving the clock.
-async fn settle() {
-    for _ in 0..10 {
-        tokio::task::yield_now().await;
-    }
-}
 
 fn counter() -> (Arc<AtomicUsize>, impl Fn() -> Box<dyn FnOnce() + Send>) {
     let n = Arc::new(AtomicUsize::new(0));

@@ -7,7 +7,7 @@
 //!
 //! - **`state`** (lock-free, `state.rs`): decides who owns the operation at each
 //!   moment. Only the owner of `CHECKING` touches `op` to check it; only whoever
-//!   sets `DONE` takes `op` out and calls [`OpCell::finish`]. So the operation
+//!   sets `FINISHED` takes `op` out and calls [`OpCell::finish`]. So the operation
 //!   finishes exactly once.
 //! - **`op`**: its mutex is held while the owner runs `try_complete` (by design: it
 //!   is what serialises checks with taking the operation out), and for the moment
@@ -18,7 +18,7 @@
 //!   out, and dropped or woken after it is released.
 //! - **Drops.** Every user value this cell drops (the operation, an outcome nobody
 //!   will read) is dropped inside `catch_unwind` with no lock held, after the
-//!   state says `DONE`; a panic there is counted and reported, and the outcome is
+//!   state says `FINISHED`; a panic there is counted and reported, and the outcome is
 //!   still delivered.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -28,7 +28,7 @@ use std::task::Waker;
 use super::error::OperationError;
 use super::operation::{Completion, Operation};
 use super::shared::Shared;
-use super::state::{After, Claim, State, CANCEL, EXPIRE};
+use super::state::{AfterNotYet, Claim, State, CANCEL, EXPIRE};
 use super::WatchKey;
 use crate::loom::{lock, thread_index, Mutex};
 use crate::reaper::TimerKey;
@@ -146,7 +146,7 @@ pub(crate) enum Checked<O> {
     Pending,
     /// The timeout fired meanwhile; the operation expired (finished and delivered).
     Expired,
-    /// A cancel arrived meanwhile: the caller now owns the operation (`DONE`) and
+    /// A cancel arrived meanwhile: the caller now owns the operation (`FINISHED`) and
     /// must finish it.
     Cancelled(O),
 }
@@ -231,10 +231,10 @@ where
                 Err(panic) => self.shared.note_panic("try_complete", &*panic),
             }
             match self.state.end_check(me) {
-                After::Recheck => continue,
-                After::Release => return Checked::Pending,
-                After::Cancel => return Checked::Cancelled(self.take_op()),
-                After::Expire => {
+                AfterNotYet::Recheck => continue,
+                AfterNotYet::Release => return Checked::Pending,
+                AfterNotYet::Cancel => return Checked::Cancelled(self.take_op()),
+                AfterNotYet::Expire => {
                     self.run_expiry(self.take_op());
                     return Checked::Expired;
                 }
@@ -261,7 +261,7 @@ where
     fn claim(&self, request: u8) -> Option<O> {
         match self.state.claim(request) {
             Claim::Won => Some(self.take_op()),
-            Claim::Deferred | Claim::Done => None,
+            Claim::Deferred | Claim::Finished => None,
         }
     }
 
@@ -294,7 +294,7 @@ where
         Some(op)
     }
 
-    /// Counts the finished operation, delivers its outcome (once `DONE` is set)
+    /// Counts the finished operation, delivers its outcome (once `FINISHED` is set)
     /// and removes its timer entry when `cancel_timer`; then, with no lock held,
     /// drops an outcome nobody will read and wakes the handle.
     pub(crate) fn finish(&self, result: Outcome<O::Output>, fate: Fate, cancel_timer: bool) {

@@ -62,8 +62,6 @@ pub(crate) struct Shared<K: WatchKey, O: Operation> {
     pub(crate) watchers: Watchers<K, Arc<OpCell<K, O>>>,
     /// Operations registered and not finished (Kafka's `numDelayed`).
     pub(crate) delayed: AtomicUsize,
-    /// Watch-list entries, tombstones included (Kafka's `watched`).
-    pub(crate) watched: AtomicUsize,
     /// Watch-list entries of finished operations. May dip below zero briefly when
     /// an entry is removed just before its operation's finish is counted.
     pub(crate) tombstones: AtomicIsize,
@@ -86,7 +84,6 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
             core,
             watchers: Watchers::new(watcher_shards),
             delayed: AtomicUsize::new(0),
-            watched: AtomicUsize::new(0),
             tombstones: AtomicIsize::new(0),
             purging: AtomicBool::new(false),
             purge_interval,
@@ -112,9 +109,13 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         drop_contained(value, |p| self.note_panic(what, p));
     }
 
-    /// Counts and drops what was taken out of the watcher map, with no lock held.
+    /// Drops what was taken out of the watcher map, with no lock held. The
+    /// entries removed were tombstones, or are about to be (cancelled).
     pub(crate) fn drop_removed(&self, removed: Removed<K, Arc<OpCell<K, O>>>) {
-        self.on_removed(removed.entries.len());
+        let n = removed.entries.len();
+        if n > 0 {
+            self.tombstones.fetch_sub(n as isize, Ordering::AcqRel);
+        }
         drop_each_contained(removed.entries, |p| {
             self.note_panic("drop of a finished operation's cell", p)
         });
@@ -138,14 +139,6 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         // list. Registration and key walks purge instead (Kafka's places).
     }
 
-    /// Watch-list entries removed: they were (or are about to be) tombstones.
-    fn on_removed(&self, n: usize) {
-        if n > 0 {
-            self.watched.fetch_sub(n, Ordering::AcqRel);
-            self.tombstones.fetch_sub(n as isize, Ordering::AcqRel);
-        }
-    }
-
     /// Kafka's `purgeInterval`, made amortised O(1): purge once tombstones exceed
     /// both the interval and the live entries, so each purge removes at least half
     /// of what it walks. Called on registration, key walks and cancellation by key,
@@ -155,7 +148,7 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         if tomb <= self.purge_interval {
             return;
         }
-        let live = self.watched.load(Ordering::Acquire).saturating_sub(tomb);
+        let live = self.watchers.len().saturating_sub(tomb);
         if tomb <= live || self.purging.swap(true, Ordering::AcqRel) {
             return;
         }

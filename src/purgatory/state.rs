@@ -3,17 +3,17 @@
 //!
 //! Five bits: `CHECKING` (one caller owns the operation and runs its check),
 //! `RERUN` (another caller asked for a check meanwhile), `EXPIRE` and `CANCEL`
-//! (the timeout fired, or a cancel arrived, meanwhile), `DONE` (terminal).
+//! (the timeout fired, or a cancel arrived, meanwhile), `FINISHED` (terminal).
 //!
 //! - A check starts only by setting `CHECKING` on a state without it; if it is
 //!   set, the caller sets `RERUN` and leaves, and the owner checks once more
 //!   before releasing. So checks never overlap and an event that arrives during a
 //!   check is never lost (Kafka's KAFKA-6653).
-//! - Expiry and cancellation claim the operation (`-> DONE`) when no check runs;
+//! - Expiry and cancellation claim the operation (`-> FINISHED`) when no check runs;
 //!   if one does, they leave a request bit and the owner acts on it after its check
 //!   returns "not yet". So expiry code never runs beside a check (KAFKA-19312),
 //!   and a check that succeeds wins over a concurrent timeout.
-//! - Whoever sets `DONE` alone finishes the operation: exactly once.
+//! - Whoever sets `FINISHED` alone finishes the operation: exactly once.
 //!
 //! The owner's thread is recorded while it checks, so that its own check calling
 //! back into itself (walking its own key) is not taken for an outside event: a
@@ -29,30 +29,30 @@ const RERUN: u8 = 2;
 pub(crate) const EXPIRE: u8 = 4;
 /// Request bit: a cancel arrived during a check.
 pub(crate) const CANCEL: u8 = 8;
-const DONE: u8 = 16;
+const FINISHED: u8 = 16;
 
 /// What a check that returned "not yet" must do next.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum After {
+pub(crate) enum AfterNotYet {
     /// Another caller asked for a check meanwhile: run it again.
     Recheck,
     /// Nothing was asked: the operation is released, still pending.
     Release,
-    /// A cancel arrived meanwhile: the caller now owns it (`DONE`) and cancels it.
+    /// A cancel arrived meanwhile: the caller now owns it (`FINISHED`) and cancels it.
     Cancel,
-    /// The timeout fired meanwhile: the caller now owns it (`DONE`) and expires it.
+    /// The timeout fired meanwhile: the caller now owns it (`FINISHED`) and expires it.
     Expire,
 }
 
 /// What a claim (by expiry or cancellation) found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Claim {
-    /// The caller owns the operation now (`DONE`).
+    /// The caller owns the operation now (`FINISHED`).
     Won,
     /// A check is running; it will act on the request when it returns "not yet".
     Deferred,
     /// Already finished.
-    Done,
+    Finished,
 }
 
 #[derive(Debug)]
@@ -81,7 +81,7 @@ impl State {
     }
 
     pub(crate) fn is_finished(&self) -> bool {
-        self.bits.load(Ordering::Acquire) & DONE != 0
+        self.bits.load(Ordering::Acquire) & FINISHED != 0
     }
 
     /// Tries to become the checker (thread `me`, never 0). Returns `false` when the
@@ -90,7 +90,7 @@ impl State {
     pub(crate) fn begin_check(&self, me: u64) -> bool {
         let mut s = self.bits.load(Ordering::Acquire);
         loop {
-            let want = if s & DONE != 0 {
+            let want = if s & FINISHED != 0 {
                 return false;
             } else if s & CHECKING != 0 {
                 if self.checker.load(Ordering::Acquire) == me {
@@ -120,38 +120,38 @@ impl State {
         // A read-modify-write, like every other transition of `bits`: a plain
         // store racing a requester's CAS is where loom found the state left at
         // CHECKING|RERUN after completion.
-        self.bits.swap(DONE, Ordering::AcqRel);
+        self.bits.swap(FINISHED, Ordering::AcqRel);
     }
 
     /// The owner gives the operation up unfinished (its registration failed):
-    /// `DONE`, whatever was asked meanwhile. Requests left meanwhile lose, as on
+    /// `FINISHED`, whatever was asked meanwhile. Requests left meanwhile lose, as on
     /// completion.
     pub(crate) fn abandon(&self) {
         self.complete();
     }
 
     /// The owner's check returned "not yet": release, or act on what was asked.
-    pub(crate) fn end_check(&self, me: u64) -> After {
+    pub(crate) fn end_check(&self, me: u64) -> AfterNotYet {
         // Clear the checker first: a thread must never find its own id here unless
         // it really is the one checking (a stale id would make it drop an event).
         self.checker.store(0, Ordering::Release);
         let mut s = self.bits.load(Ordering::Acquire);
         loop {
             let (want, then) = if s & RERUN != 0 {
-                (s & !RERUN, After::Recheck)
+                (s & !RERUN, AfterNotYet::Recheck)
             } else if s & CANCEL != 0 {
-                (DONE, After::Cancel)
+                (FINISHED, AfterNotYet::Cancel)
             } else if s & EXPIRE != 0 {
-                (DONE, After::Expire)
+                (FINISHED, AfterNotYet::Expire)
             } else {
-                (0, After::Release)
+                (0, AfterNotYet::Release)
             };
             match self
                 .bits
                 .compare_exchange(s, want, Ordering::AcqRel, Ordering::Acquire)
             {
                 Ok(_) => {
-                    if then == After::Recheck {
+                    if then == AfterNotYet::Recheck {
                         self.checker.store(me, Ordering::Release);
                     }
                     return then;
@@ -166,18 +166,18 @@ impl State {
     pub(crate) fn claim(&self, request: u8) -> Claim {
         let mut s = self.bits.load(Ordering::Acquire);
         loop {
-            let want = if s & DONE != 0 {
-                return Claim::Done;
+            let want = if s & FINISHED != 0 {
+                return Claim::Finished;
             } else if s & CHECKING != 0 {
                 s | request
             } else {
-                DONE
+                FINISHED
             };
             match self
                 .bits
                 .compare_exchange(s, want, Ordering::AcqRel, Ordering::Acquire)
             {
-                Ok(_) if want == DONE => return Claim::Won,
+                Ok(_) if want == FINISHED => return Claim::Won,
                 Ok(_) => return Claim::Deferred,
                 Err(actual) => s = actual,
             }
@@ -224,13 +224,13 @@ mod loom_state {
                 return;
             }
             match state.end_check(me) {
-                After::Recheck => continue,
-                After::Release => return,
-                After::Cancel => {
+                AfterNotYet::Recheck => continue,
+                AfterNotYet::Release => return,
+                AfterNotYet::Cancel => {
                     out.cancelled.fetch_add(1, Ordering::SeqCst);
                     return;
                 }
-                After::Expire => {
+                AfterNotYet::Expire => {
                     out.expired.fetch_add(1, Ordering::SeqCst);
                     return;
                 }
@@ -349,7 +349,7 @@ mod loom_state {
                         out.completed.fetch_add(1, Ordering::SeqCst);
                         break;
                     }
-                    if state.end_check(1) != After::Recheck {
+                    if state.end_check(1) != AfterNotYet::Recheck {
                         break;
                     }
                 }

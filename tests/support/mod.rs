@@ -11,9 +11,10 @@ pub fn ms(n: u64) -> Duration {
 /// Lets spawned tasks (the reaper) run: enough yields for a reaper turn and the
 /// wake-ups it causes, with no time passing.
 pub async fn settle() {
-    for _ in 0..20 {
+    for _ in 0..50 {
         tokio::task::yield_now().await;
     }
 }
 
+pub mod alloc;
 pub mod rng;
