@@ -11,7 +11,6 @@ use tokio_purgatory::Timer;
 mod support;
 use support::{ms, settle};
 
-/// Lets the reaper (and anything it woke) run without moving the clock.
 
 fn counter() -> (Arc<AtomicUsize>, impl Fn() -> Box<dyn FnOnce() + Send>) {
     let n = Arc::new(AtomicUsize::new(0));
