@@ -685,3 +685,63 @@ async fn debug_output_names_the_purgatory_and_its_counts() {
     assert!(text.contains("delayed: 1"), "{text}");
     assert!(text.contains("watched: 2"), "{text}");
 }
+
+/// Duplicate keys are watched once, however many keys an operation names (past
+/// 16 keys the check switches from a scan to a hash set).
+#[tokio::test(start_paused = true)]
+async fn duplicate_keys_are_watched_once_even_among_many() {
+    let p: Purgatory<u32, Mock> = Purgatory::builder("dups").build().unwrap();
+    let few = Mock::default();
+    let _a = p
+        .try_complete_else_watch(few.clone(), ms(1000), [1, 2, 1, 3, 2])
+        .unwrap();
+    assert_eq!(p.watched(), 3);
+    let many = Mock::default();
+    let keys = (100..130).chain(100..130).chain([100, 129]);
+    let _b = p.try_complete_else_watch(many.clone(), ms(1000), keys).unwrap();
+    assert_eq!(p.watched(), 3 + 30);
+    assert_eq!(p.metrics().keys, 3 + 30);
+    many.set();
+    assert_eq!(p.try_complete_watched(&129), 1);
+}
+
+/// A purgatory is not shut down until it is, and says so after.
+#[tokio::test(start_paused = true)]
+async fn is_shutdown_tells_before_and_after() {
+    let p = purgatory();
+    assert!(!p.is_shutdown());
+    assert!(p.shutdown().is_empty());
+    assert!(p.is_shutdown());
+}
+
+/// What a tombstone keeps: the cell's heap size, which grows with the operation
+/// and output types and not otherwise.
+#[test]
+fn cell_bytes_follows_the_operation_and_output_sizes() {
+    struct Small;
+    impl Operation for Small {
+        type Output = ();
+        fn try_complete(&mut self) -> Option<()> {
+            None
+        }
+        fn on_expiration(self) {}
+    }
+    struct Big(#[allow(dead_code)] [u64; 64]);
+    impl Operation for Big {
+        type Output = [u64; 32];
+        fn try_complete(&mut self) -> Option<[u64; 32]> {
+            None
+        }
+        fn on_expiration(self) -> [u64; 32] {
+            [0; 32]
+        }
+    }
+    let small = Purgatory::<u32, Small>::cell_bytes();
+    let big = Purgatory::<u32, Big>::cell_bytes();
+    // The `Arc` counts, the state, two locks, the timer key, the key count and
+    // a pointer, at the least.
+    assert!((64..=256).contains(&small), "{small}");
+    assert!(big >= small + 512 + 256, "{big} vs {small}");
+    assert!(big <= small + 512 + 256 + 64, "{big} vs {small}");
+    assert_eq!(Purgatory::<String, Small>::cell_bytes(), small, "keys are not in the cell");
+}
