@@ -698,7 +698,9 @@ async fn duplicate_keys_are_watched_once_even_among_many() {
     assert_eq!(p.watched(), 3);
     let many = Mock::default();
     let keys = (100..130).chain(100..130).chain([100, 129]);
-    let _b = p.try_complete_else_watch(many.clone(), ms(1000), keys).unwrap();
+    let _b = p
+        .try_complete_else_watch(many.clone(), ms(1000), keys)
+        .unwrap();
     assert_eq!(p.watched(), 3 + 30);
     assert_eq!(p.metrics().keys, 3 + 30);
     many.set();
@@ -743,5 +745,9 @@ fn cell_bytes_follows_the_operation_and_output_sizes() {
     assert!((64..=256).contains(&small), "{small}");
     assert!(big >= small + 512 + 256, "{big} vs {small}");
     assert!(big <= small + 512 + 256 + 64, "{big} vs {small}");
-    assert_eq!(Purgatory::<String, Small>::cell_bytes(), small, "keys are not in the cell");
+    assert_eq!(
+        Purgatory::<String, Small>::cell_bytes(),
+        small,
+        "keys are not in the cell"
+    );
 }

@@ -11,7 +11,6 @@ use tokio_purgatory::Timer;
 mod support;
 use support::{ms, settle};
 
-
 fn counter() -> (Arc<AtomicUsize>, impl Fn() -> Box<dyn FnOnce() + Send>) {
     let n = Arc::new(AtomicUsize::new(0));
     let m = n.clone();

@@ -44,7 +44,7 @@ impl TimerBuilder {
     }
 
     /// Limit on pending timeouts (default: none). At the limit, `schedule`
-    /// returns the task in [`ScheduleError::AtCapacity`]. Counting pending entries
+    /// returns the task in [`ScheduleError::AtCapacity`](super::ScheduleError::AtCapacity). Counting pending entries
     /// needs one shared counter, which costs some multi-producer throughput.
     pub fn max_pending(mut self, max: usize) -> Self {
         self.max_pending = Some(max);

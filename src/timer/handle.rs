@@ -44,7 +44,7 @@ impl Timeout {
 impl Timeout {
     /// Cancels the task if it has not run: O(1), and the task is dropped at once,
     /// on this thread, with no lock held (a panic in its `Drop` is caught and
-    /// counted in [`TimerStats::panicked`]). Returns whether this call cancelled it.
+    /// counted in [`TimerStats::panicked`](super::TimerStats::panicked)). Returns whether this call cancelled it.
     ///
     /// # Concurrent calls
     ///

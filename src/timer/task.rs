@@ -95,7 +95,7 @@ pub(super) fn refused_task<F: 'static>(refused: Refused<TimerJob>) -> ScheduleEr
     }
 }
 
-/// A task handed back by [`Timer::shutdown`] without having run.
+/// A task handed back by [`Timer::shutdown`](super::Timer::shutdown) without having run.
 pub struct UnrunTask {
     pub(super) task: Box<dyn TaskFn>,
 }
