@@ -29,6 +29,7 @@
 //! [`Notify`] keeps a permit, so a notification sent between the end of a turn and
 //! the start of the sleep is not lost. Loom checks the protocol (`loom_wake`).
 
+use std::future::Future;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -390,8 +391,7 @@ impl<J: Job> Drop for ReaperGuard<J> {
 async fn run_reaper<J: Job>(guard: ReaperGuard<J>) {
     let core = &*guard.0;
     let mut scratch = Vec::with_capacity(core.batch.min(4096));
-    let sleep = tokio::time::sleep_until(far_future(Instant::now()));
-    tokio::pin!(sleep);
+    let mut sleep = std::pin::pin!(tokio::time::sleep_until(far_future(Instant::now())));
     loop {
         if core.closed().is_some() {
             break;
@@ -412,11 +412,16 @@ async fn run_reaper<J: Job>(guard: ReaperGuard<J>) {
         match wake_at {
             Some(at) => {
                 sleep.as_mut().reset(at);
-                tokio::select! {
-                    biased;
-                    _ = core.notify.notified() => {}
-                    _ = &mut sleep => {}
-                }
+                // Whichever comes first: a notification (checked first) or the sleep.
+                let mut notified = std::pin::pin!(core.notify.notified());
+                std::future::poll_fn(|cx| {
+                    if notified.as_mut().poll(cx).is_ready() || sleep.as_mut().poll(cx).is_ready() {
+                        std::task::Poll::Ready(())
+                    } else {
+                        std::task::Poll::Pending
+                    }
+                })
+                .await;
             }
             None => core.notify.notified().await,
         }

@@ -468,3 +468,52 @@ async fn each_due_time_costs_exactly_one_wakeup() {
     assert_eq!(n.load(Ordering::SeqCst), 2);
     assert_eq!(timer.stats().reaper_wakeups, before + 2);
 }
+
+/// `Timer::timeout`: the inner future's output if it finishes first; `Elapsed` at
+/// the deadline, never before; dropping it removes the deadline from the wheel;
+/// a shut-down timer reports that it cannot keep the deadline.
+#[tokio::test(start_paused = true)]
+async fn timeout_future_yields_the_output_or_elapsed_at_its_deadline() {
+    use tokio_purgatory::timer::{TimeoutError, TimerError};
+    let timer = Timer::new();
+    let start = Instant::now();
+
+    let fast = timer.timeout(ms(50), async {
+        tokio::time::sleep(ms(20)).await;
+        "done"
+    });
+    assert_eq!(fast.await, Ok("done"));
+    assert_eq!(Instant::now() - start, ms(20));
+    settle().await;
+    assert_eq!(timer.len(), 0, "the unused deadline left the wheel");
+
+    let start = Instant::now();
+    let slow = timer.timeout(ms(30), std::future::pending::<()>());
+    assert_eq!(slow.deadline(), start + ms(30));
+    assert_eq!(slow.await, Err(TimeoutError::Elapsed));
+    assert!(Instant::now() >= start + ms(30), "not before the deadline");
+    assert!(Instant::now() <= start + ms(32), "within a tick or two");
+
+    // Ready at the deadline: the output wins.
+    let start = Instant::now();
+    let tie = timer.timeout_at(start + ms(10), tokio::time::sleep_until(start + ms(10)));
+    assert_eq!(tie.await, Ok(()));
+
+    // Dropped: the deadline goes with it.
+    let dropped = timer.timeout(ms(1000), std::future::pending::<()>());
+    assert_eq!(timer.len(), 1);
+    let _inner: &std::future::Pending<()> = dropped.get_ref();
+    drop(dropped);
+    assert_eq!(timer.len(), 0);
+
+    // The inner future can be taken back.
+    let kept = timer.timeout(ms(1000), async { 5 });
+    assert_eq!(kept.into_inner().await, 5);
+
+    let cut = timer.timeout(ms(1000), std::future::pending::<()>());
+    let _ = timer.shutdown();
+    assert_eq!(cut.await, Err(TimeoutError::Timer(TimerError::Shutdown)));
+    let err = TimeoutError::Timer(TimerError::Shutdown);
+    assert!(std::error::Error::source(&err).is_some());
+    assert_eq!(TimeoutError::Elapsed.to_string(), "deadline has elapsed");
+}

@@ -92,3 +92,33 @@ impl From<Closed> for TimerError {
         }
     }
 }
+
+/// A [`TimeoutFuture`](crate::timer::TimeoutFuture) ended without its inner
+/// future's output.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum TimeoutError {
+    /// The deadline passed first.
+    Elapsed,
+    /// The timer could not keep the deadline: it was at capacity when the future
+    /// was made, shut down, or lost its reaper.
+    Timer(TimerError),
+}
+
+impl fmt::Display for TimeoutError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            TimeoutError::Elapsed => f.write_str("deadline has elapsed"),
+            TimeoutError::Timer(e) => write!(f, "deadline cannot be kept: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for TimeoutError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            TimeoutError::Elapsed => None,
+            TimeoutError::Timer(e) => Some(e),
+        }
+    }
+}

@@ -7,9 +7,10 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use futures::task::AtomicWaker;
+use pin_project_lite::pin_project;
 use tokio::time::Instant;
 
-use super::error::TimerError;
+use super::error::{TimeoutError, TimerError};
 use super::task::TimerJob;
 use crate::reaper::{Closed, Core, TimerKey};
 
@@ -142,6 +143,92 @@ impl Drop for Sleep {
                 // The job holds only a signal: dropping it under no lock is harmless.
                 drop(r.core.remove(r.key));
             }
+        }
+    }
+}
+
+pin_project! {
+    /// A future with a deadline on the timer's wheel: made by
+    /// [`Timer::timeout`](crate::Timer::timeout) and
+    /// [`Timer::timeout_at`](crate::Timer::timeout_at).
+    ///
+    /// Resolves to `Ok(output)` if the inner future finishes first, or to
+    /// [`TimeoutError::Elapsed`] once the deadline has passed (then the inner future
+    /// is not polled again; drop it to cancel it). If the timer is shut down or
+    /// loses its reaper first, the deadline can no longer be kept, and it resolves
+    /// to [`TimeoutError::Timer`] with the reason.
+    ///
+    /// The inner future is polled first, so a future that is ready at the deadline
+    /// wins.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping it drops the inner future and removes the deadline from the wheel
+    /// (O(1)).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// use std::time::Duration;
+    /// use tokio_purgatory::timer::TimeoutError;
+    /// use tokio_purgatory::Timer;
+    ///
+    /// let timer = Timer::new();
+    /// let quick = timer.timeout(Duration::from_millis(50), async { 7 });
+    /// assert_eq!(quick.await, Ok(7));
+    ///
+    /// let slow = timer.timeout(Duration::from_millis(50), std::future::pending::<()>());
+    /// assert_eq!(slow.await, Err(TimeoutError::Elapsed));
+    /// # }
+    /// ```
+    #[derive(Debug)]
+    #[must_use = "futures do nothing unless polled"]
+    pub struct TimeoutFuture<F> {
+        #[pin]
+        future: F,
+        deadline: Sleep,
+    }
+}
+
+impl<F> TimeoutFuture<F> {
+    pub(crate) fn new(future: F, deadline: Sleep) -> Self {
+        TimeoutFuture { future, deadline }
+    }
+
+    /// The inner future.
+    pub fn get_ref(&self) -> &F {
+        &self.future
+    }
+
+    /// The inner future, mutably (it must not be moved out of its pin).
+    pub fn get_mut(&mut self) -> &mut F {
+        &mut self.future
+    }
+
+    /// The inner future, giving up the deadline.
+    pub fn into_inner(self) -> F {
+        self.future
+    }
+
+    /// The instant the deadline falls.
+    pub fn deadline(&self) -> Instant {
+        self.deadline.deadline()
+    }
+}
+
+impl<F: Future> Future for TimeoutFuture<F> {
+    type Output = Result<F::Output, TimeoutError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        if let Poll::Ready(out) = this.future.poll(cx) {
+            return Poll::Ready(Ok(out));
+        }
+        match Pin::new(this.deadline).poll(cx) {
+            Poll::Ready(Ok(())) => Poll::Ready(Err(TimeoutError::Elapsed)),
+            Poll::Ready(Err(e)) => Poll::Ready(Err(TimeoutError::Timer(e))),
+            Poll::Pending => Poll::Pending,
         }
     }
 }

@@ -11,6 +11,7 @@ mod future;
 mod handle;
 mod task;
 
+use std::future::Future;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -18,8 +19,8 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 pub use self::builder::TimerBuilder;
-pub use self::error::{ScheduleError, TimerError};
-pub use self::future::Sleep;
+pub use self::error::{ScheduleError, TimeoutError, TimerError};
+pub use self::future::{Sleep, TimeoutFuture};
 pub use self::handle::{Timeout, TimeoutStatus};
 pub use self::task::UnrunTask;
 use self::task::{refused_task, TimerJob};
@@ -179,6 +180,50 @@ impl Timer {
     /// A future that resolves once `deadline` has passed (see [`Sleep`]).
     pub fn sleep_until(&self, deadline: Instant) -> Sleep {
         Sleep::new(self.core(), Instant::now(), deadline)
+    }
+
+    /// Requires `future` to finish within `duration` (tokio's `time::timeout`, on
+    /// this timer's wheel): see [`TimeoutFuture`]. The deadline is entered in the
+    /// wheel now, O(1).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// use std::time::Duration;
+    /// use tokio_purgatory::timer::TimeoutError;
+    /// use tokio_purgatory::Timer;
+    ///
+    /// let timer = Timer::new();
+    /// let reply = timer.timeout(Duration::from_secs(1), async { "pong" }).await;
+    /// assert_eq!(reply, Ok("pong"));
+    /// let never = timer.timeout(Duration::from_secs(1), std::future::pending::<()>()).await;
+    /// assert_eq!(never, Err(TimeoutError::Elapsed));
+    /// # }
+    /// ```
+    pub fn timeout<F: Future>(&self, duration: Duration, future: F) -> TimeoutFuture<F> {
+        TimeoutFuture::new(future, self.sleep(duration))
+    }
+
+    /// Requires `future` to finish by `deadline`: see [`TimeoutFuture`].
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// use std::time::Duration;
+    /// use tokio::time::Instant;
+    /// use tokio_purgatory::Timer;
+    ///
+    /// let timer = Timer::new();
+    /// let by = Instant::now() + Duration::from_millis(100);
+    /// let fut = timer.timeout_at(by, tokio::time::sleep(Duration::from_millis(10)));
+    /// assert_eq!(fut.deadline(), by);
+    /// assert!(fut.await.is_ok());
+    /// # }
+    /// ```
+    pub fn timeout_at<F: Future>(&self, deadline: Instant, future: F) -> TimeoutFuture<F> {
+        TimeoutFuture::new(future, self.sleep_until(deadline))
     }
 
     /// Pending timeouts and sleeps. Exact when no other call races it.
