@@ -5,7 +5,7 @@
 //!     --key-space-size 1000 --keys 3 --timeout 200 --pct50 50 --pct75 150
 //! ```
 //!
-//! Options (Kafka's, same meanings): `--num` requests, `--rate` per second
+//! Options (Kafka's, same meanings; `--help` lists them all): `--num` requests, `--rate` per second
 //! (Poisson arrivals), `--keys` per request (default 3) named from
 //! `--key-space-size` (default 100), `--timeout` ms, `--pct50` / `--pct75` ms of a
 //! log-normal completion latency (mu = ln pct50, sigma = (ln pct75 - ln pct50) /
@@ -23,15 +23,24 @@
 //!   `tokio::time::timeout` on a completion signal with a `DashMap` of key ->
 //!   watchers; a purgatory built on one `tokio_util::time::DelayQueue`.
 //! - `--runtime current|multi` (multi: 2 workers).
-//! - `--compare`: runs every implementation (each in its own process, so CPU and
-//!   peak RSS are its own) and prints a table.
+//! - `--generators N`: N generator tasks share the load, so saturation measures
+//!   the implementation rather than one generator (default 1, as Kafka's).
+//! - `--compare`: runs every implementation `--repeat` times (default 3),
+//!   interleaved (A B C A B C ...), each run in its own process so CPU and peak
+//!   RSS are its own, and prints medians with [min..max] and the ratios of this
+//!   crate against the best peer. The load average is printed before each run.
 //! - `--sweep R1,R2,...`: runs every implementation at each target rate and writes
 //!   `--out` (default `target/purgatory-perf`) `.csv` and `.svg`: achieved against
 //!   target rate, as in Kafka's 2015 purgatory redesign write-up.
 //!
+//! Every implementation is given the same absolute deadline per request: its
+//! scheduled arrival plus the timeout. A generator running behind its schedule is
+//! so not charged to any of them as lateness; that lag is reported on its own.
+//!
 //! Printed per run: Kafka's line (elapsed ms, target rate, actual rate, process
 //! CPU ms), then peak RSS, completed and expired counts, expiry lateness
-//! p50/p99/max (expiry time minus deadline), and a progress line while it runs.
+//! p50/p99/max (expiry time minus deadline), the registration lag p99 (time of
+//! registration minus scheduled arrival), and a progress line while it runs.
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -47,99 +56,100 @@ use tokio_purgatory::{OpRef, Operation, Purgatory};
 
 // ---------------------------------------------------------------- options
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Mode {
+    /// All requests watch the same keys; the driver completes each request itself.
+    Kafka,
+    /// Random keys per request; the driver walks the request's first key.
+    Key,
+    /// As `kafka`, with a task per request awaiting its handle.
+    Awaited,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Imp {
+    /// This crate.
+    Purgatory,
+    /// A task per request, `tokio::time::timeout_at` on a signal, a DashMap of watchers.
+    Task,
+    /// A purgatory on one `tokio_util::time::DelayQueue` behind a mutex.
+    Delayqueue,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Runtime {
+    Current,
+    /// Two worker threads.
+    Multi,
+}
+
+fn name<T: clap::ValueEnum>(v: &T) -> String {
+    v.to_possible_value()
+        .map(|p| p.get_name().to_string())
+        .unwrap_or_default()
+}
+
+/// Kafka's `TestPurgatoryPerformance`, ported, with Rust peers side by side.
+#[derive(Debug, Clone, clap::Parser)]
+#[command(name = "purgatory_perf")]
 struct Opts {
+    /// Requests to send.
+    #[arg(long, default_value_t = 1_000_000)]
     num: usize,
+    /// Requests per second (Poisson arrivals), across all generators.
+    #[arg(long, default_value_t = 200_000.0)]
     rate: f64,
+    /// Keys per request.
+    #[arg(long, default_value_t = 3)]
     keys: usize,
+    /// Keys are drawn from this many.
+    #[arg(long = "key-space-size", default_value_t = 100)]
     key_space: usize,
+    /// Timeout per request, ms.
+    #[arg(long = "timeout", default_value_t = 200)]
     timeout_ms: u64,
+    /// Median completion latency, ms (log-normal).
+    #[arg(long, default_value_t = 50.0)]
     pct50: f64,
+    /// 75th percentile completion latency, ms.
+    #[arg(long, default_value_t = 150.0)]
     pct75: f64,
+    /// Payload bytes per request.
+    #[arg(long, default_value_t = 0)]
     size: usize,
-    mode: String,
-    imp: String,
-    runtime: String,
+    #[arg(long, value_enum, default_value_t = Mode::Kafka)]
+    mode: Mode,
+    #[arg(long = "impl", value_enum, default_value_t = Imp::Purgatory)]
+    imp: Imp,
+    #[arg(long, value_enum, default_value_t = Runtime::Multi)]
+    runtime: Runtime,
+    /// Generator tasks sharing the load (1, as Kafka's).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    generators: u32,
+    /// Run every implementation, interleaved, each run in its own process, and
+    /// print medians and the ratios against the best peer.
+    #[arg(long)]
     compare: bool,
+    /// Repetitions of each implementation with --compare or --sweep.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
+    repeat: u32,
+    /// Run every implementation at each of these rates (comma-separated) and
+    /// write CSV and SVG charts to --out.
+    #[arg(long, value_delimiter = ',')]
     sweep: Option<Vec<f64>>,
+    /// Path prefix of the --sweep outputs.
+    #[arg(long, default_value = "target/purgatory-perf")]
     out: String,
+    /// Redraw the charts of a CSV written by --sweep.
+    #[arg(long)]
     chart: Option<String>,
+    /// No progress lines.
+    #[arg(long)]
     quiet: bool,
 }
 
 fn parse() -> Opts {
-    let mut o = Opts {
-        num: 1_000_000,
-        rate: 200_000.0,
-        keys: 3,
-        key_space: 100,
-        timeout_ms: 200,
-        pct50: 50.0,
-        pct75: 150.0,
-        size: 0,
-        mode: "kafka".into(),
-        imp: "purgatory".into(),
-        runtime: "multi".into(),
-        compare: false,
-        sweep: None,
-        out: "target/purgatory-perf".into(),
-        chart: None,
-        quiet: false,
-    };
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let mut i = 0;
-    while i < args.len() {
-        let flag = args[i].as_str();
-        let val = || {
-            args.get(i + 1)
-                .cloned()
-                .unwrap_or_else(|| usage(&format!("{flag} needs a value")))
-        };
-        let num = |v: String| -> f64 {
-            v.parse()
-                .unwrap_or_else(|_| usage(&format!("{flag}: not a number: {v}")))
-        };
-        match flag {
-            "--num" => o.num = num(val()) as usize,
-            "--rate" => o.rate = num(val()),
-            "--keys" => o.keys = num(val()) as usize,
-            "--key-space-size" => o.key_space = num(val()) as usize,
-            "--timeout" => o.timeout_ms = num(val()) as u64,
-            "--pct50" => o.pct50 = num(val()),
-            "--pct75" => o.pct75 = num(val()),
-            "--size" => o.size = num(val()) as usize,
-            "--mode" => o.mode = val(),
-            "--impl" => o.imp = val(),
-            "--runtime" => o.runtime = val(),
-            "--out" => o.out = val(),
-            "--chart" => o.chart = Some(val()),
-            "--sweep" => {
-                o.sweep = Some(val().split(',').map(|r| num(r.to_string())).collect());
-            }
-            "--compare" => {
-                o.compare = true;
-                i += 1;
-                continue;
-            }
-            "--quiet" => {
-                o.quiet = true;
-                i += 1;
-                continue;
-            }
-            "--help" | "-h" => usage(""),
-            other => usage(&format!("unknown option {other}")),
-        }
-        i += 2;
-    }
-    if !["kafka", "key", "awaited"].contains(&o.mode.as_str()) {
-        usage("--mode is kafka, key or awaited");
-    }
-    if !["purgatory", "task", "delayqueue"].contains(&o.imp.as_str()) {
-        usage("--impl is purgatory, task or delayqueue");
-    }
-    if !["current", "multi"].contains(&o.runtime.as_str()) {
-        usage("--runtime is current or multi");
-    }
+    let o = <Opts as clap::Parser>::parse();
     if o.keys == 0
         || o.key_space == 0
         || o.num == 0
@@ -147,22 +157,14 @@ fn parse() -> Opts {
         || o.pct50 <= 0.0
         || o.pct75 < o.pct50
     {
-        usage("--num, --rate, --keys, --key-space-size must be positive and pct75 >= pct50 > 0");
+        <Opts as clap::CommandFactory>::command()
+            .error(
+                clap::error::ErrorKind::ValueValidation,
+                "--num, --rate, --keys, --key-space-size must be positive and pct75 >= pct50 > 0",
+            )
+            .exit();
     }
     o
-}
-
-fn usage(err: &str) -> ! {
-    if !err.is_empty() {
-        eprintln!("error: {err}");
-    }
-    eprintln!(
-        "usage: purgatory_perf [--num N] [--rate R] [--keys K] [--key-space-size S] [--timeout MS]\n\
-         \t[--pct50 MS] [--pct75 MS] [--size BYTES] [--mode kafka|key|awaited]\n\
-         \t[--impl purgatory|task|delayqueue] [--runtime current|multi]\n\
-         \t[--compare] [--sweep R1,R2,..] [--out PREFIX] [--chart CSV] [--quiet]"
-    );
-    std::process::exit(if err.is_empty() { 0 } else { 2 })
 }
 
 // ---------------------------------------------------------------- sampling
@@ -458,27 +460,25 @@ struct RunResult {
     p50: f64,
     p99: f64,
     max: f64,
+    lag_p99: f64,
 }
 
 async fn run(o: Opts) -> RunResult {
     let counts = Arc::new(Counts::default());
     *counts.lateness.lock().unwrap() = Some(Histogram::new(3).unwrap());
     let mut rng = Rng(0x5EED ^ o.num as u64);
-    let mu = o.pct50.ln();
-    let sigma = (o.pct75.ln() - mu) / 0.674490;
-    let timeout = Duration::from_millis(o.timeout_ms);
     let shared_keys: Vec<u32> = (0..o.keys)
         .map(|_| rng.below(o.key_space as u64) as u32)
         .collect();
     let stop = Arc::new(tokio::sync::Notify::new());
 
-    let target = match o.imp.as_str() {
-        "purgatory" => Target::Purgatory(Purgatory::builder("perf").build().unwrap()),
-        "task" => Target::Task(Arc::new(TaskPeer {
+    let target = match o.imp {
+        Imp::Purgatory => Target::Purgatory(Purgatory::builder("perf").build().unwrap()),
+        Imp::Task => Target::Task(Arc::new(TaskPeer {
             watchers: DashMap::new(),
             next_id: AtomicU64::new(0),
         })),
-        _ => {
+        Imp::Delayqueue => {
             let peer = Arc::new(DqPeer {
                 state: Mutex::new(DqState {
                     queue: tokio_util::time::DelayQueue::new(),
@@ -565,12 +565,82 @@ async fn run(o: Opts) -> RunResult {
     };
 
     let cpu0 = cpu_ms();
-    let awaited = o.mode == "awaited";
-    let key_driven = o.mode == "key";
-    let mut arrival = start;
-    let mut keys = shared_keys.clone();
-    let mean_interval_ns = 1e9 / o.rate;
-    for i in 0..o.num {
+    let generators: Vec<_> = (0..o.generators)
+        .map(|g| {
+            let share = o.num / o.generators as usize
+                + usize::from((g as usize) < o.num % o.generators as usize);
+            tokio::spawn(generate(Generator {
+                o: o.clone(),
+                seed: 0x5EED ^ o.num as u64 ^ ((g as u64) << 32),
+                num: share,
+                rate: o.rate / o.generators as f64,
+                start,
+                shared_keys: shared_keys.clone(),
+                target: target.clone(),
+                buckets: buckets.clone(),
+                counts: counts.clone(),
+            }))
+        })
+        .collect();
+    let mut last_arrival = start;
+    let mut lag = Histogram::<u64>::new(3).unwrap();
+    for g in generators {
+        let (arrival, l) = g.await.unwrap();
+        last_arrival = last_arrival.max(arrival);
+        lag.add(l).unwrap();
+    }
+    let end = Instant::now();
+    driver.await.unwrap();
+    let done = Instant::now();
+    progress.abort();
+    stop.notify_one();
+    let cpu = cpu_ms() - cpu0;
+    let h = counts.lateness.lock().unwrap().take().unwrap();
+    let ms = |v: u64| v as f64 / 1000.0;
+    RunResult {
+        elapsed_ms: (done - start).as_millis() as u64,
+        target_rate: o.num as f64 / (last_arrival - start).as_secs_f64(),
+        actual_rate: o.num as f64 / (end - start).as_secs_f64(),
+        cpu_ms: cpu,
+        rss_mb: peak_rss_mb(),
+        completed: counts.completed.load(Ordering::Relaxed),
+        expired: counts.expired.load(Ordering::Relaxed),
+        p50: ms(h.value_at_quantile(0.5)),
+        p99: ms(h.value_at_quantile(0.99)),
+        max: ms(h.max()),
+        lag_p99: ms(lag.value_at_quantile(0.99)),
+    }
+}
+
+/// One generator's share of the load.
+struct Generator {
+    o: Opts,
+    seed: u64,
+    num: usize,
+    rate: f64,
+    start: Instant,
+    shared_keys: Vec<u32>,
+    target: Arc<Target>,
+    buckets: Arc<Mutex<Vec<Vec<Token>>>>,
+    counts: Arc<Counts>,
+}
+
+/// Sends `g.num` requests at `g.rate` (Poisson arrivals). Returns the last
+/// scheduled arrival and the registration lag (registration time minus scheduled
+/// arrival, in µs).
+async fn generate(g: Generator) -> (Instant, Histogram<u64>) {
+    let o = &g.o;
+    let mut rng = Rng(g.seed);
+    let mu = o.pct50.ln();
+    let sigma = (o.pct75.ln() - mu) / 0.674490;
+    let timeout = Duration::from_millis(o.timeout_ms);
+    let awaited = o.mode == Mode::Awaited;
+    let key_driven = o.mode == Mode::Key;
+    let mut lag = Histogram::<u64>::new(3).unwrap();
+    let mut arrival = g.start;
+    let mut keys = g.shared_keys.clone();
+    let mean_interval_ns = 1e9 / g.rate;
+    for i in 0..g.num {
         // Poisson arrivals: exponential intervals. Sleep only when at least 1 ms
         // ahead, as Kafka's generator does (its clock is in ms).
         let interval = -mean_interval_ns * rng.unit().ln();
@@ -581,6 +651,12 @@ async fn run(o: Opts) -> RunResult {
         } else if i % 256 == 0 {
             tokio::task::yield_now().await;
         }
+        lag.record(
+            Instant::now()
+                .saturating_duration_since(arrival)
+                .as_micros() as u64,
+        )
+        .ok();
         let latency_ms = (mu + sigma * rng.normal()).exp();
         let completes = latency_ms < o.timeout_ms as f64;
         let completes_at =
@@ -590,16 +666,17 @@ async fn run(o: Opts) -> RunResult {
                 *k = rng.below(o.key_space as u64) as u32;
             }
         }
+        let deadline = arrival + timeout;
         let op = FakeOp {
             completes_at,
-            deadline: arrival + timeout,
+            deadline,
             _data: vec![0; o.size],
-            counts: counts.clone(),
+            counts: g.counts.clone(),
         };
-        let token = match &*target {
+        let token = match &*g.target {
             Target::Purgatory(p) => {
                 let handle = p
-                    .try_complete_else_watch(op, timeout, keys.iter().copied())
+                    .try_complete_else_watch_at(op, deadline, keys.iter().copied())
                     .unwrap();
                 let token = if key_driven {
                     Some(Token::Key(keys[0]))
@@ -642,40 +719,21 @@ async fn run(o: Opts) -> RunResult {
         if let (Some(at), Some(token)) = (completes_at, token) {
             // The bucket of the first whole millisecond at or after `at`, so the
             // check the driver runs finds the request completable.
-            let ms = at.saturating_duration_since(start).as_millis() as usize + 1;
-            let mut b = buckets.lock().unwrap();
+            let ms = at.saturating_duration_since(g.start).as_millis() as usize + 1;
+            let mut b = g.buckets.lock().unwrap();
             if b.len() <= ms {
                 b.resize_with(ms + 1, Vec::new);
             }
             b[ms].push(token);
         }
     }
-    let end = Instant::now();
-    driver.await.unwrap();
-    let done = Instant::now();
-    progress.abort();
-    stop.notify_one();
-    let cpu = cpu_ms() - cpu0;
-    let h = counts.lateness.lock().unwrap().take().unwrap();
-    let ms = |v: u64| v as f64 / 1000.0;
-    RunResult {
-        elapsed_ms: (done - start).as_millis() as u64,
-        target_rate: o.num as f64 / (arrival - start).as_secs_f64(),
-        actual_rate: o.num as f64 / (end - start).as_secs_f64(),
-        cpu_ms: cpu,
-        rss_mb: peak_rss_mb(),
-        completed: counts.completed.load(Ordering::Relaxed),
-        expired: counts.expired.load(Ordering::Relaxed),
-        p50: ms(h.value_at_quantile(0.5)),
-        p99: ms(h.value_at_quantile(0.99)),
-        max: ms(h.max()),
-    }
+    (arrival, lag)
 }
 
 // ---------------------------------------------------------------- driving runs
 
 fn single(o: &Opts) -> RunResult {
-    let rt = if o.runtime == "current" {
+    let rt = if o.runtime == Runtime::Current {
         tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -689,14 +747,15 @@ fn single(o: &Opts) -> RunResult {
     rt.block_on(run(o.clone()))
 }
 
-const COLUMNS: &str = "impl\tmode\truntime\telapsed_ms\ttarget_rate\tactual_rate\tcpu_ms\tpeak_rss_mb\tcompleted\texpired\tlate_p50_ms\tlate_p99_ms\tlate_max_ms";
+const COLUMNS: &str = "impl\tmode\truntime\tgenerators\telapsed_ms\ttarget_rate\tactual_rate\tcpu_ms\tpeak_rss_mb\tcompleted\texpired\tlate_p50_ms\tlate_p99_ms\tlate_max_ms\tlag_p99_ms";
 
 fn row(o: &Opts, r: &RunResult) -> String {
     format!(
-        "{}\t{}\t{}\t{}\t{:.0}\t{:.0}\t{}\t{:.1}\t{}\t{}\t{:.2}\t{:.2}\t{:.2}",
-        o.imp,
-        o.mode,
-        o.runtime,
+        "{}\t{}\t{}\t{}\t{}\t{:.0}\t{:.0}\t{}\t{:.1}\t{}\t{}\t{:.2}\t{:.2}\t{:.2}\t{:.2}",
+        name(&o.imp),
+        name(&o.mode),
+        name(&o.runtime),
+        o.generators,
         r.elapsed_ms,
         r.target_rate,
         r.actual_rate,
@@ -706,12 +765,43 @@ fn row(o: &Opts, r: &RunResult) -> String {
         r.expired,
         r.p50,
         r.p99,
-        r.max
+        r.max,
+        r.lag_p99
     )
 }
 
+/// A result row read back from a child's output.
+#[derive(Debug, Clone)]
+struct Row {
+    imp: String,
+    target_rate: f64,
+    actual_rate: f64,
+    cpu_ms: f64,
+    rss_mb: f64,
+    completed: f64,
+    expired: f64,
+    p99: f64,
+    lag_p99: f64,
+}
+
+fn parse_row(line: &str) -> Option<Row> {
+    let f: Vec<&str> = line.split('\t').collect();
+    let n = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok());
+    Some(Row {
+        imp: f.first()?.to_string(),
+        target_rate: n(5)?,
+        actual_rate: n(6)?,
+        cpu_ms: n(7)?,
+        rss_mb: n(8)?,
+        completed: n(9)?,
+        expired: n(10)?,
+        p99: n(12)?,
+        lag_p99: n(14)?,
+    })
+}
+
 /// Runs one configuration in a child process and returns its result row.
-fn child(o: &Opts, imp: &str, rate: f64) -> Option<String> {
+fn child(o: &Opts, imp: Imp, rate: f64) -> Option<String> {
     let exe = std::env::current_exe().ok()?;
     let out = std::process::Command::new(exe)
         .args([
@@ -732,11 +822,13 @@ fn child(o: &Opts, imp: &str, rate: f64) -> Option<String> {
             "--size",
             &o.size.to_string(),
             "--mode",
-            &o.mode,
+            &name(&o.mode),
             "--impl",
-            imp,
+            &name(&imp),
             "--runtime",
-            &o.runtime,
+            &name(&o.runtime),
+            "--generators",
+            &o.generators.to_string(),
             "--quiet",
         ])
         .stderr(std::process::Stdio::inherit())
@@ -747,113 +839,223 @@ fn child(o: &Opts, imp: &str, rate: f64) -> Option<String> {
         .find_map(|l| l.strip_prefix("ROW\t").map(str::to_string))
 }
 
-fn svg(rows: &[(String, f64, f64)], path: &str, title: &str) -> std::io::Result<()> {
-    let (w, h, m) = (720.0, 480.0, 70.0);
-    let max = rows.iter().map(|r| r.1.max(r.2)).fold(1.0, f64::max) * 1.05;
-    let x = |v: f64| m + v / max * (w - 2.0 * m);
-    let y = |v: f64| h - m - v / max * (h - 2.0 * m);
-    let mut s = String::new();
-    let _ = writeln!(
-        s,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">"#
-    );
-    let _ = writeln!(
-        s,
-        r#"<rect width="100%" height="100%" fill="white"/><text x="{}" y="24" text-anchor="middle" font-size="14">{title}</text>"#,
-        w / 2.0
-    );
-    let _ = writeln!(
-        s,
-        r#"<line x1="{m}" y1="{}" x2="{}" y2="{}" stroke="black"/><line x1="{m}" y1="{m}" x2="{m}" y2="{}" stroke="black"/>"#,
-        h - m,
-        w - m,
-        h - m,
-        h - m
-    );
-    for i in 0..=5 {
-        let v = max * i as f64 / 5.0;
-        let _ = writeln!(
-            s,
-            r#"<text x="{}" y="{}" text-anchor="middle">{:.0}k</text><text x="{}" y="{}" text-anchor="end">{:.0}k</text>"#,
-            x(v),
-            h - m + 18.0,
-            v / 1000.0,
-            m - 6.0,
-            y(v) + 4.0,
-            v / 1000.0
-        );
-    }
-    let _ = writeln!(
-        s,
-        r#"<text x="{}" y="{}" text-anchor="middle">target rate (requests/s)</text><text x="18" y="{}" transform="rotate(-90 18 {})" text-anchor="middle">achieved rate (requests/s)</text>"#,
-        w / 2.0,
-        h - 20.0,
-        h / 2.0,
-        h / 2.0
-    );
-    let _ = writeln!(
-        s,
-        r##"<line x1="{}" y1="{}" x2="{}" y2="{}" stroke="#bbb" stroke-dasharray="4"/>"##,
-        x(0.0),
-        y(0.0),
-        x(max),
-        y(max)
-    );
-    let colours = ["#d62728", "#1f77b4", "#2ca02c", "#9467bd"];
-    let mut names: Vec<&String> = rows.iter().map(|r| &r.0).collect();
-    names.dedup();
-    for (i, name) in names.iter().enumerate() {
-        let c = colours[i % colours.len()];
-        let pts: Vec<String> = rows
-            .iter()
-            .filter(|r| &r.0 == *name)
-            .map(|r| format!("{:.1},{:.1}", x(r.1), y(r.2)))
-            .collect();
-        let _ = writeln!(
-            s,
-            r#"<polyline fill="none" stroke="{c}" stroke-width="2" points="{}"/>"#,
-            pts.join(" ")
-        );
-        for p in &pts {
-            let (px, py) = p.split_once(',').unwrap();
-            let _ = writeln!(s, r#"<circle cx="{px}" cy="{py}" r="3" fill="{c}"/>"#);
-        }
-        let label = match name.as_str() {
-            "purgatory" => "tokio-purgatory",
-            "task" => "task per request + DashMap",
-            "delayqueue" => "purgatory on one DelayQueue",
-            other => other,
-        };
-        let _ = writeln!(
-            s,
-            r#"<text x="{}" y="{}" fill="{c}">{label}</text>"#,
-            m + 12.0,
-            m + 16.0 * i as f64
-        );
-    }
-    s.push_str("</svg>\n");
-    std::fs::write(path, s)
+/// The 1-minute load average, to show the machine was quiet.
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|s| s.split_whitespace().next().map(str::to_string))
+        .unwrap_or_else(|| "?".into())
 }
 
-/// Draws the SVG of a CSV written by `--sweep` (next to it, same name).
+const IMPS: [Imp; 3] = [Imp::Purgatory, Imp::Task, Imp::Delayqueue];
+
+/// Runs every implementation `o.repeat` times at `rate`, interleaved, and returns
+/// the rows, raw and parsed (printed as they come).
+fn interleaved(o: &Opts, rate: f64) -> Vec<(String, Row)> {
+    let mut rows = Vec::new();
+    for rep in 1..=o.repeat {
+        for imp in IMPS {
+            eprintln!(
+                "# run {rep}/{} of {} at {rate:.0}/s (load average {})",
+                o.repeat,
+                name(&imp),
+                loadavg()
+            );
+            match child(o, imp, rate) {
+                Some(r) => {
+                    println!("{rate:.0}\t{r}");
+                    if let Some(parsed) = parse_row(&r) {
+                        rows.push((format!("{rate:.0}\t{r}"), parsed));
+                    }
+                }
+                None => println!("{rate:.0}\t{}\t(failed)", name(&imp)),
+            }
+        }
+    }
+    rows
+}
+
+/// Median, min and max.
+fn spread(mut v: Vec<f64>) -> (f64, f64, f64) {
+    v.sort_by(f64::total_cmp);
+    if v.is_empty() {
+        return (f64::NAN, f64::NAN, f64::NAN);
+    }
+    let mid = if v.len() % 2 == 1 {
+        v[v.len() / 2]
+    } else {
+        (v[v.len() / 2 - 1] + v[v.len() / 2]) / 2.0
+    };
+    (mid, v[0], v[v.len() - 1])
+}
+
+fn summary(o: &Opts, rows: &[Row]) {
+    let col = |imp: &str, f: fn(&Row) -> f64| -> (f64, f64, f64) {
+        spread(rows.iter().filter(|r| r.imp == imp).map(f).collect())
+    };
+    let cell = |(m, lo, hi): (f64, f64, f64), digits: usize| {
+        format!("{m:.digits$} [{lo:.digits$}..{hi:.digits$}]")
+    };
+    println!();
+    println!(
+        "mode {}, {} runtime, {} generator(s), {} requests at {:.0}/s, {} keys of {}, timeout {} ms; medians of {} runs [min..max]",
+        name(&o.mode), name(&o.runtime), o.generators, o.num, o.rate, o.keys, o.key_space, o.timeout_ms, o.repeat
+    );
+    println!();
+    println!("| implementation | CPU s | peak RSS MB | achieved /s | expiry lateness p99 ms | registration lag p99 ms | completed | expired |");
+    println!("|---|---|---|---|---|---|---|---|");
+    for imp in IMPS {
+        let i = name(&imp);
+        println!(
+            "| {i} | {} | {} | {} | {} | {} | {} | {} |",
+            cell(col(&i, |r| r.cpu_ms / 1000.0), 2),
+            cell(col(&i, |r| r.rss_mb), 0),
+            cell(col(&i, |r| r.actual_rate), 0),
+            cell(col(&i, |r| r.p99), 1),
+            cell(col(&i, |r| r.lag_p99), 1),
+            col(&i, |r| r.completed).0,
+            col(&i, |r| r.expired).0,
+        );
+    }
+    // Ratios of the medians: this crate against the best peer on each measure.
+    let med = |imp: Imp, f: fn(&Row) -> f64| col(&name(&imp), f).0;
+    let best_low = |f: fn(&Row) -> f64| med(Imp::Task, f).min(med(Imp::Delayqueue, f));
+    println!();
+    println!(
+        "ratios, tokio-purgatory / best peer: CPU {:.2} (DelayQueue peer {:.2}), peak RSS {:.2}, lateness p99 {:.2}",
+        med(Imp::Purgatory, |r| r.cpu_ms) / best_low(|r| r.cpu_ms),
+        med(Imp::Purgatory, |r| r.cpu_ms) / med(Imp::Delayqueue, |r| r.cpu_ms),
+        med(Imp::Purgatory, |r| r.rss_mb) / best_low(|r| r.rss_mb),
+        med(Imp::Purgatory, |r| r.p99) / best_low(|r| r.p99),
+    );
+}
+
+/// Draws one chart of the sweep: `y` of each implementation against target rate.
+fn draw(rows: &[Row], path: &str, title: &str, y_desc: &str, y: fn(&Row) -> f64, diagonal: bool) {
+    use plotters::prelude::*;
+    let x_max = rows.iter().map(|r| r.target_rate).fold(1.0, f64::max) * 1.05;
+    let mut y_max = rows
+        .iter()
+        .map(y)
+        .filter(|v| v.is_finite())
+        .fold(1.0, f64::max)
+        * 1.1;
+    if diagonal {
+        y_max = y_max.max(x_max);
+    }
+    let root = SVGBackend::new(path, (760, 480)).into_drawing_area();
+    root.fill(&WHITE).unwrap();
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 15))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(60)
+        .build_cartesian_2d(0f64..x_max, 0f64..y_max)
+        .unwrap();
+    chart
+        .configure_mesh()
+        .x_desc("offered rate (requests/s)")
+        .y_desc(y_desc)
+        .draw()
+        .unwrap();
+    if diagonal {
+        chart
+            .draw_series(LineSeries::new(
+                [(0.0, 0.0), (x_max, x_max)],
+                RGBColor(190, 190, 190),
+            ))
+            .unwrap();
+    }
+    let colours = [
+        RGBColor(214, 39, 40),
+        RGBColor(31, 119, 180),
+        RGBColor(44, 160, 44),
+    ];
+    for (imp, colour) in IMPS.iter().zip(colours) {
+        let label = match imp {
+            Imp::Purgatory => "tokio-purgatory",
+            Imp::Task => "task per request + DashMap",
+            Imp::Delayqueue => "purgatory on one DelayQueue",
+        };
+        // The median of each rate's runs.
+        let mut rates: Vec<f64> = rows
+            .iter()
+            .filter(|r| r.imp == name(imp))
+            .map(|r| r.target_rate.round())
+            .collect();
+        rates.sort_by(f64::total_cmp);
+        rates.dedup();
+        let pts: Vec<(f64, f64)> = rates
+            .iter()
+            .map(|&t| {
+                let ys = rows
+                    .iter()
+                    .filter(|r| r.imp == name(imp) && r.target_rate.round() == t)
+                    .map(y)
+                    .collect();
+                (t, spread(ys).0)
+            })
+            .collect();
+        chart
+            .draw_series(LineSeries::new(pts.clone(), colour.stroke_width(2)))
+            .unwrap()
+            .label(label)
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 18, y)], colour.stroke_width(2))
+            });
+        chart
+            .draw_series(pts.iter().map(|&p| Circle::new(p, 3, colour.filled())))
+            .unwrap();
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperLeft)
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()
+        .unwrap();
+    root.present().unwrap();
+}
+
+/// Writes the two charts of a sweep next to its CSV: achieved rate, and expiry
+/// lateness p99, against offered rate.
+fn charts(rows: &[Row], prefix: &str, what: &str) {
+    draw(
+        rows,
+        &format!("{prefix}-achieved.svg"),
+        &format!("achieved vs offered rate: {what}"),
+        "achieved rate (requests/s)",
+        |r| r.actual_rate,
+        true,
+    );
+    draw(
+        rows,
+        &format!("{prefix}-lateness.svg"),
+        &format!("expiry lateness p99 vs offered rate: {what}"),
+        "expiry lateness p99 (ms)",
+        |r| r.p99,
+        false,
+    );
+    println!("wrote {prefix}-achieved.svg and {prefix}-lateness.svg");
+}
+
+/// Redraws the charts of a CSV written by `--sweep`.
 fn chart(csv_path: &str) {
     let text = std::fs::read_to_string(csv_path).expect("read csv");
-    let mut points = Vec::new();
-    let mut title = String::new();
+    let mut rows = Vec::new();
+    let mut what = String::new();
     for line in text.lines().skip(1) {
-        let f: Vec<&str> = line.split('\t').collect();
-        if f.len() < 7 {
+        // The first column is the rate asked for; the rest is a result row.
+        let Some((_, r)) = line.split_once('\t') else {
             continue;
+        };
+        let f: Vec<&str> = r.split('\t').collect();
+        if f.len() > 3 {
+            what = format!("mode {}, {} runtime", f[1], f[2]);
         }
-        title = format!("achieved vs target rate: mode {}, {} runtime", f[2], f[3]);
-        let t: f64 = f[5].parse().unwrap_or(0.0);
-        let a: f64 = f[6].parse().unwrap_or(0.0);
-        points.push((f[1].to_string(), t, a));
+        rows.extend(parse_row(r));
     }
-    points.sort_by(|a, b| a.0.cmp(&b.0).then(a.1.total_cmp(&b.1)));
-    let out = csv_path.trim_end_matches(".csv").to_string() + ".svg";
-    svg(&points, &out, &title).expect("write svg");
-    println!("wrote {out}");
+    charts(&rows, csv_path.trim_end_matches(".csv"), &what);
 }
 
 fn main() {
@@ -862,48 +1064,39 @@ fn main() {
         chart(csv);
         return;
     }
-    let imps = ["purgatory", "task", "delayqueue"];
     if let Some(rates) = &o.sweep {
-        let mut csv = String::from("target_rate_requested\t");
-        csv.push_str(COLUMNS);
-        csv.push('\n');
-        let mut points = Vec::new();
+        println!("target_rate_requested\t{COLUMNS}");
+        let mut csv = format!("target_rate_requested\t{COLUMNS}\n");
+        let mut rows = Vec::new();
         for &rate in rates {
-            for imp in imps {
-                if let Some(r) = child(&o, imp, rate) {
-                    println!("{rate:.0}\t{r}");
-                    let f: Vec<&str> = r.split('\t').collect();
-                    let t: f64 = f[4].parse().unwrap_or(0.0);
-                    let a: f64 = f[5].parse().unwrap_or(0.0);
-                    points.push((imp.to_string(), t, a));
-                    let _ = writeln!(csv, "{rate}\t{r}");
-                }
+            let o = Opts { rate, ..o.clone() };
+            for (raw, parsed) in interleaved(&o, rate) {
+                let _ = writeln!(csv, "{raw}");
+                rows.push(parsed);
             }
         }
-        std::fs::create_dir_all(
-            std::path::Path::new(&o.out)
-                .parent()
-                .unwrap_or(std::path::Path::new(".")),
-        )
-        .ok();
+        if let Some(dir) = std::path::Path::new(&o.out).parent() {
+            std::fs::create_dir_all(dir).ok();
+        }
         std::fs::write(format!("{}.csv", o.out), csv).expect("write csv");
-        points.sort_by(|a, b| a.0.cmp(&b.0).then(a.1.total_cmp(&b.1)));
-        let title = format!(
-            "achieved vs target rate: mode {}, {} runtime, {} requests, {} keys of {}",
-            o.mode, o.runtime, o.num, o.keys, o.key_space
+        let what = format!(
+            "mode {}, {} runtime, {} requests, {} keys of {}",
+            name(&o.mode),
+            name(&o.runtime),
+            o.num,
+            o.keys,
+            o.key_space
         );
-        svg(&points, &format!("{}.svg", o.out), &title).expect("write svg");
-        println!("wrote {0}.csv and {0}.svg", o.out);
+        charts(&rows, &o.out, &what);
         return;
     }
     if o.compare {
-        println!("{COLUMNS}");
-        for imp in imps {
-            match child(&o, imp, o.rate) {
-                Some(r) => println!("{r}"),
-                None => println!("{imp}\t(failed)"),
-            }
-        }
+        println!("rate\t{COLUMNS}");
+        let rows: Vec<Row> = interleaved(&o, o.rate)
+            .into_iter()
+            .map(|(_, r)| r)
+            .collect();
+        summary(&o, &rows);
         return;
     }
     let r = single(&o);
@@ -914,8 +1107,8 @@ fn main() {
             r.elapsed_ms, r.target_rate, r.actual_rate, r.cpu_ms
         );
         println!(
-            "# peak rss {:.1} MB; completed {}, expired {}; expiry lateness p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms",
-            r.rss_mb, r.completed, r.expired, r.p50, r.p99, r.max
+            "# peak rss {:.1} MB; completed {}, expired {}; expiry lateness p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms; registration lag p99 {:.2} ms",
+            r.rss_mb, r.completed, r.expired, r.p50, r.p99, r.max, r.lag_p99
         );
     }
     println!("ROW\t{}", row(&o, &r));

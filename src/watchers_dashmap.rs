@@ -87,7 +87,12 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
         self.retain(key, finished, |v| out.push(v.clone()), removed)
     }
 
-    pub(crate) fn prune(&self, key: &K, finished: impl Fn(&V) -> bool, removed: &mut Removed<K, V>) {
+    pub(crate) fn prune(
+        &self,
+        key: &K,
+        finished: impl Fn(&V) -> bool,
+        removed: &mut Removed<K, V>,
+    ) {
         self.retain(key, finished, |_| {}, removed)
     }
 
@@ -138,7 +143,11 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
         }
     }
 
-    pub(crate) fn purge(&self, finished: impl Fn(&V) -> bool, mut drop_batch: impl FnMut(Removed<K, V>)) {
+    pub(crate) fn purge(
+        &self,
+        finished: impl Fn(&V) -> bool,
+        mut drop_batch: impl FnMut(Removed<K, V>),
+    ) {
         let mut removed = Removed::default();
         let mut emptied = Vec::new();
         for mut item in self.map.iter_mut() {

@@ -751,3 +751,34 @@ fn cell_bytes_follows_the_operation_and_output_sizes() {
         "keys are not in the cell"
     );
 }
+
+/// `try_complete_else_watch_at`: the deadline is the instant given, whenever the
+/// call is made; one already past expires on the reaper's next turn.
+#[tokio::test(start_paused = true)]
+async fn a_deadline_given_as_an_instant_is_kept() {
+    let p = purgatory();
+    let start = Instant::now();
+    let h = p
+        .try_complete_else_watch_at(Mock::default(), start + ms(40), ["a"])
+        .unwrap();
+    advance(ms(39)).await;
+    settle().await;
+    assert!(!h.is_finished(), "not before the deadline");
+    advance(ms(1)).await;
+    settle().await;
+    assert_eq!(h.await, Ok(Completion::Expired("expired")));
+
+    let now = Instant::now();
+    let past = p
+        .try_complete_else_watch_at(Mock::default(), now - ms(5), ["a"])
+        .unwrap();
+    assert_eq!(past.await, Ok(Completion::Expired("expired")));
+    assert_eq!(Instant::now(), now, "expired with no time passing");
+
+    let ready = Mock::default();
+    ready.set();
+    let done = p
+        .try_complete_else_watch_at(ready, now - ms(5), ["a"])
+        .unwrap();
+    assert_eq!(done.await, Ok(Completion::Completed("completed")));
+}

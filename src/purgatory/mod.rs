@@ -289,6 +289,57 @@ impl<K: WatchKey, O: Operation> Purgatory<K, O> {
         self.register(op, now, deadline_after(now, timeout), keys)
     }
 
+    /// As [`try_complete_else_watch`](Purgatory::try_complete_else_watch), with the
+    /// timeout given as an instant (tokio's `timeout_at`, `DelayQueue::insert_at`).
+    /// A deadline already reached expires on the reaper's next turn, unless the
+    /// checks at registration complete the operation.
+    ///
+    /// # Errors
+    ///
+    /// As [`try_complete_else_watch`](Purgatory::try_complete_else_watch).
+    ///
+    /// # Panics
+    ///
+    /// As [`try_complete_else_watch`](Purgatory::try_complete_else_watch).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// use std::time::Duration;
+    /// use tokio::time::Instant;
+    /// use tokio_purgatory::{Completion, Operation, Purgatory};
+    ///
+    /// struct Fetch;
+    /// impl Operation for Fetch {
+    ///     type Output = &'static str;
+    ///     fn try_complete(&mut self) -> Option<&'static str> { None }
+    ///     fn on_expiration(self) -> &'static str { "empty" }
+    /// }
+    ///
+    /// let p: Purgatory<u32, Fetch> = Purgatory::builder("fetch").build().unwrap();
+    /// // The request arrived a while ago; its `max_wait` counts from then.
+    /// let arrived = Instant::now();
+    /// tokio::time::sleep(Duration::from_millis(30)).await;
+    /// let handle = p
+    ///     .try_complete_else_watch_at(Fetch, arrived + Duration::from_millis(100), [0])
+    ///     .unwrap();
+    /// assert_eq!(handle.await, Ok(Completion::Expired("empty")));
+    /// assert_eq!(arrived.elapsed(), Duration::from_millis(100));
+    /// # }
+    /// ```
+    pub fn try_complete_else_watch_at<I>(
+        &self,
+        op: O,
+        deadline: Instant,
+        keys: I,
+    ) -> Result<OperationHandle<K, O>, WatchError<O>>
+    where
+        I: IntoIterator<Item = K>,
+    {
+        self.register(op, Instant::now(), deadline, keys)
+    }
+
     fn register<I>(
         &self,
         mut op: O,
