@@ -428,26 +428,42 @@ async fn many_tasks_insert_and_cancel_at_once() {
 /// between turns, so other tasks run while a burst due at one instant drains.
 #[tokio::test(start_paused = true)]
 async fn the_reaper_expires_at_most_a_batch_per_turn() {
-    let timer = Timer::builder().batch_size(10).shards(1).build().unwrap();
-    let (n, task) = counter();
-    for _ in 0..100 {
-        timer.schedule(ms(5), task()).unwrap();
+    // A batch below and one above the reaper's run per lock acquisition (64).
+    for batch in [10, 100] {
+        let timer = Timer::builder()
+            .batch_size(batch)
+            .shards(1)
+            .build()
+            .unwrap();
+        let (n, task) = counter();
+        let total = batch * 10;
+        for _ in 0..total {
+            timer.schedule(ms(5), task()).unwrap();
+        }
+        advance(ms(5)).await;
+        let mut last = n.load(Ordering::SeqCst);
+        assert!(
+            last <= batch,
+            "{last} expired in the first turn (batch {batch})"
+        );
+        let mut turns = 0;
+        while last < total {
+            tokio::task::yield_now().await;
+            let now = n.load(Ordering::SeqCst);
+            assert!(
+                now - last <= batch,
+                "{} in one turn (batch {batch})",
+                now - last
+            );
+            last = now;
+            turns += 1;
+            assert!(turns < 10_000, "the burst never drained");
+        }
+        assert!(
+            turns >= 9,
+            "{total} entries in batches of {batch}: {turns} turns"
+        );
     }
-    advance(ms(5)).await;
-    let mut last = n.load(Ordering::SeqCst);
-    let mut turns = 0;
-    while last < 100 {
-        tokio::task::yield_now().await;
-        let now = n.load(Ordering::SeqCst);
-        assert!(now - last <= 10, "{} expired in one turn", now - last);
-        last = now;
-        turns += 1;
-        assert!(turns < 1000, "the burst never drained");
-    }
-    assert!(
-        turns >= 9,
-        "100 entries in batches of 10 took {turns} turns"
-    );
 }
 
 /// `reaper_wakeups` counts each wake-up from a sleep: one timer, one wake-up.
