@@ -8,10 +8,12 @@
 //!
 //! # Ground rules
 //!
-//! - **What runs under a shard lock.** Our own bookkeeping, plus the key's
-//!   `Hash` and `Eq` (to find its list) and, when a key is first watched, its
-//!   `Clone` (the map keeps its own copy). Those three are user code and must not
-//!   call back into the purgatory. Nothing else of the user's runs here: no
+//! - **What runs under a shard lock.** Our own bookkeeping, plus the key's `Eq`
+//!   (to find its list) and, when a key is first watched, its `Clone` (the map
+//!   keeps its own copy). Those two are user code and must not call back into the
+//!   purgatory. A key's `Hash` runs once per call, before any lock is taken: the
+//!   map stores each key with its hash and never hashes a stored key again (not
+//!   even to grow or shrink its table). Nothing else of the user's runs here: no
 //!   operation code and **no drop of a user value**. Every method that removes
 //!   entries or keys moves them out into a [`Removed`] that the caller drops after
 //!   the lock is released, because the last reference to an operation's cell, or
@@ -22,15 +24,107 @@
 //! - **Empty keys.** A key whose list becomes empty is removed in the same critical
 //!   section that emptied it, so it cannot race a concurrent watch of the same key.
 
+use std::borrow::Borrow;
 use std::collections::hash_map::RandomState;
 use std::collections::HashMap;
-use std::hash::{BuildHasher, Hash};
+use std::hash::{BuildHasher, BuildHasherDefault, Hash, Hasher};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crate::loom::{lock, Mutex, MutexGuard};
 
 /// A shard's map: each key's list.
-type Lists<K, V> = HashMap<K, Vec<V>>;
+type Lists<K, V> = HashMap<Hashed<K>, Vec<V>, BuildHasherDefault<PassThrough>>;
+
+/// A stored key with its hash, computed once by the map's hasher.
+#[derive(Debug)]
+struct Hashed<K> {
+    hash: u64,
+    key: K,
+}
+
+/// Hands the stored hash to the table unchanged.
+#[derive(Debug, Default)]
+struct PassThrough(u64);
+
+impl Hasher for PassThrough {
+    fn write(&mut self, _: &[u8]) {
+        unreachable!("only precomputed hashes are written");
+    }
+
+    fn write_u64(&mut self, hash: u64) {
+        self.0 = hash;
+    }
+
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+impl<K> Hash for Hashed<K> {
+    fn hash<H: Hasher>(&self, h: &mut H) {
+        h.write_u64(self.hash);
+    }
+}
+
+impl<K: Eq> PartialEq for Hashed<K> {
+    fn eq(&self, other: &Self) -> bool {
+        self.hash == other.hash && self.key == other.key
+    }
+}
+
+impl<K: Eq> Eq for Hashed<K> {}
+
+/// What a lookup compares: a hash and a key, stored (`Hashed`) or borrowed
+/// (`Probe`). The table finds lists through `dyn Lookup`, which a stored key
+/// lends itself as, so a lookup needs neither an owned key nor a second hash.
+trait Lookup<Q: ?Sized> {
+    fn hash(&self) -> u64;
+    fn key(&self) -> &Q;
+}
+
+impl<K: Borrow<Q>, Q: ?Sized> Lookup<Q> for Hashed<K> {
+    fn hash(&self) -> u64 {
+        self.hash
+    }
+    fn key(&self) -> &Q {
+        self.key.borrow()
+    }
+}
+
+/// A key looked up by reference, with its hash.
+struct Probe<'a, Q: ?Sized> {
+    hash: u64,
+    key: &'a Q,
+}
+
+impl<Q: ?Sized> Lookup<Q> for Probe<'_, Q> {
+    fn hash(&self) -> u64 {
+        self.hash
+    }
+    fn key(&self) -> &Q {
+        self.key
+    }
+}
+
+impl<'a, K: Borrow<Q> + 'a, Q: ?Sized + 'a> Borrow<dyn Lookup<Q> + 'a> for Hashed<K> {
+    fn borrow(&self) -> &(dyn Lookup<Q> + 'a) {
+        self
+    }
+}
+
+impl<Q: ?Sized> Hash for dyn Lookup<Q> + '_ {
+    fn hash<H: Hasher>(&self, h: &mut H) {
+        h.write_u64(Lookup::hash(self));
+    }
+}
+
+impl<Q: ?Sized + Eq> PartialEq for dyn Lookup<Q> + '_ {
+    fn eq(&self, other: &Self) -> bool {
+        Lookup::hash(self) == Lookup::hash(other) && self.key() == other.key()
+    }
+}
+
+impl<Q: ?Sized + Eq> Eq for dyn Lookup<Q> + '_ {}
 
 /// One shard, on its own cache lines: its map, and the entries its lists hold
 /// (changed only with the map's lock held; read without it).
@@ -64,7 +158,7 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
         Watchers {
             shards: (0..shards.max(1))
                 .map(|_| Shard {
-                    map: Mutex::new(HashMap::new()),
+                    map: Mutex::new(HashMap::default()),
                     entries: AtomicUsize::new(0),
                 })
                 .collect(),
@@ -72,10 +166,13 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
         }
     }
 
-    fn shard(&self, key: &K) -> (&Shard<K, V>, MutexGuard<'_, Lists<K, V>>) {
-        let i = (self.hasher.hash_one(key) % self.shards.len() as u64) as usize;
-        let shard = &self.shards[i];
-        (shard, lock(&shard.map))
+    /// The key's hash (its `Hash`, run here with no lock held), and its shard,
+    /// locked. The shard is picked by high bits of the hash; the table uses the
+    /// low bits and the top seven.
+    fn shard<Q: Hash + ?Sized>(&self, key: &Q) -> (u64, &Shard<K, V>, MutexGuard<'_, Lists<K, V>>) {
+        let hash = self.hasher.hash_one(key);
+        let shard = &self.shards[((hash >> 32) % self.shards.len() as u64) as usize];
+        (hash, shard, lock(&shard.map))
     }
 
     /// Watch-list entries held, tombstones included. Sums the shards: exact when
@@ -91,12 +188,15 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
     /// joined, so that a panic in key code part-way leaves a known count behind.
     pub(crate) fn watch(&self, keys: &[K], v: &V, added: &mut usize) {
         for key in keys {
-            let (shard, mut map) = self.shard(key);
-            match map.get_mut(key) {
+            let (hash, shard, mut map) = self.shard(key);
+            match map.get_mut(&Probe { hash, key } as &dyn Lookup<K>) {
                 Some(list) => list.push(v.clone()),
                 None => {
                     // Clone before inserting: a panicking clone leaves the map as it was.
-                    let own = key.clone();
+                    let own = Hashed {
+                        hash,
+                        key: key.clone(),
+                    };
                     map.insert(own, vec![v.clone()]);
                 }
             }
@@ -108,38 +208,45 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
 
     /// Copies `key`'s entries that are not `finished` into `out`, and takes the finished
     /// ones out of the list (and the key, if nothing is left) into `removed`.
-    pub(crate) fn collect_live(
+    pub(crate) fn collect_live<Q: Hash + Eq + ?Sized>(
         &self,
-        key: &K,
+        key: &Q,
         out: &mut Vec<V>,
         finished: impl Fn(&V) -> bool,
         removed: &mut Removed<K, V>,
-    ) {
+    ) where
+        K: Borrow<Q>,
+    {
         self.retain(key, finished, |v| out.push(v.clone()), removed)
     }
 
     /// Takes `key`'s finished entries out into `removed`.
-    pub(crate) fn prune(
+    pub(crate) fn prune<Q: Hash + Eq + ?Sized>(
         &self,
-        key: &K,
+        key: &Q,
         finished: impl Fn(&V) -> bool,
         removed: &mut Removed<K, V>,
-    ) {
+    ) where
+        K: Borrow<Q>,
+    {
         self.retain(key, finished, |_| {}, removed)
     }
 
     /// Takes `key`'s finished entries out, showing each kept one to `kept`, and removes
     /// the key when its list empties (in the same critical section, so a concurrent
     /// watch of the key cannot be lost).
-    fn retain(
+    fn retain<Q: Hash + Eq + ?Sized>(
         &self,
-        key: &K,
+        key: &Q,
         finished: impl Fn(&V) -> bool,
         mut kept: impl FnMut(&V),
         removed: &mut Removed<K, V>,
-    ) {
-        let (shard, mut map) = self.shard(key);
-        let Some(list) = map.get_mut(key) else {
+    ) where
+        K: Borrow<Q>,
+    {
+        let (hash, shard, mut map) = self.shard(key);
+        let probe = Probe { hash, key };
+        let Some(list) = map.get_mut(&probe as &dyn Lookup<Q>) else {
             return;
         };
         let before = removed.entries.len();
@@ -152,19 +259,22 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
         }));
         shard.removed(removed.entries.len() - before);
         if list.is_empty() {
-            if let Some((k, _)) = map.remove_entry(key) {
-                removed.keys.push(k);
+            if let Some((k, _)) = map.remove_entry(&probe as &dyn Lookup<Q>) {
+                removed.keys.push(k.key);
             }
             shrink_if_sparse(&mut map);
         }
     }
 
     /// Removes `key` with its whole list, into `removed`.
-    pub(crate) fn take(&self, key: &K, removed: &mut Removed<K, V>) {
-        let (shard, mut map) = self.shard(key);
-        if let Some((k, list)) = map.remove_entry(key) {
+    pub(crate) fn take<Q: Hash + Eq + ?Sized>(&self, key: &Q, removed: &mut Removed<K, V>)
+    where
+        K: Borrow<Q>,
+    {
+        let (hash, shard, mut map) = self.shard(key);
+        if let Some((k, list)) = map.remove_entry(&Probe { hash, key } as &dyn Lookup<Q>) {
             shard.removed(list.len());
-            removed.keys.push(k);
+            removed.keys.push(k.key);
             removed.entries.extend(list);
             shrink_if_sparse(&mut map);
         }
@@ -187,7 +297,7 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
                     entries.extend(list.extract_if(.., |v| finished(v)));
                     list.is_empty()
                 });
-                removed.keys.extend(emptied.map(|(k, _)| k));
+                removed.keys.extend(emptied.map(|(k, _)| k.key));
                 shard.removed(removed.entries.len());
                 shrink_if_sparse(&mut map);
             }
@@ -206,7 +316,7 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
                 std::mem::take(&mut *map)
             };
             for (k, list) in map {
-                removed.keys.push(k);
+                removed.keys.push(k.key);
                 removed.entries.extend(list);
             }
         }
@@ -224,8 +334,8 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
 /// resize, and the next shrink waits until it loses most of its keys again, so
 /// each rehash is paid for by the removals before it (amortised O(1)).
 ///
-/// Rehashing runs the keys' `Hash` under the lock (see the ground rules).
-fn shrink_if_sparse<K: Hash + Eq, V>(map: &mut HashMap<K, Vec<V>>) {
+/// Rehashing uses the stored hashes: no user code runs.
+fn shrink_if_sparse<K: Eq, V>(map: &mut Lists<K, V>) {
     if map.capacity() > 64 && map.len() * 8 < map.capacity() {
         map.shrink_to(map.len() * 2);
     }
@@ -235,7 +345,7 @@ fn shrink_if_sparse<K: Hash + Eq, V>(map: &mut HashMap<K, Vec<V>>) {
 mod tests {
     use super::*;
 
-    fn capacity(w: &Watchers<u32, u32>) -> usize {
+    fn capacity<K: Hash + Eq + Clone>(w: &Watchers<K, u32>) -> usize {
         w.shards.iter().map(|s| lock(&s.map).capacity()).sum()
     }
 
@@ -301,6 +411,33 @@ mod tests {
         assert!(changes >= 2, "the table never shrank ({cap})");
         assert!(changes <= 12, "{changes} rehashes for 20,000 removals");
         assert!(cap <= 64, "capacity {cap} with no keys");
+    }
+
+    /// A key's `Hash` runs once per call that names it, never for keys already
+    /// stored: growing and shrinking the table reuse the stored hashes.
+    #[test]
+    fn stored_keys_are_never_hashed_again() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        static HASHES: AtomicUsize = AtomicUsize::new(0);
+        #[derive(Clone, PartialEq, Eq, Debug)]
+        struct K(u32);
+        impl Hash for K {
+            fn hash<H: Hasher>(&self, h: &mut H) {
+                HASHES.fetch_add(1, Ordering::SeqCst);
+                self.0.hash(h);
+            }
+        }
+        let w: Watchers<K, u32> = Watchers::new(1);
+        for k in 0..5_000 {
+            w.watch(&[K(k)], &k, &mut 0);
+        }
+        assert_eq!(HASHES.load(Ordering::SeqCst), 5_000, "growth re-hashed");
+        for k in 0..4_990 {
+            let mut r = Removed::default();
+            w.take(&K(k), &mut r);
+        }
+        assert_eq!(HASHES.load(Ordering::SeqCst), 9_990, "shrinking re-hashed");
+        assert!(capacity(&w) < 5_000 / 8, "the table did shrink");
     }
 
     #[test]

@@ -3,6 +3,7 @@
 //! the two side by side). It avoids the DashMap calls that would drop a user key
 //! under a shard lock (`retain`, `clear`, `VacantEntry::insert`).
 
+use std::borrow::Borrow;
 use std::collections::hash_map::RandomState;
 use std::hash::Hash;
 use std::sync::atomic::{AtomicIsize, AtomicUsize, Ordering};
@@ -77,32 +78,38 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
         }
     }
 
-    pub(crate) fn collect_live(
+    pub(crate) fn collect_live<Q: Hash + Eq + ?Sized>(
         &self,
-        key: &K,
+        key: &Q,
         out: &mut Vec<V>,
         finished: impl Fn(&V) -> bool,
         removed: &mut Removed<K, V>,
-    ) {
+    ) where
+        K: Borrow<Q>,
+    {
         self.retain(key, finished, |v| out.push(v.clone()), removed)
     }
 
-    pub(crate) fn prune(
+    pub(crate) fn prune<Q: Hash + Eq + ?Sized>(
         &self,
-        key: &K,
+        key: &Q,
         finished: impl Fn(&V) -> bool,
         removed: &mut Removed<K, V>,
-    ) {
+    ) where
+        K: Borrow<Q>,
+    {
         self.retain(key, finished, |_| {}, removed)
     }
 
-    fn retain(
+    fn retain<Q: Hash + Eq + ?Sized>(
         &self,
-        key: &K,
+        key: &Q,
         finished: impl Fn(&V) -> bool,
         mut kept: impl FnMut(&V),
         removed: &mut Removed<K, V>,
-    ) {
+    ) where
+        K: Borrow<Q>,
+    {
         let before = removed.entries.len();
         let entries = &mut removed.entries;
         let emptied = self.map.remove_if_mut(key, |_, list| {
@@ -122,7 +129,10 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
         }
     }
 
-    pub(crate) fn take(&self, key: &K, removed: &mut Removed<K, V>) {
+    pub(crate) fn take<Q: Hash + Eq + ?Sized>(&self, key: &Q, removed: &mut Removed<K, V>)
+    where
+        K: Borrow<Q>,
+    {
         if let Some((k, list)) = self.map.remove(key) {
             self.count(-(list.len() as isize));
             removed.keys.push(k);

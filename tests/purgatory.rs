@@ -782,3 +782,23 @@ async fn a_deadline_given_as_an_instant_is_kept() {
         .unwrap();
     assert_eq!(done.await, Ok(Completion::Completed("completed")));
 }
+
+/// Keys are looked up by any borrowed form, as `HashMap::get` allows: `&str` for
+/// `String` keys, with no allocation to build a key.
+#[tokio::test(start_paused = true)]
+async fn keys_are_found_by_a_borrowed_form() {
+    let p: Purgatory<String, Mock> = Purgatory::builder("borrowed").build().unwrap();
+    let a = Mock::default();
+    let ha = p
+        .try_complete_else_watch(a.clone(), ms(1000), ["orders-0".to_string()])
+        .unwrap();
+    let hb = p
+        .try_complete_else_watch(Mock::default(), ms(1000), ["orders-1".to_string()])
+        .unwrap();
+    a.set();
+    assert_eq!(p.try_complete_watched("orders-0"), 1);
+    assert_eq!(p.cancel_for_key("orders-1").len(), 1);
+    assert!(p.cancel_for_key("unknown").is_empty());
+    assert!(ha.await.unwrap().is_completed());
+    assert_eq!(hb.await, Err(OperationError::Cancelled));
+}

@@ -11,6 +11,7 @@ mod operation;
 mod shared;
 mod state;
 
+use std::borrow::Borrow;
 use std::hash::Hash;
 use std::marker::PhantomData;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
@@ -417,9 +418,7 @@ impl<K: WatchKey, O: Operation> Purgatory<K, O> {
         if let Err(panic) = watched {
             // A key's code panicked: undo. The entries made are tombstones now.
             let op = cell.abandon_registration();
-            shared
-                .tombstones
-                .fetch_add(added as isize, Ordering::AcqRel);
+            shared.entries.change(0, added as i64);
             shared.delayed.fetch_sub(1, Ordering::AcqRel);
             drop(cell);
             shared.drop_contained("drop of an operation", op);
@@ -429,6 +428,7 @@ impl<K: WatchKey, O: Operation> Purgatory<K, O> {
             });
             resume_unwind(panic);
         }
+        shared.entries.change(added as i64, 0);
         shared.counters.registered.fetch_add(1, Ordering::Relaxed);
 
         let refused = match cell.run_checks(me) {
@@ -478,7 +478,9 @@ impl<K: WatchKey, O: Operation> Purgatory<K, O> {
     }
 
     /// Checks the operations watching `key` and completes those that can be (Kafka's
-    /// `checkAndComplete`). Returns how many this call completed. Also removes the
+    /// `checkAndComplete`). Returns how many this call completed. `key` may be any
+    /// borrowed form of the key type (`&str` for `String` keys), as for
+    /// `HashMap::get`. Also removes the
     /// tombstones it finds in the key's list, and the key itself when its list
     /// empties. Operations this call completes are removed at once when they are at
     /// least a quarter of the list; otherwise they stay as tombstones until the
@@ -523,7 +525,11 @@ impl<K: WatchKey, O: Operation> Purgatory<K, O> {
     /// assert!(handle.await.unwrap().is_completed());
     /// # }
     /// ```
-    pub fn try_complete_watched(&self, key: &K) -> usize {
+    pub fn try_complete_watched<Q>(&self, key: &Q) -> usize
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
         let shared = self.shared();
         let mut live = Vec::new();
         let mut removed = Removed::default();
@@ -560,7 +566,8 @@ impl<K: WatchKey, O: Operation> Purgatory<K, O> {
     /// [`OperationError::Cancelled`]; their timeouts are cancelled; their entries
     /// under other keys become tombstones.
     ///
-    /// An unknown key returns an empty list.
+    /// An unknown key returns an empty list. `key` may be any borrowed form of the
+    /// key type, as for `HashMap::remove`.
     ///
     /// # Panics
     ///
@@ -598,7 +605,11 @@ impl<K: WatchKey, O: Operation> Purgatory<K, O> {
     /// # }
     /// ```
     #[must_use = "the cancelled operations are handed back; drop them explicitly if unwanted"]
-    pub fn cancel_for_key(&self, key: &K) -> Vec<O> {
+    pub fn cancel_for_key<Q>(&self, key: &Q) -> Vec<O>
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
         let shared = self.shared();
         let mut removed = Removed::default();
         shared.watchers.take(key, &mut removed);
@@ -690,7 +701,7 @@ impl<K: WatchKey, O: Operation> Purgatory<K, O> {
         let c = &s.counters;
         PurgatoryMetrics {
             watched: self.watched(),
-            tombstones: s.tombstones.load(Ordering::Acquire).max(0) as usize,
+            tombstones: s.entries.tombstones(),
             delayed: self.delayed(),
             keys: s.watchers.keys(),
             registered: c.registered.load(Ordering::Relaxed),

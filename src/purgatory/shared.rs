@@ -1,7 +1,7 @@
 //! The books every purgatory handle and operation cell share: the timer core, the
 //! watcher map, the counters, the purge policy, and how closing works.
 
-use std::sync::atomic::{AtomicBool, AtomicIsize, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use super::cell::{Fate, OpCell};
@@ -62,9 +62,8 @@ pub(crate) struct Shared<K: WatchKey, O: Operation> {
     pub(crate) watchers: Watchers<K, Arc<OpCell<K, O>>>,
     /// Operations registered and not finished (Kafka's `numDelayed`).
     pub(crate) delayed: AtomicUsize,
-    /// Watch-list entries of finished operations. May dip below zero briefly when
-    /// an entry is removed just before its operation's finish is counted.
-    pub(crate) tombstones: AtomicIsize,
+    /// Watch-list entries of pending operations, and of finished ones (tombstones).
+    pub(crate) entries: Entries,
     purging: AtomicBool,
     purge_interval: usize,
     pub(crate) max_pending: Option<usize>,
@@ -84,7 +83,7 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
             core,
             watchers: Watchers::new(watcher_shards),
             delayed: AtomicUsize::new(0),
-            tombstones: AtomicIsize::new(0),
+            entries: Entries::default(),
             purging: AtomicBool::new(false),
             purge_interval,
             max_pending,
@@ -114,7 +113,7 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
     pub(crate) fn drop_removed(&self, removed: Removed<K, Arc<OpCell<K, O>>>) {
         let n = removed.entries.len();
         if n > 0 {
-            self.tombstones.fetch_sub(n as isize, Ordering::AcqRel);
+            self.entries.change(0, -(n as i64));
         }
         drop_each_contained(removed.entries, |p| {
             self.note_panic("drop of a finished operation's cell", p)
@@ -134,7 +133,7 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         };
         counter.fetch_add(1, Ordering::Relaxed);
         tracing::trace!(purgatory = &*self.name, ?fate, "operation finished");
-        self.tombstones.fetch_add(keys as isize, Ordering::AcqRel);
+        self.entries.change(-i64::from(keys), i64::from(keys));
         // No purge here: this runs on the reaper too, and a purge walks every
         // list. Registration and key walks purge instead (Kafka's places).
     }
@@ -144,12 +143,9 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
     /// of what it walks. Called on registration, key walks and cancellation by key,
     /// never on the reaper (expiries would wait behind the walk).
     pub(crate) fn maybe_purge(&self) {
-        let tomb = self.tombstones.load(Ordering::Acquire).max(0) as usize;
-        if tomb <= self.purge_interval {
-            return;
-        }
-        let live = self.watchers.len().saturating_sub(tomb);
-        if tomb <= live || self.purging.swap(true, Ordering::AcqRel) {
+        let (live, tomb) = self.entries.get();
+        if tomb <= self.purge_interval || tomb <= live || self.purging.swap(true, Ordering::AcqRel)
+        {
             return;
         }
         let mut purged = 0;
@@ -188,5 +184,68 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         }
         self.drop_removed(removed);
         ops
+    }
+}
+
+/// Watch-list entries of pending operations (live) and of finished ones
+/// (tombstones), in one word so that a finish moves its entries from one count
+/// to the other in a single read-modify-write, and the purge rule reads both at
+/// once: live entries in the high 32 bits, tombstones in the low 32.
+///
+/// Tombstones may dip below zero briefly (an entry removed just before its
+/// operation's finish is counted): the word is the sum of all changes, so each
+/// half reads right again once the finish is counted, and a reader in between
+/// sees a huge tombstone count, which at worst runs a purge early.
+#[derive(Debug, Default)]
+pub(crate) struct Entries(AtomicU64);
+
+impl Entries {
+    pub(crate) fn change(&self, live: i64, tombstones: i64) {
+        let delta = (live << 32).wrapping_add(tombstones) as u64;
+        self.0.fetch_add(delta, Ordering::AcqRel);
+    }
+
+    /// Live entries and tombstones.
+    pub(crate) fn get(&self) -> (usize, usize) {
+        let v = self.0.load(Ordering::Acquire);
+        ((v >> 32) as usize, (v & 0xFFFF_FFFF) as usize)
+    }
+
+    /// Tombstones, reading a brief dip below zero as zero.
+    pub(crate) fn tombstones(&self) -> usize {
+        let (_, tomb) = self.get();
+        if tomb > u32::MAX as usize / 2 {
+            0
+        } else {
+            tomb
+        }
+    }
+}
+
+#[cfg(all(test, not(purgatory_loom)))]
+mod tests {
+    use super::Entries;
+
+    #[test]
+    fn live_entries_and_tombstones_share_one_word() {
+        let e = Entries::default();
+        e.change(3, 0); // registered on three keys
+        assert_eq!(e.get(), (3, 0));
+        e.change(-3, 3); // finished: all three are tombstones
+        assert_eq!(e.get(), (0, 3));
+        assert_eq!(e.tombstones(), 3);
+        e.change(0, -2); // two removed by walks
+        assert_eq!(e.get(), (0, 1));
+    }
+
+    #[test]
+    fn a_removal_counted_before_its_finish_dips_and_recovers() {
+        let e = Entries::default();
+        e.change(5, 0);
+        e.change(0, -1); // removed by a cancel just before its finish is counted
+        assert_eq!(e.tombstones(), 0, "a dip reads as none");
+        e.change(-2, 2); // the finish of that two-key operation
+        assert_eq!(e.get(), (3, 1));
+        assert_eq!(e.tombstones(), 1);
     }
 }
