@@ -589,3 +589,44 @@ mod loom_wake {
         });
     }
 }
+
+#[cfg(all(test, not(purgatory_loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn panic_messages_are_read_from_either_payload() {
+        let text: Box<dyn std::any::Any + Send> = Box::new("boom");
+        assert_eq!(panic_message(&*text), "boom");
+        let owned: Box<dyn std::any::Any + Send> = Box::new(String::from("owned boom"));
+        assert_eq!(panic_message(&*owned), "owned boom");
+        let other: Box<dyn std::any::Any + Send> = Box::new(7u32);
+        assert_eq!(panic_message(&*other), "<non-string panic payload>");
+    }
+
+    #[test]
+    fn each_drop_is_contained_on_its_own() {
+        struct Loud(bool, std::sync::Arc<AtomicUsize>);
+        impl Drop for Loud {
+            fn drop(&mut self) {
+                self.1.fetch_add(1, Ordering::SeqCst);
+                if self.0 {
+                    panic!("loud drop");
+                }
+            }
+        }
+        let dropped = std::sync::Arc::new(AtomicUsize::new(0));
+        let mut caught = Vec::new();
+        let values = [true, false, true, false].map(|p| Loud(p, dropped.clone()));
+        drop_each_contained(values, |p| caught.push(panic_message(p).to_string()));
+        assert_eq!(dropped.load(Ordering::SeqCst), 4, "every value dropped");
+        assert_eq!(caught, ["loud drop", "loud drop"]);
+        let mut seen = None;
+        drop_contained(Loud(true, dropped.clone()), |p| {
+            seen = Some(panic_message(p).to_string())
+        });
+        assert_eq!(seen.as_deref(), Some("loud drop"));
+        // Values without drop glue are not even looked at.
+        drop_contained(5u32, |_| unreachable!());
+    }
+}

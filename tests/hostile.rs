@@ -787,3 +787,53 @@ async fn a_detached_operations_output_is_dropped_at_once() {
     let m = p.metrics();
     assert!(balanced(&m) && m.delayed == 0, "{m:?}");
 }
+
+/// A key whose `Drop` panics, dropped by the crate (the map's copy when its list
+/// empties, a duplicate at registration): contained and counted; the call that
+/// dropped it finishes its work.
+#[tokio::test(start_paused = true)]
+async fn a_panicking_key_drop_is_contained() {
+    #[derive(Clone, Debug)]
+    struct Grenade(u32);
+    impl PartialEq for Grenade {
+        fn eq(&self, o: &Self) -> bool {
+            self.0 == o.0
+        }
+    }
+    impl Eq for Grenade {}
+    impl Hash for Grenade {
+        fn hash<H: Hasher>(&self, h: &mut H) {
+            self.0.hash(h);
+        }
+    }
+    impl Drop for Grenade {
+        fn drop(&mut self) {
+            if self.0 == 7 && !std::thread::panicking() {
+                panic!("hostile key drop");
+            }
+        }
+    }
+    let p = purgatory::<Grenade>();
+    let a = Hooks::default();
+    // A duplicate key 7 is dropped at registration.
+    let ha = catch_unwind(AssertUnwindSafe(|| {
+        p.try_complete_else_watch(Op(a.clone()), ms(100), [Grenade(7), Grenade(7)])
+    }))
+    .expect("a duplicate's drop is contained")
+    .unwrap();
+    a.set_ready();
+    // The walk empties key 7's list: the map's copy is dropped.
+    let walked = catch_unwind(AssertUnwindSafe(|| p.try_complete_watched(&Grenade(1))));
+    assert_eq!(walked.ok(), Some(0));
+    let walked = catch_unwind(AssertUnwindSafe(|| {
+        let probe = Grenade(7);
+        let n = p.try_complete_watched(&probe);
+        std::mem::forget(probe); // the test's own key: not the crate's to drop
+        n
+    }));
+    assert_eq!(walked.ok(), Some(1), "the walk finished its work");
+    assert!(ha.await.unwrap().is_completed());
+    let m = p.metrics();
+    assert_eq!((m.keys, m.watched, m.delayed), (0, 0, 0), "{m:?}");
+    assert!(m.panicked >= 2, "both drops counted: {m:?}");
+}
