@@ -186,7 +186,10 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
 
     /// Appends `v` to the list of every key, counting in `added` the lists it
     /// joined, so that a panic in key code part-way leaves a known count behind.
-    pub(crate) fn watch(&self, keys: &[K], v: &V, added: &mut usize) {
+    pub(crate) fn watch<'k>(&self, keys: impl IntoIterator<Item = &'k K>, v: &V, added: &mut usize)
+    where
+        K: 'k,
+    {
         for key in keys {
             let (hash, shard, mut map) = self.shard(key);
             match map.get_mut(&Probe { hash, key } as &dyn Lookup<K>) {

@@ -53,7 +53,10 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
             .max(0) as usize
     }
 
-    pub(crate) fn watch(&self, keys: &[K], v: &V, added: &mut usize) {
+    pub(crate) fn watch<'k>(&self, keys: impl IntoIterator<Item = &'k K>, v: &V, added: &mut usize)
+    where
+        K: 'k,
+    {
         for key in keys {
             let hit = match self.map.get_mut(key) {
                 Some(mut list) => {

@@ -7,6 +7,7 @@ mod builder;
 mod cell;
 mod error;
 mod handle;
+mod keys;
 mod operation;
 mod shared;
 mod state;
@@ -25,6 +26,7 @@ pub use self::builder::PurgatoryBuilder;
 use self::cell::{Checked, Fate, OpCell};
 pub use self::error::{OperationError, WatchError};
 pub use self::handle::{OpRef, OperationHandle};
+use self::keys::KeyList;
 pub use self::operation::{Completion, Operation};
 use self::shared::{closed_refusal, Expiry, Shared};
 use crate::clock::deadline_after;
@@ -353,12 +355,9 @@ impl<K: WatchKey, O: Operation> Purgatory<K, O> {
     {
         let shared = self.shared();
         // Key code may panic: nothing is counted or registered until it has run.
-        let keys = match catch_unwind(AssertUnwindSafe(|| dedup(keys))) {
+        let keys = match catch_unwind(AssertUnwindSafe(|| KeyList::distinct(keys))) {
             Ok((keys, dups)) => {
-                shared.drop_removed(Removed {
-                    entries: Vec::new(),
-                    keys: dups,
-                });
+                shared.drop_keys(dups);
                 keys
             }
             Err(panic) => {
@@ -370,19 +369,13 @@ impl<K: WatchKey, O: Operation> Purgatory<K, O> {
             return Err(WatchError::NoKeys(op));
         }
         if let Some(why) = shared.core.closed() {
-            shared.drop_removed(Removed {
-                entries: Vec::new(),
-                keys,
-            });
+            shared.drop_keys(keys);
             return Err(closed_refusal(op, why));
         }
         let delayed = shared.delayed.fetch_add(1, Ordering::AcqRel);
         if shared.max_pending.is_some_and(|max| delayed >= max) {
             shared.delayed.fetch_sub(1, Ordering::AcqRel);
-            shared.drop_removed(Removed {
-                entries: Vec::new(),
-                keys,
-            });
+            shared.drop_keys(keys);
             return Err(WatchError::AtCapacity(op));
         }
         tracing::trace!(purgatory = &*shared.name, keys = keys.len(), "register");
@@ -392,10 +385,7 @@ impl<K: WatchKey, O: Operation> Purgatory<K, O> {
                 shared.counters.registered.fetch_add(1, Ordering::Relaxed);
                 shared.on_finished(Fate::Completed, 0);
                 shared.drop_contained("drop of an operation", op);
-                shared.drop_removed(Removed {
-                    entries: Vec::new(),
-                    keys,
-                });
+                shared.drop_keys(keys);
                 return Ok(OperationHandle::ready(Completion::Completed(output)));
             }
             Ok(None) => {}
@@ -413,7 +403,7 @@ impl<K: WatchKey, O: Operation> Purgatory<K, O> {
         ));
         let mut added = 0;
         let watched = catch_unwind(AssertUnwindSafe(|| {
-            shared.watchers.watch(&keys, &cell, &mut added)
+            shared.watchers.watch(keys.iter(), &cell, &mut added)
         }));
         if let Err(panic) = watched {
             // A key's code panicked: undo. The entries made are tombstones now.
@@ -422,10 +412,7 @@ impl<K: WatchKey, O: Operation> Purgatory<K, O> {
             shared.delayed.fetch_sub(1, Ordering::AcqRel);
             drop(cell);
             shared.drop_contained("drop of an operation", op);
-            shared.drop_removed(Removed {
-                entries: Vec::new(),
-                keys,
-            });
+            shared.drop_keys(keys);
             resume_unwind(panic);
         }
         shared.entries.change(added as i64, 0);
@@ -463,17 +450,11 @@ impl<K: WatchKey, O: Operation> Purgatory<K, O> {
         };
         if let Some((op, why)) = refused {
             cell.detach();
-            shared.drop_removed(Removed {
-                entries: Vec::new(),
-                keys,
-            });
+            shared.drop_keys(keys);
             return Err(closed_refusal(op, why));
         }
         shared.maybe_purge();
-        shared.drop_removed(Removed {
-            entries: Vec::new(),
-            keys,
-        });
+        shared.drop_keys(keys);
         Ok(OperationHandle::waiting(cell))
     }
 
@@ -852,32 +833,6 @@ pub struct PurgatoryMetrics {
     pub panicked: u64,
     /// Times the reaper woke from a sleep.
     pub reaper_wakeups: u64,
-}
-
-/// The distinct keys of `keys`, in order, and the duplicates (to be dropped by the
-/// caller with its drops contained).
-fn dedup<K: WatchKey>(keys: impl IntoIterator<Item = K>) -> (Vec<K>, Vec<K>) {
-    let mut out: Vec<K> = Vec::new();
-    let mut dups = Vec::new();
-    for k in keys {
-        if out.len() >= 16 {
-            out.push(k);
-        } else if out.contains(&k) {
-            dups.push(k);
-        } else {
-            out.push(k);
-        }
-    }
-    if out.len() > 16 {
-        let keep: Vec<bool> = {
-            let mut seen = std::collections::HashSet::with_capacity(out.len());
-            out.iter().map(|k| seen.insert(k)).collect()
-        };
-        let (kept, more): (Vec<_>, Vec<_>) = out.into_iter().zip(keep).partition(|(_, keep)| *keep);
-        out = kept.into_iter().map(|(k, _)| k).collect();
-        dups.extend(more.into_iter().map(|(k, _)| k));
-    }
-    (out, dups)
 }
 
 #[cfg(all(test, not(purgatory_loom)))]

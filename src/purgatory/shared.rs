@@ -108,6 +108,12 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         drop_contained(value, |p| self.note_panic(what, p));
     }
 
+    /// Drops keys the purgatory holds no more, with no lock held, each drop
+    /// contained.
+    pub(crate) fn drop_keys(&self, keys: impl IntoIterator<Item = K>) {
+        drop_each_contained(keys, |p| self.note_panic("drop of a key", p));
+    }
+
     /// Drops what was taken out of the watcher map, with no lock held. The
     /// entries removed were tombstones, or are about to be (cancelled).
     pub(crate) fn drop_removed(&self, removed: Removed<K, Arc<OpCell<K, O>>>) {
@@ -118,7 +124,7 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         drop_each_contained(removed.entries, |p| {
             self.note_panic("drop of a finished operation's cell", p)
         });
-        drop_each_contained(removed.keys, |p| self.note_panic("drop of a key", p));
+        self.drop_keys(removed.keys);
     }
 
     /// Counts a finished operation; its `keys` list entries are now tombstones.
