@@ -156,12 +156,7 @@ pub mod purgatory;
 mod reaper;
 mod settings;
 pub mod timer;
-#[cfg(not(purgatory_dashmap))]
 mod watchers;
-#[cfg(purgatory_dashmap)]
-#[path = "watchers_dashmap.rs"]
-mod watchers;
-mod watchers_common;
 mod wheel;
 
 pub use purgatory::{

@@ -1,10 +1,9 @@
 //! The watcher map: watch key -> operations watching it (many to many).
 //!
-//! Sharded by key hash; each shard is a `Mutex<HashMap<K, Vec<V>>>` and the
-//! number of entries its lists hold. The map keeps that count itself, changed
-//! under the shard's lock by the call that adds or removes entries, so callers
-//! never pair their changes with a count of their own; [`Watchers::len`] sums
-//! the shards.
+//! A [`DashMap`] from each key to its list, with the key stored beside its hash.
+//! The map keeps its own entry count (striped by thread, summed on read), changed
+//! by the call that adds or removes entries, so callers never pair their changes
+//! with a count of their own.
 //!
 //! # Ground rules
 //!
@@ -13,27 +12,33 @@
 //!   keeps its own copy). Those two are user code and must not call back into the
 //!   purgatory. A key's `Hash` runs once per call, before any lock is taken: the
 //!   map stores each key with its hash and never hashes a stored key again (not
-//!   even to grow or shrink its table). Nothing else of the user's runs here: no
-//!   operation code and **no drop of a user value**. Every method that removes
-//!   entries or keys moves them out into a [`Removed`] that the caller drops after
-//!   the lock is released, because the last reference to an operation's cell, or
-//!   the map's copy of a key, may own user data whose `Drop` calls back in.
+//!   even when a shard grows or shrinks).
+//! - **No drop of a user value under a lock.** Every method that removes entries
+//!   or keys moves them out into a [`Removed`] that the caller drops after the lock
+//!   is released, because the last reference to an operation's cell, or the map's
+//!   copy of a key, may own user data whose `Drop` calls back in. So the DashMap
+//!   calls that drop under their lock are not used here: `retain` and `clear`
+//!   (removals go through `remove_if_mut`, which hands the key back), and
+//!   `VacantEntry::insert` (`insert_entry` hands the spare key back instead).
 //! - **Panics.** A panic in key code under a lock leaves the map as it was before
 //!   the call that panicked (each method changes the map only after the key code it
-//!   needs has returned), and the lock is recovered from poisoning.
+//!   needs has returned).
 //! - **Empty keys.** A key whose list becomes empty is removed in the same critical
 //!   section that emptied it, so it cannot race a concurrent watch of the same key.
+//! - **Shrinking.** DashMap shrinks all its shards at once. The map looks at its
+//!   size once per 64 keys removed and shrinks when it has 8x more room than keys,
+//!   so each rehash is paid for by the removals before it (amortised O(1)), and its
+//!   memory follows the live key count rather than its peak.
 
 use std::borrow::Borrow;
 use std::collections::hash_map::RandomState;
-use std::collections::HashMap;
 use std::hash::{BuildHasher, BuildHasherDefault, Hash, Hasher};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicIsize, AtomicUsize, Ordering};
 
-use crate::loom::{lock, Mutex, MutexGuard};
+use dashmap::mapref::entry::Entry;
+use dashmap::DashMap;
 
-/// A shard's map: each key's list.
-type Lists<K, V> = HashMap<Hashed<K>, Vec<V>, BuildHasherDefault<PassThrough>>;
+use crate::loom::thread_index;
 
 /// A stored key with its hash, computed once by the map's hasher.
 #[derive(Debug)]
@@ -60,6 +65,15 @@ impl Hasher for PassThrough {
     }
 }
 
+impl<K: Clone> Clone for Hashed<K> {
+    fn clone(&self) -> Self {
+        Hashed {
+            hash: self.hash,
+            key: self.key.clone(),
+        }
+    }
+}
+
 impl<K> Hash for Hashed<K> {
     fn hash<H: Hasher>(&self, h: &mut H) {
         h.write_u64(self.hash);
@@ -76,32 +90,35 @@ impl<K: Eq> Eq for Hashed<K> {}
 
 /// What a lookup compares: a hash and a key, stored (`Hashed`) or borrowed
 /// (`Probe`). The table finds lists through `dyn Lookup`, which a stored key
-/// lends itself as, so a lookup needs neither an owned key nor a second hash.
+/// lends itself as, so a lookup needs neither an owned key nor a second hash. A
+/// probe without a key matches any key with its hash: used only to remove lists
+/// already found empty, where taking another empty list of the same hash is as
+/// good.
 trait Lookup<Q: ?Sized> {
     fn hash(&self) -> u64;
-    fn key(&self) -> &Q;
+    fn key(&self) -> Option<&Q>;
 }
 
 impl<K: Borrow<Q>, Q: ?Sized> Lookup<Q> for Hashed<K> {
     fn hash(&self) -> u64 {
         self.hash
     }
-    fn key(&self) -> &Q {
-        self.key.borrow()
+    fn key(&self) -> Option<&Q> {
+        Some(self.key.borrow())
     }
 }
 
-/// A key looked up by reference, with its hash.
+/// A key looked up by reference (or by hash alone), with its hash.
 struct Probe<'a, Q: ?Sized> {
     hash: u64,
-    key: &'a Q,
+    key: Option<&'a Q>,
 }
 
 impl<Q: ?Sized> Lookup<Q> for Probe<'_, Q> {
     fn hash(&self) -> u64 {
         self.hash
     }
-    fn key(&self) -> &Q {
+    fn key(&self) -> Option<&Q> {
         self.key
     }
 }
@@ -120,98 +137,140 @@ impl<Q: ?Sized> Hash for dyn Lookup<Q> + '_ {
 
 impl<Q: ?Sized + Eq> PartialEq for dyn Lookup<Q> + '_ {
     fn eq(&self, other: &Self) -> bool {
-        Lookup::hash(self) == Lookup::hash(other) && self.key() == other.key()
+        Lookup::hash(self) == Lookup::hash(other)
+            && match (self.key(), other.key()) {
+                (Some(a), Some(b)) => a == b,
+                _ => true,
+            }
     }
 }
 
 impl<Q: ?Sized + Eq> Eq for dyn Lookup<Q> + '_ {}
 
-/// One shard, on its own cache lines: its map, and the entries its lists hold
-/// (changed only with the map's lock held; read without it).
+type Lists<K, V> = DashMap<Hashed<K>, Vec<V>, BuildHasherDefault<PassThrough>>;
+
+/// One stripe of the entry count, on its own cache lines.
 #[derive(Debug)]
 #[repr(align(128))]
-struct Shard<K, V> {
-    map: Mutex<Lists<K, V>>,
-    entries: AtomicUsize,
-}
+struct Stripe(AtomicIsize);
 
-impl<K, V> Shard<K, V> {
-    fn added(&self, n: usize) {
-        self.entries.fetch_add(n, Ordering::Relaxed);
-    }
+/// Stripes of the entry count: a thread adds to its own.
+const STRIPES: usize = 16;
 
-    fn removed(&self, n: usize) {
-        self.entries.fetch_sub(n, Ordering::Relaxed);
-    }
-}
-
-#[derive(Debug)]
 pub(crate) struct Watchers<K, V> {
-    shards: Box<[Shard<K, V>]>,
+    lists: Lists<K, V>,
     hasher: RandomState,
+    entries: Box<[Stripe]>,
+    /// Keys removed, to look at the table's size once per 64.
+    removals: AtomicUsize,
 }
 
-pub(crate) use crate::watchers_common::Removed;
+/// What a call took out of the map, to be dropped by the caller once no lock is
+/// held: list entries and the map's own copies of keys that left it.
+#[derive(Debug)]
+pub(crate) struct Removed<K, V> {
+    pub(crate) entries: Vec<V>,
+    pub(crate) keys: Vec<K>,
+}
+
+impl<K, V> Default for Removed<K, V> {
+    fn default() -> Self {
+        Removed {
+            entries: Vec::new(),
+            keys: Vec::new(),
+        }
+    }
+}
+
+impl<K, V> std::fmt::Debug for Watchers<K, V> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Watchers").finish_non_exhaustive()
+    }
+}
 
 impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
     pub(crate) fn new(shards: usize) -> Self {
         Watchers {
-            shards: (0..shards.max(1))
-                .map(|_| Shard {
-                    map: Mutex::new(HashMap::default()),
-                    entries: AtomicUsize::new(0),
-                })
-                .collect(),
+            lists: DashMap::with_hasher_and_shard_amount(
+                BuildHasherDefault::default(),
+                shards.clamp(2, 1 << 16).next_power_of_two(),
+            ),
             hasher: RandomState::new(),
+            entries: (0..STRIPES).map(|_| Stripe(AtomicIsize::new(0))).collect(),
+            removals: AtomicUsize::new(0),
         }
     }
 
-    /// The key's hash (its `Hash`, run here with no lock held), and its shard,
-    /// locked. The shard is picked by high bits of the hash; the table uses the
-    /// low bits and the top seven.
-    fn shard<Q: Hash + ?Sized>(&self, key: &Q) -> (u64, &Shard<K, V>, MutexGuard<'_, Lists<K, V>>) {
-        let hash = self.hasher.hash_one(key);
-        let shard = &self.shards[((hash >> 32) % self.shards.len() as u64) as usize];
-        (hash, shard, lock(&shard.map))
+    fn counted(&self, n: isize) {
+        if n != 0 {
+            let i = (thread_index() % STRIPES as u64) as usize;
+            self.entries[i].0.fetch_add(n, Ordering::Relaxed);
+        }
     }
 
-    /// Watch-list entries held, tombstones included. Sums the shards: exact when
+    /// Watch-list entries held, tombstones included. Sums the stripes: exact when
     /// no call races it.
     pub(crate) fn len(&self) -> usize {
-        self.shards
+        let n: isize = self
+            .entries
             .iter()
-            .map(|s| s.entries.load(Ordering::Relaxed))
-            .sum()
+            .map(|s| s.0.load(Ordering::Relaxed))
+            .sum();
+        n.max(0) as usize
     }
 
     /// Appends `v` to the list of every key, counting in `added` the lists it
     /// joined, so that a panic in key code part-way leaves a known count behind.
-    pub(crate) fn watch<'k>(&self, keys: impl IntoIterator<Item = &'k K>, v: &V, added: &mut usize)
-    where
+    /// Copies of keys made and not kept go to `spare`, for the caller to drop.
+    pub(crate) fn watch<'k>(
+        &self,
+        keys: impl IntoIterator<Item = &'k K>,
+        v: &V,
+        added: &mut usize,
+        spare: &mut Vec<K>,
+    ) where
         K: 'k,
     {
         for key in keys {
-            let (hash, shard, mut map) = self.shard(key);
-            match map.get_mut(&Probe { hash, key } as &dyn Lookup<K>) {
-                Some(list) => list.push(v.clone()),
-                None => {
-                    // Clone before inserting: a panicking clone leaves the map as it was.
-                    let own = Hashed {
-                        hash,
-                        key: key.clone(),
-                    };
-                    map.insert(own, vec![v.clone()]);
+            let hash = self.hasher.hash_one(key);
+            let probe = Probe {
+                hash,
+                key: Some(key),
+            };
+            let hit = match self.lists.get_mut(&probe as &dyn Lookup<K>) {
+                Some(mut list) => {
+                    list.push(v.clone());
+                    true
                 }
+                None => false,
+            };
+            if !hit {
+                // A first watch: clone before taking the lock (a panicking clone
+                // leaves the map as it was). DashMap stores a clone of this copy,
+                // made under the shard lock, and hands this one back, to be
+                // dropped once the lock is gone.
+                let own = Hashed {
+                    hash,
+                    key: key.clone(),
+                };
+                let copy = match self.lists.entry(own) {
+                    Entry::Occupied(mut list) => {
+                        list.get_mut().push(v.clone());
+                        list.into_key()
+                    }
+                    Entry::Vacant(slot) => slot.insert_entry(vec![v.clone()]).into_key(),
+                };
+                spare.push(copy.key);
             }
-            shard.added(1);
-            drop(map);
+            self.counted(1);
             *added += 1;
         }
     }
 
-    /// Copies `key`'s entries that are not `finished` into `out`, and takes the finished
-    /// ones out of the list (and the key, if nothing is left) into `removed`.
-    pub(crate) fn collect_live<Q: Hash + Eq + ?Sized>(
+    /// Copies `key`'s entries that are not `finished` into `out`, and takes the
+    /// finished ones out of the list (and the key, if nothing is left) into
+    /// `removed`.
+    pub(crate) fn collect_live<Q>(
         &self,
         key: &Q,
         out: &mut Vec<V>,
@@ -219,26 +278,28 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
         removed: &mut Removed<K, V>,
     ) where
         K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
     {
         self.retain(key, finished, |v| out.push(v.clone()), removed)
     }
 
     /// Takes `key`'s finished entries out into `removed`.
-    pub(crate) fn prune<Q: Hash + Eq + ?Sized>(
+    pub(crate) fn prune<Q>(
         &self,
         key: &Q,
         finished: impl Fn(&V) -> bool,
         removed: &mut Removed<K, V>,
     ) where
         K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
     {
         self.retain(key, finished, |_| {}, removed)
     }
 
-    /// Takes `key`'s finished entries out, showing each kept one to `kept`, and removes
-    /// the key when its list empties (in the same critical section, so a concurrent
-    /// watch of the key cannot be lost).
-    fn retain<Q: Hash + Eq + ?Sized>(
+    /// Takes `key`'s finished entries out, showing each kept one to `kept`, and
+    /// removes the key when its list empties (in the same critical section, so a
+    /// concurrent watch of the key cannot be lost).
+    fn retain<Q>(
         &self,
         key: &Q,
         finished: impl Fn(&V) -> bool,
@@ -246,79 +307,105 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
         removed: &mut Removed<K, V>,
     ) where
         K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
     {
-        let (hash, shard, mut map) = self.shard(key);
-        let probe = Probe { hash, key };
-        let Some(list) = map.get_mut(&probe as &dyn Lookup<Q>) else {
-            return;
+        let probe = Probe {
+            hash: self.hasher.hash_one(key),
+            key: Some(key),
         };
         let before = removed.entries.len();
-        removed.entries.extend(list.extract_if(.., |v| {
-            let gone = finished(v);
-            if !gone {
-                kept(v);
-            }
-            gone
-        }));
-        shard.removed(removed.entries.len() - before);
-        if list.is_empty() {
-            if let Some((k, _)) = map.remove_entry(&probe as &dyn Lookup<Q>) {
-                removed.keys.push(k.key);
-            }
-            shrink_if_sparse(&mut map);
+        let entries = &mut removed.entries;
+        let emptied = self
+            .lists
+            .remove_if_mut(&probe as &dyn Lookup<Q>, |_, list| {
+                entries.extend(list.extract_if(.., |v| {
+                    let gone = finished(v);
+                    if !gone {
+                        kept(v);
+                    }
+                    gone
+                }));
+                list.is_empty()
+            });
+        self.counted(-((removed.entries.len() - before) as isize));
+        if let Some((k, _)) = emptied {
+            removed.keys.push(k.key);
+            self.key_removed();
         }
     }
 
     /// Removes `key` with its whole list, into `removed`.
-    pub(crate) fn take<Q: Hash + Eq + ?Sized>(&self, key: &Q, removed: &mut Removed<K, V>)
+    pub(crate) fn take<Q>(&self, key: &Q, removed: &mut Removed<K, V>)
     where
         K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
     {
-        let (hash, shard, mut map) = self.shard(key);
-        if let Some((k, list)) = map.remove_entry(&Probe { hash, key } as &dyn Lookup<Q>) {
-            shard.removed(list.len());
+        let probe = Probe {
+            hash: self.hasher.hash_one(key),
+            key: Some(key),
+        };
+        if let Some((k, list)) = self.lists.remove(&probe as &dyn Lookup<Q>) {
+            self.counted(-(list.len() as isize));
             removed.keys.push(k.key);
             removed.entries.extend(list);
-            shrink_if_sparse(&mut map);
+            self.key_removed();
         }
     }
 
-    /// Takes every finished entry of every key out (and the keys left empty), one
-    /// shard at a time; `drop_batch` receives each shard's haul once that shard's
-    /// lock is released.
+    /// A key left the map: now and then, give back room the map no longer needs.
+    fn key_removed(&self) {
+        if self.removals.fetch_add(1, Ordering::Relaxed) % 64 == 63 {
+            self.shrink_if_sparse();
+        }
+    }
+
+    /// Gives back most of the table once it has far more room than keys (a burst
+    /// of keys has passed), so its memory follows the live key count, not its
+    /// peak. Each rehash uses the stored hashes: no user code runs.
+    fn shrink_if_sparse(&self) {
+        let capacity = self.lists.capacity();
+        if capacity > 64 && self.lists.len() * 8 < capacity {
+            self.lists.shrink_to_fit();
+        }
+    }
+
+    /// Takes every finished entry of every key out, and the keys left empty;
+    /// `drop_batch` receives them once no lock is held.
     pub(crate) fn purge(
         &self,
         finished: impl Fn(&V) -> bool,
-        mut drop_batch: impl FnMut(Removed<K, V>),
+        drop_batch: impl FnOnce(Removed<K, V>),
     ) {
-        for shard in self.shards.iter() {
-            let mut removed = Removed::default();
-            {
-                let mut map = lock(&shard.map);
-                let entries = &mut removed.entries;
-                let emptied = map.extract_if(|_, list| {
-                    entries.extend(list.extract_if(.., |v| finished(v)));
-                    list.is_empty()
-                });
-                removed.keys.extend(emptied.map(|(k, _)| k.key));
-                shard.removed(removed.entries.len());
-                shrink_if_sparse(&mut map);
-            }
-            if !removed.entries.is_empty() || !removed.keys.is_empty() {
-                drop_batch(removed);
+        let mut removed = Removed::default();
+        let mut emptied = Vec::new();
+        for mut item in self.lists.iter_mut() {
+            let list = item.value_mut();
+            removed.entries.extend(list.extract_if(.., |v| finished(v)));
+            if list.is_empty() {
+                emptied.push(item.key().hash);
             }
         }
+        self.counted(-(removed.entries.len() as isize));
+        for hash in emptied {
+            let probe: Probe<'_, K> = Probe { hash, key: None };
+            let gone = self
+                .lists
+                .remove_if(&probe as &dyn Lookup<K>, |_, list| list.is_empty());
+            if let Some((k, _)) = gone {
+                removed.keys.push(k.key);
+            }
+        }
+        self.shrink_if_sparse();
+        drop_batch(removed);
     }
 
     /// Removes every list (shutdown), into `removed`.
     pub(crate) fn drain(&self, removed: &mut Removed<K, V>) {
-        for shard in self.shards.iter() {
-            let map = {
-                let mut map = lock(&shard.map);
-                shard.entries.store(0, Ordering::Relaxed);
-                std::mem::take(&mut *map)
-            };
-            for (k, list) in map {
+        let hashes: Vec<u64> = self.lists.iter().map(|item| item.key().hash).collect();
+        for hash in hashes {
+            let probe: Probe<'_, K> = Probe { hash, key: None };
+            if let Some((k, list)) = self.lists.remove(&probe as &dyn Lookup<K>) {
+                self.counted(-(list.len() as isize));
                 removed.keys.push(k.key);
                 removed.entries.extend(list);
             }
@@ -327,20 +414,7 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
 
     /// Number of keys with a list.
     pub(crate) fn keys(&self) -> usize {
-        self.shards.iter().map(|s| lock(&s.map).len()).sum()
-    }
-}
-
-/// Gives back most of a shard's table once it has far more room than keys (a
-/// burst of keys has passed), so the map's memory follows the live key count, not
-/// its peak. It shrinks to twice the length: the map can grow again without a
-/// resize, and the next shrink waits until it loses most of its keys again, so
-/// each rehash is paid for by the removals before it (amortised O(1)).
-///
-/// Rehashing uses the stored hashes: no user code runs.
-fn shrink_if_sparse<K: Eq, V>(map: &mut Lists<K, V>) {
-    if map.capacity() > 64 && map.len() * 8 < map.capacity() {
-        map.shrink_to(map.len() * 2);
+        self.lists.len()
     }
 }
 
@@ -349,7 +423,7 @@ mod tests {
     use super::*;
 
     fn capacity<K: Hash + Eq + Clone>(w: &Watchers<K, u32>) -> usize {
-        w.shards.iter().map(|s| lock(&s.map).capacity()).sum()
+        w.lists.capacity()
     }
 
     fn take(w: &Watchers<u32, u32>, k: u32) -> Vec<u32> {
@@ -362,7 +436,7 @@ mod tests {
     fn table_follows_the_live_key_count_not_its_peak() {
         let w: Watchers<u32, u32> = Watchers::new(4);
         for k in 0..100_000 {
-            w.watch(&[k], &k, &mut 0);
+            w.watch(&[k], &k, &mut 0, &mut Vec::new());
         }
         let peak = capacity(&w);
         assert!(peak >= 100_000);
@@ -377,9 +451,11 @@ mod tests {
             }
         }
         assert_eq!(w.keys(), 100);
+        // The size is looked at once per 64 keys removed, and the table shrinks
+        // when it has 8x more room than keys: so at most 8x (keys + 64).
         let left = capacity(&w);
         assert!(
-            left <= 100 * 8,
+            left <= (100 + 64) * 8,
             "capacity {left} for 100 keys (peak {peak})"
         );
         // The survivors are intact and the map still works.
@@ -387,7 +463,7 @@ mod tests {
             assert_eq!(take(&w, k), vec![k]);
         }
         assert_eq!(w.keys(), 0);
-        w.watch(&[7], &7, &mut 0);
+        w.watch(&[7], &7, &mut 0, &mut Vec::new());
         assert_eq!(take(&w, 7), vec![7]);
     }
 
@@ -397,7 +473,7 @@ mod tests {
     fn the_table_shrinks_in_a_few_steps_not_on_every_removal() {
         let w: Watchers<u32, u32> = Watchers::new(1);
         for k in 0..20_000 {
-            w.watch(&[k], &k, &mut 0);
+            w.watch(&[k], &k, &mut 0, &mut Vec::new());
         }
         let mut changes = 0;
         let mut cap = capacity(&w);
@@ -432,7 +508,7 @@ mod tests {
         }
         let w: Watchers<K, u32> = Watchers::new(1);
         for k in 0..5_000 {
-            w.watch(&[K(k)], &k, &mut 0);
+            w.watch(&[K(k)], &k, &mut 0, &mut Vec::new());
         }
         assert_eq!(HASHES.load(Ordering::SeqCst), 5_000, "growth re-hashed");
         for k in 0..4_990 {
@@ -447,7 +523,7 @@ mod tests {
     fn purge_shrinks_the_table_too() {
         let w: Watchers<u32, u32> = Watchers::new(2);
         for k in 0..50_000 {
-            w.watch(&[k], &k, &mut 0);
+            w.watch(&[k], &k, &mut 0, &mut Vec::new());
         }
         let mut removed = 0;
         let mut keys = 0;
@@ -467,7 +543,7 @@ mod tests {
     fn a_walk_keeps_live_entries_and_hands_out_done_ones() {
         let w: Watchers<u32, u32> = Watchers::new(1);
         for v in 0..10 {
-            w.watch(&[1], &v, &mut 0);
+            w.watch(&[1], &v, &mut 0, &mut Vec::new());
         }
         let mut live = Vec::new();
         let mut r = Removed::default();
@@ -499,7 +575,7 @@ mod tests {
         let w: Watchers<K, u32> = Watchers::new(4);
         let mut added = 0;
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            w.watch(&[K(1), K(2), K(3), K(4)], &7, &mut added)
+            w.watch(&[K(1), K(2), K(3), K(4)], &7, &mut added, &mut Vec::new())
         }));
         assert!(r.is_err());
         assert_eq!(added, 2);

@@ -402,9 +402,13 @@ impl<K: WatchKey, O: Operation> Purgatory<K, O> {
             me,
         ));
         let mut added = 0;
+        let mut spare = Vec::new();
         let watched = catch_unwind(AssertUnwindSafe(|| {
-            shared.watchers.watch(keys.iter(), &cell, &mut added)
+            shared
+                .watchers
+                .watch(keys.iter(), &cell, &mut added, &mut spare)
         }));
+        shared.drop_keys(spare);
         if let Err(panic) = watched {
             // A key's code panicked: undo. The entries made are tombstones now.
             let op = cell.abandon_registration();
