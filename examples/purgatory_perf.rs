@@ -123,6 +123,9 @@ struct Opts {
     imp: Imp,
     #[arg(long, value_enum, default_value_t = Runtime::Multi)]
     runtime: Runtime,
+    /// This crate's wheel tick, in microseconds (default: the crate's default).
+    #[arg(long)]
+    tick_us: Option<u64>,
     /// Generator tasks sharing the load (1, as Kafka's).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
     generators: u32,
@@ -473,7 +476,13 @@ async fn run(o: Opts) -> RunResult {
     let stop = Arc::new(tokio::sync::Notify::new());
 
     let target = match o.imp {
-        Imp::Purgatory => Target::Purgatory(Purgatory::builder("perf").build().unwrap()),
+        Imp::Purgatory => {
+            let mut b = Purgatory::builder("perf");
+            if let Some(us) = o.tick_us {
+                b = b.tick(Duration::from_micros(us));
+            }
+            Target::Purgatory(b.build().unwrap())
+        }
         Imp::Task => Target::Task(Arc::new(TaskPeer {
             watchers: DashMap::new(),
             next_id: AtomicU64::new(0),
@@ -830,6 +839,7 @@ fn child(o: &Opts, imp: Imp, rate: f64) -> Option<String> {
             &o.generators.to_string(),
             "--quiet",
         ])
+        .args(o.tick_us.map(|us| format!("--tick-us={us}")))
         .stderr(std::process::Stdio::inherit())
         .output()
         .ok()?;

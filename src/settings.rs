@@ -20,7 +20,7 @@ pub(crate) struct Settings {
 impl Default for Settings {
     fn default() -> Self {
         Settings {
-            tick: Duration::from_millis(1),
+            tick: Duration::from_micros(100),
             slots: 64,
             levels: 6,
             shards: std::thread::available_parallelism()
@@ -71,9 +71,11 @@ pub(crate) fn runtime_handle(
 /// builder with a `wheel: Settings` field.
 macro_rules! wheel_setters {
     () => {
-        /// The tick: the wheel's unit of time (default 1 ms). Deadlines are rounded
-        /// up to whole ticks, so a timeout is late by less than one tick, never
-        /// early. A larger tick means fewer reaper wake-ups for dense timeouts.
+        /// The tick: the wheel's unit of time (default 100 µs). Deadlines are
+        /// rounded up to whole ticks, so a timeout is late by less than one tick,
+        /// never early. The reaper sleeps on Tokio's timer, which wakes at most
+        /// once a millisecond, so a tick below 1 ms cuts lateness without adding
+        /// wake-ups; a larger tick means fewer wake-ups for sparse timeouts.
         pub fn tick(mut self, tick: Duration) -> Self {
             self.wheel.tick = tick;
             self
@@ -85,8 +87,8 @@ macro_rules! wheel_setters {
             self
         }
 
-        /// Number of wheel levels (default 6: with 64 slots of 1 ms, 2^36 ms, about
-        /// 2.2 years). Later deadlines are still accepted and never fire early;
+        /// Number of wheel levels (default 6: with 64 slots of 100 µs, 2^36 ticks,
+        /// about 80 days). Later deadlines are still accepted and never fire early;
         /// they wait in an overflow list revisited once per turn of the top level.
         pub fn levels(mut self, levels: usize) -> Self {
             self.wheel.levels = levels;

@@ -27,33 +27,13 @@ use self::cell::{Checked, Fate, OpCell};
 pub use self::error::{OperationError, WatchError};
 pub use self::handle::{OpRef, OperationHandle};
 use self::keys::KeyList;
-pub use self::operation::{Completion, Operation};
+pub use self::operation::{Completion, Operation, WatchKey};
 use self::shared::{closed_refusal, Expiry, Shared};
 use crate::clock::deadline_after;
 use crate::loom::thread_index;
 use crate::reaper::{drop_each_contained, Refused};
 use crate::settings::Settings;
 use crate::watchers::Removed;
-
-/// What a watch key must be: hashable, comparable, cloneable and shareable.
-/// Implemented for every such type (strings, integers, `(topic, partition)`
-/// tuples, ...).
-///
-/// A key whose `Hash` and `Eq` disagree does not corrupt anything: at worst the
-/// operations watching it are not found by `try_complete_watched` and finish by
-/// their timeout.
-///
-/// # Key code runs under a lock
-///
-/// The key's `Hash` and `Eq` (to find its watch list) and `Clone` (when a key is
-/// first watched, the map keeps a copy) run under the lock of the watcher-map
-/// shard that holds the key. They must not call back into the purgatory; keep them
-/// plain. If one panics, the panic reaches the caller of the method that ran it,
-/// and the purgatory is left as it was before that call. A key's `Drop` runs with
-/// no lock held and may do anything; a panic in it is contained.
-pub trait WatchKey: Hash + Eq + Clone + Send + Sync + 'static {}
-
-impl<T: Hash + Eq + Clone + Send + Sync + 'static> WatchKey for T {}
 
 /// Shuts the purgatory down when the last [`Purgatory`] clone is dropped.
 struct Owner<K: WatchKey, O: Operation> {

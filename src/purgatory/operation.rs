@@ -1,5 +1,7 @@
-//! What users implement and match on: the [`Operation`] trait and the
-//! [`Completion`] it ends in.
+//! What users implement and match on: the [`Operation`] trait, the
+//! [`Completion`] it ends in, and what a [`WatchKey`] must be.
+
+use std::hash::Hash;
 
 /// A request that waits in a [`Purgatory`](crate::Purgatory) until it can complete
 /// or its timeout fires (Kafka's `DelayedOperation`: a produce waiting for
@@ -106,3 +108,23 @@ impl<T> Completion<T> {
         matches!(self, Completion::Expired(_))
     }
 }
+
+/// What a watch key must be: hashable, comparable, cloneable and shareable.
+/// Implemented for every such type (strings, integers, `(topic, partition)`
+/// tuples, ...).
+///
+/// A key whose `Hash` and `Eq` disagree does not corrupt anything: at worst the
+/// operations watching it are not found by `try_complete_watched` and finish by
+/// their timeout.
+///
+/// # Key code runs under a lock
+///
+/// The key's `Hash` and `Eq` (to find its watch list) and `Clone` (when a key is
+/// first watched, the map keeps a copy) run under the lock of the watcher-map
+/// shard that holds the key. They must not call back into the purgatory; keep them
+/// plain. If one panics, the panic reaches the caller of the method that ran it,
+/// and the purgatory is left as it was before that call. A key's `Drop` runs with
+/// no lock held and may do anything; a panic in it is contained.
+pub trait WatchKey: Hash + Eq + Clone + Send + Sync + 'static {}
+
+impl<T: Hash + Eq + Clone + Send + Sync + 'static> WatchKey for T {}
