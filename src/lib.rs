@@ -161,7 +161,7 @@ mod wheel;
 
 pub use purgatory::{
     Completion, OpRef, Operation, OperationError, OperationHandle, Purgatory, PurgatoryBuilder,
-    PurgatoryMetrics, WatchError, WatchKey,
+    PurgatoryMetrics, WatchError, WatchErrorKind, WatchKey, WeakPurgatory,
 };
 pub use settings::BuildError;
 pub use timer::{Timer, TimerBuilder};

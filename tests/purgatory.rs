@@ -802,3 +802,89 @@ async fn keys_are_found_by_a_borrowed_form() {
     assert!(ha.await.unwrap().is_completed());
     assert_eq!(hb.await, Err(OperationError::Cancelled));
 }
+
+/// Cancelling through a handle or an `OpRef` hands the operation back, once;
+/// its timeout and output go with it.
+#[tokio::test(start_paused = true)]
+async fn cancel_through_a_handle_or_reference_hands_the_operation_back() {
+    let p = purgatory();
+    let h = p
+        .try_complete_else_watch(Mock::default(), ms(100), ["a"])
+        .unwrap();
+    assert!(h.cancel().is_some());
+    let m = p.metrics();
+    assert_eq!((m.delayed, m.cancelled), (0, 1));
+
+    let h = p
+        .try_complete_else_watch(Mock::default(), ms(100), ["a"])
+        .unwrap();
+    let r = h.op_ref().unwrap();
+    assert!(r.cancel().is_some());
+    assert!(r.cancel().is_none(), "only once");
+    assert!(!r.try_complete(), "nothing left to check");
+    assert_eq!(h.await, Err(OperationError::Cancelled));
+
+    // A finished operation has nothing to hand back.
+    let done = Mock::default();
+    done.set();
+    let h = p.try_complete_else_watch(done, ms(100), ["a"]).unwrap();
+    assert!(h.cancel().is_none());
+    advance(ms(200)).await;
+    settle().await;
+    let m = p.metrics();
+    assert!(balanced(&m) && m.delayed == 0 && m.expired == 0, "{m:?}");
+}
+
+/// The payload-free error kind works with `?` whatever the operation is.
+#[tokio::test(start_paused = true)]
+async fn refusals_convert_to_a_payload_free_kind() {
+    use tokio_purgatory::WatchErrorKind;
+    fn register(p: &Purgatory<&'static str, Mock>) -> Result<(), WatchErrorKind> {
+        p.try_complete_else_watch(Mock::default(), ms(10), [])?
+            .detach();
+        Ok(())
+    }
+    let p = purgatory();
+    assert_eq!(register(&p), Err(WatchErrorKind::NoKeys));
+    drop(p.shutdown());
+    let e = p
+        .try_complete_else_watch(Mock::default(), ms(10), ["a"])
+        .unwrap_err();
+    assert_eq!(e.kind(), WatchErrorKind::Shutdown);
+    assert_eq!(e.to_string(), WatchErrorKind::Shutdown.to_string());
+    let boxed: Box<dyn std::error::Error + Send + Sync> = e.kind().into();
+    assert_eq!(boxed.to_string(), "purgatory is shut down");
+}
+
+/// An operation holding a weak handle does not keep its purgatory alive: the
+/// last strong handle's drop shuts it down, and the operation is dropped.
+#[tokio::test(start_paused = true)]
+async fn a_weak_handle_does_not_keep_the_purgatory_alive() {
+    use tokio_purgatory::WeakPurgatory;
+    struct FollowUp(WeakPurgatory<u8, FollowUp>, Arc<AtomicBool>);
+    impl Operation for FollowUp {
+        type Output = ();
+        fn try_complete(&mut self) -> Option<()> {
+            // Would register its follow-up here, through the weak handle.
+            let _purgatory = self.0.upgrade()?;
+            None
+        }
+        fn on_expiration(self) {}
+    }
+    impl Drop for FollowUp {
+        fn drop(&mut self) {
+            self.1.store(true, Ordering::SeqCst);
+        }
+    }
+    let p: Purgatory<u8, FollowUp> = Purgatory::builder("weak").build().unwrap();
+    let dropped = Arc::new(AtomicBool::new(false));
+    let h = p
+        .try_complete_else_watch(FollowUp(p.downgrade(), dropped.clone()), ms(60_000), [1])
+        .unwrap();
+    let weak = p.downgrade();
+    assert!(weak.upgrade().is_some());
+    drop(p);
+    assert!(weak.upgrade().is_none());
+    assert!(dropped.load(Ordering::SeqCst), "the operation went with it");
+    assert_eq!(h.await, Err(OperationError::Shutdown));
+}

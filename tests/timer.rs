@@ -533,3 +533,47 @@ async fn timeout_future_yields_the_output_or_elapsed_at_its_deadline() {
     assert!(std::error::Error::source(&err).is_some());
     assert_eq!(TimeoutError::Elapsed.to_string(), "deadline has elapsed");
 }
+
+/// A heartbeat holding a weak timer beats while someone holds the timer, and
+/// stops (its pending beat dropped unrun) once the last strong handle goes.
+#[tokio::test(start_paused = true)]
+async fn a_heartbeat_on_a_weak_timer_stops_with_the_timer() {
+    use tokio_purgatory::timer::WeakTimer;
+    fn beat(timer: WeakTimer, n: Arc<AtomicUsize>) {
+        n.fetch_add(1, Ordering::SeqCst);
+        if let Some(t) = timer.upgrade() {
+            let _ = t.schedule(ms(100), move || beat(timer, n));
+        }
+    }
+    let timer = Timer::new();
+    let n = Arc::new(AtomicUsize::new(0));
+    let (w, n2) = (timer.downgrade(), n.clone());
+    timer.schedule(ms(100), move || beat(w, n2)).unwrap();
+    for _ in 0..3 {
+        advance(ms(100)).await;
+        settle().await;
+    }
+    assert_eq!(n.load(Ordering::SeqCst), 3);
+    let weak = timer.downgrade();
+    drop(timer);
+    assert!(weak.upgrade().is_none());
+    advance(ms(1000)).await;
+    settle().await;
+    assert_eq!(
+        n.load(Ordering::SeqCst),
+        3,
+        "no beat after the timer is gone"
+    );
+}
+
+/// The payload-free reason of a refused task.
+#[tokio::test(start_paused = true)]
+async fn schedule_refusals_have_a_payload_free_kind() {
+    use tokio_purgatory::timer::TimerError;
+    let timer = Timer::new();
+    let _ = timer.shutdown();
+    let e = timer.schedule(ms(1), || {}).unwrap_err();
+    assert_eq!(e.kind(), TimerError::Shutdown);
+    let kind: TimerError = e.into();
+    assert_eq!(kind.to_string(), "timer is shut down");
+}

@@ -4,7 +4,38 @@ use std::fmt;
 
 /// [`Purgatory::try_complete_else_watch`](crate::Purgatory::try_complete_else_watch)
 /// refused an operation; the operation is handed back untouched.
+///
+/// It is an error type (`Display`, `std::error::Error`) that carries the
+/// operation, so it is `Send + Sync` only when the operation is. To pass the
+/// failure on with `?` (into `anyhow`, a `Box<dyn Error + Send + Sync>`), take the
+/// operation back or drop it and keep the [`kind`](WatchError::kind):
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// use std::time::Duration;
+/// use tokio_purgatory::{Operation, Purgatory, WatchErrorKind};
+///
+/// // An operation holding a callback that is `Send` but not `Sync`.
+/// struct Callback(Box<dyn FnOnce() + Send>);
+/// impl Operation for Callback {
+///     type Output = ();
+///     fn try_complete(&mut self) -> Option<()> { None }
+///     fn on_expiration(self) { (self.0)() }
+/// }
+///
+/// fn register(p: &Purgatory<u32, Callback>) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+///     let op = Callback(Box::new(|| {}));
+///     p.try_complete_else_watch(op, Duration::from_secs(1), []).map_err(|e| e.kind())?.detach();
+///     Ok(())
+/// }
+///
+/// let p = Purgatory::builder("callbacks").build().unwrap();
+/// let err = register(&p).unwrap_err();
+/// assert_eq!(err.downcast_ref(), Some(&WatchErrorKind::NoKeys));
+/// # }
+/// ```
 #[derive(PartialEq, Eq)]
+#[non_exhaustive]
 pub enum WatchError<Op> {
     /// The key list was empty: nothing could ever complete the operation early.
     NoKeys(Op),
@@ -19,6 +50,11 @@ pub enum WatchError<Op> {
 
 impl<Op> WatchError<Op> {
     /// The operation that was refused.
+    ///
+    /// ```
+    /// use tokio_purgatory::WatchError;
+    /// assert_eq!(WatchError::AtCapacity("op").into_inner(), "op");
+    /// ```
     pub fn into_inner(self) -> Op {
         match self {
             WatchError::NoKeys(op)
@@ -27,7 +63,57 @@ impl<Op> WatchError<Op> {
             | WatchError::ReaperGone(op) => op,
         }
     }
+
+    /// Why it was refused, without the operation: `Copy`, `Send + Sync`, an error
+    /// of its own.
+    ///
+    /// ```
+    /// use tokio_purgatory::{WatchError, WatchErrorKind};
+    /// assert_eq!(WatchError::Shutdown(()).kind(), WatchErrorKind::Shutdown);
+    /// ```
+    pub fn kind(&self) -> WatchErrorKind {
+        match self {
+            WatchError::NoKeys(_) => WatchErrorKind::NoKeys,
+            WatchError::AtCapacity(_) => WatchErrorKind::AtCapacity,
+            WatchError::Shutdown(_) => WatchErrorKind::Shutdown,
+            WatchError::ReaperGone(_) => WatchErrorKind::ReaperGone,
+        }
+    }
 }
+
+impl<Op> From<WatchError<Op>> for WatchErrorKind {
+    fn from(e: WatchError<Op>) -> Self {
+        e.kind()
+    }
+}
+
+/// Why [`Purgatory::try_complete_else_watch`](crate::Purgatory::try_complete_else_watch)
+/// refused an operation, without the operation: see [`WatchError::kind`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum WatchErrorKind {
+    /// The key list was empty.
+    NoKeys,
+    /// The purgatory holds its configured maximum of pending operations.
+    AtCapacity,
+    /// The purgatory was shut down.
+    Shutdown,
+    /// The reaper task is gone.
+    ReaperGone,
+}
+
+impl fmt::Display for WatchErrorKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            WatchErrorKind::NoKeys => "operation has no watch keys",
+            WatchErrorKind::AtCapacity => "purgatory is at its limit of pending operations",
+            WatchErrorKind::Shutdown => "purgatory is shut down",
+            WatchErrorKind::ReaperGone => "purgatory's reaper task is gone",
+        })
+    }
+}
+
+impl std::error::Error for WatchErrorKind {}
 
 impl<Op> fmt::Debug for WatchError<Op> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -42,12 +128,7 @@ impl<Op> fmt::Debug for WatchError<Op> {
 
 impl<Op> fmt::Display for WatchError<Op> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            WatchError::NoKeys(_) => "operation has no watch keys",
-            WatchError::AtCapacity(_) => "purgatory is at its limit of pending operations",
-            WatchError::Shutdown(_) => "purgatory is shut down",
-            WatchError::ReaperGone(_) => "purgatory's reaper task is gone",
-        })
+        fmt::Display::fmt(&self.kind(), f)
     }
 }
 

@@ -151,6 +151,44 @@ where
         }
     }
 
+    /// Cancels the operation and hands it back, as
+    /// [`cancel_for_key`](crate::Purgatory::cancel_for_key) does for a key and
+    /// `DelayQueue::remove` for an entry: `Some(op)` when this call took it (its
+    /// timeout is cancelled, its entries become tombstones), `None` when it had
+    /// finished or a running check will finish it (then it completes, or is
+    /// cancelled and dropped by that check).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// use std::time::Duration;
+    /// use tokio_purgatory::{Operation, Purgatory};
+    ///
+    /// struct Fetch(u32);
+    /// impl Operation for Fetch {
+    ///     type Output = ();
+    ///     fn try_complete(&mut self) -> Option<()> { None }
+    ///     fn on_expiration(self) {}
+    /// }
+    ///
+    /// let p: Purgatory<u32, Fetch> = Purgatory::builder("fetch").build().unwrap();
+    /// let handle = p.try_complete_else_watch(Fetch(7), Duration::from_secs(1), [1]).unwrap();
+    /// let back = handle.cancel().expect("still pending");
+    /// assert_eq!(back.0, 7);
+    /// assert_eq!(p.delayed(), 0);
+    /// # }
+    /// ```
+    pub fn cancel(mut self) -> Option<O> {
+        match std::mem::replace(&mut self.inner, Inner::Taken) {
+            Inner::Waiting(cell) => {
+                cell.detach();
+                cell.cancel(OperationError::Cancelled, Fate::Cancelled)
+            }
+            Inner::Ready(_) | Inner::Taken => None,
+        }
+    }
+
     /// Lets the operation go on without anyone awaiting it: it still completes or
     /// expires, and its output is dropped. Its own `try_complete` and
     /// `on_expiration` are then where the response is sent.
@@ -245,5 +283,35 @@ where
     /// Whether the operation has finished (completed, expired, or cancelled).
     pub fn is_finished(&self) -> bool {
         self.cell.is_finished()
+    }
+
+    /// Cancels the operation and hands it back; its handle resolves to
+    /// [`OperationError::Cancelled`]. `None` when it had finished, or a check
+    /// running at this moment will finish it.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// use std::time::Duration;
+    /// use tokio_purgatory::{Operation, OperationError, Purgatory};
+    ///
+    /// struct Join(&'static str);
+    /// impl Operation for Join {
+    ///     type Output = ();
+    ///     fn try_complete(&mut self) -> Option<()> { None }
+    ///     fn on_expiration(self) {}
+    /// }
+    ///
+    /// let p: Purgatory<&str, Join> = Purgatory::builder("join").build().unwrap();
+    /// let handle = p.try_complete_else_watch(Join("member-1"), Duration::from_secs(1), ["g"]).unwrap();
+    /// let op_ref = handle.op_ref().unwrap();
+    /// assert_eq!(op_ref.cancel().map(|j| j.0), Some("member-1"));
+    /// assert!(op_ref.cancel().is_none(), "once");
+    /// assert_eq!(handle.await, Err(OperationError::Cancelled));
+    /// # }
+    /// ```
+    pub fn cancel(&self) -> Option<O> {
+        self.cell.cancel(OperationError::Cancelled, Fate::Cancelled)
     }
 }

@@ -24,7 +24,7 @@ use tokio::time::Instant;
 
 pub use self::builder::PurgatoryBuilder;
 use self::cell::{Checked, Fate, OpCell};
-pub use self::error::{OperationError, WatchError};
+pub use self::error::{OperationError, WatchError, WatchErrorKind};
 pub use self::handle::{OpRef, OperationHandle};
 use self::keys::KeyList;
 pub use self::operation::{Completion, Operation, WatchKey};
@@ -156,6 +156,55 @@ impl<K: WatchKey, O: Operation> Clone for Purgatory<K, O> {
     }
 }
 
+/// A handle to a [`Purgatory`] that does not keep it alive (as `std::sync::Weak`
+/// and tokio's `WeakSender`): for operations that call back into their own
+/// purgatory, which would otherwise hold a strong clone from inside it, a cycle
+/// that keeps everything alive. Made by [`Purgatory::downgrade`].
+///
+/// # Examples
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// # struct Op;
+/// # impl tokio_purgatory::Operation for Op {
+/// #     type Output = ();
+/// #     fn try_complete(&mut self) -> Option<()> { None }
+/// #     fn on_expiration(self) {}
+/// # }
+/// use tokio_purgatory::Purgatory;
+///
+/// let p: Purgatory<u32, Op> = Purgatory::builder("demo").build().unwrap();
+/// let weak = p.downgrade();
+/// assert!(weak.upgrade().is_some());
+/// drop(p); // the last strong handle: the purgatory shuts down
+/// assert!(weak.upgrade().is_none());
+/// # }
+/// ```
+pub struct WeakPurgatory<K: WatchKey, O: Operation> {
+    owner: std::sync::Weak<Owner<K, O>>,
+}
+
+impl<K: WatchKey, O: Operation> WeakPurgatory<K, O> {
+    /// The purgatory, if a [`Purgatory`] handle still keeps it alive.
+    pub fn upgrade(&self) -> Option<Purgatory<K, O>> {
+        self.owner.upgrade().map(|owner| Purgatory { owner })
+    }
+}
+
+impl<K: WatchKey, O: Operation> Clone for WeakPurgatory<K, O> {
+    fn clone(&self) -> Self {
+        WeakPurgatory {
+            owner: self.owner.clone(),
+        }
+    }
+}
+
+impl<K: WatchKey, O: Operation> std::fmt::Debug for WeakPurgatory<K, O> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WeakPurgatory").finish_non_exhaustive()
+    }
+}
+
 impl<K: WatchKey, O: Operation> std::fmt::Debug for Purgatory<K, O> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Purgatory")
@@ -193,6 +242,18 @@ impl<K: WatchKey, O: Operation> Purgatory<K, O> {
             purge_interval: 1000,
             max_pending: None,
             _types: PhantomData,
+        }
+    }
+
+    /// A handle that does not keep the purgatory alive (see [`WeakPurgatory`]).
+    /// Dropping the last `Purgatory` shuts it down even while weak handles exist.
+    ///
+    /// # Examples
+    ///
+    /// See [`WeakPurgatory`].
+    pub fn downgrade(&self) -> WeakPurgatory<K, O> {
+        WeakPurgatory {
+            owner: Arc::downgrade(&self.owner),
         }
     }
 

@@ -107,6 +107,48 @@ impl<T> Completion<T> {
     pub fn is_expired(&self) -> bool {
         matches!(self, Completion::Expired(_))
     }
+
+    /// Applies `f` to the output, keeping how it came.
+    ///
+    /// ```
+    /// use tokio_purgatory::Completion;
+    /// assert_eq!(Completion::Expired(2).map(|n| n * 10), Completion::Expired(20));
+    /// ```
+    pub fn map<U>(self, f: impl FnOnce(T) -> U) -> Completion<U> {
+        match self {
+            Completion::Completed(t) => Completion::Completed(f(t)),
+            Completion::Expired(t) => Completion::Expired(f(t)),
+        }
+    }
+
+    /// A completion of a reference to the output.
+    ///
+    /// ```
+    /// use tokio_purgatory::Completion;
+    /// let c = Completion::Completed(String::from("ok"));
+    /// assert_eq!(c.as_ref().map(|s| s.len()), Completion::Completed(2));
+    /// ```
+    pub fn as_ref(&self) -> Completion<&T> {
+        match self {
+            Completion::Completed(t) => Completion::Completed(t),
+            Completion::Expired(t) => Completion::Expired(t),
+        }
+    }
+
+    /// A completion of a mutable reference to the output.
+    ///
+    /// ```
+    /// use tokio_purgatory::Completion;
+    /// let mut c = Completion::Expired(vec![1]);
+    /// if let Completion::Expired(v) = c.as_mut() { v.push(2) }
+    /// assert_eq!(c.into_inner(), vec![1, 2]);
+    /// ```
+    pub fn as_mut(&mut self) -> Completion<&mut T> {
+        match self {
+            Completion::Completed(t) => Completion::Completed(t),
+            Completion::Expired(t) => Completion::Expired(t),
+        }
+    }
 }
 
 /// What a watch key must be: hashable, comparable, cloneable and shareable.

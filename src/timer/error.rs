@@ -5,8 +5,10 @@ use std::fmt;
 use crate::reaper::{Closed, Refused};
 
 /// [`Timer::schedule`](crate::Timer::schedule) refused a task; the task is handed
-/// back unrun.
+/// back unrun. [`kind`](ScheduleError::kind) gives the reason without the task
+/// (`Copy`, `Send + Sync`), for `?`.
 #[derive(PartialEq, Eq)]
+#[non_exhaustive]
 pub enum ScheduleError<T> {
     /// The timer holds its configured maximum of pending timeouts.
     AtCapacity(T),
@@ -19,12 +21,37 @@ pub enum ScheduleError<T> {
 
 impl<T> ScheduleError<T> {
     /// The task that was refused.
+    ///
+    /// ```
+    /// use tokio_purgatory::timer::ScheduleError;
+    /// assert_eq!(ScheduleError::Shutdown(5).into_inner(), 5);
+    /// ```
     pub fn into_inner(self) -> T {
         match self {
             ScheduleError::AtCapacity(t)
             | ScheduleError::Shutdown(t)
             | ScheduleError::ReaperGone(t) => t,
         }
+    }
+
+    /// Why it was refused, without the task.
+    ///
+    /// ```
+    /// use tokio_purgatory::timer::{ScheduleError, TimerError};
+    /// assert_eq!(ScheduleError::AtCapacity(()).kind(), TimerError::AtCapacity);
+    /// ```
+    pub fn kind(&self) -> TimerError {
+        match self {
+            ScheduleError::AtCapacity(_) => TimerError::AtCapacity,
+            ScheduleError::Shutdown(_) => TimerError::Shutdown,
+            ScheduleError::ReaperGone(_) => TimerError::ReaperGone,
+        }
+    }
+}
+
+impl<T> From<ScheduleError<T>> for TimerError {
+    fn from(e: ScheduleError<T>) -> Self {
+        e.kind()
     }
 }
 
@@ -40,11 +67,7 @@ impl<T> fmt::Debug for ScheduleError<T> {
 
 impl<T> fmt::Display for ScheduleError<T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            ScheduleError::AtCapacity(_) => "timer is at its limit of pending timeouts",
-            ScheduleError::Shutdown(_) => "timer is shut down",
-            ScheduleError::ReaperGone(_) => "timer's reaper task is gone",
-        })
+        fmt::Display::fmt(&self.kind(), f)
     }
 }
 

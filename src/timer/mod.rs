@@ -93,6 +93,44 @@ pub struct Timer {
     pub(crate) owner: Arc<Owner>,
 }
 
+/// A handle to a [`Timer`] that does not keep it alive: for tasks that reschedule
+/// themselves (a heartbeat), which would otherwise hold a strong clone from inside
+/// the timer, a cycle that keeps it running after every other handle is gone.
+/// Made by [`Timer::downgrade`].
+///
+/// # Examples
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+/// use std::time::Duration;
+/// use tokio_purgatory::timer::WeakTimer;
+/// use tokio_purgatory::Timer;
+///
+/// /// Beats every 100 ms for as long as anyone else holds the timer.
+/// fn beat(timer: WeakTimer) {
+///     if let Some(t) = timer.upgrade() {
+///         let _ = t.schedule(Duration::from_millis(100), move || beat(timer));
+///     }
+/// }
+///
+/// let timer = Timer::new();
+/// beat(timer.downgrade());
+/// tokio::time::sleep(Duration::from_millis(350)).await;
+/// assert_eq!(timer.len(), 1, "the next beat is pending");
+/// # }
+/// ```
+#[derive(Debug, Clone)]
+pub struct WeakTimer {
+    owner: std::sync::Weak<Owner>,
+}
+
+impl WeakTimer {
+    /// The timer, if a [`Timer`] handle still keeps it alive.
+    pub fn upgrade(&self) -> Option<Timer> {
+        self.owner.upgrade().map(|owner| Timer { owner })
+    }
+}
+
 impl Default for Timer {
     fn default() -> Self {
         Timer::new()
@@ -118,6 +156,18 @@ impl Timer {
             wheel: Settings::default(),
             max_pending: None,
             name: "timer".into(),
+        }
+    }
+
+    /// A handle that does not keep the timer alive (see [`WeakTimer`]). Dropping
+    /// the last `Timer` shuts it down even while weak handles exist.
+    ///
+    /// # Examples
+    ///
+    /// See [`WeakTimer`].
+    pub fn downgrade(&self) -> WeakTimer {
+        WeakTimer {
+            owner: Arc::downgrade(&self.owner),
         }
     }
 
