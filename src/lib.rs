@@ -164,4 +164,9 @@ pub use purgatory::{
     PurgatoryMetrics, WatchError, WatchErrorKind, WatchKey, WeakPurgatory,
 };
 pub use settings::BuildError;
+
+/// The README's Rust examples, compiled and run as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;
 pub use timer::{Timer, TimerBuilder};

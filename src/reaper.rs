@@ -231,8 +231,10 @@ impl<J: Job> Core<J> {
             .sum()
     }
 
+    /// `n` entries left the wheel: their room under the limit is free again.
+    /// Without a limit, the count is not kept.
     fn release_capacity(&self, n: usize) {
-        if self.max_pending.is_some() && n > 0 {
+        if self.max_pending.is_some() {
             self.pending.fetch_sub(n, Ordering::AcqRel);
         }
     }
