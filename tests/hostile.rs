@@ -142,6 +142,42 @@ fn calls_back(slot: &Arc<OnceLock<Purgatory<u32, Op>>>, key: u32) -> Hook {
     })
 }
 
+/// A key compared and hashed by its id, whose `Drop` runs `on_drop` (clones
+/// share it, so the map's copies do too).
+#[derive(Clone)]
+struct HookKey {
+    id: u32,
+    on_drop: Option<Hook>,
+}
+
+impl HookKey {
+    fn plain(id: u32) -> HookKey {
+        HookKey { id, on_drop: None }
+    }
+}
+
+impl PartialEq for HookKey {
+    fn eq(&self, o: &Self) -> bool {
+        self.id == o.id
+    }
+}
+
+impl Eq for HookKey {}
+
+impl Hash for HookKey {
+    fn hash<H: Hasher>(&self, h: &mut H) {
+        self.id.hash(h);
+    }
+}
+
+impl Drop for HookKey {
+    fn drop(&mut self) {
+        if let Some(h) = &self.on_drop {
+            h();
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------
 // No user drop under a lock of ours.
 
@@ -211,32 +247,23 @@ fn an_output_dropped_by_the_purge_may_call_back_in() {
 /// read the metrics deadlocked on the shard lock it was dropped under.
 #[test]
 fn a_key_dropped_by_the_map_may_call_back_in() {
-    #[derive(Clone)]
-    struct Key(u32, Arc<OnceLock<Purgatory<Key, Op>>>);
-    impl PartialEq for Key {
-        fn eq(&self, o: &Self) -> bool {
-            self.0 == o.0
-        }
-    }
-    impl Eq for Key {}
-    impl Hash for Key {
-        fn hash<H: Hasher>(&self, h: &mut H) {
-            self.0.hash(h);
-        }
-    }
-    impl Drop for Key {
-        fn drop(&mut self) {
-            if let Some(p) = self.1.get() {
-                let _ = p.metrics();
-            }
-        }
-    }
     within(20, || {
         paused().block_on(async {
-            let slot = Arc::new(OnceLock::new());
-            let p = purgatory::<Key>();
+            let slot: Arc<OnceLock<Purgatory<HookKey, Op>>> = Arc::new(OnceLock::new());
+            let p = purgatory::<HookKey>();
             slot.set(p.clone()).ok();
-            let key = |n| Key(n, slot.clone());
+            let reads_metrics: Hook = {
+                let slot = slot.clone();
+                Arc::new(move || {
+                    if let Some(p) = slot.get() {
+                        let _ = p.metrics();
+                    }
+                })
+            };
+            let key = |id| HookKey {
+                id,
+                on_drop: Some(reads_metrics.clone()),
+            };
             let a = Hooks::default();
             let b = Hooks::default();
             // A second watch of a key already in the map (the map keeps its own copy).
@@ -793,43 +820,31 @@ async fn a_detached_operations_output_is_dropped_at_once() {
 /// dropped it finishes its work.
 #[tokio::test(start_paused = true)]
 async fn a_panicking_key_drop_is_contained() {
-    #[derive(Clone, Debug)]
-    struct Grenade(u32);
-    impl PartialEq for Grenade {
-        fn eq(&self, o: &Self) -> bool {
-            self.0 == o.0
-        }
-    }
-    impl Eq for Grenade {}
-    impl Hash for Grenade {
-        fn hash<H: Hasher>(&self, h: &mut H) {
-            self.0.hash(h);
-        }
-    }
-    impl Drop for Grenade {
-        fn drop(&mut self) {
-            if self.0 == 7 && !std::thread::panicking() {
+    let grenade = || HookKey {
+        id: 7,
+        on_drop: Some(Arc::new(|| {
+            if !std::thread::panicking() {
                 panic!("hostile key drop");
             }
-        }
-    }
-    let p = purgatory::<Grenade>();
+        })),
+    };
+    let p = purgatory::<HookKey>();
     let a = Hooks::default();
     // A duplicate key 7 is dropped at registration.
     let ha = catch_unwind(AssertUnwindSafe(|| {
-        p.try_complete_else_watch(Op(a.clone()), ms(100), [Grenade(7), Grenade(7)])
+        p.try_complete_else_watch(Op(a.clone()), ms(100), [grenade(), grenade()])
     }))
     .expect("a duplicate's drop is contained")
     .unwrap();
     a.set_ready();
     // The walk empties key 7's list: the map's copy is dropped.
-    let walked = catch_unwind(AssertUnwindSafe(|| p.try_complete_watched(&Grenade(1))));
-    assert_eq!(walked.ok(), Some(0));
     let walked = catch_unwind(AssertUnwindSafe(|| {
-        let probe = Grenade(7);
-        let n = p.try_complete_watched(&probe);
-        std::mem::forget(probe); // the test's own key: not the crate's to drop
-        n
+        p.try_complete_watched(&HookKey::plain(1))
+    }));
+    assert_eq!(walked.ok(), Some(0));
+    // A probe without the hook: the test's own key is not the crate's to drop.
+    let walked = catch_unwind(AssertUnwindSafe(|| {
+        p.try_complete_watched(&HookKey::plain(7))
     }));
     assert_eq!(walked.ok(), Some(1), "the walk finished its work");
     assert!(ha.await.unwrap().is_completed());
