@@ -596,6 +596,28 @@ mod loom_wake {
 mod tests {
     use super::*;
 
+    /// The wake protocol's answers, one step at a time: who must be notified,
+    /// and what the reaper sleeps until after a turn.
+    #[test]
+    fn the_wake_target_notifies_only_a_sleeping_reaper_about_earlier_work() {
+        let w = WakeTarget::new();
+        assert!(w.lower(100), "asleep on nothing: notify");
+        assert!(!w.lower(200), "later than the target: no");
+        assert!(!w.lower(100), "the same tick: no");
+        assert!(w.lower(50), "earlier: notify");
+        w.begin_turn();
+        assert!(!w.lower(10), "during a turn: lowered silently");
+        assert!(!w.lower(30), "later than what the turn holds: no");
+        assert_eq!(w.end_turn(70), 10, "the turn's insert is kept");
+        assert!(!w.lower(20));
+        assert!(w.lower(5));
+        w.begin_turn();
+        assert_eq!(w.end_turn(40), 40, "a turn starts from nothing");
+        w.begin_turn();
+        assert_eq!(w.end_turn(u64::MAX), NEVER, "nothing scheduled");
+        assert!(!w.lower(u64::MAX), "never is not earlier than never");
+    }
+
     #[test]
     fn panic_messages_are_read_from_either_payload() {
         let text: Box<dyn std::any::Any + Send> = Box::new("boom");

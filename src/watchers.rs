@@ -182,12 +182,6 @@ impl<K, V> Default for Removed<K, V> {
     }
 }
 
-impl<K, V> std::fmt::Debug for Watchers<K, V> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Watchers").finish_non_exhaustive()
-    }
-}
-
 impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
     pub(crate) fn new(shards: usize) -> Self {
         Watchers {
@@ -517,6 +511,34 @@ mod tests {
         }
         assert_eq!(HASHES.load(Ordering::SeqCst), 9_990, "shrinking re-hashed");
         assert!(capacity(&w) < 5_000 / 8, "the table did shrink");
+    }
+
+    /// Stored keys and probes compare by hash and key; a probe without a key
+    /// matches by hash alone (used only to remove lists found empty).
+    #[test]
+    fn lookups_compare_hash_and_key() {
+        let stored = |hash, key: u32| Hashed { hash, key };
+        assert!(stored(1, 7) == stored(1, 7));
+        assert!(stored(1, 7) != stored(1, 8), "same hash, other key");
+        assert!(stored(1, 7) != stored(2, 7), "same key, other hash");
+        fn probe(hash: u64, key: Option<&u32>) -> Probe<'_, u32> {
+            Probe { hash, key }
+        }
+        let s = stored(1, 7);
+        let s_dyn: &dyn Lookup<u32> = &s;
+        assert_eq!(s_dyn.key(), Some(&7));
+        assert!(s_dyn == &probe(1, Some(&7)) as &dyn Lookup<u32>);
+        assert!(
+            s_dyn != &probe(1, Some(&8)) as &dyn Lookup<u32>,
+            "a collision is not a match"
+        );
+        assert!(s_dyn != &probe(2, Some(&7)) as &dyn Lookup<u32>);
+        assert!(
+            s_dyn == &probe(1, None) as &dyn Lookup<u32>,
+            "by hash alone"
+        );
+        assert!(s_dyn != &probe(2, None) as &dyn Lookup<u32>);
+        assert_eq!(probe(3, Some(&9)).key(), Some(&9));
     }
 
     #[test]
