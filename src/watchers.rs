@@ -541,6 +541,38 @@ mod tests {
         assert_eq!(probe(3, Some(&9)).key(), Some(&9));
     }
 
+    /// Every thread counts on its own stripe, however many threads there are.
+    #[test]
+    fn the_entry_count_holds_across_many_threads() {
+        let w = std::sync::Arc::new(Watchers::<u32, u32>::new(4));
+        for t in 0..300 {
+            let w = w.clone();
+            std::thread::spawn(move || w.watch(&[t % 7], &t, &mut 0, &mut Vec::new()))
+                .join()
+                .unwrap();
+        }
+        assert_eq!(w.len(), 300);
+        let mut r = Removed::default();
+        w.prune(&3, |_| true, &mut r);
+        assert_eq!(w.len(), 300 - r.entries.len());
+    }
+
+    /// A `Removed` may be reused across calls: each call counts what it took.
+    #[test]
+    fn a_reused_haul_counts_each_call() {
+        let w: Watchers<u32, u32> = Watchers::new(2);
+        for v in 0..6 {
+            w.watch(&[v % 2], &v, &mut 0, &mut Vec::new());
+        }
+        let mut r = Removed::default();
+        w.prune(&0, |v| *v < 4, &mut r);
+        assert_eq!(r.entries.len(), 2);
+        assert_eq!(w.len(), 4);
+        w.prune(&1, |v| *v < 4, &mut r);
+        assert_eq!(r.entries.len(), 4);
+        assert_eq!(w.len(), 2);
+    }
+
     #[test]
     fn purge_shrinks_the_table_too() {
         let w: Watchers<u32, u32> = Watchers::new(2);

@@ -500,3 +500,85 @@ async fn a_recheck_may_reenter_its_own_key() {
     assert!(handle.await.unwrap().is_completed());
     drop(slot);
 }
+
+/// Two events from other threads during one check: the second must not cancel
+/// the first's request (a toggled bit would), so the checker checks again.
+#[tokio::test]
+async fn two_events_during_one_check_still_make_it_check_again() {
+    let p: Purgatory<u8, Gated> = Purgatory::builder("race").build().unwrap();
+    let op = gated(None);
+    let handle = p
+        .try_complete_else_watch(share(&op), ms(60_000), [1])
+        .unwrap();
+    op.hold_next.store(true, Ordering::SeqCst);
+    let held = {
+        let p = p.clone();
+        std::thread::spawn(move || p.try_complete_watched(&1))
+    };
+    op.entered.wait();
+    op.ready.store(true, Ordering::SeqCst);
+    assert_eq!(p.try_complete_watched(&1), 0);
+    assert_eq!(p.try_complete_watched(&1), 0);
+    op.release.wait();
+    assert_eq!(held.join().unwrap(), 1, "the re-check completed it");
+    assert!(handle.await.unwrap().is_completed());
+}
+
+/// Two cancels during one check: the second must not withdraw the first, so
+/// the checker cancels the operation once its check says "not yet".
+#[tokio::test]
+async fn two_cancels_during_one_check_cancel_it_after() {
+    let p: Purgatory<u8, Gated> = Purgatory::builder("race").build().unwrap();
+    let op = gated(None);
+    let handle = p
+        .try_complete_else_watch(share(&op), ms(5_000), [1])
+        .unwrap();
+    let op_ref = handle.op_ref().unwrap();
+    op.hold_next.store(true, Ordering::SeqCst);
+    let held = {
+        let p = p.clone();
+        std::thread::spawn(move || p.try_complete_watched(&1))
+    };
+    op.entered.wait();
+    assert!(op_ref.cancel().is_none(), "left for the checker");
+    assert!(op_ref.cancel().is_none(), "left for the checker");
+    op.release.wait();
+    assert_eq!(held.join().unwrap(), 0);
+    assert_eq!(handle.await, Err(OperationError::Cancelled));
+    assert_eq!(p.delayed(), 0);
+}
+
+/// A re-check that walks its own key and still says "not yet" ends: the nested
+/// walk is the checker itself, not an event asking for yet another check.
+#[tokio::test]
+async fn a_recheck_that_reenters_and_still_fails_ends() {
+    let slot = Arc::new(OnceLock::new());
+    let p: Purgatory<u8, Gated> = Purgatory::builder("race").build().unwrap();
+    slot.set(p.clone()).ok();
+    let op = gated(Some(slot.clone()));
+    let handle = p
+        .try_complete_else_watch(share(&op), ms(60_000), [1])
+        .unwrap();
+    op.hold_next.store(true, Ordering::SeqCst);
+    let (tx, rx) = std::sync::mpsc::channel();
+    {
+        let p = p.clone();
+        std::thread::spawn(move || {
+            let _ = tx.send(p.try_complete_watched(&1));
+        });
+    }
+    op.entered.wait();
+    assert_eq!(p.try_complete_watched(&1), 0, "asks for a re-check");
+    op.release.wait();
+    let held = rx
+        .recv_timeout(Duration::from_secs(10))
+        .expect("the re-check loops on its own walk");
+    assert_eq!(held, 0);
+    assert!(!handle.is_finished());
+    assert!(
+        op.checks.load(Ordering::SeqCst) <= 4,
+        "{} checks",
+        op.checks.load(Ordering::SeqCst)
+    );
+    drop(slot);
+}
