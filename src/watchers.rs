@@ -482,7 +482,9 @@ mod tests {
             cap = now;
         }
         assert!(changes >= 2, "the table never shrank ({cap})");
-        assert!(changes <= 12, "{changes} rehashes for 20,000 removals");
+        // Shrinking to fit whenever there is some room left would rehash a
+        // dozen times here; the 8x rule does it two or three times.
+        assert!(changes <= 6, "{changes} rehashes for 20,000 removals");
         assert!(cap <= 64, "capacity {cap} with no keys");
     }
 
