@@ -515,6 +515,14 @@ mod tests {
         assert!(capacity(&w) < 5_000 / 8, "the table did shrink");
     }
 
+    /// The table is only ever handed precomputed hashes: a key's own `Hash`
+    /// never reaches it (that would hash the key a second time, under the lock).
+    #[test]
+    #[should_panic(expected = "only precomputed hashes")]
+    fn the_pass_through_hasher_takes_no_bytes() {
+        PassThrough::default().write(b"a key");
+    }
+
     /// Stored keys and probes compare by hash and key; a probe without a key
     /// matches by hash alone (used only to remove lists found empty).
     #[test]
