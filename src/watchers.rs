@@ -348,7 +348,7 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
 
     /// A key left the map: now and then, give back room the map no longer needs.
     fn key_removed(&self) {
-        if self.removals.fetch_add(1, Ordering::Relaxed) % 64 == 63 {
+        if size_check_due(self.removals.fetch_add(1, Ordering::Relaxed)) {
             self.shrink_if_sparse();
         }
     }
@@ -357,8 +357,7 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
     /// of keys has passed), so its memory follows the live key count, not its
     /// peak. Each rehash uses the stored hashes: no user code runs.
     fn shrink_if_sparse(&self) {
-        let capacity = self.lists.capacity();
-        if capacity > 64 && self.lists.len() * 8 < capacity {
+        if is_sparse(self.lists.len(), self.lists.capacity()) {
             self.lists.shrink_to_fit();
         }
     }
@@ -410,6 +409,20 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
     pub(crate) fn keys(&self) -> usize {
         self.lists.len()
     }
+}
+
+/// Whether the key removal numbered `removed` (from 0) looks at the table's size:
+/// one in every 64.
+fn size_check_due(removed: usize) -> bool {
+    removed % 64 == 63
+}
+
+/// Whether a table of `capacity` holding `keys` keys is worth shrinking: more than
+/// a small table, with over 8x more room than keys. Shrinking to fit then leaves
+/// the next shrink until the keys fall 8x again, so each rehash is paid for by the
+/// removals before it.
+fn is_sparse(keys: usize, capacity: usize) -> bool {
+    capacity > 64 && keys * 8 < capacity
 }
 
 #[cfg(test)]
@@ -549,6 +562,23 @@ mod tests {
         );
         assert!(s_dyn != &probe(2, None) as &dyn Lookup<u32>);
         assert_eq!(probe(3, Some(&9)).key(), Some(&9));
+    }
+
+    #[test]
+    fn the_size_is_looked_at_once_every_64_removals() {
+        let due: Vec<usize> = (0..256).filter(|&n| size_check_due(n)).collect();
+        assert_eq!(due, [63, 127, 191, 255]);
+    }
+
+    #[test]
+    fn sparse_means_over_64_slots_and_8x_the_keys() {
+        assert!(!is_sparse(0, 64), "a small table is kept");
+        assert!(is_sparse(0, 65));
+        assert!(is_sparse(8, 65), "64 < 65");
+        assert!(!is_sparse(9, 72), "72 is not below 72");
+        assert!(is_sparse(8, 72));
+        assert!(!is_sparse(1_000, 7_999));
+        assert!(is_sparse(999, 8_000));
     }
 
     /// Every thread counts on its own stripe, however many threads there are.
