@@ -117,7 +117,8 @@
 //!   (including `shutdown()`) from their code and their `Drop`. Two locks do
 //!   surround user code, by design: an operation's own lock around its
 //!   `try_complete` (checks of one operation never overlap), and a watcher-map
-//!   shard lock around a key's `Hash`, `Eq` and `Clone`, which must not call back in.
+//!   shard lock around a key's `Eq` and `Clone`, which must not call back in (its
+//!   `Hash` runs before any lock).
 //! - **Finished operations free their memory at once**: the operation at once, an
 //!   output as soon as its handle reads it or is dropped. What stays in other
 //!   keys' lists is a tombstone keeping the operation's cell

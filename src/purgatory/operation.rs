@@ -159,14 +159,16 @@ impl<T> Completion<T> {
 /// operations watching it are not found by `try_complete_watched` and finish by
 /// their timeout.
 ///
-/// # Key code runs under a lock
+/// # Key code and locks
 ///
-/// The key's `Hash` and `Eq` (to find its watch list) and `Clone` (when a key is
-/// first watched, the map keeps a copy) run under the lock of the watcher-map
-/// shard that holds the key. They must not call back into the purgatory; keep them
-/// plain. If one panics, the panic reaches the caller of the method that ran it,
-/// and the purgatory is left as it was before that call. A key's `Drop` runs with
-/// no lock held and may do anything; a panic in it is contained.
+/// A key's `Eq` (to find its watch list) and `Clone` (when a key is first watched,
+/// the map keeps a copy) run under the lock of the watcher-map shard that holds
+/// the key: they must not call back into the purgatory; keep them plain. Its
+/// `Hash` runs once per call, before any lock is taken, and never for a key the
+/// map already holds. If any of the three panics, the panic reaches the caller of
+/// the method that ran it, and the purgatory is left as it was before that call.
+/// A key's `Drop` runs with no lock held and may do anything; a panic in it is
+/// contained.
 pub trait WatchKey: Hash + Eq + Clone + Send + Sync + 'static {}
 
 impl<T: Hash + Eq + Clone + Send + Sync + 'static> WatchKey for T {}
