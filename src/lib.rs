@@ -138,9 +138,9 @@
 //!
 //! # Feature flags
 //!
-//! None. The crate uses `tokio` (`rt`, `time`, `sync`), `futures` (for
-//! `AtomicWaker`), `pin-project-lite` and `tracing`, each with no more features
-//! than it needs.
+//! None. The crate uses `tokio` (`rt`, `time`, `sync`), `dashmap` (the watcher
+//! map), `futures` (for `AtomicWaker`), `pin-project-lite` and `tracing`, each with
+//! no more features than it needs.
 
 #![forbid(unsafe_code)]
 #![warn(
