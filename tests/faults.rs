@@ -361,7 +361,8 @@ impl Operation for Counted {
 }
 
 /// An operation whose check can be held at a barrier, to race a check against an
-/// event from another thread deterministically.
+/// event from another thread deterministically. Clones share everything.
+#[derive(Clone)]
 struct Gated {
     ready: Arc<AtomicBool>,
     /// The next check blocks: it reads `ready`, then waits at `entered` and `release`.
@@ -392,48 +393,67 @@ impl Operation for Gated {
     }
 }
 
-/// Runs a check on another thread, held at the barrier, while this thread sends
-/// an event (`ready_first` sets the operation completable first). Returns what
-/// the held walk returned and what the event's walk returned.
+/// Runs a walk of key 1 on another thread, holds its check at the barrier, runs
+/// `during` on this thread meanwhile, then lets the check go on. Returns what the
+/// held walk returned; fails if it has not returned within 10 s (a check that
+/// loops).
+fn with_a_check_held(p: &Purgatory<u8, Gated>, op: &Gated, during: impl FnOnce()) -> usize {
+    op.hold_next.store(true, Ordering::SeqCst);
+    let (tx, rx) = std::sync::mpsc::channel();
+    {
+        let p = p.clone();
+        std::thread::spawn(move || {
+            let _ = tx.send(p.try_complete_watched(&1));
+        });
+    }
+    op.entered.wait(); // the other thread is inside the check now
+    during();
+    op.release.wait();
+    rx.recv_timeout(Duration::from_secs(10))
+        .expect("the held check never ended")
+}
+
+/// Races an event (a walk of key 1 from this thread; `ready_first` sets the
+/// operation completable first) against a held check. Returns what the held walk
+/// returned and what the event's walk returned.
 fn race_an_event_against_a_held_check(
     p: &Purgatory<u8, Gated>,
     op: &Gated,
     ready_first: bool,
 ) -> (usize, usize) {
-    op.hold_next.store(true, Ordering::SeqCst);
-    let held = {
-        let p = p.clone();
-        std::thread::spawn(move || p.try_complete_watched(&1))
-    };
-    op.entered.wait(); // the other thread is inside the check now
-    if ready_first {
-        op.ready.store(true, Ordering::SeqCst);
-    }
-    let event = p.try_complete_watched(&1);
-    op.release.wait();
-    (held.join().unwrap(), event)
+    let mut event = 0;
+    let held = with_a_check_held(p, op, || {
+        if ready_first {
+            op.ready.store(true, Ordering::SeqCst);
+        }
+        event = p.try_complete_watched(&1);
+    });
+    (held, event)
 }
 
-fn gated(reenter: Option<Arc<OnceLock<Purgatory<u8, Gated>>>>) -> Gated {
-    Gated {
+/// A purgatory with one gated operation registered on key 1, and its handle.
+fn gated_on_key_1(
+    reenter: Option<Arc<OnceLock<Purgatory<u8, Gated>>>>,
+    timeout: Duration,
+) -> (
+    Purgatory<u8, Gated>,
+    Gated,
+    tokio_purgatory::OperationHandle<u8, Gated>,
+) {
+    let p: Purgatory<u8, Gated> = Purgatory::builder("race").build().unwrap();
+    if let Some(slot) = &reenter {
+        slot.set(p.clone()).ok();
+    }
+    let op = Gated {
         ready: Arc::default(),
         hold_next: Arc::default(),
         entered: Arc::new(std::sync::Barrier::new(2)),
         release: Arc::new(std::sync::Barrier::new(2)),
         checks: Arc::default(),
         reenter,
-    }
-}
-
-fn share(g: &Gated) -> Gated {
-    Gated {
-        ready: g.ready.clone(),
-        hold_next: g.hold_next.clone(),
-        entered: g.entered.clone(),
-        release: g.release.clone(),
-        checks: g.checks.clone(),
-        reenter: g.reenter.clone(),
-    }
+    };
+    let handle = p.try_complete_else_watch(op.clone(), timeout, [1]).unwrap();
+    (p, op, handle)
 }
 
 /// An event from another thread while a check runs is not lost: the checker
@@ -441,11 +461,7 @@ fn share(g: &Gated) -> Gated {
 /// one value, the event would pass for the checker re-entering, and be dropped.
 #[tokio::test]
 async fn an_event_during_another_threads_check_makes_it_check_again() {
-    let p: Purgatory<u8, Gated> = Purgatory::builder("race").build().unwrap();
-    let op = gated(None);
-    let handle = p
-        .try_complete_else_watch(share(&op), ms(60_000), [1])
-        .unwrap();
+    let (p, op, handle) = gated_on_key_1(None, ms(60_000));
     assert_eq!(
         op.checks.load(Ordering::SeqCst),
         2,
@@ -465,11 +481,7 @@ async fn an_event_during_another_threads_check_makes_it_check_again() {
 /// released, still pending and checkable, and a later event completes it.
 #[tokio::test]
 async fn a_recheck_that_still_fails_leaves_the_operation_pending() {
-    let p: Purgatory<u8, Gated> = Purgatory::builder("race").build().unwrap();
-    let op = gated(None);
-    let handle = p
-        .try_complete_else_watch(share(&op), ms(60_000), [1])
-        .unwrap();
+    let (p, op, handle) = gated_on_key_1(None, ms(60_000));
     let (held, event) = race_an_event_against_a_held_check(&p, &op, false);
     assert_eq!((held, event), (0, 0));
     assert_eq!(
@@ -489,12 +501,7 @@ async fn a_recheck_that_still_fails_leaves_the_operation_pending() {
 #[tokio::test]
 async fn a_recheck_may_reenter_its_own_key() {
     let slot = Arc::new(OnceLock::new());
-    let p: Purgatory<u8, Gated> = Purgatory::builder("race").build().unwrap();
-    slot.set(p.clone()).ok();
-    let op = gated(Some(slot.clone()));
-    let handle = p
-        .try_complete_else_watch(share(&op), ms(60_000), [1])
-        .unwrap();
+    let (p, op, handle) = gated_on_key_1(Some(slot.clone()), ms(60_000));
     let (held, event) = race_an_event_against_a_held_check(&p, &op, true);
     assert_eq!((held, event), (1, 0));
     assert!(handle.await.unwrap().is_completed());
@@ -505,22 +512,13 @@ async fn a_recheck_may_reenter_its_own_key() {
 /// the first's request (a toggled bit would), so the checker checks again.
 #[tokio::test]
 async fn two_events_during_one_check_still_make_it_check_again() {
-    let p: Purgatory<u8, Gated> = Purgatory::builder("race").build().unwrap();
-    let op = gated(None);
-    let handle = p
-        .try_complete_else_watch(share(&op), ms(60_000), [1])
-        .unwrap();
-    op.hold_next.store(true, Ordering::SeqCst);
-    let held = {
-        let p = p.clone();
-        std::thread::spawn(move || p.try_complete_watched(&1))
-    };
-    op.entered.wait();
-    op.ready.store(true, Ordering::SeqCst);
-    assert_eq!(p.try_complete_watched(&1), 0);
-    assert_eq!(p.try_complete_watched(&1), 0);
-    op.release.wait();
-    assert_eq!(held.join().unwrap(), 1, "the re-check completed it");
+    let (p, op, handle) = gated_on_key_1(None, ms(60_000));
+    let held = with_a_check_held(&p, &op, || {
+        op.ready.store(true, Ordering::SeqCst);
+        assert_eq!(p.try_complete_watched(&1), 0);
+        assert_eq!(p.try_complete_watched(&1), 0);
+    });
+    assert_eq!(held, 1, "the re-check completed it");
     assert!(handle.await.unwrap().is_completed());
 }
 
@@ -528,22 +526,13 @@ async fn two_events_during_one_check_still_make_it_check_again() {
 /// the checker cancels the operation once its check says "not yet".
 #[tokio::test]
 async fn two_cancels_during_one_check_cancel_it_after() {
-    let p: Purgatory<u8, Gated> = Purgatory::builder("race").build().unwrap();
-    let op = gated(None);
-    let handle = p
-        .try_complete_else_watch(share(&op), ms(5_000), [1])
-        .unwrap();
+    let (p, op, handle) = gated_on_key_1(None, ms(5_000));
     let op_ref = handle.op_ref().unwrap();
-    op.hold_next.store(true, Ordering::SeqCst);
-    let held = {
-        let p = p.clone();
-        std::thread::spawn(move || p.try_complete_watched(&1))
-    };
-    op.entered.wait();
-    assert!(op_ref.cancel().is_none(), "left for the checker");
-    assert!(op_ref.cancel().is_none(), "left for the checker");
-    op.release.wait();
-    assert_eq!(held.join().unwrap(), 0);
+    let held = with_a_check_held(&p, &op, || {
+        assert!(op_ref.cancel().is_none(), "left for the checker");
+        assert!(op_ref.cancel().is_none(), "left for the checker");
+    });
+    assert_eq!(held, 0);
     assert_eq!(handle.await, Err(OperationError::Cancelled));
     assert_eq!(p.delayed(), 0);
 }
@@ -553,27 +542,10 @@ async fn two_cancels_during_one_check_cancel_it_after() {
 #[tokio::test]
 async fn a_recheck_that_reenters_and_still_fails_ends() {
     let slot = Arc::new(OnceLock::new());
-    let p: Purgatory<u8, Gated> = Purgatory::builder("race").build().unwrap();
-    slot.set(p.clone()).ok();
-    let op = gated(Some(slot.clone()));
-    let handle = p
-        .try_complete_else_watch(share(&op), ms(60_000), [1])
-        .unwrap();
-    op.hold_next.store(true, Ordering::SeqCst);
-    let (tx, rx) = std::sync::mpsc::channel();
-    {
-        let p = p.clone();
-        std::thread::spawn(move || {
-            let _ = tx.send(p.try_complete_watched(&1));
-        });
-    }
-    op.entered.wait();
-    assert_eq!(p.try_complete_watched(&1), 0, "asks for a re-check");
-    op.release.wait();
-    let held = rx
-        .recv_timeout(Duration::from_secs(10))
-        .expect("the re-check loops on its own walk");
-    assert_eq!(held, 0);
+    let (p, op, handle) = gated_on_key_1(Some(slot.clone()), ms(60_000));
+    let (held, event) = race_an_event_against_a_held_check(&p, &op, false);
+    assert_eq!(event, 0, "asks for a re-check");
+    assert_eq!(held, 0, "the re-check ended without completing it");
     assert!(!handle.is_finished());
     assert!(
         op.checks.load(Ordering::SeqCst) <= 4,
