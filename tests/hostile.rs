@@ -126,6 +126,23 @@ fn purgatory<K: tokio_purgatory::WatchKey>() -> Purgatory<K, Op> {
         .unwrap()
 }
 
+/// Registers `n` plain operations on `key` (a second away); their hooks and handles.
+fn plain_ops_on(
+    p: &Purgatory<u32, Op>,
+    key: u32,
+    n: usize,
+) -> (Vec<Hooks>, Vec<tokio_purgatory::OperationHandle<u32, Op>>) {
+    let hooks: Vec<Hooks> = (0..n).map(|_| Hooks::default()).collect();
+    let handles = hooks
+        .iter()
+        .map(|h| {
+            p.try_complete_else_watch(Op(h.clone()), ms(1000), [key])
+                .unwrap()
+        })
+        .collect();
+    (hooks, handles)
+}
+
 fn balanced(m: &PurgatoryMetrics) -> bool {
     m.registered == m.completed + m.expired + m.cancelled + m.handed_back
 }
@@ -466,14 +483,7 @@ async fn a_panicking_drop_inside_cancel_for_key_loses_nothing() {
         .unwrap();
     bad.set_ready();
     assert_eq!(p.try_complete_watched(&1), 1);
-    let others: Vec<Hooks> = (0..3).map(|_| Hooks::default()).collect();
-    let handles: Vec<_> = others
-        .iter()
-        .map(|h| {
-            p.try_complete_else_watch(Op(h.clone()), ms(1000), [2])
-                .unwrap()
-        })
-        .collect();
+    let (_, handles) = plain_ops_on(&p, 2, 3);
     drop(hb); // its output's drop panics (contained)
     let back = catch_unwind(AssertUnwindSafe(|| p.cancel_for_key(&2)))
         .expect("no panic reaches the caller");
@@ -502,14 +512,7 @@ async fn a_panicking_drop_inside_a_walk_leaves_it_whole() {
     bad.set_ready();
     assert!(hb.op_ref().unwrap().try_complete());
     drop(hb);
-    let good: Vec<Hooks> = (0..4).map(|_| Hooks::default()).collect();
-    let handles: Vec<_> = good
-        .iter()
-        .map(|h| {
-            p.try_complete_else_watch(Op(h.clone()), ms(1000), [2])
-                .unwrap()
-        })
-        .collect();
+    let (good, handles) = plain_ops_on(&p, 2, 4);
     for h in &good {
         h.set_ready();
     }
