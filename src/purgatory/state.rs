@@ -249,6 +249,30 @@ mod loom_state {
         }
     }
 
+    /// Spawns a thread `me` that checks the operation, making it completable
+    /// first when `set_ready` (an event).
+    fn spawn_check(
+        state: &Arc<State>,
+        ready: &Arc<AtomicBool>,
+        out: &Arc<Outcomes>,
+        me: u64,
+        set_ready: bool,
+    ) -> thread::JoinHandle<()> {
+        let (state, ready, out) = (state.clone(), ready.clone(), out.clone());
+        thread::spawn(move || {
+            if set_ready {
+                ready.store(true, Ordering::SeqCst);
+            }
+            check(&state, me, &ready, &out);
+        })
+    }
+
+    /// Spawns a thread that claims the operation for `request` (expiry or cancel).
+    fn spawn_claim(state: &Arc<State>, request: u8, out: &Arc<Outcomes>) -> thread::JoinHandle<()> {
+        let (state, out) = (state.clone(), out.clone());
+        thread::spawn(move || claim(&state, request, &out))
+    }
+
     /// An event (ready, then check) racing another check: the event is never lost,
     /// and the operation completes exactly once.
     #[test]
@@ -257,10 +281,7 @@ mod loom_state {
             let state = Arc::new(State::new());
             let ready = Arc::new(AtomicBool::new(false));
             let out = Arc::new(Outcomes::default());
-            let t = {
-                let (state, ready, out) = (state.clone(), ready.clone(), out.clone());
-                thread::spawn(move || check(&state, 1, &ready, &out))
-            };
+            let t = spawn_check(&state, &ready, &out, 1, false);
             ready.store(true, Ordering::SeqCst);
             check(&state, 2, &ready, &out);
             t.join().unwrap();
@@ -282,17 +303,8 @@ mod loom_state {
             let state = Arc::new(State::new());
             let ready = Arc::new(AtomicBool::new(false));
             let out = Arc::new(Outcomes::default());
-            let checker = {
-                let (state, ready, out) = (state.clone(), ready.clone(), out.clone());
-                thread::spawn(move || {
-                    ready.store(true, Ordering::SeqCst);
-                    check(&state, 1, &ready, &out);
-                })
-            };
-            let expirer = {
-                let (state, out) = (state.clone(), out.clone());
-                thread::spawn(move || claim(&state, EXPIRE, &out))
-            };
+            let checker = spawn_check(&state, &ready, &out, 1, true);
+            let expirer = spawn_claim(&state, EXPIRE, &out);
             claim(&state, CANCEL, &out);
             checker.join().unwrap();
             expirer.join().unwrap();
@@ -314,10 +326,7 @@ mod loom_state {
             let state = Arc::new(State::new());
             let ready = Arc::new(AtomicBool::new(false));
             let out = Arc::new(Outcomes::default());
-            let checker = {
-                let (state, ready, out) = (state.clone(), ready.clone(), out.clone());
-                thread::spawn(move || check(&state, 1, &ready, &out))
-            };
+            let checker = spawn_check(&state, &ready, &out, 1, false);
             claim(&state, EXPIRE, &out);
             checker.join().unwrap();
             assert_eq!(out.expired.load(Ordering::SeqCst), 1);
@@ -333,13 +342,7 @@ mod loom_state {
             let state = Arc::new(State::new());
             let ready = Arc::new(AtomicBool::new(false));
             let out = Arc::new(Outcomes::default());
-            let other = {
-                let (state, ready, out) = (state.clone(), ready.clone(), out.clone());
-                thread::spawn(move || {
-                    ready.store(true, Ordering::SeqCst);
-                    check(&state, 2, &ready, &out);
-                })
-            };
+            let other = spawn_check(&state, &ready, &out, 2, true);
             if state.begin_check(1) {
                 // Inside our own check: a nested request from this thread.
                 assert!(!state.begin_check(1));
@@ -368,10 +371,7 @@ mod loom_state {
             let state = Arc::new(State::new());
             let ready = Arc::new(AtomicBool::new(false));
             let out = Arc::new(Outcomes::default());
-            let t = {
-                let (state, ready, out) = (state.clone(), ready.clone(), out.clone());
-                thread::spawn(move || check(&state, 1, &ready, &out))
-            };
+            let t = spawn_check(&state, &ready, &out, 1, false);
             check(&state, 2, &ready, &out);
             t.join().unwrap();
             assert_eq!(out.total(), 0);
@@ -392,17 +392,8 @@ mod loom_state {
             let state = Arc::new(State::checked_by(1));
             let ready = Arc::new(AtomicBool::new(false));
             let out = Arc::new(Outcomes::default());
-            let event = {
-                let (state, ready, out) = (state.clone(), ready.clone(), out.clone());
-                thread::spawn(move || {
-                    ready.store(true, Ordering::SeqCst);
-                    check(&state, 2, &ready, &out);
-                })
-            };
-            let cancel = {
-                let (state, out) = (state.clone(), out.clone());
-                thread::spawn(move || claim(&state, CANCEL, &out))
-            };
+            let event = spawn_check(&state, &ready, &out, 2, true);
+            let cancel = spawn_claim(&state, CANCEL, &out);
             run_checks(&state, 1, &ready, &out);
             event.join().unwrap();
             cancel.join().unwrap();
