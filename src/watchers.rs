@@ -496,9 +496,13 @@ mod tests {
         }
         assert!(changes >= 2, "the table never shrank ({cap})");
         // Shrinking to fit whenever there is some room left would rehash a
-        // dozen times here; the 8x rule does it two or three times.
-        assert!(changes <= 6, "{changes} rehashes for 20,000 removals");
-        assert!(cap <= 64, "capacity {cap} with no keys");
+        // dozen times here; the 8x rule does it at most once per 4x fall in
+        // keys (a shrink leaves between 1x and 2x the keys in room).
+        assert!(changes <= 7, "{changes} rehashes for 20,000 removals");
+        // The last look at the size came with 32 keys left (20,000 % 64): the
+        // table then either had room for at most 8x those, or shrank to fit
+        // them. Which one depends on the random hasher's spread over shards.
+        assert!(cap <= 32 * 8, "capacity {cap} with no keys");
     }
 
     /// A key's `Hash` runs once per call that names it, never for keys already
