@@ -522,7 +522,10 @@ async fn run(o: Opts) -> RunResult {
                     let upto = (now_ms + 1).min(b.len());
                     let mut due = Vec::new();
                     for slot in b.iter_mut().take(upto).skip(next) {
-                        due.append(slot);
+                        // Take the slot's buffer too: a drained slot that kept its
+                        // capacity would hold every token ever sent in the
+                        // process's memory, the same for every implementation.
+                        due.append(&mut std::mem::take(slot));
                     }
                     next = next.max(upto);
                     due

@@ -413,9 +413,7 @@ impl<K: WatchKey, O: Operation> Purgatory<K, O> {
             shared.drop_keys(keys);
             return Err(closed_refusal(op, why));
         }
-        let delayed = shared.delayed.fetch_add(1, Ordering::AcqRel);
-        if shared.max_pending.is_some_and(|max| delayed >= max) {
-            shared.delayed.fetch_sub(1, Ordering::AcqRel);
+        if !shared.admit() {
             shared.drop_keys(keys);
             return Err(WatchError::AtCapacity(op));
         }
@@ -423,7 +421,7 @@ impl<K: WatchKey, O: Operation> Purgatory<K, O> {
 
         match catch_unwind(AssertUnwindSafe(|| op.try_complete())) {
             Ok(Some(output)) => {
-                shared.counters.registered.fetch_add(1, Ordering::Relaxed);
+                shared.books.registered();
                 shared.on_finished(Fate::Completed, 0);
                 shared.drop_contained("drop of an operation", op);
                 shared.drop_keys(keys);
@@ -453,15 +451,15 @@ impl<K: WatchKey, O: Operation> Purgatory<K, O> {
         if let Err(panic) = watched {
             // A key's code panicked: undo. The entries made are tombstones now.
             let op = cell.abandon_registration();
-            shared.entries.change(0, added as i64);
-            shared.delayed.fetch_sub(1, Ordering::AcqRel);
+            shared.entries.0.change(0, added as i64);
+            shared.unadmit();
             drop(cell);
             shared.drop_contained("drop of an operation", op);
             shared.drop_keys(keys);
             resume_unwind(panic);
         }
-        shared.entries.change(added as i64, 0);
-        shared.counters.registered.fetch_add(1, Ordering::Relaxed);
+        shared.entries.0.change(added as i64, 0);
+        shared.books.registered();
 
         let refused = match cell.run_checks(me) {
             Checked::Completed | Checked::Expired => None,
@@ -698,7 +696,7 @@ impl<K: WatchKey, O: Operation> Purgatory<K, O> {
     /// # }
     /// ```
     pub fn delayed(&self) -> usize {
-        self.shared().delayed.load(Ordering::Acquire)
+        self.shared().delayed()
     }
 
     /// Counters since the purgatory was built.
@@ -725,16 +723,17 @@ impl<K: WatchKey, O: Operation> Purgatory<K, O> {
     pub fn metrics(&self) -> PurgatoryMetrics {
         let s = self.shared();
         let c = &s.counters;
+        let t = s.books.totals();
         PurgatoryMetrics {
             watched: self.watched(),
-            tombstones: s.entries.tombstones(),
-            delayed: self.delayed(),
+            tombstones: s.entries.0.tombstones(),
+            delayed: t.delayed,
             keys: s.watchers.keys(),
-            registered: c.registered.load(Ordering::Relaxed),
-            completed: c.completed.load(Ordering::Relaxed),
-            expired: c.expired.load(Ordering::Relaxed),
-            cancelled: c.cancelled.load(Ordering::Relaxed),
-            handed_back: c.handed_back.load(Ordering::Relaxed),
+            registered: t.registered,
+            completed: t.completed,
+            expired: t.expired,
+            cancelled: t.cancelled,
+            handed_back: t.handed_back,
             purged: c.purged.load(Ordering::Relaxed),
             panicked: c.panicked.load(Ordering::Relaxed),
             reaper_wakeups: s.core.wakeups(),

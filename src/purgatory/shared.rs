@@ -8,6 +8,7 @@ use super::cell::{Fate, OpCell};
 use super::error::{OperationError, WatchError};
 use super::operation::Operation;
 use super::WatchKey;
+use crate::loom::thread_index;
 use crate::reaper::{drop_contained, drop_each_contained, panic_message, Closed, Core, Job};
 use crate::watchers::{Removed, Watchers};
 
@@ -45,25 +46,129 @@ pub(crate) fn closed_refusal<O>(op: O, why: Closed) -> WatchError<O> {
     }
 }
 
+/// Rare events, counted once for the whole purgatory.
 #[derive(Debug, Default)]
 pub(crate) struct Counters {
-    pub(crate) registered: AtomicU64,
-    pub(crate) completed: AtomicU64,
-    pub(crate) expired: AtomicU64,
-    pub(crate) cancelled: AtomicU64,
-    pub(crate) handed_back: AtomicU64,
     pub(crate) purged: AtomicU64,
     pub(crate) panicked: AtomicU64,
 }
 
-/// State shared by the purgatory handles and every operation cell.
+/// How many stripes the per-operation counts are spread over.
+const STRIPES: usize = 8;
+
+/// One thread's share of the per-operation counts, on cache lines of its own.
+#[derive(Debug, Default)]
+#[repr(align(128))]
+struct Stripe {
+    /// Registered minus finished, wrapping: a stripe goes "negative" when its
+    /// thread finishes operations that others registered.
+    delayed: AtomicU64,
+    registered: AtomicU64,
+    completed: AtomicU64,
+    expired: AtomicU64,
+    cancelled: AtomicU64,
+    handed_back: AtomicU64,
+}
+
+/// The per-operation counts, striped by thread. Every registration and every
+/// outcome changes them; one shared word per count would bounce its cache line
+/// between the registering, completing and expiring threads on every operation.
+/// A thread writes its own stripe; readers sum all of them, which is exact when
+/// no call races the read.
+#[derive(Debug)]
+pub(crate) struct Books {
+    stripes: Box<[Stripe]>,
+}
+
+/// A sum of the per-operation counts.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Totals {
+    pub(crate) delayed: usize,
+    pub(crate) registered: u64,
+    pub(crate) completed: u64,
+    pub(crate) expired: u64,
+    pub(crate) cancelled: u64,
+    pub(crate) handed_back: u64,
+}
+
+impl Default for Books {
+    fn default() -> Self {
+        Books {
+            stripes: (0..STRIPES).map(|_| Stripe::default()).collect(),
+        }
+    }
+}
+
+impl Books {
+    fn mine(&self) -> &Stripe {
+        &self.stripes[(thread_index() % STRIPES as u64) as usize]
+    }
+
+    /// An operation entered (`1`) or an entry was undone (`-1`).
+    pub(crate) fn delayed(&self, n: i64) {
+        self.mine().delayed.fetch_add(n as u64, Ordering::Relaxed);
+    }
+
+    pub(crate) fn registered(&self) {
+        self.mine().registered.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// An operation finished with `fate`.
+    pub(crate) fn finished(&self, fate: Fate) {
+        let s = self.mine();
+        s.delayed.fetch_sub(1, Ordering::Relaxed);
+        let counter = match fate {
+            Fate::Completed => &s.completed,
+            Fate::Expired => &s.expired,
+            Fate::Cancelled => &s.cancelled,
+            Fate::HandedBack => &s.handed_back,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Operations registered and not finished.
+    pub(crate) fn delayed_now(&self) -> usize {
+        let d = self.stripes.iter().fold(0u64, |sum, s| {
+            sum.wrapping_add(s.delayed.load(Ordering::Relaxed))
+        });
+        (d as i64).max(0) as usize
+    }
+
+    pub(crate) fn totals(&self) -> Totals {
+        let mut t = Totals {
+            delayed: self.delayed_now(),
+            ..Totals::default()
+        };
+        for s in self.stripes.iter() {
+            t.registered += s.registered.load(Ordering::Relaxed);
+            t.completed += s.completed.load(Ordering::Relaxed);
+            t.expired += s.expired.load(Ordering::Relaxed);
+            t.cancelled += s.cancelled.load(Ordering::Relaxed);
+            t.handed_back += s.handed_back.load(Ordering::Relaxed);
+        }
+        t
+    }
+}
+
+/// Keeps a value on cache lines of its own.
+#[derive(Debug, Default)]
+#[repr(align(128))]
+pub(crate) struct Padded<T>(pub(crate) T);
+
+/// State shared by the purgatory handles and every operation cell. Aligned so
+/// that the `Arc`'s reference count, which every new cell bumps, has a cache
+/// line to itself instead of sharing one with the fields every call reads.
+#[repr(align(128))]
 pub(crate) struct Shared<K: WatchKey, O: Operation> {
     pub(crate) core: Arc<Core<Expiry<K, O>>>,
     pub(crate) watchers: Watchers<K, Arc<OpCell<K, O>>>,
-    /// Operations registered and not finished (Kafka's `numDelayed`).
-    pub(crate) delayed: AtomicUsize,
+    /// Registered and not finished, kept only under a limit (it is the one count
+    /// every registration must agree on); the books keep the same figure
+    /// striped.
+    admitted: Padded<AtomicUsize>,
     /// Watch-list entries of pending operations, and of finished ones (tombstones).
-    pub(crate) entries: Entries,
+    pub(crate) entries: Padded<Entries>,
+    pub(crate) books: Books,
     purging: AtomicBool,
     purge_interval: usize,
     pub(crate) max_pending: Option<usize>,
@@ -82,14 +187,40 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         Shared {
             core,
             watchers: Watchers::new(watcher_shards),
-            delayed: AtomicUsize::new(0),
-            entries: Entries::default(),
+            admitted: Padded(AtomicUsize::new(0)),
+            entries: Padded(Entries::default()),
+            books: Books::default(),
             purging: AtomicBool::new(false),
             purge_interval,
             max_pending,
             counters: Counters::default(),
             name,
         }
+    }
+
+    /// Counts an operation in, unless the purgatory holds `max_pending` already.
+    pub(crate) fn admit(&self) -> bool {
+        if let Some(max) = self.max_pending {
+            if self.admitted.0.fetch_add(1, Ordering::AcqRel) >= max {
+                self.admitted.0.fetch_sub(1, Ordering::AcqRel);
+                return false;
+            }
+        }
+        self.books.delayed(1);
+        true
+    }
+
+    /// Undoes [`admit`](Self::admit) for an operation that never registered.
+    pub(crate) fn unadmit(&self) {
+        if self.max_pending.is_some() {
+            self.admitted.0.fetch_sub(1, Ordering::AcqRel);
+        }
+        self.books.delayed(-1);
+    }
+
+    /// Operations registered and not finished.
+    pub(crate) fn delayed(&self) -> usize {
+        self.books.delayed_now()
     }
 
     pub(crate) fn note_panic(&self, what: &str, panic: &(dyn std::any::Any + Send)) {
@@ -119,7 +250,7 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
     pub(crate) fn drop_removed(&self, removed: Removed<K, Arc<OpCell<K, O>>>) {
         let n = removed.entries.len();
         if n > 0 {
-            self.entries.change(0, -(n as i64));
+            self.entries.0.change(0, -(n as i64));
         }
         drop_each_contained(removed.entries, |p| {
             self.note_panic("drop of a finished operation's cell", p)
@@ -129,17 +260,12 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
 
     /// Counts a finished operation; its `keys` list entries are now tombstones.
     pub(crate) fn on_finished(&self, fate: Fate, keys: u32) {
-        self.delayed.fetch_sub(1, Ordering::AcqRel);
-        let c = &self.counters;
-        let counter = match fate {
-            Fate::Completed => &c.completed,
-            Fate::Expired => &c.expired,
-            Fate::Cancelled => &c.cancelled,
-            Fate::HandedBack => &c.handed_back,
-        };
-        counter.fetch_add(1, Ordering::Relaxed);
+        if self.max_pending.is_some() {
+            self.admitted.0.fetch_sub(1, Ordering::AcqRel);
+        }
+        self.books.finished(fate);
         tracing::trace!(purgatory = &*self.name, ?fate, "operation finished");
-        self.entries.change(-i64::from(keys), i64::from(keys));
+        self.entries.0.change(-i64::from(keys), i64::from(keys));
         // No purge here: this runs on the reaper too, and a purge walks every
         // list. Registration and key walks purge instead (Kafka's places).
     }
@@ -149,7 +275,7 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
     /// of what it walks. Called on registration, key walks and cancellation by key,
     /// never on the reaper (expiries would wait behind the walk).
     pub(crate) fn maybe_purge(&self) {
-        let (live, tomb) = self.entries.get();
+        let (live, tomb) = self.entries.0.get();
         if tomb <= self.purge_interval || tomb <= live || self.purging.swap(true, Ordering::AcqRel)
         {
             return;
