@@ -27,7 +27,14 @@
 //! target silently, and the reaper picks it up when it ends the turn: one wake-up
 //! per distinct due time. Inserts later than the target cost one atomic load.
 //! [`Notify`] keeps a permit, so a notification sent between the end of a turn and
-//! the start of the sleep is not lost. Loom checks the protocol (`loom_wake`).
+//! the start of the sleep is not lost.
+//!
+//! The reaper sleeps on Tokio's timer, which has millisecond resolution: a
+//! sleeper wakes up to about two milliseconds after the instant it asked for.
+//! Inserts read the clock anyway, so an insert that finds the target passed while
+//! the reaper sleeps claims the turn ([`WakeTarget::overdue`]) and notifies: under
+//! load, the load itself wakes the reaper within a tick of what is due. Loom
+//! checks the protocol (`loom_wake`).
 
 use std::future::Future;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -195,7 +202,7 @@ impl<J: Job> Core<J> {
             }
             s.wheel.insert(tick, job)
         };
-        if self.wake.lower(tick) {
+        if self.wake.lower(tick) || self.wake.overdue(self.clock.now_tick(now)) {
             self.notify.notify_one();
         }
         Ok(TimerKey {
@@ -479,6 +486,23 @@ impl WakeTarget {
         self.0.swap(TURNING | NEVER, Ordering::SeqCst);
     }
 
+    /// A caller whose clock reads `now` finds the target passed while the reaper
+    /// sleeps (Tokio's timer wakes a sleeper up to about two milliseconds after
+    /// the instant asked for): claims the turn, as [`begin_turn`](Self::begin_turn)
+    /// would, and returns true so that the caller notifies the reaper at once. A
+    /// caller that finds the target ahead, or a turn already claimed, pays one
+    /// atomic load. While claimed, inserts lower the target silently, as during a
+    /// turn; the notification makes the reaper take the turn that ends the claim.
+    pub(crate) fn overdue(&self, now: u64) -> bool {
+        let cur = self.0.load(Ordering::SeqCst);
+        if cur & TURNING != 0 || cur & NEVER > now {
+            return false;
+        }
+        self.0
+            .compare_exchange(cur, cur | TURNING, Ordering::SeqCst, Ordering::SeqCst)
+            .is_ok()
+    }
+
     /// The reaper ends a turn, having found `next` as the earliest due tick in the
     /// wheels: returns the tick to sleep until, the earlier of `next` and anything
     /// inserted during the turn. Inserts from now on notify.
@@ -569,6 +593,51 @@ mod loom_wake {
         });
     }
 
+    /// A caller that finds the reaper overdue claims the turn and notifies, while
+    /// the reaper ends its turn and an insert races both: the claim never leaves
+    /// the reaper asleep with the turn bit set (which would silence every later
+    /// insert), and the insert is not slept through.
+    #[test]
+    fn loom_an_overdue_claim_racing_a_turn_and_an_insert_loses_no_wake_up() {
+        loom::model(|| {
+            let m = model();
+            // The reaper slept until tick 5 and is late; the wheel's earliest
+            // entry is at 9 by now (the one at 5 was removed: the target is a
+            // lower bound).
+            m.wake.begin_turn();
+            m.wake.end_turn(5);
+            *m.wheel.lock().unwrap() = 9;
+            let poker = {
+                let m = m.clone();
+                thread::spawn(move || {
+                    if m.wake.overdue(7) {
+                        m.permit.store(true, SeqCst);
+                    }
+                })
+            };
+            let producer = {
+                let m = m.clone();
+                thread::spawn(move || {
+                    insert(&m, 3);
+                })
+            };
+            // The reaper wakes on its own timer meanwhile.
+            reaper_turn(&m);
+            poker.join().unwrap();
+            producer.join().unwrap();
+            // The reaper sleeps: a permit wakes it for one more turn.
+            if m.permit.swap(false, SeqCst) {
+                reaper_turn(&m);
+            }
+            let slept = m.slept_until.load(SeqCst);
+            assert!(slept <= 3, "slept until {slept} with an entry due at 3");
+            assert!(
+                m.wake.lower(1),
+                "a sleeping reaper must be reachable by the next insert"
+            );
+        });
+    }
+
     #[test]
     fn loom_an_insert_during_the_turn_leaves_no_notification() {
         loom::model(|| {
@@ -616,6 +685,29 @@ mod tests {
         w.begin_turn();
         assert_eq!(w.end_turn(u64::MAX), NEVER, "nothing scheduled");
         assert!(!w.lower(u64::MAX), "never is not earlier than never");
+    }
+
+    /// An overdue target is claimed once: the first caller to see it notifies,
+    /// later ones and callers during a turn do not, and the turn the claim asks
+    /// for ends it.
+    #[test]
+    fn an_overdue_target_is_claimed_once() {
+        let w = WakeTarget::new();
+        assert!(!w.overdue(1_000), "nothing scheduled is never overdue");
+        assert!(w.lower(100));
+        assert!(!w.overdue(99), "not yet due");
+        assert!(w.overdue(100), "due: the first caller claims the turn");
+        assert!(!w.overdue(150), "claimed already");
+        assert!(!w.lower(50), "inserts during a claim lower silently");
+        w.begin_turn();
+        // The turn finds the entry due at 50 in the wheel.
+        assert_eq!(w.end_turn(50), 50);
+        assert!(w.lower(40), "the claim ended: inserts notify again");
+        assert!(!w.overdue(39));
+        assert!(w.overdue(60));
+        w.begin_turn();
+        assert!(!w.overdue(1_000), "during a turn: no claim");
+        assert_eq!(w.end_turn(u64::MAX), NEVER);
     }
 
     #[test]

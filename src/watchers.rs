@@ -173,6 +173,24 @@ pub(crate) struct Removed<K, V> {
     pub(crate) keys: Vec<K>,
 }
 
+/// Where a purge done in slices stands (see [`Watchers::sweep`]).
+#[derive(Debug)]
+pub(crate) struct Sweep {
+    /// The keys in the table when the purge began, by stored hash.
+    hashes: Vec<u64>,
+    /// The next key to visit.
+    next: usize,
+    /// How far into that key's list the purge has gone.
+    offset: usize,
+}
+
+impl Sweep {
+    /// Whether every key has been visited.
+    pub(crate) fn is_done(&self) -> bool {
+        self.next >= self.hashes.len()
+    }
+}
+
 impl<K, V> Default for Removed<K, V> {
     fn default() -> Self {
         Removed {
@@ -362,34 +380,66 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
         }
     }
 
-    /// Takes every finished entry of every key out, and the keys left empty;
-    /// `drop_batch` receives them once no lock is held.
-    pub(crate) fn purge(
+    /// Begins a purge: notes every key now in the table (their stored hashes, so
+    /// no key code runs), for [`sweep`](Self::sweep) to visit in slices.
+    pub(crate) fn start_sweep(&self) -> Sweep {
+        Sweep {
+            hashes: self.lists.iter().map(|item| item.key().hash).collect(),
+            next: 0,
+            offset: 0,
+        }
+    }
+
+    /// Goes on with `sweep`: visits at most `budget` entries from where it
+    /// stopped, takes the finished ones out into `removed`, and the keys left
+    /// empty. A purge done in slices holds each lock for a bounded time and
+    /// never stalls its caller for a whole pass over the table.
+    ///
+    /// Keys are found again by their stored hash alone; a key removed since the
+    /// sweep began is skipped, and one added since is left for the next sweep.
+    pub(crate) fn sweep(
         &self,
+        sweep: &mut Sweep,
+        budget: usize,
         finished: impl Fn(&V) -> bool,
-        drop_batch: impl FnOnce(Removed<K, V>),
+        removed: &mut Removed<K, V>,
     ) {
-        let mut removed = Removed::default();
-        let mut emptied = Vec::new();
-        for mut item in self.lists.iter_mut() {
-            let list = item.value_mut();
-            removed.entries.extend(list.extract_if(.., |v| finished(v)));
-            if list.is_empty() {
-                emptied.push(item.key().hash);
-            }
-        }
-        self.counted(-(removed.entries.len() as isize));
-        for hash in emptied {
-            let probe: Probe<'_, K> = Probe { hash, key: None };
-            let gone = self
+        let mut left = budget.max(1);
+        let before = removed.entries.len();
+        while left > 0 && !sweep.is_done() {
+            let probe: Probe<'_, K> = Probe {
+                hash: sweep.hashes[sweep.next],
+                key: None,
+            };
+            let mut key_done = true;
+            let entries = &mut removed.entries;
+            let offset = &mut sweep.offset;
+            let emptied = self
                 .lists
-                .remove_if(&probe as &dyn Lookup<K>, |_, list| list.is_empty());
-            if let Some((k, _)) = gone {
+                .remove_if_mut(&probe as &dyn Lookup<K>, |_, list| {
+                    let start = (*offset).min(list.len());
+                    let end = start.saturating_add(left).min(list.len());
+                    let len = list.len();
+                    entries.extend(list.extract_if(start..end, |v| finished(v)));
+                    let visited = end - start;
+                    left -= visited;
+                    *offset = start + visited - (len - list.len());
+                    key_done = *offset >= list.len();
+                    list.is_empty()
+                });
+            if let Some((k, _)) = emptied {
                 removed.keys.push(k.key);
+                self.key_removed();
+            }
+            if key_done {
+                sweep.next += 1;
+                sweep.offset = 0;
             }
         }
-        self.shrink_if_sparse();
-        drop_batch(removed);
+        self.counted(-((removed.entries.len() - before) as isize));
+        if sweep.is_done() {
+            self.shrink_if_sparse();
+        }
     }
 
     /// Removes every list (shutdown), into `removed`.
@@ -617,24 +667,99 @@ mod tests {
         assert_eq!(w.len(), 2);
     }
 
+    /// Runs a whole sweep in slices of `budget`; returns what it removed and how
+    /// many slices it took.
+    fn sweep_all(
+        w: &Watchers<u32, u32>,
+        budget: usize,
+        finished: impl Fn(&u32) -> bool,
+    ) -> (Removed<u32, u32>, usize) {
+        let mut sweep = w.start_sweep();
+        let mut removed = Removed::default();
+        let mut slices = 0;
+        while !sweep.is_done() {
+            w.sweep(&mut sweep, budget, &finished, &mut removed);
+            slices += 1;
+        }
+        (removed, slices)
+    }
+
     #[test]
     fn purge_shrinks_the_table_too() {
         let w: Watchers<u32, u32> = Watchers::new(2);
         for k in 0..50_000 {
             w.watch(&[k], &k, &mut 0, &mut Vec::new());
         }
-        let mut removed = 0;
-        let mut keys = 0;
-        w.purge(
-            |v| *v >= 10,
-            |r| {
-                removed += r.entries.len();
-                keys += r.keys.len();
-            },
-        );
-        assert_eq!((removed, keys), (49_990, 49_990));
+        let (r, _) = sweep_all(&w, 1024, |v| *v >= 10);
+        assert_eq!((r.entries.len(), r.keys.len()), (49_990, 49_990));
         assert_eq!(w.keys(), 10);
+        assert_eq!(w.len(), 10);
         assert!(capacity(&w) <= 10 * 8, "capacity {}", capacity(&w));
+    }
+
+    /// One slice visits at most its budget of entries, inside one long list too,
+    /// and the slices together remove exactly the finished entries, keeping the
+    /// others in watch order.
+    #[test]
+    fn a_sweep_goes_in_slices_of_its_budget() {
+        let w: Watchers<u32, u32> = Watchers::new(2);
+        for v in 0..10_000 {
+            w.watch(&[v % 3], &v, &mut 0, &mut Vec::new());
+        }
+        let mut sweep = w.start_sweep();
+        let mut r = Removed::default();
+        w.sweep(&mut sweep, 100, |v| v % 2 == 0, &mut r);
+        assert_eq!(r.entries.len(), 50, "100 visited, half of them finished");
+        assert!(!sweep.is_done());
+        let mut slices = 1;
+        while !sweep.is_done() {
+            w.sweep(&mut sweep, 100, |v| v % 2 == 0, &mut r);
+            slices += 1;
+        }
+        assert_eq!(slices, 100, "10,000 entries in slices of 100");
+        assert_eq!(r.entries.len(), 5_000);
+        assert!(r.keys.is_empty());
+        assert_eq!(w.len(), 5_000);
+        for k in 0..3 {
+            let mut live = Vec::new();
+            w.collect_live(&k, &mut live, |_| false, &mut Removed::default());
+            let odd: Vec<u32> = (0..10_000).filter(|v| v % 3 == k && v % 2 == 1).collect();
+            assert_eq!(live, odd, "key {k} keeps its live entries in order");
+        }
+    }
+
+    /// The table may change between slices: keys removed meanwhile are skipped,
+    /// keys added meanwhile wait for the next sweep, entries appended to a key
+    /// being swept are still visited.
+    #[test]
+    fn a_sweep_survives_changes_between_slices() {
+        let w: Watchers<u32, u32> = Watchers::new(2);
+        for v in 0..300 {
+            w.watch(&[v % 3], &v, &mut 0, &mut Vec::new());
+        }
+        let mut sweep = w.start_sweep();
+        let mut r = Removed::default();
+        w.sweep(&mut sweep, 50, |v| *v >= 1000, &mut r);
+        assert!(r.entries.is_empty());
+        // Between slices: every key gets an entry that is finished, one key
+        // goes away, and a new key arrives.
+        for k in 0..3 {
+            w.watch(&[k], &(1000 + k), &mut 0, &mut Vec::new());
+        }
+        let mut gone = Removed::default();
+        w.prune(&2, |_| true, &mut gone);
+        assert_eq!(gone.keys, vec![2]);
+        w.watch(&[7], &2000, &mut 0, &mut Vec::new());
+        while !sweep.is_done() {
+            w.sweep(&mut sweep, 50, |v| *v >= 1000, &mut r);
+        }
+        let mut found = r.entries.clone();
+        found.sort_unstable();
+        assert_eq!(found, vec![1000, 1001], "appended entries of swept keys");
+        assert_eq!(w.keys(), 3, "keys 0, 1 and the new 7");
+        assert_eq!(w.len(), 201, "200 live of keys 0 and 1, and 7's entry");
+        let (r, _) = sweep_all(&w, 50, |v| *v >= 1000);
+        assert_eq!((r.entries, r.keys), (vec![2000], vec![7]));
     }
 
     #[test]

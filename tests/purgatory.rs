@@ -403,6 +403,52 @@ async fn completed_payload_is_dropped_at_once_leaving_small_tombstones() {
     assert_eq!(h.await, Ok(Completion::Completed("completed")));
 }
 
+/// The purge a call starts visits a bounded slice of the lists (1,024 entries),
+/// and later calls go on with it: with every operation on the same three keys
+/// (Kafka's layout), no single call walks whole lists, and the tombstones still
+/// all go.
+#[tokio::test(start_paused = true)]
+async fn the_purge_goes_in_slices_over_later_calls() {
+    let p: Purgatory<u32, Mock> = Purgatory::builder("slices")
+        .purge_interval(0)
+        .build()
+        .unwrap();
+    let mut ops = Vec::new();
+    for _ in 0..4000 {
+        let op = Mock::default();
+        let h = p
+            .try_complete_else_watch(op.clone(), ms(100_000), [1, 2, 3])
+            .unwrap();
+        ops.push((op, h.op_ref().unwrap()));
+        h.detach();
+    }
+    // Finishing does not purge: 12,000 tombstones wait for calls that do.
+    for (op, r) in &ops {
+        op.set();
+        assert!(r.try_complete());
+    }
+    assert_eq!(p.metrics().tombstones, 12_000);
+    assert_eq!(p.metrics().purged, 0);
+    let mut calls = 0;
+    let mut before = 0;
+    while p.metrics().tombstones > 0 {
+        // A key no operation watches: the call itself removes nothing.
+        p.try_complete_watched(&99);
+        calls += 1;
+        let purged = p.metrics().purged;
+        assert!(
+            purged - before <= 1024,
+            "one call purged {}",
+            purged - before
+        );
+        before = purged;
+        assert!(calls <= 12, "the purge never finished: {:?}", p.metrics());
+    }
+    assert_eq!(calls, 12, "12,000 entries in slices of 1,024");
+    let m = p.metrics();
+    assert_eq!((m.purged, m.watched, m.keys), (12_000, 0, 0));
+}
+
 #[tokio::test(start_paused = true)]
 async fn completion_through_one_key_drops_payload_and_purge_clears_tombstones() {
     let p: Purgatory<u32, Mock> = Purgatory::builder("purge")

@@ -80,10 +80,32 @@ impl<K: WatchKey, O: Operation> PurgatoryBuilder<K, O> {
     }
 
     /// Finished operations left as tombstones in watch lists before a purge may
-    /// run (default 1000, Kafka's `purgeInterval`). A purge runs once tombstones
-    /// exceed both this and the live entries, on the thread of a registration, a
-    /// key walk or a cancellation by key that finds it due (never on the reaper);
-    /// walking a key also removes its own tombstones.
+    /// run (default 1000, Kafka's `purgeInterval`). A purge starts once
+    /// tombstones exceed both this and the live entries, so it removes at least
+    /// as many entries as it keeps. It runs in slices on the threads of
+    /// registrations, key walks and cancellations by key (never on the reaper):
+    /// each such call visits at most 1,024 entries, and the purge ends once it
+    /// has been through every key. No call stalls for a pass over every list;
+    /// the purge itself notes the keys it will visit when it starts, one word
+    /// per key. Walking a key also removes its own tombstones.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// # struct Op;
+    /// # impl tokio_purgatory::Operation for Op {
+    /// #     type Output = ();
+    /// #     fn try_complete(&mut self) -> Option<()> { None }
+    /// #     fn on_expiration(self) {}
+    /// # }
+    /// use tokio_purgatory::Purgatory;
+    ///
+    /// // Purge as soon as tombstones outnumber live entries.
+    /// let p: Purgatory<u32, Op> = Purgatory::builder("eager").purge_interval(0).build().unwrap();
+    /// assert_eq!(p.metrics().purged, 0);
+    /// # }
+    /// ```
     pub fn purge_interval(mut self, interval: usize) -> Self {
         self.purge_interval = interval;
         self

@@ -91,7 +91,8 @@ impl<K: WatchKey, O: Operation> Drop for Owner<K, O> {
 /// A finished operation is dropped at once, and an output is dropped as soon as
 /// its handle reads it or is dropped. The operation's entries in the watch lists
 /// of its other keys become **tombstones** until that key is next walked or the
-/// amortised purge runs (see [`PurgatoryBuilder::purge_interval`]); keys whose
+/// amortised purge, which runs in bounded slices, reaches them (see
+/// [`PurgatoryBuilder::purge_interval`]); keys whose
 /// lists empty are removed. A tombstone holds a pointer to the operation's cell,
 /// and the cell stays allocated until its last tombstone goes: it is
 /// [`Purgatory::cell_bytes`] bytes, which includes room for the operation

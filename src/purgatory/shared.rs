@@ -2,7 +2,7 @@
 //! watcher map, the counters, the purge policy, and how closing works.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, TryLockError};
 
 use super::cell::{Fate, OpCell};
 use super::error::{OperationError, WatchError};
@@ -10,7 +10,10 @@ use super::operation::Operation;
 use super::WatchKey;
 use crate::loom::thread_index;
 use crate::reaper::{drop_contained, drop_each_contained, panic_message, Closed, Core, Job};
-use crate::watchers::{Removed, Watchers};
+use crate::watchers::{Removed, Sweep, Watchers};
+
+/// The most watch-list entries one call visits for the purge.
+pub(crate) const SWEEP_SLICE: usize = 1024;
 
 /// The timer job of an operation: its cell.
 pub(crate) struct Expiry<K: WatchKey, O: Operation>(pub(crate) Arc<OpCell<K, O>>);
@@ -169,7 +172,9 @@ pub(crate) struct Shared<K: WatchKey, O: Operation> {
     /// Watch-list entries of pending operations, and of finished ones (tombstones).
     pub(crate) entries: Padded<Entries>,
     pub(crate) books: Books,
-    purging: AtomicBool,
+    /// A purge under way (`maybe_purge`), and a flag to skip the lock when none is.
+    sweep: Mutex<Option<Sweep>>,
+    sweeping: AtomicBool,
     purge_interval: usize,
     pub(crate) max_pending: Option<usize>,
     pub(crate) counters: Counters,
@@ -190,7 +195,8 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
             admitted: Padded(AtomicUsize::new(0)),
             entries: Padded(Entries::default()),
             books: Books::default(),
-            purging: AtomicBool::new(false),
+            sweep: Mutex::new(None),
+            sweeping: AtomicBool::new(false),
             purge_interval,
             max_pending,
             counters: Counters::default(),
@@ -270,32 +276,49 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         // list. Registration and key walks purge instead (Kafka's places).
     }
 
-    /// Kafka's `purgeInterval`, made amortised O(1): purge once tombstones exceed
-    /// both the interval and the live entries, so each purge removes at least half
-    /// of what it walks. Called on registration, key walks and cancellation by key,
-    /// never on the reaper (expiries would wait behind the walk).
+    /// Kafka's `purgeInterval`, made amortised O(1) and incremental. A purge
+    /// starts once tombstones exceed both the interval and the live entries (so
+    /// it removes at least half of what it walks), and goes on in slices of at
+    /// most [`SWEEP_SLICE`] entries, one slice per call, until it has visited
+    /// every key: no call stalls for a pass over every list (with Kafka's
+    /// semantics three lists hold every pending operation, and one pass took
+    /// milliseconds, which delayed the reaper on the same runtime). Called on
+    /// registration, key walks and cancellation by key, never on the reaper.
+    /// A call that finds another thread on the purge goes on without waiting.
     pub(crate) fn maybe_purge(&self) {
-        let (live, tomb) = self.entries.0.get();
-        if tomb <= self.purge_interval || tomb <= live || self.purging.swap(true, Ordering::AcqRel)
-        {
-            return;
+        if !self.sweeping.load(Ordering::Acquire) {
+            let (live, tomb) = self.entries.0.get();
+            if tomb <= self.purge_interval || tomb <= live {
+                return;
+            }
         }
-        let mut purged = 0;
-        self.watchers.purge(
-            |c| c.is_finished(),
-            |removed| {
-                purged += removed.entries.len();
-                self.drop_removed(removed);
-            },
-        );
+        let mut sweep = match self.sweep.try_lock() {
+            Ok(sweep) => sweep,
+            // No code that can panic runs under this lock; recover anyway.
+            Err(TryLockError::Poisoned(p)) => p.into_inner(),
+            // Another thread is on the purge.
+            Err(TryLockError::WouldBlock) => return,
+        };
+        let mut removed = Removed::default();
+        let state = sweep.get_or_insert_with(|| self.watchers.start_sweep());
+        self.watchers
+            .sweep(state, SWEEP_SLICE, |c| c.is_finished(), &mut removed);
+        let done = state.is_done();
+        if done {
+            *sweep = None;
+        }
+        self.sweeping.store(!done, Ordering::Release);
+        drop(sweep);
+        let purged = removed.entries.len();
         self.counters
             .purged
             .fetch_add(purged as u64, Ordering::Relaxed);
-        self.purging.store(false, Ordering::Release);
-        tracing::debug!(
+        self.drop_removed(removed);
+        tracing::trace!(
             purgatory = &*self.name,
             removed = purged,
-            "purged finished operations"
+            done,
+            "purged a slice of finished operations"
         );
     }
 
