@@ -96,10 +96,11 @@ struct Shard<J> {
     closed: bool,
 }
 
-/// Keeps each shard's lock on its own cache line.
+/// Keeps a value on cache lines of its own (each shard's lock, and the
+/// purgatory's hot counters).
 #[derive(Debug)]
 #[repr(align(128))]
-struct Padded<T>(T);
+pub(crate) struct Padded<T>(pub(crate) T);
 
 /// Counters kept by the core (all monotonic).
 #[derive(Debug, Default)]

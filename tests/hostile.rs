@@ -12,10 +12,10 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use tokio::time::{advance, Instant};
-use tokio_purgatory::{Completion, Operation, OperationError, Purgatory, PurgatoryMetrics, Timer};
+use tokio_purgatory::{Completion, Operation, OperationError, Purgatory, Timer};
 
 mod support;
-use support::{ms, settle};
+use support::{balanced, ms, settle};
 
 /// Runs `f` on its own thread and fails if it has not returned within `secs`
 /// seconds (a deadlock), re-raising its panic if it panicked.
@@ -141,10 +141,6 @@ fn plain_ops_on(
         })
         .collect();
     (hooks, handles)
-}
-
-fn balanced(m: &PurgatoryMetrics) -> bool {
-    m.registered == m.completed + m.expired + m.cancelled + m.handed_back
 }
 
 /// A hook that calls back into the purgatory `slot` will hold: walks `key` and

@@ -6,12 +6,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::time::{advance, Instant};
-use tokio_purgatory::{
-    Completion, Operation, OperationError, Purgatory, PurgatoryMetrics, WatchError,
-};
+use tokio_purgatory::{Completion, Operation, OperationError, Purgatory, WatchError};
 
 mod support;
-use support::{ms, settle};
+use support::{balanced, ms, settle};
 
 /// Kafka's `MockDelayedOperation`: completes once `completable` is set.
 #[derive(Debug, Clone, Default)]
@@ -44,10 +42,6 @@ fn purgatory() -> Purgatory<&'static str, Mock> {
         .purge_interval(100_000)
         .build()
         .unwrap()
-}
-
-fn balanced(m: &PurgatoryMetrics) -> bool {
-    m.registered == m.completed + m.expired + m.cancelled + m.handed_back
 }
 
 /// `testRequestSatisfaction`

@@ -9,7 +9,9 @@ use super::error::{OperationError, WatchError};
 use super::operation::Operation;
 use super::WatchKey;
 use crate::loom::thread_index;
-use crate::reaper::{drop_contained, drop_each_contained, panic_message, Closed, Core, Job};
+use crate::reaper::{
+    drop_contained, drop_each_contained, panic_message, Closed, Core, Job, Padded,
+};
 use crate::watchers::{Removed, Sweep, Watchers};
 
 /// The most watch-list entries one call visits for the purge.
@@ -152,11 +154,6 @@ impl Books {
         t
     }
 }
-
-/// Keeps a value on cache lines of its own.
-#[derive(Debug, Default)]
-#[repr(align(128))]
-pub(crate) struct Padded<T>(pub(crate) T);
 
 /// State shared by the purgatory handles and every operation cell. Aligned so
 /// that the `Arc`'s reference count, which every new cell bumps, has a cache

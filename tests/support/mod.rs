@@ -16,5 +16,10 @@ pub async fn settle() {
     }
 }
 
+/// Every operation registered has finished one way or another.
+pub fn balanced(m: &tokio_purgatory::PurgatoryMetrics) -> bool {
+    m.registered == m.completed + m.expired + m.cancelled + m.handed_back
+}
+
 pub mod alloc;
 pub mod rng;
