@@ -19,9 +19,10 @@
 //!   calls `forceComplete`), `key` (each request watches `--keys` random keys; the
 //!   driver calls `try_complete_watched` on its first key), `awaited` (as `kafka`,
 //!   but every request is a task awaiting its handle).
-//! - `--impl purgatory|task|delayqueue`: this crate; a task per request awaiting
+//! - `--impl purgatory|task|delayqueue|floor`: this crate; a task per request awaiting
 //!   `tokio::time::timeout` on a completion signal with a `DashMap` of key ->
-//!   watchers; a purgatory built on one `tokio_util::time::DelayQueue`.
+//!   watchers; a purgatory built on one `tokio_util::time::DelayQueue`; the
+//!   harness alone, with no purgatory (the CPU floor under every run).
 //! - `--runtime current|multi` (multi: 2 workers).
 //! - `--generators N`: N generator tasks share the load, so saturation measures
 //!   the implementation rather than one generator (default 1, as Kafka's).
@@ -29,6 +30,7 @@
 //!   interleaved (A B C A B C ...), each run in its own process so CPU and peak
 //!   RSS are its own, and prints medians with [min..max] and the ratios of this
 //!   crate against the best peer. The load average is printed before each run.
+//!   It runs the harness alone too, and prints each one's CPU above that floor.
 //! - `--sweep R1,R2,...`: runs every implementation at each target rate and writes
 //!   `--out` (default `target/purgatory-perf`) `.csv` and `.svg`: achieved against
 //!   target rate, as in Kafka's 2015 purgatory redesign write-up.
@@ -74,6 +76,10 @@ enum Imp {
     Task,
     /// A purgatory on one `tokio_util::time::DelayQueue` behind a mutex.
     Delayqueue,
+    /// No purgatory: the harness alone (a request that would expire is counted
+    /// expired at registration, one that would complete is counted when the
+    /// driver reaches it). Its CPU is the floor under every implementation.
+    Floor,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -256,11 +262,20 @@ enum Token {
     Id(u64),
 }
 
-/// The three implementations, behind one face.
+/// The completion driver's tokens, in 1 ms slots from the start; `next` is the
+/// first slot it has not drained.
+#[derive(Default)]
+struct Buckets {
+    next: usize,
+    slots: Vec<Vec<Token>>,
+}
+
+/// The implementations, behind one face.
 enum Target {
     Purgatory(Purgatory<u32, FakeOp>),
     Task(Arc<TaskPeer>),
     Dq(Arc<DqPeer>),
+    Floor,
 }
 
 // ---- peer (a): a task per request, `tokio::time::timeout` on a signal, DashMap of watchers
@@ -478,6 +493,9 @@ async fn run(o: Opts) -> RunResult {
     let target = match o.imp {
         Imp::Purgatory => {
             let mut b = Purgatory::builder("perf");
+            if let Ok(v) = std::env::var("PURGE_INTERVAL") {
+                b = b.purge_interval(v.parse().unwrap());
+            }
             if let Some(us) = o.tick_us {
                 b = b.tick(Duration::from_micros(us));
             }
@@ -499,12 +517,13 @@ async fn run(o: Opts) -> RunResult {
             tokio::spawn(peer.clone().drive(stop.clone()));
             Target::Dq(peer)
         }
+        Imp::Floor => Target::Floor,
     };
     let target = Arc::new(target);
 
     // The completion driver: tokens in 1 ms buckets, acted on when due.
     let start = Instant::now();
-    let buckets: Arc<Mutex<Vec<Vec<Token>>>> = Arc::new(Mutex::new(Vec::new()));
+    let buckets: Arc<Mutex<Buckets>> = Arc::default();
     let driver = {
         let buckets = buckets.clone();
         let target = target.clone();
@@ -513,21 +532,21 @@ async fn run(o: Opts) -> RunResult {
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(Duration::from_millis(1));
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
-            let mut next = 0usize;
             while counts.done() < total {
                 tick.tick().await;
                 let now_ms = start.elapsed().as_millis() as usize;
                 let due: Vec<Token> = {
                     let mut b = buckets.lock().unwrap();
-                    let upto = (now_ms + 1).min(b.len());
+                    let upto = (now_ms + 1).min(b.slots.len());
+                    let next = b.next;
                     let mut due = Vec::new();
-                    for slot in b.iter_mut().take(upto).skip(next) {
+                    for slot in b.slots.iter_mut().take(upto).skip(next) {
                         // Take the slot's buffer too: a drained slot that kept its
                         // capacity would hold every token ever sent in the
                         // process's memory, the same for every implementation.
                         due.append(&mut std::mem::take(slot));
                     }
-                    next = next.max(upto);
+                    b.next = next.max(upto);
                     due
                 };
                 for t in due {
@@ -544,6 +563,13 @@ async fn run(o: Opts) -> RunResult {
                         (Target::Task(peer), Token::Key(k)) => peer.complete_key(k),
                         (Target::Dq(peer), Token::Id(id)) => peer.complete(id),
                         (Target::Dq(peer), Token::Key(k)) => peer.complete_key(k),
+                        (Target::Floor, Token::Signal(tx)) => {
+                            counts.completed.fetch_add(1, Ordering::Relaxed);
+                            let _ = tx.send(());
+                        }
+                        (Target::Floor, Token::Id(_) | Token::Key(_)) => {
+                            counts.completed.fetch_add(1, Ordering::Relaxed);
+                        }
                         _ => unreachable!("token matches its target"),
                     }
                 }
@@ -633,7 +659,7 @@ struct Generator {
     start: Instant,
     shared_keys: Vec<u32>,
     target: Arc<Target>,
-    buckets: Arc<Mutex<Vec<Vec<Token>>>>,
+    buckets: Arc<Mutex<Buckets>>,
     counts: Arc<Counts>,
 }
 
@@ -726,16 +752,36 @@ async fn generate(g: Generator) -> (Instant, Histogram<u64>) {
                     Token::Id(id)
                 })
             }
+            Target::Floor => {
+                if completes_at.is_none() {
+                    g.counts.expired.fetch_add(1, Ordering::Relaxed);
+                }
+                drop(op);
+                if awaited {
+                    let (tx, rx) = oneshot::channel::<()>();
+                    tokio::spawn(async move {
+                        let _ = rx.await;
+                    });
+                    completes_at.is_some().then_some(Token::Signal(tx))
+                } else if key_driven {
+                    Some(Token::Key(keys[0]))
+                } else {
+                    Some(Token::Id(0))
+                }
+            }
         };
         if let (Some(at), Some(token)) = (completes_at, token) {
             // The bucket of the first whole millisecond at or after `at`, so the
             // check the driver runs finds the request completable.
             let ms = at.saturating_duration_since(g.start).as_millis() as usize + 1;
             let mut b = g.buckets.lock().unwrap();
-            if b.len() <= ms {
-                b.resize_with(ms + 1, Vec::new);
+            // A generator behind schedule may be late for a bucket the driver
+            // has drained: the token goes in the next one it will read.
+            let ms = ms.max(b.next);
+            if b.slots.len() <= ms {
+                b.slots.resize_with(ms + 1, Vec::new);
             }
-            b[ms].push(token);
+            b.slots[ms].push(token);
         }
     }
     (arrival, lag)
@@ -860,13 +906,16 @@ fn loadavg() -> String {
 }
 
 const IMPS: [Imp; 3] = [Imp::Purgatory, Imp::Task, Imp::Delayqueue];
+/// `--compare` also runs the harness alone, to show the floor under every run.
+const WITH_FLOOR: [Imp; 4] = [Imp::Purgatory, Imp::Task, Imp::Delayqueue, Imp::Floor];
 
 /// Runs every implementation `o.repeat` times at `rate`, interleaved, and returns
 /// the rows, raw and parsed (printed as they come).
-fn interleaved(o: &Opts, rate: f64) -> Vec<(String, Row)> {
+fn interleaved(o: &Opts, rate: f64, floor: bool) -> Vec<(String, Row)> {
     let mut rows = Vec::new();
+    let imps: &[Imp] = if floor { &WITH_FLOOR } else { &IMPS };
     for rep in 1..=o.repeat {
-        for imp in IMPS {
+        for &imp in imps {
             eprintln!(
                 "# run {rep}/{} of {} at {rate:.0}/s (load average {})",
                 o.repeat,
@@ -916,7 +965,7 @@ fn summary(o: &Opts, rows: &[Row]) {
     println!();
     println!("| implementation | CPU s | peak RSS MB | achieved /s | expiry lateness p99 ms | registration lag p99 ms | completed | expired |");
     println!("|---|---|---|---|---|---|---|---|");
-    for imp in IMPS {
+    for imp in WITH_FLOOR {
         let i = name(&imp);
         println!(
             "| {i} | {} | {} | {} | {} | {} | {} | {} |",
@@ -939,6 +988,14 @@ fn summary(o: &Opts, rows: &[Row]) {
         med(Imp::Purgatory, |r| r.cpu_ms) / med(Imp::Delayqueue, |r| r.cpu_ms),
         med(Imp::Purgatory, |r| r.rss_mb) / best_low(|r| r.rss_mb),
         med(Imp::Purgatory, |r| r.p99) / best_low(|r| r.p99),
+    );
+    // The harness's own CPU is in every run; what each implementation adds is
+    // its CPU above the floor's.
+    let floor = med(Imp::Floor, |r| r.cpu_ms);
+    println!(
+        "harness floor CPU {:.2} s; CPU above the floor, tokio-purgatory / DelayQueue peer: {:.2}",
+        floor / 1000.0,
+        (med(Imp::Purgatory, |r| r.cpu_ms) - floor) / (med(Imp::Delayqueue, |r| r.cpu_ms) - floor),
     );
 }
 
@@ -988,6 +1045,7 @@ fn draw(rows: &[Row], path: &str, title: &str, y_desc: &str, y: fn(&Row) -> f64,
             Imp::Purgatory => "tokio-purgatory",
             Imp::Task => "task per request + DashMap",
             Imp::Delayqueue => "purgatory on one DelayQueue",
+            Imp::Floor => "the harness alone",
         };
         // The median of each rate's runs.
         let mut rates: Vec<f64> = rows
@@ -1082,7 +1140,7 @@ fn main() {
         let mut rows = Vec::new();
         for &rate in rates {
             let o = Opts { rate, ..o.clone() };
-            for (raw, parsed) in interleaved(&o, rate) {
+            for (raw, parsed) in interleaved(&o, rate, false) {
                 let _ = writeln!(csv, "{raw}");
                 rows.push(parsed);
             }
@@ -1104,7 +1162,7 @@ fn main() {
     }
     if o.compare {
         println!("rate\t{COLUMNS}");
-        let rows: Vec<Row> = interleaved(&o, o.rate)
+        let rows: Vec<Row> = interleaved(&o, o.rate, true)
             .into_iter()
             .map(|(_, r)| r)
             .collect();

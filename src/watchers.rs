@@ -147,7 +147,104 @@ impl<Q: ?Sized + Eq> PartialEq for dyn Lookup<Q> + '_ {
 
 impl<Q: ?Sized + Eq> Eq for dyn Lookup<Q> + '_ {}
 
-type Lists<K, V> = DashMap<Hashed<K>, Vec<V>, BuildHasherDefault<PassThrough>>;
+type Lists<K, V> = DashMap<Hashed<K>, List<V>, BuildHasherDefault<PassThrough>>;
+
+/// A key's watch list: entries in the order they watched, and the hole a purge
+/// in progress leaves behind it.
+///
+/// A purge done in slices compacts a long list as it goes: it moves each live
+/// entry it visits down to the end of the kept part and takes finished ones out,
+/// leaving `None` in `items[hole.0..hole.1]`, and goes on from `hole.1` at its
+/// next slice. A slice so costs its budget, however long the list: closing the
+/// hole after each slice would move the whole rest of the list each time (with
+/// Kafka's semantics every pending operation is on the same few lists, and
+/// those moves came to most of a purge's cost). Every other visit skips the
+/// hole; one that rewrites the list closes it.
+#[derive(Debug)]
+struct List<V> {
+    items: Vec<Option<V>>,
+    /// `items[hole.0..hole.1]` are `None`, all others `Some`. `hole.1` is how
+    /// far the purge in progress has gone; `(0, 0)` when none has begun.
+    hole: (usize, usize),
+}
+
+impl<V> List<V> {
+    fn new(v: V) -> Self {
+        List {
+            items: vec![Some(v)],
+            hole: (0, 0),
+        }
+    }
+
+    /// Entries held (the hole is not counted).
+    fn len(&self) -> usize {
+        self.items.len() - (self.hole.1 - self.hole.0)
+    }
+
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn push(&mut self, v: V) {
+        self.items.push(Some(v));
+    }
+
+    /// Takes out the entries `finished` picks into `out`, in order, showing each
+    /// kept one to `kept`; the hole closes.
+    fn retain(
+        &mut self,
+        finished: impl Fn(&V) -> bool,
+        mut kept: impl FnMut(&V),
+        out: &mut Vec<V>,
+    ) {
+        let gone = self.items.extract_if(.., |slot| match slot {
+            None => true,
+            Some(v) if finished(v) => true,
+            Some(v) => {
+                kept(v);
+                false
+            }
+        });
+        out.extend(gone.flatten());
+        self.hole = (0, 0);
+    }
+
+    /// One slice of a purge: visits at most `budget` entries from where the
+    /// last slice stopped, takes the finished ones out into `out`, and returns
+    /// how many it visited and whether it reached the end of the list.
+    fn sweep(
+        &mut self,
+        budget: usize,
+        finished: impl Fn(&V) -> bool,
+        out: &mut Vec<V>,
+    ) -> (usize, bool) {
+        let (mut kept_end, start) = self.hole;
+        let end = start.saturating_add(budget).min(self.items.len());
+        for at in start..end {
+            match &self.items[at] {
+                Some(v) if finished(v) => out.extend(self.items[at].take()),
+                Some(_) => {
+                    self.items.swap(kept_end, at);
+                    kept_end += 1;
+                }
+                None => {}
+            }
+        }
+        if end == self.items.len() {
+            // Only `None`s past the kept part: nothing to drop.
+            self.items.truncate(kept_end);
+            self.hole = (0, 0);
+            (end - start, true)
+        } else {
+            self.hole = (kept_end, end);
+            (end - start, false)
+        }
+    }
+
+    fn into_entries(self) -> impl Iterator<Item = V> {
+        self.items.into_iter().flatten()
+    }
+}
 
 /// One stripe of the entry count, on its own cache lines.
 #[derive(Debug)]
@@ -173,15 +270,17 @@ pub(crate) struct Removed<K, V> {
     pub(crate) keys: Vec<K>,
 }
 
-/// Where a purge done in slices stands (see [`Watchers::sweep`]).
+/// Where a purge done in slices stands (see [`Watchers::sweep`]); how far it
+/// has gone into a key's list is kept in the list (`List::hole`).
 #[derive(Debug)]
 pub(crate) struct Sweep {
     /// The keys in the table when the purge began, by stored hash.
     hashes: Vec<u64>,
     /// The next key to visit.
     next: usize,
-    /// How far into that key's list the purge has gone.
-    offset: usize,
+    /// Whether a slice has visited that key's list already: a list found with
+    /// no progress then was rewritten (or replaced) since, and is clean.
+    begun: bool,
 }
 
 impl Sweep {
@@ -270,7 +369,7 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
                         list.get_mut().push(v.clone());
                         list.into_key()
                     }
-                    Entry::Vacant(slot) => slot.insert_entry(vec![v.clone()]).into_key(),
+                    Entry::Vacant(slot) => slot.insert_entry(List::new(v.clone())).into_key(),
                 };
                 spare.push(copy.key);
             }
@@ -330,13 +429,7 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
         let emptied = self
             .lists
             .remove_if_mut(&probe as &dyn Lookup<Q>, |_, list| {
-                entries.extend(list.extract_if(.., |v| {
-                    let gone = finished(v);
-                    if !gone {
-                        kept(v);
-                    }
-                    gone
-                }));
+                list.retain(&finished, &mut kept, entries);
                 list.is_empty()
             });
         self.counted(-((removed.entries.len() - before) as isize));
@@ -359,7 +452,7 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
         if let Some((k, list)) = self.lists.remove(&probe as &dyn Lookup<Q>) {
             self.counted(-(list.len() as isize));
             removed.keys.push(k.key);
-            removed.entries.extend(list);
+            removed.entries.extend(list.into_entries());
             self.key_removed();
         }
     }
@@ -386,7 +479,7 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
         Sweep {
             hashes: self.lists.iter().map(|item| item.key().hash).collect(),
             next: 0,
-            offset: 0,
+            begun: false,
         }
     }
 
@@ -413,18 +506,18 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
             };
             let mut key_done = true;
             let entries = &mut removed.entries;
-            let offset = &mut sweep.offset;
+            let begun = sweep.begun;
             let emptied = self
                 .lists
                 .remove_if_mut(&probe as &dyn Lookup<K>, |_, list| {
-                    let start = (*offset).min(list.len());
-                    let end = start.saturating_add(left).min(list.len());
-                    let len = list.len();
-                    entries.extend(list.extract_if(start..end, |v| finished(v)));
-                    let visited = end - start;
+                    if begun && list.hole.1 == 0 {
+                        // Rewritten since the last slice: no finished entry
+                        // is older than that.
+                        return list.is_empty();
+                    }
+                    let (visited, end) = list.sweep(left, &finished, entries);
                     left -= visited;
-                    *offset = start + visited - (len - list.len());
-                    key_done = *offset >= list.len();
+                    key_done = end;
                     list.is_empty()
                 });
             if let Some((k, _)) = emptied {
@@ -433,7 +526,9 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
             }
             if key_done {
                 sweep.next += 1;
-                sweep.offset = 0;
+                sweep.begun = false;
+            } else {
+                sweep.begun = true;
             }
         }
         self.counted(-((removed.entries.len() - before) as isize));
@@ -450,7 +545,7 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
             if let Some((k, list)) = self.lists.remove(&probe as &dyn Lookup<K>) {
                 self.counted(-(list.len() as isize));
                 removed.keys.push(k.key);
-                removed.entries.extend(list);
+                removed.entries.extend(list.into_entries());
             }
         }
     }
@@ -760,6 +855,88 @@ mod tests {
         assert_eq!(w.len(), 201, "200 live of keys 0 and 1, and 7's entry");
         let (r, _) = sweep_all(&w, 50, |v| *v >= 1000);
         assert_eq!((r.entries, r.keys), (vec![2000], vec![7]));
+    }
+
+    /// A slice leaves a hole where it took entries out instead of moving the
+    /// rest of the list down: its cost is its budget, however long the list.
+    /// Walks, takes and watches between slices see the live entries in order,
+    /// and a walk that rewrites the list ends the purge's visit of it.
+    #[test]
+    fn a_slice_leaves_a_hole_that_every_other_visit_skips() {
+        let w: Watchers<u32, u32> = Watchers::new(2);
+        for v in 0..10_000 {
+            w.watch(&[1, 2], &v, &mut 0, &mut Vec::new());
+        }
+        let list = |k: u32| {
+            let l = w
+                .lists
+                .get(&Probe {
+                    hash: w.hasher.hash_one(k),
+                    key: Some(&k),
+                } as &dyn Lookup<u32>)
+                .unwrap();
+            (l.items.len(), l.hole, l.len())
+        };
+        let mut sweep = w.start_sweep();
+        let mut r = Removed::default();
+        w.sweep(&mut sweep, 100, |v| v % 2 == 0, &mut r);
+        assert_eq!(r.entries.len(), 50);
+        let swept = if list(1).1 == (0, 0) { 2 } else { 1 };
+        assert_eq!(
+            list(swept),
+            (10_000, (50, 100), 9_950),
+            "the tail stays put"
+        );
+        // A watch between slices goes to the end; the hole stays.
+        w.watch(&[swept], &10_000, &mut 0, &mut Vec::new());
+        assert_eq!(list(swept), (10_001, (50, 100), 9_951));
+        // The next slice goes on after the hole.
+        w.sweep(&mut sweep, 100, |v| v % 2 == 0, &mut r);
+        assert_eq!(r.entries.len(), 100);
+        assert_eq!(list(swept), (10_001, (100, 200), 9_901));
+        // A walk sees live entries in order, no hole, and closes it.
+        let mut live = Vec::new();
+        w.collect_live(&swept, &mut live, |_| false, &mut Removed::default());
+        let want: Vec<u32> = (0..200).filter(|v| v % 2 == 1).chain(200..10_001).collect();
+        assert_eq!(live, want);
+        assert_eq!(list(swept), (9_901, (0, 0), 9_901));
+        // The purge then counts that list as done and goes on to the other key.
+        w.sweep(&mut sweep, 100, |v| v % 2 == 0, &mut r);
+        assert_eq!(r.entries.len(), 150, "50 more, from the other key");
+        let other = 3 - swept;
+        assert_eq!(list(other), (10_000, (50, 100), 9_950));
+        // Taking a list mid-purge hands out its live entries only.
+        let mut taken = Removed::default();
+        w.take(&other, &mut taken);
+        assert_eq!(taken.entries.len(), 9_950);
+        assert!(taken.entries.iter().take(50).all(|v| v % 2 == 1));
+        assert_eq!(w.len(), 9_901);
+        while !sweep.is_done() {
+            w.sweep(&mut sweep, 100, |v| v % 2 == 0, &mut r);
+        }
+        assert_eq!(r.entries.len(), 150, "a key taken mid-purge is skipped");
+    }
+
+    /// A slice that reaches the end of a list closes its hole (only `None`s
+    /// were past the kept part) and removes the key once nothing is left.
+    #[test]
+    fn the_last_slice_of_a_list_closes_the_hole() {
+        let w: Watchers<u32, u32> = Watchers::new(1);
+        for v in 0..300 {
+            w.watch(&[5], &v, &mut 0, &mut Vec::new());
+        }
+        let mut sweep = w.start_sweep();
+        let mut r = Removed::default();
+        w.sweep(&mut sweep, 200, |v| *v < 250, &mut r);
+        w.sweep(&mut sweep, 200, |v| *v < 250, &mut r);
+        assert!(sweep.is_done());
+        assert_eq!(r.entries, (0..250).collect::<Vec<_>>());
+        let mut live = Vec::new();
+        w.collect_live(&5, &mut live, |_| false, &mut Removed::default());
+        assert_eq!(live, (250..300).collect::<Vec<_>>());
+        let (r, _) = sweep_all(&w, 7, |_| true);
+        assert_eq!((r.entries.len(), r.keys), (50, vec![5]));
+        assert_eq!((w.len(), w.keys()), (0, 0));
     }
 
     #[test]

@@ -15,7 +15,7 @@ use crate::reaper::{
 use crate::watchers::{Removed, Sweep, Watchers};
 
 /// The most watch-list entries one call visits for the purge.
-pub(crate) const SWEEP_SLICE: usize = 1024;
+pub(crate) const SWEEP_SLICE: usize = 128;
 
 /// The timer job of an operation: its cell.
 pub(crate) struct Expiry<K: WatchKey, O: Operation>(pub(crate) Arc<OpCell<K, O>>);
