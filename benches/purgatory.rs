@@ -46,7 +46,7 @@ fn main() {
         .build()
         .unwrap();
     rt.block_on(async {
-        let p: Purgatory<u32, Op> = Purgatory::builder("bench").build().unwrap();
+        let p: Purgatory<u32, Op> = Purgatory::builder().name("bench").build().unwrap();
         READY.store(false, Ordering::SeqCst);
         let base = allocated();
         let t0 = std::time::Instant::now();

@@ -102,7 +102,8 @@ async fn main() {
             })
             .collect(),
     });
-    let purgatory: Purgatory<Key, DelayedProduce> = Purgatory::builder("produce")
+    let purgatory: Purgatory<Key, DelayedProduce> = Purgatory::builder()
+        .name("produce")
         .max_pending(50_000)
         .build()
         .expect("inside a runtime");

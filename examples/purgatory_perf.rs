@@ -492,7 +492,7 @@ async fn run(o: Opts) -> RunResult {
 
     let target = match o.imp {
         Imp::Purgatory => {
-            let mut b = Purgatory::builder("perf");
+            let mut b = Purgatory::builder().name("perf");
             if let Ok(v) = std::env::var("PURGE_INTERVAL") {
                 b = b.purge_interval(v.parse().unwrap());
             }

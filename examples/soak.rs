@@ -145,7 +145,7 @@ async fn soak(allocator: &str) -> bool {
     let rate = arg("--rate", 50_000.0);
     *LATENESS.lock().unwrap() = Some(Histogram::new(3).unwrap());
 
-    let purgatory: Purgatory<u32, Op> = Purgatory::builder("soak").build().unwrap();
+    let purgatory: Purgatory<u32, Op> = Purgatory::builder().name("soak").build().unwrap();
     let timer = Timer::new();
     tokio::time::sleep(Duration::from_millis(200)).await;
     let cold_rss = rss_mb();

@@ -51,7 +51,7 @@
 //! }
 //!
 //! let purgatory: Purgatory<(&str, u32), DelayedProduce> =
-//!     Purgatory::builder("produce").build().unwrap();
+//!     Purgatory::builder().name("produce").build().unwrap();
 //! let hw = Arc::new(AtomicU64::new(0));
 //!
 //! let waiting = purgatory

@@ -212,6 +212,33 @@ impl<J: Job> Core<J> {
         })
     }
 
+    /// Puts back a job that has just run and goes on (a repeating task): as
+    /// [`insert`](Self::insert), but outside the limit's check, since the job
+    /// held its room until it ran. Hands the job back when the core is closed.
+    pub(crate) fn reinsert(&self, now: Instant, deadline: Instant, job: J) -> Result<TimerKey, J> {
+        if self.max_pending.is_some() {
+            self.pending.fetch_add(1, Ordering::AcqRel);
+        }
+        let tick = self.clock.tick_for(now, deadline);
+        let shard = (thread_index() % self.shards.len() as u64) as usize;
+        let key = {
+            let mut s = self.lock(shard);
+            if s.closed {
+                drop(s);
+                self.release_capacity(1);
+                return Err(job);
+            }
+            s.wheel.insert(tick, job)
+        };
+        if self.wake.lower(tick) || self.wake.overdue(self.clock.now_tick(now)) {
+            self.notify.notify_one();
+        }
+        Ok(TimerKey {
+            shard: shard as u32,
+            key,
+        })
+    }
+
     /// Removes the entry of `key`, handing its job back; `None` when it already
     /// expired, was removed, or the timer was cleared.
     pub(crate) fn remove(&self, key: TimerKey) -> Option<J> {
@@ -225,6 +252,28 @@ impl<J: Job> Core<J> {
             self.release_capacity(1);
         }
         job
+    }
+
+    /// Moves the entry of `key` to expire at `deadline` instead (O(1): out of
+    /// its bucket and into another, in the same shard under one hold of its lock,
+    /// so the entry is never outside the wheel and its room under the limit stays
+    /// its own). `now` is the caller's reading of the clock. Returns the entry's
+    /// new key, or `None` when it already expired, was removed, or the timer was
+    /// cleared.
+    pub(crate) fn reset(&self, key: TimerKey, now: Instant, deadline: Instant) -> Option<TimerKey> {
+        let tick = self.clock.tick_for(now, deadline);
+        let moved = {
+            let mut s = self.lock(key.shard as usize);
+            let job = s.wheel.remove(key.key)?;
+            s.wheel.insert(tick, job)
+        };
+        if self.wake.lower(tick) || self.wake.overdue(self.clock.now_tick(now)) {
+            self.notify.notify_one();
+        }
+        Some(TimerKey {
+            shard: key.shard,
+            key: moved,
+        })
     }
 
     /// Whether `key`'s entry is still waiting.

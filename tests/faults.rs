@@ -57,7 +57,7 @@ async fn timer_tasks_reenter_the_timer() {
     .await
     .expect("no deadlock");
     assert_eq!(ran.load(Ordering::SeqCst), 2);
-    assert_eq!(timer.stats().panicked, 0);
+    assert_eq!(timer.metrics().panicked, 0);
 }
 
 /// A check that shuts the purgatory down from inside.
@@ -77,7 +77,7 @@ async fn shutdown_from_inside_a_check() {
         }
     }
     let cell = Arc::new(OnceLock::new());
-    let p: Purgatory<u8, Stopper> = Purgatory::builder("stop").build().unwrap();
+    let p: Purgatory<u8, Stopper> = Purgatory::builder().name("stop").build().unwrap();
     cell.set(p.clone()).unwrap();
     let go = Arc::new(AtomicBool::new(false));
     let first = p
@@ -114,7 +114,8 @@ fn runtime_dropped_while_handles_are_awaited() {
         .enable_time()
         .build()
         .unwrap();
-    let p: Purgatory<u32, Flag> = Purgatory::builder("dies")
+    let p: Purgatory<u32, Flag> = Purgatory::builder()
+        .name("dies")
         .build_on(reaper_rt.handle())
         .unwrap();
     let waiting: Vec<_> = (0..100)
@@ -158,7 +159,7 @@ fn runtime_dropped_while_handles_are_awaited() {
 /// Polling one handle from different tasks wakes the latest waker.
 #[tokio::test(start_paused = true)]
 async fn latest_poller_is_woken() {
-    let p: Purgatory<u8, Flag> = Purgatory::builder("wake").build().unwrap();
+    let p: Purgatory<u8, Flag> = Purgatory::builder().name("wake").build().unwrap();
     let flag = Arc::new(AtomicBool::new(false));
     let handle = p
         .try_complete_else_watch(Flag(flag.clone()), ms(1000), [1])
@@ -193,7 +194,7 @@ async fn hash_and_eq_disagreeing_keys_fall_back_to_the_timeout() {
             self.0.hash(h); // ...but hashes differ
         }
     }
-    let p: Purgatory<Liar, Flag> = Purgatory::builder("liar").build().unwrap();
+    let p: Purgatory<Liar, Flag> = Purgatory::builder().name("liar").build().unwrap();
     let flag = Arc::new(AtomicBool::new(false));
     let h = p
         .try_complete_else_watch(Flag(flag.clone()), ms(50), [Liar(1), Liar(2), Liar(3)])
@@ -216,7 +217,7 @@ async fn hash_and_eq_disagreeing_keys_fall_back_to_the_timeout() {
 /// A very large key space with churn: the watcher map shrinks back to empty.
 #[tokio::test(start_paused = true)]
 async fn key_churn_leaves_an_empty_map() {
-    let p: Purgatory<u64, Flag> = Purgatory::builder("churn").build().unwrap();
+    let p: Purgatory<u64, Flag> = Purgatory::builder().name("churn").build().unwrap();
     for round in 0..5u64 {
         let flag = Arc::new(AtomicBool::new(false));
         let mut handles = Vec::new();
@@ -259,7 +260,8 @@ async fn key_churn_leaves_an_empty_map() {
 /// has exactly one outcome and the counters balance.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stress_across_threads_balances() {
-    let p: Purgatory<u32, Counted> = Purgatory::builder("stress")
+    let p: Purgatory<u32, Counted> = Purgatory::builder()
+        .name("stress")
         .purge_interval(64)
         .build()
         .unwrap();
@@ -440,7 +442,7 @@ fn gated_on_key_1(
     Gated,
     tokio_purgatory::OperationHandle<u8, Gated>,
 ) {
-    let p: Purgatory<u8, Gated> = Purgatory::builder("race").build().unwrap();
+    let p: Purgatory<u8, Gated> = Purgatory::builder().name("race").build().unwrap();
     if let Some(slot) = &reenter {
         slot.set(p.clone()).ok();
     }

@@ -120,7 +120,8 @@ impl Operation for Op {
 }
 
 fn purgatory<K: tokio_purgatory::WatchKey>() -> Purgatory<K, Op> {
-    Purgatory::builder("hostile")
+    Purgatory::builder()
+        .name("hostile")
         .purge_interval(1_000_000)
         .build()
         .unwrap()
@@ -228,7 +229,8 @@ fn an_output_dropped_by_the_purge_may_call_back_in() {
     within(20, || {
         paused().block_on(async {
             let slot = Arc::new(OnceLock::new());
-            let p: Purgatory<u32, Op> = Purgatory::builder("hostile")
+            let p: Purgatory<u32, Op> = Purgatory::builder()
+                .name("hostile")
                 .purge_interval(0)
                 .build()
                 .unwrap();
@@ -757,10 +759,10 @@ async fn a_task_that_reschedules_itself_costs_one_wakeup_per_beat() {
     let beats = Arc::new(AtomicUsize::new(0));
     let (t, b) = (timer.clone(), beats.clone());
     timer.schedule(ms(100), move || beat(t, b, 99)).unwrap();
-    let before = timer.stats().reaper_wakeups;
+    let before = timer.metrics().reaper_wakeups;
     tokio::time::sleep(Duration::from_secs(11)).await;
     assert_eq!(beats.load(Ordering::SeqCst), 100);
-    let wakeups = timer.stats().reaper_wakeups - before;
+    let wakeups = timer.metrics().reaper_wakeups - before;
     assert!(
         wakeups <= 101,
         "{wakeups} reaper wake-ups for 100 beats (one per beat expected)"

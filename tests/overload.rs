@@ -33,7 +33,8 @@ impl Operation for Op {
 async fn overload_is_refused_without_loss_and_memory_is_linear() {
     // --- A burst far above the limit is refused, every operation handed back.
     let limit = 100;
-    let p: Purgatory<u32, Op> = Purgatory::builder("limited")
+    let p: Purgatory<u32, Op> = Purgatory::builder()
+        .name("limited")
         .max_pending(limit)
         .build()
         .unwrap();
@@ -91,7 +92,7 @@ async fn overload_is_refused_without_loss_and_memory_is_linear() {
 
     // --- Without a limit, memory grows linearly with pending operations and
     // returns once they expire: no queue of expired work builds up anywhere.
-    let q: Purgatory<u32, Op> = Purgatory::builder("unlimited").build().unwrap();
+    let q: Purgatory<u32, Op> = Purgatory::builder().name("unlimited").build().unwrap();
     let never = Arc::new(AtomicBool::new(false));
     let base = alloc::live_bytes();
     let mut at = Vec::new();

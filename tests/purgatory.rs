@@ -38,7 +38,8 @@ impl Operation for Mock {
 }
 
 fn purgatory() -> Purgatory<&'static str, Mock> {
-    Purgatory::builder("test")
+    Purgatory::builder()
+        .name("test")
         .purge_interval(100_000)
         .build()
         .unwrap()
@@ -160,7 +161,7 @@ async fn kafka_cancel_for_unknown_key_is_empty() {
 /// each from many threads; every operation completes exactly once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kafka_try_complete_with_multiple_threads() {
-    let p: Purgatory<usize, Counted> = Purgatory::builder("mt").build().unwrap();
+    let p: Purgatory<usize, Counted> = Purgatory::builder().name("mt").build().unwrap();
     let completions = Arc::new(AtomicUsize::new(0));
     let mut handles = Vec::new();
     let mut ops = Vec::new();
@@ -248,7 +249,7 @@ async fn becomes_completable_during_registration() {
             0
         }
     }
-    let p: Purgatory<u8, Flaky> = Purgatory::builder("flaky").build().unwrap();
+    let p: Purgatory<u8, Flaky> = Purgatory::builder().name("flaky").build().unwrap();
     let h = p.try_complete_else_watch(Flaky(0), ms(100), [1]).unwrap();
     assert!(h.is_finished(), "the check after watching completed it");
     assert_eq!(h.await, Ok(Completion::Completed(2)));
@@ -258,7 +259,11 @@ async fn becomes_completable_during_registration() {
 
 #[tokio::test(start_paused = true)]
 async fn registration_errors_hand_the_operation_back() {
-    let p: Purgatory<&str, Mock> = Purgatory::builder("t").max_pending(1).build().unwrap();
+    let p: Purgatory<&str, Mock> = Purgatory::builder()
+        .name("t")
+        .max_pending(1)
+        .build()
+        .unwrap();
     let op = Mock::default();
     let err = p
         .try_complete_else_watch(op.clone(), ms(10), Vec::<&str>::new())
@@ -287,7 +292,11 @@ async fn registration_errors_hand_the_operation_back() {
 
 #[tokio::test(start_paused = true)]
 async fn capacity_is_freed_by_completion_expiry_and_cancellation() {
-    let p: Purgatory<&str, Mock> = Purgatory::builder("t").max_pending(1).build().unwrap();
+    let p: Purgatory<&str, Mock> = Purgatory::builder()
+        .name("t")
+        .max_pending(1)
+        .build()
+        .unwrap();
     // completion
     let op = Mock::default();
     let h = p
@@ -351,7 +360,7 @@ async fn detached_operations_run_their_own_completion_and_expiry() {
             self.0.fetch_add(100, Ordering::SeqCst);
         }
     }
-    let p: Purgatory<u32, Responds> = Purgatory::builder("d").build().unwrap();
+    let p: Purgatory<u32, Responds> = Purgatory::builder().name("d").build().unwrap();
     let sent = Arc::new(AtomicUsize::new(0));
     p.try_complete_else_watch(Responds(sent.clone(), false), ms(50), [1])
         .unwrap()
@@ -403,7 +412,8 @@ async fn completed_payload_is_dropped_at_once_leaving_small_tombstones() {
 /// all go.
 #[tokio::test(start_paused = true)]
 async fn the_purge_goes_in_slices_over_later_calls() {
-    let p: Purgatory<u32, Mock> = Purgatory::builder("slices")
+    let p: Purgatory<u32, Mock> = Purgatory::builder()
+        .name("slices")
         .purge_interval(0)
         .build()
         .unwrap();
@@ -445,7 +455,8 @@ async fn the_purge_goes_in_slices_over_later_calls() {
 
 #[tokio::test(start_paused = true)]
 async fn completion_through_one_key_drops_payload_and_purge_clears_tombstones() {
-    let p: Purgatory<u32, Mock> = Purgatory::builder("purge")
+    let p: Purgatory<u32, Mock> = Purgatory::builder()
+        .name("purge")
         .purge_interval(10)
         .build()
         .unwrap();
@@ -497,7 +508,7 @@ async fn panicking_check_and_expiry_are_contained() {
             panic!("expiry bug");
         }
     }
-    let p: Purgatory<u8, Bomb> = Purgatory::builder("bomb").build().unwrap();
+    let p: Purgatory<u8, Bomb> = Purgatory::builder().name("bomb").build().unwrap();
     let a = p
         .try_complete_else_watch(Bomb { check_panics: true }, ms(10), [1])
         .unwrap();
@@ -574,7 +585,10 @@ fn reaper_gone_resolves_handles_and_refuses_registration() {
         .enable_time()
         .build()
         .unwrap();
-    let p: Purgatory<&str, Mock> = Purgatory::builder("gone").build_on(rt.handle()).unwrap();
+    let p: Purgatory<&str, Mock> = Purgatory::builder()
+        .name("gone")
+        .build_on(rt.handle())
+        .unwrap();
     let h = p
         .try_complete_else_watch(Mock::default(), ms(50), ["a"])
         .unwrap();
@@ -600,7 +614,7 @@ async fn duplicate_keys_are_watched_once() {
 
 #[tokio::test(start_paused = true)]
 async fn one_hot_key_with_100_000_operations() {
-    let p: Purgatory<u8, Mock> = Purgatory::builder("hot").build().unwrap();
+    let p: Purgatory<u8, Mock> = Purgatory::builder().name("hot").build().unwrap();
     let flag = Arc::new(AtomicBool::new(false));
     let mut handles = Vec::with_capacity(100_000);
     for _ in 0..100_000 {
@@ -659,7 +673,7 @@ async fn reentrant_calls_from_operation_code_do_not_deadlock() {
         }
     }
     let cell = Arc::new(std::sync::OnceLock::new());
-    let p: Purgatory<u32, Reenter> = Purgatory::builder("re").build().unwrap();
+    let p: Purgatory<u32, Reenter> = Purgatory::builder().name("re").build().unwrap();
     cell.set(p.clone()).unwrap();
     let h = p
         .try_complete_else_watch(
@@ -730,7 +744,7 @@ async fn debug_output_names_the_purgatory_and_its_counts() {
 /// 16 keys the check switches from a scan to a hash set).
 #[tokio::test(start_paused = true)]
 async fn duplicate_keys_are_watched_once_even_among_many() {
-    let p: Purgatory<u32, Mock> = Purgatory::builder("dups").build().unwrap();
+    let p: Purgatory<u32, Mock> = Purgatory::builder().name("dups").build().unwrap();
     let few = Mock::default();
     let _a = p
         .try_complete_else_watch(few.clone(), ms(1000), [1, 2, 1, 3, 2])
@@ -827,7 +841,7 @@ async fn a_deadline_given_as_an_instant_is_kept() {
 /// `String` keys, with no allocation to build a key.
 #[tokio::test(start_paused = true)]
 async fn keys_are_found_by_a_borrowed_form() {
-    let p: Purgatory<String, Mock> = Purgatory::builder("borrowed").build().unwrap();
+    let p: Purgatory<String, Mock> = Purgatory::builder().name("borrowed").build().unwrap();
     let a = Mock::default();
     let ha = p
         .try_complete_else_watch(a.clone(), ms(1000), ["orders-0".to_string()])
@@ -916,7 +930,7 @@ async fn a_weak_handle_does_not_keep_the_purgatory_alive() {
             self.1.store(true, Ordering::SeqCst);
         }
     }
-    let p: Purgatory<u8, FollowUp> = Purgatory::builder("weak").build().unwrap();
+    let p: Purgatory<u8, FollowUp> = Purgatory::builder().name("weak").build().unwrap();
     let dropped = Arc::new(AtomicBool::new(false));
     let h = p
         .try_complete_else_watch(FollowUp(p.downgrade(), dropped.clone()), ms(60_000), [1])

@@ -249,7 +249,8 @@ fn pick_drop(rng: &mut Rng, hostile: bool) -> OnDrop {
 async fn run(seed: u64, steps: usize, hostile: bool) -> Result<(), String> {
     let mut rng = Rng(seed);
     let world = Arc::new(World::default());
-    let p: Purgatory<Key, Op> = Purgatory::builder("model")
+    let p: Purgatory<Key, Op> = Purgatory::builder()
+        .name("model")
         .purge_interval(rng.below(20) as usize)
         .build()
         .unwrap();

@@ -191,7 +191,7 @@ async fn a_panicking_task_is_contained_and_later_timers_fire() {
     advance(ms(20)).await;
     settle().await;
     assert_eq!(n.load(Ordering::SeqCst), 2);
-    assert_eq!(timer.stats().panicked, 1);
+    assert_eq!(timer.metrics().panicked, 1);
     timer.schedule(ms(5), task()).unwrap();
     advance(ms(5)).await;
     settle().await;
@@ -204,7 +204,7 @@ async fn idle_reaper_does_not_wake() {
     settle().await;
     advance(Duration::from_secs(3600)).await;
     settle().await;
-    assert!(timer.stats().reaper_wakeups <= 1, "{:?}", timer.stats());
+    assert!(timer.metrics().reaper_wakeups <= 1, "{:?}", timer.metrics());
 }
 
 #[tokio::test(start_paused = true)]
@@ -216,7 +216,7 @@ async fn one_timer_ten_minutes_out_costs_at_most_two_wakeups() {
     advance(Duration::from_secs(3600)).await;
     settle().await;
     assert_eq!(n.load(Ordering::SeqCst), 1);
-    assert!(timer.stats().reaper_wakeups <= 2, "{:?}", timer.stats());
+    assert!(timer.metrics().reaper_wakeups <= 2, "{:?}", timer.metrics());
 }
 
 #[tokio::test(start_paused = true)]
@@ -471,18 +471,18 @@ async fn the_reaper_expires_at_most_a_batch_per_turn() {
 async fn each_due_time_costs_exactly_one_wakeup() {
     let timer = Timer::new();
     settle().await;
-    let before = timer.stats().reaper_wakeups;
+    let before = timer.metrics().reaper_wakeups;
     let (n, task) = counter();
     timer.schedule(ms(10), task()).unwrap();
     timer.schedule(ms(30), task()).unwrap();
     advance(ms(10)).await;
     settle().await;
     assert_eq!(n.load(Ordering::SeqCst), 1);
-    assert_eq!(timer.stats().reaper_wakeups, before + 1);
+    assert_eq!(timer.metrics().reaper_wakeups, before + 1);
     advance(ms(20)).await;
     settle().await;
     assert_eq!(n.load(Ordering::SeqCst), 2);
-    assert_eq!(timer.stats().reaper_wakeups, before + 2);
+    assert_eq!(timer.metrics().reaper_wakeups, before + 2);
 }
 
 /// `Timer::timeout`: the inner future's output if it finishes first; `Elapsed` at
@@ -576,4 +576,193 @@ async fn schedule_refusals_have_a_payload_free_kind() {
     assert_eq!(e.kind(), TimerError::Shutdown);
     let kind: TimerError = e.into();
     assert_eq!(kind.to_string(), "timer is shut down");
+}
+
+// ---------------------------------------------------------------- repeating tasks
+
+/// Lets `total` pass a millisecond at a time, so the reaper runs at each
+/// instant on the way (one `advance` jumps straight to its end).
+async fn step(total: Duration) {
+    for _ in 0..total.as_millis() {
+        advance(ms(1)).await;
+        settle().await;
+    }
+}
+
+/// Records when each run happened, and hands out the next delay from a list.
+fn runs_with(
+    delays: Vec<Option<Duration>>,
+) -> (
+    Arc<Mutex<Vec<Instant>>>,
+    impl FnMut() -> Option<Duration> + Send + 'static,
+) {
+    let runs = Arc::new(Mutex::new(Vec::new()));
+    let r = runs.clone();
+    let mut delays = delays.into_iter();
+    (runs, move || {
+        r.lock().unwrap().push(Instant::now());
+        delays.next().flatten()
+    })
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_repeating_task_runs_after_each_delay_it_returns_until_none() {
+    let timer = Timer::new();
+    let start = Instant::now();
+    let (runs, task) = runs_with(vec![Some(ms(20)), Some(ms(50)), None]);
+    let t = timer.schedule_repeating(ms(10), task).unwrap();
+    step(ms(1_000)).await;
+    settle().await;
+    let at: Vec<Duration> = runs.lock().unwrap().iter().map(|i| *i - start).collect();
+    assert_eq!(at.len(), 3, "{at:?}");
+    for (got, want) in at.iter().zip([10, 30, 80]) {
+        assert!(*got >= ms(want) && *got <= ms(want + 2), "{at:?}");
+    }
+    assert_eq!(t.status(), TimeoutStatus::Done);
+    assert!(!t.cancel(), "it had stopped");
+    assert!(!t.reset(ms(10)));
+    assert_eq!(timer.len(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_cancelled_repeating_task_never_runs_again_and_is_dropped() {
+    let timer = Timer::new();
+    let (n, _) = counter();
+    let dropped = Arc::new(AtomicUsize::new(0));
+    struct OnDrop(Arc<AtomicUsize>);
+    impl Drop for OnDrop {
+        fn drop(&mut self) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+    let guard = OnDrop(dropped.clone());
+    let m = n.clone();
+    let t = timer
+        .schedule_repeating(ms(10), move || {
+            let _keep = &guard;
+            m.fetch_add(1, Ordering::SeqCst);
+            Some(ms(10))
+        })
+        .unwrap();
+    step(ms(35)).await;
+    assert_eq!(n.load(Ordering::SeqCst), 3);
+    assert!(t.is_pending());
+    assert!(t.reset(ms(100)), "the next run moves");
+    step(ms(50)).await;
+    assert_eq!(n.load(Ordering::SeqCst), 3, "moved past 50 ms");
+    assert!(t.cancel());
+    assert!(!t.cancel(), "once");
+    assert_eq!(t.status(), TimeoutStatus::Cancelled);
+    assert_eq!(dropped.load(Ordering::SeqCst), 1, "dropped at the cancel");
+    step(ms(500)).await;
+    assert_eq!(n.load(Ordering::SeqCst), 3);
+    assert_eq!(timer.len(), 0);
+}
+
+/// A task that cancels itself through its own handle while it runs: no
+/// deadlock, and no run after.
+#[tokio::test(start_paused = true)]
+async fn a_repeating_task_may_cancel_itself_while_it_runs() {
+    let timer = Timer::new();
+    let me: Arc<Mutex<Option<Arc<tokio_purgatory::timer::Timeout>>>> = Arc::default();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let (slot, r) = (me.clone(), runs.clone());
+    let t = Arc::new(
+        timer
+            .schedule_repeating(ms(10), move || {
+                if r.fetch_add(1, Ordering::SeqCst) + 1 == 2 {
+                    let handle = slot.lock().unwrap().take().unwrap();
+                    assert!(handle.cancel());
+                }
+                Some(ms(10))
+            })
+            .unwrap(),
+    );
+    *me.lock().unwrap() = Some(t.clone());
+    step(ms(200)).await;
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+    assert_eq!(t.status(), TimeoutStatus::Cancelled);
+    assert_eq!(timer.len(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_panicking_repeating_task_ends_its_chain_and_nothing_else() {
+    let timer = Timer::new();
+    let (n, task) = counter();
+    let t = timer
+        .schedule_repeating(ms(10), || -> Option<Duration> { panic!("boom") })
+        .unwrap();
+    timer.schedule(ms(30), task()).unwrap();
+    step(ms(100)).await;
+    assert_eq!(n.load(Ordering::SeqCst), 1, "the other task ran");
+    assert_eq!(timer.metrics().panicked, 1);
+    assert_eq!(t.status(), TimeoutStatus::Done);
+    assert_eq!(timer.len(), 0);
+}
+
+/// A repeating task keeps its room under the limit: full, it still goes on.
+#[tokio::test(start_paused = true)]
+async fn a_repeating_task_at_the_limit_goes_on() {
+    let timer = Timer::builder().max_pending(1).build().unwrap();
+    let (n, task) = counter();
+    let beats = Arc::new(AtomicUsize::new(0));
+    let b = beats.clone();
+    timer
+        .schedule_repeating(ms(10), move || {
+            b.fetch_add(1, Ordering::SeqCst);
+            Some(ms(10))
+        })
+        .unwrap();
+    assert!(matches!(
+        timer.schedule(ms(10), task()),
+        Err(ScheduleError::AtCapacity(_))
+    ));
+    step(ms(55)).await;
+    assert_eq!(beats.load(Ordering::SeqCst), 5);
+    assert_eq!(n.load(Ordering::SeqCst), 0);
+    assert!(matches!(
+        timer.schedule(ms(10), task()),
+        Err(ScheduleError::AtCapacity(_))
+    ));
+}
+
+/// Shutdown hands a repeating task back like any other; dropping the timer
+/// drops it (the task holds the timer weakly, so it keeps nothing alive).
+#[tokio::test(start_paused = true)]
+async fn shutdown_hands_a_repeating_task_back_and_a_dropped_timer_drops_it() {
+    let timer = Timer::new();
+    let (n, _) = counter();
+    let m = n.clone();
+    let t = timer
+        .schedule_repeating(ms(10), move || {
+            m.fetch_add(1, Ordering::SeqCst);
+            Some(ms(10))
+        })
+        .unwrap();
+    let back = timer.shutdown();
+    assert_eq!(back.len(), 1);
+    assert!(!t.cancel(), "handed back, not cancelled");
+    for task in back {
+        task.run();
+    }
+    assert_eq!(n.load(Ordering::SeqCst), 1, "a handed-back task runs once");
+
+    let timer = Timer::new();
+    let alive = Arc::new(());
+    let held = alive.clone();
+    let t = timer
+        .schedule_repeating(ms(10), move || {
+            let _ = &held;
+            Some(ms(10))
+        })
+        .unwrap();
+    step(ms(25)).await;
+    drop(timer);
+    settle().await;
+    assert_eq!(
+        Arc::strong_count(&alive),
+        1,
+        "the task was dropped with the timer"
+    );
+    assert!(!t.is_pending());
 }

@@ -23,7 +23,7 @@ use crate::settings::{runtime_handle, wheel_setters, BuildError, Settings};
 /// # }
 /// use tokio_purgatory::Purgatory;
 ///
-/// let fetches: Purgatory<(String, u32), Fetch> = Purgatory::builder("fetch")
+/// let fetches: Purgatory<(String, u32), Fetch> = Purgatory::builder().name("fetch")
 ///     .purge_interval(1000)
 ///     .max_pending(100_000)
 ///     .build()
@@ -66,6 +66,29 @@ impl<K, O> std::fmt::Debug for PurgatoryBuilder<K, O> {
 impl<K: WatchKey, O: Operation> PurgatoryBuilder<K, O> {
     wheel_setters!();
 
+    /// The name that labels this purgatory's `tracing` events (default
+    /// `"purgatory"`).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// # struct Op;
+    /// # impl tokio_purgatory::Operation for Op {
+    /// #     type Output = ();
+    /// #     fn try_complete(&mut self) -> Option<()> { None }
+    /// #     fn on_expiration(self) {}
+    /// # }
+    /// let produce: tokio_purgatory::Purgatory<u32, Op> =
+    ///     tokio_purgatory::Purgatory::builder().name("produce").build().unwrap();
+    /// # drop(produce);
+    /// # }
+    /// ```
+    pub fn name(mut self, name: &str) -> Self {
+        self.name = name.into();
+        self
+    }
+
     /// Independently locked timer wheels (default: the machine's parallelism, at
     /// most 16).
     pub fn timer_shards(mut self, shards: usize) -> Self {
@@ -102,7 +125,7 @@ impl<K: WatchKey, O: Operation> PurgatoryBuilder<K, O> {
     /// use tokio_purgatory::Purgatory;
     ///
     /// // Purge as soon as tombstones outnumber live entries.
-    /// let p: Purgatory<u32, Op> = Purgatory::builder("eager").purge_interval(0).build().unwrap();
+    /// let p: Purgatory<u32, Op> = Purgatory::builder().name("eager").purge_interval(0).build().unwrap();
     /// assert_eq!(p.metrics().purged, 0);
     /// # }
     /// ```

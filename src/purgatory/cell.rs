@@ -125,6 +125,25 @@ impl<T> Delivery<T> {
         (s.result.take(), s.waker.take())
     }
 
+    /// Moves the timer entry with `move_entry` (given its key, returning the new
+    /// key or `None` when the entry has left the timer), under the slot lock, so
+    /// a delivery racing it removes whichever entry is current. Returns whether
+    /// the entry was moved: `false` once the outcome is delivered or the entry
+    /// has left the timer (its expiry is under way).
+    pub(crate) fn move_timer(&self, move_entry: impl FnOnce(TimerKey) -> Option<TimerKey>) -> bool {
+        let mut s = lock(&self.slot);
+        let Some(key) = s.timer else {
+            return false;
+        };
+        match move_entry(key) {
+            Some(moved) => {
+                s.timer = Some(moved);
+                true
+            }
+            None => false,
+        }
+    }
+
     /// Records the timer entry unless `finished()` says the outcome may already
     /// have been delivered; returns whether it was recorded.
     pub(crate) fn set_timer(&self, key: TimerKey, finished: impl FnOnce() -> bool) -> bool {
@@ -316,6 +335,17 @@ where
 
     /// Records the timer entry, or removes it at once if the operation finished
     /// while it was being inserted.
+    /// Moves the operation's timeout to `deadline`; see [`OpRef::reset_at`](super::OpRef::reset_at).
+    pub(crate) fn reset_at(&self, deadline: tokio::time::Instant) -> bool {
+        if self.is_finished() {
+            return false;
+        }
+        let now = tokio::time::Instant::now();
+        let core = &self.shared.core;
+        self.delivery
+            .move_timer(|key| core.reset(key, now, deadline))
+    }
+
     pub(crate) fn set_timer(&self, key: TimerKey) {
         if !self.delivery.set_timer(key, || self.is_finished()) {
             drop(self.shared.core.remove(key));

@@ -29,7 +29,7 @@ use std::fmt;
 ///     Ok(())
 /// }
 ///
-/// let p = Purgatory::builder("callbacks").build().unwrap();
+/// let p = Purgatory::builder().name("callbacks").build().unwrap();
 /// let err = register(&p).unwrap_err();
 /// assert_eq!(err.downcast_ref(), Some(&WatchErrorKind::NoKeys));
 /// # }
@@ -46,6 +46,9 @@ pub enum WatchError<Op> {
     /// The reaper task is gone (aborted, or its runtime shut down): the operation
     /// could never expire.
     ReaperGone(Op),
+    /// The purgatory is draining ([`Purgatory::drain`](crate::Purgatory::drain)):
+    /// it lets what is pending finish and takes nothing new.
+    Draining(Op),
 }
 
 impl<Op> WatchError<Op> {
@@ -60,7 +63,8 @@ impl<Op> WatchError<Op> {
             WatchError::NoKeys(op)
             | WatchError::AtCapacity(op)
             | WatchError::Shutdown(op)
-            | WatchError::ReaperGone(op) => op,
+            | WatchError::ReaperGone(op)
+            | WatchError::Draining(op) => op,
         }
     }
 
@@ -77,6 +81,7 @@ impl<Op> WatchError<Op> {
             WatchError::AtCapacity(_) => WatchErrorKind::AtCapacity,
             WatchError::Shutdown(_) => WatchErrorKind::Shutdown,
             WatchError::ReaperGone(_) => WatchErrorKind::ReaperGone,
+            WatchError::Draining(_) => WatchErrorKind::Draining,
         }
     }
 }
@@ -100,6 +105,8 @@ pub enum WatchErrorKind {
     Shutdown,
     /// The reaper task is gone.
     ReaperGone,
+    /// The purgatory is draining.
+    Draining,
 }
 
 impl fmt::Display for WatchErrorKind {
@@ -109,6 +116,7 @@ impl fmt::Display for WatchErrorKind {
             WatchErrorKind::AtCapacity => "purgatory is at its limit of pending operations",
             WatchErrorKind::Shutdown => "purgatory is shut down",
             WatchErrorKind::ReaperGone => "purgatory's reaper task is gone",
+            WatchErrorKind::Draining => "purgatory is draining and takes no new operations",
         })
     }
 }
@@ -122,6 +130,7 @@ impl<Op> fmt::Debug for WatchError<Op> {
             WatchError::AtCapacity(_) => f.write_str("AtCapacity(..)"),
             WatchError::Shutdown(_) => f.write_str("Shutdown(..)"),
             WatchError::ReaperGone(_) => f.write_str("ReaperGone(..)"),
+            WatchError::Draining(_) => f.write_str("Draining(..)"),
         }
     }
 }

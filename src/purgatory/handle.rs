@@ -5,6 +5,9 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use super::cell::{Fate, OpCell, Outcome};
 use super::error::OperationError;
@@ -45,7 +48,7 @@ use super::WatchKey;
 /// # }
 /// # #[tokio::main(flavor = "current_thread")] async fn main() {
 /// # let p: tokio_purgatory::Purgatory<u32, Op> =
-/// #     tokio_purgatory::Purgatory::builder("demo").build().unwrap();
+/// #     tokio_purgatory::Purgatory::builder().name("demo").build().unwrap();
 /// // Registers and cancels at once: refused under `deny(unused_must_use)`.
 /// p.try_complete_else_watch(Op, std::time::Duration::from_secs(1), [1]).unwrap();
 /// # }
@@ -61,7 +64,7 @@ use super::WatchKey;
 /// # }
 /// # #[tokio::main(flavor = "current_thread")] async fn main() {
 /// # let p: tokio_purgatory::Purgatory<u32, Op> =
-/// #     tokio_purgatory::Purgatory::builder("demo").build().unwrap();
+/// #     tokio_purgatory::Purgatory::builder().name("demo").build().unwrap();
 /// // What was meant: let it run on, answered by its own code.
 /// p.try_complete_else_watch(Op, std::time::Duration::from_secs(1), [1]).unwrap().detach();
 /// # }
@@ -84,7 +87,7 @@ use super::WatchKey;
 ///     fn on_expiration(self) -> u32 { 42 }
 /// }
 ///
-/// let p: Purgatory<u32, Answer> = Purgatory::builder("demo").build().unwrap();
+/// let p: Purgatory<u32, Answer> = Purgatory::builder().name("demo").build().unwrap();
 /// let handle = p.try_complete_else_watch(Answer, Duration::from_millis(10), [1]).unwrap();
 /// assert!(!handle.is_finished());
 /// assert_eq!(handle.await, Ok(Completion::Expired(42)));
@@ -151,6 +154,70 @@ where
         }
     }
 
+    /// Moves the operation's timeout to `timeout` from now, in O(1), as
+    /// `DelayQueue::reset` does for an entry; see [`OpRef::reset`].
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// use std::time::Duration;
+    /// use tokio::time::{advance, Instant};
+    /// use tokio_purgatory::{Completion, Operation, Purgatory};
+    ///
+    /// struct Session;
+    /// impl Operation for Session {
+    ///     type Output = Instant;
+    ///     fn try_complete(&mut self) -> Option<Instant> { None }
+    ///     fn on_expiration(self) -> Instant { Instant::now() }
+    /// }
+    ///
+    /// let sessions: Purgatory<u64, Session> = Purgatory::builder().name("sessions").build().unwrap();
+    /// let start = Instant::now();
+    /// let session = sessions.try_complete_else_watch(Session, Duration::from_secs(10), [7]).unwrap();
+    /// // A heartbeat at 6 s keeps the session for 10 s more.
+    /// advance(Duration::from_secs(6)).await;
+    /// assert!(session.reset(Duration::from_secs(10)));
+    /// let Ok(Completion::Expired(at)) = session.await else { panic!() };
+    /// assert!(at >= start + Duration::from_secs(16));
+    /// # }
+    /// ```
+    pub fn reset(&self, timeout: Duration) -> bool {
+        self.reset_at(Instant::now() + timeout)
+    }
+
+    /// Moves the operation's timeout to `deadline`, in O(1); see
+    /// [`OpRef::reset_at`].
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// use std::time::Duration;
+    /// use tokio::time::Instant;
+    /// use tokio_purgatory::{Completion, Operation, Purgatory};
+    ///
+    /// struct Join;
+    /// impl Operation for Join {
+    ///     type Output = ();
+    ///     fn try_complete(&mut self) -> Option<()> { None }
+    ///     fn on_expiration(self) {}
+    /// }
+    ///
+    /// let joins: Purgatory<&str, Join> = Purgatory::builder().name("join").build().unwrap();
+    /// let join = joins.try_complete_else_watch(Join, Duration::from_secs(300), ["group"]).unwrap();
+    /// // The group's rebalance deadline was brought forward.
+    /// assert!(join.reset_at(Instant::now() + Duration::from_secs(3)));
+    /// assert_eq!(join.await, Ok(Completion::Expired(())));
+    /// # }
+    /// ```
+    pub fn reset_at(&self, deadline: Instant) -> bool {
+        match &self.inner {
+            Inner::Waiting(cell) => cell.reset_at(deadline),
+            Inner::Ready(_) | Inner::Taken => false,
+        }
+    }
+
     /// Cancels the operation and hands it back, as
     /// [`cancel_for_key`](crate::Purgatory::cancel_for_key) does for a key and
     /// `DelayQueue::remove` for an entry: `Some(op)` when this call took it (its
@@ -172,7 +239,7 @@ where
     ///     fn on_expiration(self) {}
     /// }
     ///
-    /// let p: Purgatory<u32, Fetch> = Purgatory::builder("fetch").build().unwrap();
+    /// let p: Purgatory<u32, Fetch> = Purgatory::builder().name("fetch").build().unwrap();
     /// let handle = p.try_complete_else_watch(Fetch(7), Duration::from_secs(1), [1]).unwrap();
     /// let back = handle.cancel().expect("still pending");
     /// assert_eq!(back.0, 7);
@@ -285,6 +352,87 @@ where
         self.cell.is_finished()
     }
 
+    /// Moves the operation's timeout to `timeout` from now, in O(1) (the entry
+    /// moves from one bucket of the timing wheel to another): a session kept
+    /// alive by heartbeats, a long-poll extended. The new deadline may be
+    /// earlier or later than the old one; one already past makes the operation
+    /// due at once. Returns whether the timeout was moved.
+    ///
+    /// # Concurrent calls
+    ///
+    /// Returns `false`, and changes nothing, once the operation has finished or
+    /// its expiry is under way: racing the reaper, either the reset wins and the
+    /// operation expires at the new deadline only, or the expiry wins and the
+    /// reset returns `false`. A completion or cancellation racing a reset that
+    /// returned `true` still finishes the operation (and removes the moved
+    /// timeout). Concurrent resets each move it; the last one to take effect
+    /// sets the deadline. After [`shutdown`](crate::Purgatory::shutdown), `false`.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// use std::time::Duration;
+    /// use tokio::time::advance;
+    /// use tokio_purgatory::{Operation, Purgatory};
+    ///
+    /// struct Session;
+    /// impl Operation for Session {
+    ///     type Output = ();
+    ///     fn try_complete(&mut self) -> Option<()> { None }
+    ///     fn on_expiration(self) {}
+    /// }
+    ///
+    /// let sessions: Purgatory<u64, Session> = Purgatory::builder().name("sessions").build().unwrap();
+    /// let handle = sessions.try_complete_else_watch(Session, Duration::from_secs(10), [7]).unwrap();
+    /// let session = handle.op_ref().unwrap();
+    /// handle.detach();
+    /// for _ in 0..5 {
+    ///     // A heartbeat every 8 s: the 10-s timeout never comes.
+    ///     advance(Duration::from_secs(8)).await;
+    ///     assert!(session.reset(Duration::from_secs(10)));
+    /// }
+    /// assert!(!session.is_finished());
+    /// advance(Duration::from_secs(11)).await;
+    /// tokio::task::yield_now().await;
+    /// assert!(session.is_finished(), "no heartbeat: expired");
+    /// assert!(!session.reset(Duration::from_secs(10)), "too late");
+    /// # }
+    /// ```
+    pub fn reset(&self, timeout: Duration) -> bool {
+        self.cell.reset_at(Instant::now() + timeout)
+    }
+
+    /// Moves the operation's timeout to `deadline`, in O(1); as
+    /// [`reset`](Self::reset), with an instant instead of a duration from now.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// use std::time::Duration;
+    /// use tokio::time::Instant;
+    /// use tokio_purgatory::{Operation, Purgatory};
+    ///
+    /// struct Fetch;
+    /// impl Operation for Fetch {
+    ///     type Output = ();
+    ///     fn try_complete(&mut self) -> Option<()> { None }
+    ///     fn on_expiration(self) {}
+    /// }
+    ///
+    /// let p: Purgatory<u32, Fetch> = Purgatory::builder().name("fetch").build().unwrap();
+    /// let handle = p.try_complete_else_watch(Fetch, Duration::from_secs(30), [1]).unwrap();
+    /// let op = handle.op_ref().unwrap();
+    /// // Answer now with what there is: a deadline in the past is due at once.
+    /// assert!(op.reset_at(Instant::now() - Duration::from_secs(1)));
+    /// handle.await.unwrap();
+    /// # }
+    /// ```
+    pub fn reset_at(&self, deadline: Instant) -> bool {
+        self.cell.reset_at(deadline)
+    }
+
     /// Cancels the operation and hands it back; its handle resolves to
     /// [`OperationError::Cancelled`]. `None` when it had finished, or a check
     /// running at this moment will finish it.
@@ -303,7 +451,7 @@ where
     ///     fn on_expiration(self) {}
     /// }
     ///
-    /// let p: Purgatory<&str, Join> = Purgatory::builder("join").build().unwrap();
+    /// let p: Purgatory<&str, Join> = Purgatory::builder().name("join").build().unwrap();
     /// let handle = p.try_complete_else_watch(Join("member-1"), Duration::from_secs(1), ["g"]).unwrap();
     /// let op_ref = handle.op_ref().unwrap();
     /// assert_eq!(op_ref.cancel().map(|j| j.0), Some("member-1"));

@@ -133,7 +133,7 @@ impl<K: WatchKey, O: Operation> Drop for Owner<K, O> {
 ///     }
 /// }
 ///
-/// let purgatory: Purgatory<&str, DelayedFetch> = Purgatory::builder("fetch").build().unwrap();
+/// let purgatory: Purgatory<&str, DelayedFetch> = Purgatory::builder().name("fetch").build().unwrap();
 /// let log_end = Arc::new(AtomicU64::new(0));
 /// let op = DelayedFetch { log_end: log_end.clone(), min_offset: 10 };
 /// let handle = purgatory
@@ -174,7 +174,7 @@ impl<K: WatchKey, O: Operation> Clone for Purgatory<K, O> {
 /// # }
 /// use tokio_purgatory::Purgatory;
 ///
-/// let p: Purgatory<u32, Op> = Purgatory::builder("demo").build().unwrap();
+/// let p: Purgatory<u32, Op> = Purgatory::builder().name("demo").build().unwrap();
 /// let weak = p.downgrade();
 /// assert!(weak.upgrade().is_some());
 /// drop(p); // the last strong handle: the purgatory shuts down
@@ -217,7 +217,12 @@ impl<K: WatchKey, O: Operation> std::fmt::Debug for Purgatory<K, O> {
 }
 
 impl<K: WatchKey, O: Operation> Purgatory<K, O> {
-    /// A builder with default settings; `name` labels `tracing` events.
+    /// A purgatory with default settings, its reaper spawned on the current
+    /// runtime (as `Timer::new`).
+    ///
+    /// # Panics
+    ///
+    /// Outside a Tokio runtime; use [`Purgatory::builder`] and `build_on` there.
     ///
     /// # Examples
     ///
@@ -231,13 +236,39 @@ impl<K: WatchKey, O: Operation> Purgatory<K, O> {
     /// # }
     /// use tokio_purgatory::Purgatory;
     ///
-    /// let joins: Purgatory<String, Join> = Purgatory::builder("join").build().unwrap();
+    /// let joins: Purgatory<String, Join> = Purgatory::new();
+    /// assert_eq!(joins.delayed(), 0);
+    /// # }
+    /// ```
+    #[track_caller]
+    #[allow(clippy::new_without_default)] // `Default` would hide the runtime it needs
+    pub fn new() -> Purgatory<K, O> {
+        Purgatory::builder()
+            .build()
+            .expect("Purgatory::new must be called within a Tokio runtime")
+    }
+
+    /// A builder with default settings (as `Timer::builder`).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// # struct Join;
+    /// # impl tokio_purgatory::Operation for Join {
+    /// #     type Output = ();
+    /// #     fn try_complete(&mut self) -> Option<()> { None }
+    /// #     fn on_expiration(self) {}
+    /// # }
+    /// use tokio_purgatory::Purgatory;
+    ///
+    /// let joins: Purgatory<String, Join> = Purgatory::builder().name("join").build().unwrap();
     /// assert!(!joins.is_shutdown());
     /// # }
     /// ```
-    pub fn builder(name: &str) -> PurgatoryBuilder<K, O> {
+    pub fn builder() -> PurgatoryBuilder<K, O> {
         PurgatoryBuilder {
-            name: name.into(),
+            name: "purgatory".into(),
             wheel: Settings::default(),
             watcher_shards: 64,
             purge_interval: 1000,
@@ -312,7 +343,7 @@ impl<K: WatchKey, O: Operation> Purgatory<K, O> {
     ///     fn on_expiration(self) -> &'static str { "timed out" }
     /// }
     ///
-    /// let p: Purgatory<u32, Never> = Purgatory::builder("demo").build().unwrap();
+    /// let p: Purgatory<u32, Never> = Purgatory::builder().name("demo").build().unwrap();
     /// let handle = p.try_complete_else_watch(Never, Duration::from_millis(5), [1, 2]).unwrap();
     /// assert_eq!(handle.await, Ok(Completion::Expired("timed out")));
     ///
@@ -362,7 +393,7 @@ impl<K: WatchKey, O: Operation> Purgatory<K, O> {
     ///     fn on_expiration(self) -> &'static str { "empty" }
     /// }
     ///
-    /// let p: Purgatory<u32, Fetch> = Purgatory::builder("fetch").build().unwrap();
+    /// let p: Purgatory<u32, Fetch> = Purgatory::builder().name("fetch").build().unwrap();
     /// // The request arrived a while ago; its `max_wait` counts from then.
     /// let arrived = Instant::now();
     /// tokio::time::sleep(Duration::from_millis(30)).await;
@@ -417,6 +448,10 @@ impl<K: WatchKey, O: Operation> Purgatory<K, O> {
         if !shared.admit() {
             shared.drop_keys(keys);
             return Err(WatchError::AtCapacity(op));
+        }
+        if shared.turned_back() {
+            shared.drop_keys(keys);
+            return Err(WatchError::Draining(op));
         }
         tracing::trace!(purgatory = &*shared.name, keys = keys.len(), "register");
 
@@ -541,7 +576,7 @@ impl<K: WatchKey, O: Operation> Purgatory<K, O> {
     ///     fn on_expiration(self) {}
     /// }
     ///
-    /// let p: Purgatory<&str, Flag> = Purgatory::builder("demo").build().unwrap();
+    /// let p: Purgatory<&str, Flag> = Purgatory::builder().name("demo").build().unwrap();
     /// let flag = Arc::new(AtomicBool::new(false));
     /// let handle = p.try_complete_else_watch(Flag(flag.clone()), Duration::from_secs(1), ["a"]).unwrap();
     /// assert_eq!(p.try_complete_watched(&"a"), 0, "not yet");
@@ -621,7 +656,7 @@ impl<K: WatchKey, O: Operation> Purgatory<K, O> {
     ///     fn on_expiration(self) {}
     /// }
     ///
-    /// let p: Purgatory<&str, Heartbeat> = Purgatory::builder("heartbeat").build().unwrap();
+    /// let p: Purgatory<&str, Heartbeat> = Purgatory::builder().name("heartbeat").build().unwrap();
     /// let handle = p.try_complete_else_watch(Heartbeat(7), Duration::from_secs(10), ["group-a"]).unwrap();
     /// let back = p.cancel_for_key(&"group-a");
     /// assert_eq!(back.len(), 1);
@@ -664,7 +699,7 @@ impl<K: WatchKey, O: Operation> Purgatory<K, O> {
     /// use std::time::Duration;
     /// use tokio_purgatory::Purgatory;
     ///
-    /// let p: Purgatory<u32, Op> = Purgatory::builder("demo").build().unwrap();
+    /// let p: Purgatory<u32, Op> = Purgatory::builder().name("demo").build().unwrap();
     /// let h = p.try_complete_else_watch(Op, Duration::from_secs(1), [1, 2, 3]).unwrap();
     /// assert_eq!(p.watched(), 3);
     /// # drop(h);
@@ -689,7 +724,7 @@ impl<K: WatchKey, O: Operation> Purgatory<K, O> {
     /// use std::time::Duration;
     /// use tokio_purgatory::Purgatory;
     ///
-    /// let p: Purgatory<u32, Op> = Purgatory::builder("demo").build().unwrap();
+    /// let p: Purgatory<u32, Op> = Purgatory::builder().name("demo").build().unwrap();
     /// let h = p.try_complete_else_watch(Op, Duration::from_secs(1), [1]).unwrap();
     /// assert_eq!(p.delayed(), 1);
     /// drop(h); // cancels it
@@ -715,7 +750,7 @@ impl<K: WatchKey, O: Operation> Purgatory<K, O> {
     /// use std::time::Duration;
     /// use tokio_purgatory::Purgatory;
     ///
-    /// let p: Purgatory<u32, Op> = Purgatory::builder("demo").build().unwrap();
+    /// let p: Purgatory<u32, Op> = Purgatory::builder().name("demo").build().unwrap();
     /// p.try_complete_else_watch(Op, Duration::from_secs(1), [1]).unwrap().await.unwrap();
     /// let m = p.metrics();
     /// assert_eq!((m.registered, m.completed, m.delayed), (1, 1, 0));
@@ -805,7 +840,7 @@ impl<K: WatchKey, O: Operation> Purgatory<K, O> {
     /// use std::time::Duration;
     /// use tokio_purgatory::{OperationError, Purgatory, WatchError};
     ///
-    /// let p: Purgatory<u32, Op> = Purgatory::builder("demo").build().unwrap();
+    /// let p: Purgatory<u32, Op> = Purgatory::builder().name("demo").build().unwrap();
     /// let h = p.try_complete_else_watch(Op, Duration::from_secs(1), [1]).unwrap();
     /// assert_eq!(p.shutdown().len(), 1);
     /// assert_eq!(h.await, Err(OperationError::Shutdown));
@@ -832,7 +867,7 @@ impl<K: WatchKey, O: Operation> Purgatory<K, O> {
     /// # }
     /// use tokio_purgatory::Purgatory;
     ///
-    /// let p: Purgatory<u32, Op> = Purgatory::builder("demo").build().unwrap();
+    /// let p: Purgatory<u32, Op> = Purgatory::builder().name("demo").build().unwrap();
     /// assert!(!p.is_shutdown());
     /// drop(p.shutdown());
     /// assert!(p.is_shutdown());
@@ -840,6 +875,80 @@ impl<K: WatchKey, O: Operation> Purgatory<K, O> {
     /// ```
     pub fn is_shutdown(&self) -> bool {
         self.shared().core.closed().is_some()
+    }
+
+    /// Stops taking operations and waits until every pending one has finished
+    /// on its own (completed by an event, expired, or cancelled): how a broker
+    /// or server stops without cutting requests short. From the first call on,
+    /// registrations are refused with [`WatchError::Draining`] (the operation is
+    /// handed back), while events, expiries and cancellations go on as before.
+    /// To bound the wait, race it with a timeout and call
+    /// [`shutdown`](Self::shutdown) for what is left.
+    ///
+    /// # Cancellation and concurrency
+    ///
+    /// Dropping the future stops the wait only: the purgatory stays draining
+    /// (there is no way back). Several tasks may drain at once; each returns once
+    /// nothing is pending. A registration racing the first call is either refused
+    /// or waited for. A shutdown during the drain hands the operations back, and
+    /// the drain then returns. Operations that never finish (no event comes, and
+    /// their timeout is far off) keep it waiting until they expire.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// use std::time::Duration;
+    /// use tokio_purgatory::{Operation, Purgatory, WatchError};
+    ///
+    /// struct Fetch;
+    /// impl Operation for Fetch {
+    ///     type Output = ();
+    ///     fn try_complete(&mut self) -> Option<()> { None }
+    ///     fn on_expiration(self) {}
+    /// }
+    ///
+    /// let fetches: Purgatory<u32, Fetch> = Purgatory::builder().name("fetch").build().unwrap();
+    /// let parked = fetches.try_complete_else_watch(Fetch, Duration::from_millis(500), [1]).unwrap();
+    /// let waiter = tokio::spawn(parked);
+    ///
+    /// // Stopping: wait at most 2 s for what is pending, then hand the rest back.
+    /// let drained = tokio::time::timeout(Duration::from_secs(2), fetches.drain()).await;
+    /// assert!(drained.is_ok(), "the parked fetch expired on its own");
+    /// assert!(waiter.await.unwrap().is_ok());
+    /// assert!(matches!(
+    ///     fetches.try_complete_else_watch(Fetch, Duration::from_secs(1), [1]),
+    ///     Err(WatchError::Draining(_)),
+    /// ));
+    /// drop(fetches.shutdown());
+    /// # }
+    /// ```
+    pub async fn drain(&self) {
+        self.shared().drain().await
+    }
+
+    /// Whether [`drain`](Self::drain) was called.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// # struct Op;
+    /// # impl tokio_purgatory::Operation for Op {
+    /// #     type Output = ();
+    /// #     fn try_complete(&mut self) -> Option<()> { None }
+    /// #     fn on_expiration(self) {}
+    /// # }
+    /// use tokio_purgatory::Purgatory;
+    ///
+    /// let p: Purgatory<u32, Op> = Purgatory::builder().name("demo").build().unwrap();
+    /// assert!(!p.is_draining());
+    /// p.drain().await; // nothing pending: returns at once
+    /// assert!(p.is_draining());
+    /// # }
+    /// ```
+    pub fn is_draining(&self) -> bool {
+        self.shared().is_draining()
     }
 }
 
@@ -898,7 +1007,7 @@ mod tests {
     /// with it: otherwise the wheel would hold request rate x timeout entries.
     #[tokio::test(start_paused = true)]
     async fn finishing_early_removes_the_timer_entry() {
-        let p: Purgatory<u32, Op> = Purgatory::builder("t").build().unwrap();
+        let p: Purgatory<u32, Op> = Purgatory::builder().name("t").build().unwrap();
         let timers = || p.shared().core.len();
         let op = |ready: bool| Op(Arc::new(ready.into()));
         let long = Duration::from_secs(3600);

@@ -13,6 +13,7 @@ use crate::reaper::{
     drop_contained, drop_each_contained, panic_message, Closed, Core, Job, Padded,
 };
 use crate::watchers::{Removed, Sweep, Watchers};
+use tokio::sync::Notify;
 
 /// The most watch-list entries one call visits for the purge.
 pub(crate) const SWEEP_SLICE: usize = 128;
@@ -65,9 +66,11 @@ const STRIPES: usize = 8;
 #[derive(Debug, Default)]
 #[repr(align(128))]
 struct Stripe {
-    /// Registered minus finished, wrapping: a stripe goes "negative" when its
-    /// thread finishes operations that others registered.
-    delayed: AtomicU64,
+    /// Operations admitted, and operations that left (finished, or turned back
+    /// after admission): both only grow, so a sum read in the right order never
+    /// misses an operation pending throughout the read (see `delayed_now`).
+    admitted: AtomicU64,
+    left: AtomicU64,
     registered: AtomicU64,
     completed: AtomicU64,
     expired: AtomicU64,
@@ -109,9 +112,17 @@ impl Books {
         &self.stripes[(thread_index() % STRIPES as u64) as usize]
     }
 
-    /// An operation entered (`1`) or an entry was undone (`-1`).
-    pub(crate) fn delayed(&self, n: i64) {
-        self.mine().delayed.fetch_add(n as u64, Ordering::Relaxed);
+    /// An operation was admitted. Sequentially consistent, as the other changes
+    /// and the sum are: they pair with the draining flag (see
+    /// `Shared::turned_back`); on x86 a read-modify-write costs the same with any
+    /// ordering.
+    pub(crate) fn admitted(&self) {
+        self.mine().admitted.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// An admitted operation turned back before it was registered.
+    pub(crate) fn turned_back(&self) {
+        self.mine().left.fetch_add(1, Ordering::SeqCst);
     }
 
     pub(crate) fn registered(&self) {
@@ -121,7 +132,7 @@ impl Books {
     /// An operation finished with `fate`.
     pub(crate) fn finished(&self, fate: Fate) {
         let s = self.mine();
-        s.delayed.fetch_sub(1, Ordering::Relaxed);
+        s.left.fetch_add(1, Ordering::SeqCst);
         let counter = match fate {
             Fate::Completed => &s.completed,
             Fate::Expired => &s.expired,
@@ -131,12 +142,23 @@ impl Books {
         counter.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Operations registered and not finished.
+    /// Operations admitted and not finished. Reads every stripe's `left` before
+    /// any `admitted`: an operation counted as left was admitted before, so its
+    /// admission is counted too, and an operation pending throughout the read is
+    /// counted in `admitted` only. Zero so means that no operation was pending
+    /// throughout (what `drain` needs); racing calls may make it a little high.
     pub(crate) fn delayed_now(&self) -> usize {
-        let d = self.stripes.iter().fold(0u64, |sum, s| {
-            sum.wrapping_add(s.delayed.load(Ordering::Relaxed))
-        });
-        (d as i64).max(0) as usize
+        let left: u64 = self
+            .stripes
+            .iter()
+            .map(|s| s.left.load(Ordering::SeqCst))
+            .sum();
+        let admitted: u64 = self
+            .stripes
+            .iter()
+            .map(|s| s.admitted.load(Ordering::SeqCst))
+            .sum();
+        admitted.saturating_sub(left) as usize
     }
 
     pub(crate) fn totals(&self) -> Totals {
@@ -174,6 +196,10 @@ pub(crate) struct Shared<K: WatchKey, O: Operation> {
     sweeping: AtomicBool,
     purge_interval: usize,
     pub(crate) max_pending: Option<usize>,
+    /// Set by `drain`: registrations are refused, and each finish wakes the
+    /// drainers. Read by every registration and finish, written once.
+    draining: AtomicBool,
+    drained: Notify,
     pub(crate) counters: Counters,
     pub(crate) name: Arc<str>,
 }
@@ -196,6 +222,8 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
             sweeping: AtomicBool::new(false),
             purge_interval,
             max_pending,
+            draining: AtomicBool::new(false),
+            drained: Notify::new(),
             counters: Counters::default(),
             name,
         }
@@ -209,7 +237,7 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
                 return false;
             }
         }
-        self.books.delayed(1);
+        self.books.admitted();
         true
     }
 
@@ -218,12 +246,44 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         if self.max_pending.is_some() {
             self.admitted.0.fetch_sub(1, Ordering::AcqRel);
         }
-        self.books.delayed(-1);
+        self.books.turned_back();
     }
 
     /// Operations registered and not finished.
     pub(crate) fn delayed(&self) -> usize {
         self.books.delayed_now()
+    }
+
+    /// Whether an admitted registration must turn back because the purgatory is
+    /// draining; then it is unadmitted here. The admission's count and this read
+    /// pair with `drain`'s write of the flag and read of the count (all
+    /// sequentially consistent): either this sees the flag, or the drainer sees
+    /// the operation and waits for it.
+    pub(crate) fn turned_back(&self) -> bool {
+        if !self.draining.load(Ordering::SeqCst) {
+            return false;
+        }
+        self.unadmit();
+        self.drained.notify_waiters();
+        true
+    }
+
+    /// Stops taking operations and waits until none is pending.
+    pub(crate) async fn drain(&self) {
+        self.draining.store(true, Ordering::SeqCst);
+        loop {
+            let finished = self.drained.notified();
+            let mut finished = std::pin::pin!(finished);
+            finished.as_mut().enable();
+            if self.books.delayed_now() == 0 {
+                return;
+            }
+            finished.await;
+        }
+    }
+
+    pub(crate) fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Acquire)
     }
 
     pub(crate) fn note_panic(&self, what: &str, panic: &(dyn std::any::Any + Send)) {
@@ -267,6 +327,9 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
             self.admitted.0.fetch_sub(1, Ordering::AcqRel);
         }
         self.books.finished(fate);
+        if self.draining.load(Ordering::SeqCst) {
+            self.drained.notify_waiters();
+        }
         tracing::trace!(purgatory = &*self.name, ?fate, "operation finished");
         self.entries.0.change(-i64::from(keys), i64::from(keys));
         // No purge here: this runs on the reaper too, and a purge walks every

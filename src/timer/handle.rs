@@ -2,8 +2,12 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
-use super::task::TimerJob;
+use tokio::time::Instant;
+
+use super::task::{Chain, TimerJob};
+use crate::loom::{lock, Mutex};
 use crate::reaper::{drop_contained, note_panic, Core, TimerKey};
 
 /// What became of a scheduled task, as seen by its [`Timeout`] handle.
@@ -23,19 +27,37 @@ pub enum TimeoutStatus {
 /// Holding it keeps no memory of the timer's alive beyond a reference count: the
 /// handle is a generation-tagged key, so a handle whose task is gone can never
 /// touch a newer task that reuses the slot. Dropping the handle does **not**
-/// cancel the task.
+/// cancel the task. Its methods take `&self`, so it can be shared (in an `Arc`)
+/// between the code that resets a timeout and the code that cancels it.
 #[derive(Debug)]
 pub struct Timeout {
     core: Arc<Core<TimerJob>>,
-    key: TimerKey,
+    entry: Entry,
     cancelled: AtomicBool,
+}
+
+/// Where the task's entry is.
+#[derive(Debug)]
+enum Entry {
+    /// A one-shot task's entry; `reset` moves it, and so changes its key.
+    Once(Mutex<TimerKey>),
+    /// A repeating task's current entry, shared with the task.
+    Repeating(Arc<Chain>),
 }
 
 impl Timeout {
     pub(super) fn new(core: Arc<Core<TimerJob>>, key: TimerKey) -> Timeout {
         Timeout {
             core,
-            key,
+            entry: Entry::Once(Mutex::new(key)),
+            cancelled: AtomicBool::new(false),
+        }
+    }
+
+    pub(super) fn repeating(core: Arc<Core<TimerJob>>, chain: Arc<Chain>) -> Timeout {
+        Timeout {
+            core,
+            entry: Entry::Repeating(chain),
             cancelled: AtomicBool::new(false),
         }
     }
@@ -44,14 +66,43 @@ impl Timeout {
 impl Timeout {
     /// Cancels the task if it has not run: O(1), and the task is dropped at once,
     /// on this thread, with no lock held (a panic in its `Drop` is caught and
-    /// counted in [`TimerStats::panicked`](super::TimerStats::panicked)). Returns whether this call cancelled it.
+    /// counted in [`TimerMetrics::panicked`](super::TimerMetrics::panicked)). Returns whether this call cancelled it.
+    /// A repeating task ([`Timer::schedule_repeating`](super::Timer::schedule_repeating))
+    /// stops: `true` when this call stopped it, and no run starts afterwards.
     ///
     /// # Concurrent calls
     ///
     /// Racing the reaper, exactly one wins: either the task runs and `cancel`
-    /// returns `false`, or it returns `true` and the task never runs.
+    /// returns `false`, or it returns `true` and the task never runs. A
+    /// repeating task running at that moment finishes that run and is then
+    /// dropped (on the reaper) instead of rescheduled.
     pub fn cancel(&self) -> bool {
-        match self.core.remove(self.key) {
+        let chain = match &self.entry {
+            Entry::Once(key) => {
+                let removed = self.core.remove(*lock(key));
+                return self.cancelled_with(removed);
+            }
+            Entry::Repeating(chain) => chain,
+        };
+        let key = {
+            let mut key = lock(&chain.key);
+            if chain.stopped.swap(true, Ordering::AcqRel) {
+                return false;
+            }
+            key.take()
+        };
+        let removed = key.and_then(|key| self.core.remove(key));
+        self.cancelled.store(true, Ordering::Release);
+        if let Some(job) = removed {
+            drop_contained(job, |panic| {
+                note_panic(&self.core.name, &self.core.counters, panic)
+            });
+        }
+        true
+    }
+
+    fn cancelled_with(&self, removed: Option<TimerJob>) -> bool {
+        match removed {
             Some(job) => {
                 self.cancelled.store(true, Ordering::Release);
                 drop_contained(job, |panic| {
@@ -63,9 +114,104 @@ impl Timeout {
         }
     }
 
-    /// Whether the task is still waiting for its deadline.
+    /// Moves the task's deadline to `delay` from now, in O(1) (the entry moves
+    /// from one bucket of the wheel to another), as `Sleep::reset` and
+    /// `DelayQueue::reset` do: a heartbeat pushing a session timeout back, a
+    /// retry brought forward. A deadline already past makes the task due at
+    /// once. Returns whether it was moved.
+    ///
+    /// # Concurrent calls
+    ///
+    /// Returns `false`, and changes nothing, once the task has run, is running,
+    /// was cancelled or handed back by `shutdown`: racing the reaper, either the
+    /// reset wins and the task runs at the new deadline only, or the task runs
+    /// (at the old one) and the reset returns `false`. Resets and cancels
+    /// through the same handle are serialised.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// use std::sync::atomic::{AtomicBool, Ordering};
+    /// use std::sync::Arc;
+    /// use std::time::Duration;
+    /// use tokio::time::advance;
+    /// use tokio_purgatory::Timer;
+    ///
+    /// let timer = Timer::builder().build().unwrap();
+    /// let dead = Arc::new(AtomicBool::new(false));
+    /// let flag = dead.clone();
+    /// let session = timer
+    ///     .schedule(Duration::from_secs(10), move || flag.store(true, Ordering::SeqCst))
+    ///     .unwrap();
+    /// for _ in 0..3 {
+    ///     advance(Duration::from_secs(8)).await;
+    ///     assert!(session.reset(Duration::from_secs(10)), "heartbeat");
+    /// }
+    /// assert!(!dead.load(Ordering::SeqCst));
+    /// advance(Duration::from_secs(10)).await;
+    /// tokio::task::yield_now().await;
+    /// assert!(dead.load(Ordering::SeqCst), "no heartbeat for 10 s");
+    /// # }
+    /// ```
+    pub fn reset(&self, delay: Duration) -> bool {
+        self.reset_at(Instant::now() + delay)
+    }
+
+    /// Moves the task's deadline to `deadline`, in O(1); as
+    /// [`reset`](Self::reset), with an instant.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// use std::time::Duration;
+    /// use tokio::time::Instant;
+    /// use tokio_purgatory::Timer;
+    ///
+    /// let timer = Timer::builder().build().unwrap();
+    /// let retry = timer.schedule(Duration::from_secs(60), || println!("retry")).unwrap();
+    /// // The peer came back: retry in 100 ms instead.
+    /// assert!(retry.reset_at(Instant::now() + Duration::from_millis(100)));
+    /// assert!(retry.is_pending());
+    /// # }
+    /// ```
+    pub fn reset_at(&self, deadline: Instant) -> bool {
+        let now = Instant::now();
+        match &self.entry {
+            Entry::Once(key) => {
+                let mut key = lock(key);
+                match self.core.reset(*key, now, deadline) {
+                    Some(moved) => {
+                        *key = moved;
+                        true
+                    }
+                    None => false,
+                }
+            }
+            Entry::Repeating(chain) => {
+                let mut key = lock(&chain.key);
+                match key.and_then(|k| self.core.reset(k, now, deadline)) {
+                    Some(moved) => {
+                        *key = Some(moved);
+                        true
+                    }
+                    None => false,
+                }
+            }
+        }
+    }
+
+    /// Whether the task is waiting for its deadline (a repeating task: for its
+    /// next run; not while a run is under way).
     pub fn is_pending(&self) -> bool {
-        self.core.contains(self.key)
+        match &self.entry {
+            Entry::Once(key) => self.core.contains(*lock(key)),
+            Entry::Repeating(chain) => {
+                let key = *lock(&chain.key);
+                key.is_some_and(|k| self.core.contains(k))
+            }
+        }
     }
 
     /// What became of the task.

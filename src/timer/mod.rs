@@ -23,8 +23,9 @@ pub use self::error::{ScheduleError, TimeoutError, TimerError};
 pub use self::future::{Sleep, TimeoutFuture};
 pub use self::handle::{Timeout, TimeoutStatus};
 pub use self::task::UnrunTask;
-use self::task::{refused_task, TimerJob};
+use self::task::{refused_task, Chain, Repeating, TimerJob};
 use crate::clock::deadline_after;
+use crate::loom::lock;
 use crate::reaper::{run_contained, Closed, Core, Job};
 use crate::settings::Settings;
 
@@ -56,7 +57,7 @@ impl Drop for Owner {
 ///
 /// Tasks run **on the reaper task**, one after another, with no lock held: keep
 /// them short, and spawn anything long or blocking. A panicking task is caught,
-/// counted in [`TimerStats::panicked`] and reported through `tracing`; later
+/// counted in [`TimerMetrics::panicked`] and reported through `tracing`; later
 /// tasks still run.
 ///
 /// # Shutdown
@@ -205,6 +206,102 @@ impl Timer {
         self.insert(Instant::now(), deadline, task)
     }
 
+    /// Runs `task` on the reaper once `delay` has passed, and again after each
+    /// delay it returns, until it returns `None` or is cancelled through the
+    /// returned [`Timeout`]: heartbeats (return the same period each time),
+    /// retries with backoff (return the next backoff, or `None` once done). The
+    /// next delay counts from the end of each run (a fixed delay, as Netty's
+    /// rescheduled tasks and tokio's `MissedTickBehavior::Delay`), so a slow run
+    /// never makes runs pile up. The task may hold a [`WeakTimer`] to schedule
+    /// other work; it never needs its own handle to go on.
+    ///
+    /// One entry in the wheel at a time, moved back in O(1) after each run, and
+    /// kept under [`max_pending`](TimerBuilder::max_pending) by the room it held
+    /// (a rescheduling is never refused for the limit). A panic in the task ends
+    /// the chain (caught, counted and reported as for any task).
+    ///
+    /// # Cancellation and shutdown
+    ///
+    /// [`Timeout::cancel`] stops it (a run under way finishes, and none starts
+    /// after); [`Timeout::reset`] moves the next run. Dropping the `Timeout`
+    /// does not stop it. [`shutdown`](Self::shutdown) hands it back like any
+    /// pending task; running the handed-back task runs it once.
+    ///
+    /// # Errors
+    ///
+    /// As [`schedule`](Timer::schedule): the task comes back when the timer is at
+    /// its limit, shut down, or has lost its reaper.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// use std::sync::atomic::{AtomicU32, Ordering};
+    /// use std::sync::Arc;
+    /// use std::time::Duration;
+    /// use tokio_purgatory::Timer;
+    ///
+    /// let timer = Timer::new();
+    /// // A retry with exponential backoff, giving up after 5 attempts.
+    /// let attempts = Arc::new(AtomicU32::new(0));
+    /// let seen = attempts.clone();
+    /// let mut backoff = Duration::from_millis(100);
+    /// timer
+    ///     .schedule_repeating(backoff, move || {
+    ///         let n = seen.fetch_add(1, Ordering::SeqCst) + 1;
+    ///         backoff *= 2;
+    ///         (n < 5).then_some(backoff)
+    ///     })
+    ///     .unwrap();
+    /// tokio::time::sleep(Duration::from_secs(4)).await; // 100+200+400+800+1600 ms
+    /// assert_eq!(attempts.load(Ordering::SeqCst), 5);
+    ///
+    /// // A heartbeat every second, until cancelled.
+    /// let beats = Arc::new(AtomicU32::new(0));
+    /// let b = beats.clone();
+    /// let heartbeat = timer
+    ///     .schedule_repeating(Duration::from_secs(1), move || {
+    ///         b.fetch_add(1, Ordering::SeqCst);
+    ///         Some(Duration::from_secs(1))
+    ///     })
+    ///     .unwrap();
+    /// tokio::time::sleep(Duration::from_millis(3_500)).await;
+    /// assert!(heartbeat.cancel());
+    /// tokio::time::sleep(Duration::from_secs(5)).await;
+    /// assert_eq!(beats.load(Ordering::SeqCst), 3);
+    /// # }
+    /// ```
+    pub fn schedule_repeating<F>(
+        &self,
+        delay: Duration,
+        task: F,
+    ) -> Result<Timeout, ScheduleError<F>>
+    where
+        F: FnMut() -> Option<Duration> + Send + 'static,
+    {
+        let core = self.core();
+        let chain = Arc::new(Chain::default());
+        let job = TimerJob(Box::new(Repeating {
+            f: task,
+            chain: chain.clone(),
+            core: Arc::downgrade(core),
+            handed_back: false,
+        }));
+        let now = Instant::now();
+        // The key is recorded under the chain's lock, so the first run (which
+        // may start at once on another thread) finds it.
+        let mut key = lock(&chain.key);
+        match core.insert(now, deadline_after(now, delay), job) {
+            Ok(k) => *key = Some(k),
+            Err(refused) => {
+                drop(key);
+                return Err(refused_task(refused));
+            }
+        }
+        drop(key);
+        Ok(Timeout::repeating(core.clone(), chain))
+    }
+
     fn insert<F>(
         &self,
         now: Instant,
@@ -292,9 +389,9 @@ impl Timer {
     }
 
     /// Counters since the timer was built.
-    pub fn stats(&self) -> TimerStats {
+    pub fn metrics(&self) -> TimerMetrics {
         let c = &self.core().counters;
-        TimerStats {
+        TimerMetrics {
             pending: self.len(),
             expired: c.expired.load(Ordering::Relaxed),
             panicked: c.panicked.load(Ordering::Relaxed),
@@ -327,7 +424,7 @@ impl Timer {
 /// Counters of a [`Timer`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
-pub struct TimerStats {
+pub struct TimerMetrics {
     /// Timeouts and sleeps waiting.
     pub pending: usize,
     /// Entries that reached their deadline (tasks run, sleeps woken).

@@ -3,11 +3,17 @@
 
 use std::any::Any;
 use std::fmt;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use super::error::ScheduleError;
 use super::future::SleepSignal;
-use crate::reaper::{Closed, Job, Refused};
+use crate::clock::deadline_after;
+use crate::loom::{lock, Mutex};
+use crate::reaper::{Closed, Core, Job, Refused, TimerKey};
 
 /// What the wheel holds: a user's task or a sleep's signal, behind one thin
 /// trait object (16 bytes, so a wheel entry stays at 40).
@@ -50,6 +56,76 @@ impl TaskFn for SleepEntry {
     fn stopped(self: Box<Self>, why: Closed) -> Option<Box<dyn TaskFn>> {
         self.0.abandon(why);
         None
+    }
+}
+
+/// What a repeating task and its [`Timeout`](super::Timeout) share: the key of
+/// its current entry (`None` while it runs, or once it stopped), and whether it
+/// was stopped. The key's lock serialises a rescheduling with a cancel or reset
+/// through the handle; no user code runs under it.
+#[derive(Debug, Default)]
+pub(crate) struct Chain {
+    pub(crate) key: Mutex<Option<TimerKey>>,
+    pub(crate) stopped: AtomicBool,
+}
+
+/// A repeating task in the wheel: runs `f`, and goes back in after the delay it
+/// returns. It holds its timer weakly, so it never keeps a dropped timer alive.
+pub(crate) struct Repeating<F> {
+    pub(crate) f: F,
+    pub(crate) chain: Arc<Chain>,
+    pub(crate) core: Weak<Core<TimerJob>>,
+    /// Handed back by a shutdown: whoever runs it runs it once.
+    pub(crate) handed_back: bool,
+}
+
+impl<F: FnMut() -> Option<Duration> + Send + 'static> TaskFn for Repeating<F> {
+    fn call(self: Box<Self>) {
+        let mut me = self;
+        if me.handed_back {
+            let _ = (me.f)();
+            return;
+        }
+        // The entry left the wheel: its key is stale.
+        lock(&me.chain.key).take();
+        if me.chain.stopped.load(Ordering::Acquire) {
+            return;
+        }
+        // A panic here ends the chain (the reaper contains and counts it).
+        let Some(delay) = (me.f)() else {
+            me.chain.stopped.store(true, Ordering::Release);
+            return;
+        };
+        let Some(core) = me.core.upgrade() else {
+            return;
+        };
+        let chain = me.chain.clone();
+        let mut key = lock(&chain.key);
+        if chain.stopped.load(Ordering::Acquire) {
+            // Cancelled while it ran: `me` is dropped after the lock is gone.
+            drop(key);
+            return;
+        }
+        let now = Instant::now();
+        match core.reinsert(now, deadline_after(now, delay), TimerJob(me)) {
+            Ok(moved) => *key = Some(moved),
+            Err(job) => {
+                // The timer was shut down meanwhile: the chain ends.
+                chain.stopped.store(true, Ordering::Release);
+                drop(key);
+                drop(job);
+            }
+        }
+    }
+
+    fn into_any(self: Box<Self>) -> Box<dyn Any + Send> {
+        Box::new(self.f)
+    }
+
+    fn stopped(mut self: Box<Self>, _: Closed) -> Option<Box<dyn TaskFn>> {
+        self.chain.stopped.store(true, Ordering::Release);
+        self.handed_back = true;
+        Some(self)
     }
 }
 
