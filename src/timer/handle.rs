@@ -76,6 +76,21 @@ impl Timeout {
     /// returns `false`, or it returns `true` and the task never runs. A
     /// repeating task running at that moment finishes that run and is then
     /// dropped (on the reaper) instead of rescheduled.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// use std::time::Duration;
+    /// use tokio_purgatory::timer::TimeoutStatus;
+    ///
+    /// let timer = tokio_purgatory::Timer::new();
+    /// let t = timer.schedule(Duration::from_secs(1), || unreachable!()).unwrap();
+    /// assert!(t.cancel());
+    /// assert!(!t.cancel(), "once");
+    /// assert_eq!(t.status(), TimeoutStatus::Cancelled);
+    /// # }
+    /// ```
     pub fn cancel(&self) -> bool {
         let chain = match &self.entry {
             Entry::Once(key) => {
@@ -204,6 +219,20 @@ impl Timeout {
 
     /// Whether the task is waiting for its deadline (a repeating task: for its
     /// next run; not while a run is under way).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// use std::time::Duration;
+    ///
+    /// let timer = tokio_purgatory::Timer::new();
+    /// let t = timer.schedule(Duration::from_millis(10), || {}).unwrap();
+    /// assert!(t.is_pending());
+    /// tokio::time::sleep(Duration::from_millis(20)).await;
+    /// assert!(!t.is_pending());
+    /// # }
+    /// ```
     pub fn is_pending(&self) -> bool {
         match &self.entry {
             Entry::Once(key) => self.core.contains(*lock(key)),
@@ -215,6 +244,21 @@ impl Timeout {
     }
 
     /// What became of the task.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// use std::time::Duration;
+    /// use tokio_purgatory::timer::TimeoutStatus;
+    ///
+    /// let timer = tokio_purgatory::Timer::new();
+    /// let t = timer.schedule(Duration::from_millis(10), || {}).unwrap();
+    /// assert_eq!(t.status(), TimeoutStatus::Pending);
+    /// tokio::time::sleep(Duration::from_millis(20)).await;
+    /// assert_eq!(t.status(), TimeoutStatus::Done);
+    /// # }
+    /// ```
     pub fn status(&self) -> TimeoutStatus {
         if self.cancelled.load(Ordering::Acquire) {
             TimeoutStatus::Cancelled

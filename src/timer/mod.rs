@@ -127,6 +127,18 @@ pub struct WeakTimer {
 
 impl WeakTimer {
     /// The timer, if a [`Timer`] handle still keeps it alive.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let timer = tokio_purgatory::Timer::new();
+    /// let weak = timer.downgrade();
+    /// assert!(weak.upgrade().is_some());
+    /// drop(timer);
+    /// assert!(weak.upgrade().is_none());
+    /// # }
+    /// ```
     pub fn upgrade(&self) -> Option<Timer> {
         self.owner.upgrade().map(|owner| Timer { owner })
     }
@@ -144,6 +156,15 @@ impl Timer {
     /// # Panics
     ///
     /// Outside a Tokio runtime; use [`Timer::builder`] and `build_on` there.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let timer = tokio_purgatory::Timer::new();
+    /// assert!(timer.is_empty());
+    /// # }
+    /// ```
     #[track_caller]
     pub fn new() -> Timer {
         Timer::builder()
@@ -152,6 +173,20 @@ impl Timer {
     }
 
     /// A builder with default settings.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// use std::time::Duration;
+    /// let timer = tokio_purgatory::Timer::builder()
+    ///     .name("heartbeats")
+    ///     .tick(Duration::from_millis(1))
+    ///     .build()
+    ///     .unwrap();
+    /// assert!(!timer.is_shutdown());
+    /// # }
+    /// ```
     pub fn builder() -> TimerBuilder {
         TimerBuilder {
             wheel: Settings::default(),
@@ -185,6 +220,24 @@ impl Timer {
     ///
     /// Hands `task` back when the timer is at its limit, shut down, or has lost its
     /// reaper.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// use std::sync::atomic::{AtomicBool, Ordering};
+    /// use std::sync::Arc;
+    /// use std::time::Duration;
+    /// use tokio_purgatory::Timer;
+    ///
+    /// let timer = Timer::new();
+    /// let fired = Arc::new(AtomicBool::new(false));
+    /// let f = fired.clone();
+    /// timer.schedule(Duration::from_millis(50), move || f.store(true, Ordering::SeqCst)).unwrap();
+    /// tokio::time::sleep(Duration::from_millis(60)).await;
+    /// assert!(fired.load(Ordering::SeqCst));
+    /// # }
+    /// ```
     pub fn schedule<F>(&self, delay: Duration, task: F) -> Result<Timeout, ScheduleError<F>>
     where
         F: FnOnce() + Send + 'static,
@@ -199,6 +252,22 @@ impl Timer {
     /// # Errors
     ///
     /// As [`schedule`](Timer::schedule).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// use std::time::Duration;
+    /// use tokio::time::Instant;
+    /// use tokio_purgatory::Timer;
+    ///
+    /// let timer = Timer::new();
+    /// let retry = timer
+    ///     .schedule_at(Instant::now() + Duration::from_secs(5), || println!("retry"))
+    ///     .unwrap();
+    /// assert!(retry.is_pending());
+    /// # }
+    /// ```
     pub fn schedule_at<F>(&self, deadline: Instant, task: F) -> Result<Timeout, ScheduleError<F>>
     where
         F: FnOnce() + Send + 'static,
@@ -319,12 +388,40 @@ impl Timer {
     }
 
     /// A future that resolves once `delay` has passed (see [`Sleep`]).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// use std::time::Duration;
+    /// use tokio::time::Instant;
+    ///
+    /// let timer = tokio_purgatory::Timer::new();
+    /// let start = Instant::now();
+    /// timer.sleep(Duration::from_millis(100)).await.unwrap();
+    /// assert!(start.elapsed() >= Duration::from_millis(100));
+    /// # }
+    /// ```
     pub fn sleep(&self, delay: Duration) -> Sleep {
         let now = Instant::now();
         Sleep::new(self.core(), now, deadline_after(now, delay))
     }
 
     /// A future that resolves once `deadline` has passed (see [`Sleep`]).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// use std::time::Duration;
+    /// use tokio::time::Instant;
+    ///
+    /// let timer = tokio_purgatory::Timer::new();
+    /// let deadline = Instant::now() + Duration::from_millis(100);
+    /// timer.sleep_until(deadline).await.unwrap();
+    /// assert!(Instant::now() >= deadline);
+    /// # }
+    /// ```
     pub fn sleep_until(&self, deadline: Instant) -> Sleep {
         Sleep::new(self.core(), Instant::now(), deadline)
     }
@@ -374,21 +471,65 @@ impl Timer {
     }
 
     /// Pending timeouts and sleeps. Exact when no other call races it.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// use std::time::Duration;
+    /// let timer = tokio_purgatory::Timer::new();
+    /// timer.schedule(Duration::from_secs(1), || {}).unwrap();
+    /// assert_eq!(timer.len(), 1);
+    /// # }
+    /// ```
     pub fn len(&self) -> usize {
         self.core().len()
     }
 
     /// Whether nothing is pending.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let timer = tokio_purgatory::Timer::new();
+    /// assert!(timer.is_empty());
+    /// # }
+    /// ```
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
     /// Whether the timer no longer accepts work (shut down, or reaper gone).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let timer = tokio_purgatory::Timer::new();
+    /// drop(timer.shutdown());
+    /// assert!(timer.is_shutdown());
+    /// # }
+    /// ```
     pub fn is_shutdown(&self) -> bool {
         self.core().closed().is_some()
     }
 
     /// Counters since the timer was built.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// use std::time::Duration;
+    ///
+    /// let timer = tokio_purgatory::Timer::new();
+    /// timer.schedule(Duration::from_millis(10), || {}).unwrap();
+    /// tokio::time::sleep(Duration::from_millis(20)).await;
+    /// let m = timer.metrics();
+    /// assert_eq!((m.pending, m.expired, m.panicked), (0, 1, 0));
+    /// # }
+    /// ```
     pub fn metrics(&self) -> TimerMetrics {
         let c = &self.core().counters;
         TimerMetrics {
@@ -410,6 +551,22 @@ impl Timer {
     /// A task the reaper has already taken out for running still runs (it is not
     /// in the list); a `schedule` racing the shutdown either lands in the list or
     /// fails. Calling `shutdown` from inside a task works.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// use std::time::Duration;
+    ///
+    /// let timer = tokio_purgatory::Timer::new();
+    /// timer.schedule(Duration::from_secs(60), || println!("flush")).unwrap();
+    /// // Stopping: run what was left now instead of dropping it.
+    /// for task in timer.shutdown() {
+    ///     task.run();
+    /// }
+    /// assert!(timer.schedule(Duration::from_secs(1), || {}).is_err());
+    /// # }
+    /// ```
     pub fn shutdown(&self) -> Vec<UnrunTask> {
         let Some(jobs) = self.core().close(Closed::Shutdown) else {
             return Vec::new();
