@@ -70,18 +70,42 @@ pub(crate) fn runtime_handle(
 /// The setters both builders share (the timer's and the purgatory's), for a
 /// builder with a `wheel: Settings` field.
 macro_rules! wheel_setters {
-    () => {
+    ($setup:literal, $builder:literal) => {
         /// The tick: the wheel's unit of time (default 100 µs). Deadlines are
         /// rounded up to whole ticks, so a timeout is late by less than one tick,
         /// never early. The reaper sleeps on Tokio's timer, which wakes at most
         /// once a millisecond, so a tick below 1 ms cuts lateness without adding
         /// wake-ups; a larger tick means fewer wake-ups for sparse timeouts.
+        ///
+        /// # Examples
+        ///
+        /// ```
+        /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+        #[doc = concat!("# ", $setup)]
+        /// # #[allow(unused_imports)]
+        /// use std::time::Duration;
+        #[doc = concat!("let built = ", $builder, ".tick(Duration::from_millis(1)).build().unwrap();")]
+        /// # drop(built);
+        /// # }
+        /// ```
         pub fn tick(mut self, tick: Duration) -> Self {
             self.wheel.tick = tick;
             self
         }
 
         /// Slots per wheel level, 2 to 64 (default 64). Powers of two are fastest.
+        ///
+        /// # Examples
+        ///
+        /// ```
+        /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+        #[doc = concat!("# ", $setup)]
+        /// # #[allow(unused_imports)]
+        /// use std::time::Duration;
+        #[doc = concat!("let built = ", $builder, ".slots_per_level(32).build().unwrap();")]
+        /// # drop(built);
+        /// # }
+        /// ```
         pub fn slots_per_level(mut self, slots: usize) -> Self {
             self.wheel.slots = slots;
             self
@@ -90,6 +114,18 @@ macro_rules! wheel_setters {
         /// Number of wheel levels (default 6: with 64 slots of 100 µs, 2^36 ticks,
         /// about 80 days). Later deadlines are still accepted and never fire early;
         /// they wait in an overflow list revisited once per turn of the top level.
+        ///
+        /// # Examples
+        ///
+        /// ```
+        /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+        #[doc = concat!("# ", $setup)]
+        /// # #[allow(unused_imports)]
+        /// use std::time::Duration;
+        #[doc = concat!("let built = ", $builder, ".levels(4).tick(Duration::from_millis(10)).build().unwrap();")]
+        /// # drop(built);
+        /// # }
+        /// ```
         pub fn levels(mut self, levels: usize) -> Self {
             self.wheel.levels = levels;
             self
@@ -98,6 +134,18 @@ macro_rules! wheel_setters {
         /// Most entries the reaper expires from one shard before yielding to other
         /// tasks (default 1024), so a million timeouts sharing a deadline cannot
         /// starve the runtime.
+        ///
+        /// # Examples
+        ///
+        /// ```
+        /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+        #[doc = concat!("# ", $setup)]
+        /// # #[allow(unused_imports)]
+        /// use std::time::Duration;
+        #[doc = concat!("let built = ", $builder, ".batch_size(256).build().unwrap();")]
+        /// # drop(built);
+        /// # }
+        /// ```
         pub fn batch_size(mut self, batch: usize) -> Self {
             self.wheel.batch = batch;
             self

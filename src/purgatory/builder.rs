@@ -64,7 +64,10 @@ impl<K, O> std::fmt::Debug for PurgatoryBuilder<K, O> {
 }
 
 impl<K: WatchKey, O: Operation> PurgatoryBuilder<K, O> {
-    wheel_setters!();
+    wheel_setters!(
+        "struct Op; impl tokio_purgatory::Operation for Op { type Output = (); fn try_complete(&mut self) -> Option<()> { None } fn on_expiration(self) {} }",
+        "tokio_purgatory::Purgatory::<u32, Op>::builder()"
+    );
 
     /// The name that labels this purgatory's `tracing` events (default
     /// `"purgatory"`).
@@ -91,12 +94,45 @@ impl<K: WatchKey, O: Operation> PurgatoryBuilder<K, O> {
 
     /// Independently locked timer wheels (default: the machine's parallelism, at
     /// most 16).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// # struct Op;
+    /// # impl tokio_purgatory::Operation for Op {
+    /// #     type Output = ();
+    /// #     fn try_complete(&mut self) -> Option<()> { None }
+    /// #     fn on_expiration(self) {}
+    /// # }
+    /// let p: tokio_purgatory::Purgatory<u32, Op> =
+    ///     tokio_purgatory::Purgatory::builder().timer_shards(4).build().unwrap();
+    /// # drop(p);
+    /// # }
+    /// ```
     pub fn timer_shards(mut self, shards: usize) -> Self {
         self.wheel.shards = shards;
         self
     }
 
     /// Independently locked parts of the watcher map (default 64).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// # struct Op;
+    /// # impl tokio_purgatory::Operation for Op {
+    /// #     type Output = ();
+    /// #     fn try_complete(&mut self) -> Option<()> { None }
+    /// #     fn on_expiration(self) {}
+    /// # }
+    /// // Few keys (a handful of consumer groups): few shards suffice.
+    /// let p: tokio_purgatory::Purgatory<String, Op> =
+    ///     tokio_purgatory::Purgatory::builder().watcher_shards(8).build().unwrap();
+    /// # drop(p);
+    /// # }
+    /// ```
     pub fn watcher_shards(mut self, shards: usize) -> Self {
         self.watcher_shards = shards;
         self
@@ -136,6 +172,27 @@ impl<K: WatchKey, O: Operation> PurgatoryBuilder<K, O> {
 
     /// Limit on pending operations (default: none). At the limit, registration
     /// hands the operation back in [`WatchError::AtCapacity`](super::WatchError::AtCapacity).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// # struct Op;
+    /// # impl tokio_purgatory::Operation for Op {
+    /// #     type Output = ();
+    /// #     fn try_complete(&mut self) -> Option<()> { None }
+    /// #     fn on_expiration(self) {}
+    /// # }
+    /// use std::time::Duration;
+    /// use tokio_purgatory::{Purgatory, WatchError};
+    ///
+    /// let p: Purgatory<u32, Op> = Purgatory::builder().max_pending(1).build().unwrap();
+    /// let first = p.try_complete_else_watch(Op, Duration::from_secs(1), [1]).unwrap();
+    /// let refused = p.try_complete_else_watch(Op, Duration::from_secs(1), [1]);
+    /// assert!(matches!(refused, Err(WatchError::AtCapacity(_))));
+    /// # drop(first);
+    /// # }
+    /// ```
     pub fn max_pending(mut self, max: usize) -> Self {
         self.max_pending = Some(max);
         self
@@ -146,6 +203,22 @@ impl<K: WatchKey, O: Operation> PurgatoryBuilder<K, O> {
     /// # Errors
     ///
     /// When a setting is out of range, or no runtime is current.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// # struct Op;
+    /// # impl tokio_purgatory::Operation for Op {
+    /// #     type Output = ();
+    /// #     fn try_complete(&mut self) -> Option<()> { None }
+    /// #     fn on_expiration(self) {}
+    /// # }
+    /// let p: tokio_purgatory::Purgatory<u32, Op> =
+    ///     tokio_purgatory::Purgatory::builder().name("produce").build().unwrap();
+    /// # drop(p);
+    /// # }
+    /// ```
     pub fn build(self) -> Result<Purgatory<K, O>, BuildError> {
         self.build_inner(None)
     }
@@ -155,6 +228,22 @@ impl<K: WatchKey, O: Operation> PurgatoryBuilder<K, O> {
     /// # Errors
     ///
     /// When a setting is out of range.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # struct Op;
+    /// # impl tokio_purgatory::Operation for Op {
+    /// #     type Output = ();
+    /// #     fn try_complete(&mut self) -> Option<()> { None }
+    /// #     fn on_expiration(self) {}
+    /// # }
+    /// // Built on a thread outside the runtime, its reaper spawned on that runtime.
+    /// let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    /// let p: tokio_purgatory::Purgatory<u32, Op> =
+    ///     tokio_purgatory::Purgatory::builder().build_on(rt.handle()).unwrap();
+    /// assert!(!p.is_shutdown());
+    /// ```
     pub fn build_on(self, handle: &tokio::runtime::Handle) -> Result<Purgatory<K, O>, BuildError> {
         self.build_inner(Some(handle))
     }

@@ -136,6 +136,25 @@ where
     }
 
     /// Whether the operation has finished (so awaiting the handle would not wait).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// # struct Op;
+    /// # impl tokio_purgatory::Operation for Op {
+    /// #     type Output = ();
+    /// #     fn try_complete(&mut self) -> Option<()> { None }
+    /// #     fn on_expiration(self) {}
+    /// # }
+    /// use std::time::Duration;
+    /// let p: tokio_purgatory::Purgatory<u32, Op> = tokio_purgatory::Purgatory::new();
+    /// let h = p.try_complete_else_watch(Op, Duration::from_millis(10), [1]).unwrap();
+    /// assert!(!h.is_finished());
+    /// tokio::time::sleep(Duration::from_millis(20)).await;
+    /// assert!(h.is_finished());
+    /// # }
+    /// ```
     pub fn is_finished(&self) -> bool {
         match &self.inner {
             Inner::Waiting(cell) => cell.is_finished(),
@@ -147,6 +166,34 @@ where
     /// `tryComplete` on the operation object), for callers that know which
     /// operation an event concerns. `None` when the operation completed during
     /// registration (there is nothing left to check).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// use std::sync::atomic::{AtomicBool, Ordering};
+    /// use std::sync::Arc;
+    /// use std::time::Duration;
+    /// use tokio_purgatory::{Completion, Operation, Purgatory};
+    ///
+    /// struct Produce(Arc<AtomicBool>);
+    /// impl Operation for Produce {
+    ///     type Output = &'static str;
+    ///     fn try_complete(&mut self) -> Option<&'static str> {
+    ///         self.0.load(Ordering::SeqCst).then_some("acked")
+    ///     }
+    ///     fn on_expiration(self) -> &'static str { "timed out" }
+    /// }
+    ///
+    /// let p: Purgatory<u32, Produce> = Purgatory::new();
+    /// let acked = Arc::new(AtomicBool::new(false));
+    /// let h = p.try_complete_else_watch(Produce(acked.clone()), Duration::from_secs(1), [0]).unwrap();
+    /// let op = h.op_ref().unwrap();
+    /// acked.store(true, Ordering::SeqCst);
+    /// assert!(op.try_complete(), "checked through its reference, no key walk");
+    /// assert_eq!(h.await, Ok(Completion::Completed("acked")));
+    /// # }
+    /// ```
     pub fn op_ref(&self) -> Option<OpRef<K, O>> {
         match &self.inner {
             Inner::Waiting(cell) => Some(OpRef { cell: cell.clone() }),
@@ -259,6 +306,29 @@ where
     /// Lets the operation go on without anyone awaiting it: it still completes or
     /// expires, and its output is dropped. Its own `try_complete` and
     /// `on_expiration` are then where the response is sent.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// use std::time::Duration;
+    /// use tokio_purgatory::{Operation, Purgatory};
+    ///
+    /// // Answers for itself: the response goes out from the operation's own code.
+    /// struct Fetch(tokio::sync::oneshot::Sender<&'static str>);
+    /// impl Operation for Fetch {
+    ///     type Output = ();
+    ///     fn try_complete(&mut self) -> Option<()> { None }
+    ///     fn on_expiration(self) { let _ = self.0.send("empty"); }
+    /// }
+    ///
+    /// let p: Purgatory<u32, Fetch> = Purgatory::new();
+    /// let (tx, rx) = tokio::sync::oneshot::channel();
+    /// p.try_complete_else_watch(Fetch(tx), Duration::from_millis(100), [1]).unwrap().detach();
+    /// assert_eq!(p.delayed(), 1, "still pending with nobody awaiting it");
+    /// assert_eq!(rx.await, Ok("empty"));
+    /// # }
+    /// ```
     pub fn detach(mut self) {
         if let Inner::Waiting(cell) = std::mem::replace(&mut self.inner, Inner::Taken) {
             cell.detach();
@@ -343,11 +413,50 @@ where
     /// it to check once more and returns `false` at once: the event is not lost,
     /// and checks never overlap. After the operation has finished, returns `false`
     /// and runs nothing.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// # struct Op;
+    /// # impl tokio_purgatory::Operation for Op {
+    /// #     type Output = ();
+    /// #     fn try_complete(&mut self) -> Option<()> { None }
+    /// #     fn on_expiration(self) {}
+    /// # }
+    /// use std::time::Duration;
+    /// let p: tokio_purgatory::Purgatory<u32, Op> = tokio_purgatory::Purgatory::new();
+    /// let h = p.try_complete_else_watch(Op, Duration::from_secs(1), [1]).unwrap();
+    /// let op = h.op_ref().unwrap();
+    /// assert!(!op.try_complete(), "its check says not yet");
+    /// assert!(!op.is_finished());
+    /// # drop(h);
+    /// # }
+    /// ```
     pub fn try_complete(&self) -> bool {
         self.cell.check()
     }
 
     /// Whether the operation has finished (completed, expired, or cancelled).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// # struct Op;
+    /// # impl tokio_purgatory::Operation for Op {
+    /// #     type Output = ();
+    /// #     fn try_complete(&mut self) -> Option<()> { None }
+    /// #     fn on_expiration(self) {}
+    /// # }
+    /// use std::time::Duration;
+    /// let p: tokio_purgatory::Purgatory<u32, Op> = tokio_purgatory::Purgatory::new();
+    /// let h = p.try_complete_else_watch(Op, Duration::from_secs(1), [1]).unwrap();
+    /// let op = h.op_ref().unwrap();
+    /// drop(h); // cancels
+    /// assert!(op.is_finished());
+    /// # }
+    /// ```
     pub fn is_finished(&self) -> bool {
         self.cell.is_finished()
     }

@@ -187,6 +187,24 @@ pub struct WeakPurgatory<K: WatchKey, O: Operation> {
 
 impl<K: WatchKey, O: Operation> WeakPurgatory<K, O> {
     /// The purgatory, if a [`Purgatory`] handle still keeps it alive.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// # struct Op;
+    /// # impl tokio_purgatory::Operation for Op {
+    /// #     type Output = ();
+    /// #     fn try_complete(&mut self) -> Option<()> { None }
+    /// #     fn on_expiration(self) {}
+    /// # }
+    /// let p: tokio_purgatory::Purgatory<u32, Op> = tokio_purgatory::Purgatory::new();
+    /// let weak = p.downgrade();
+    /// assert!(weak.upgrade().is_some());
+    /// drop(p);
+    /// assert!(weak.upgrade().is_none());
+    /// # }
+    /// ```
     pub fn upgrade(&self) -> Option<Purgatory<K, O>> {
         self.owner.upgrade().map(|owner| Purgatory { owner })
     }

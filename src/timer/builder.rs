@@ -33,11 +33,20 @@ pub struct TimerBuilder {
 }
 
 impl TimerBuilder {
-    wheel_setters!();
+    wheel_setters!("let _ = 0;", "tokio_purgatory::Timer::builder()");
 
     /// Number of independently locked wheels (default: the machine's parallelism,
     /// at most 16). A thread always inserts into the same shard, so producers on
     /// different threads rarely contend.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let timer = tokio_purgatory::Timer::builder().shards(4).build().unwrap();
+    /// # drop(timer);
+    /// # }
+    /// ```
     pub fn shards(mut self, shards: usize) -> Self {
         self.wheel.shards = shards;
         self
@@ -46,12 +55,35 @@ impl TimerBuilder {
     /// Limit on pending timeouts (default: none). At the limit, `schedule`
     /// returns the task in [`ScheduleError::AtCapacity`](super::ScheduleError::AtCapacity). Counting pending entries
     /// needs one shared counter, which costs some multi-producer throughput.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// use std::time::Duration;
+    /// use tokio_purgatory::timer::ScheduleError;
+    ///
+    /// let timer = tokio_purgatory::Timer::builder().max_pending(1).build().unwrap();
+    /// timer.schedule(Duration::from_secs(1), || {}).unwrap();
+    /// let refused = timer.schedule(Duration::from_secs(1), || {});
+    /// assert!(matches!(refused, Err(ScheduleError::AtCapacity(_))));
+    /// # }
+    /// ```
     pub fn max_pending(mut self, max: usize) -> Self {
         self.max_pending = Some(max);
         self
     }
 
     /// A name for `tracing` events (default `"timer"`).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let timer = tokio_purgatory::Timer::builder().name("retries").build().unwrap();
+    /// # drop(timer);
+    /// # }
+    /// ```
     pub fn name(mut self, name: &str) -> Self {
         self.name = name.into();
         self
@@ -62,6 +94,15 @@ impl TimerBuilder {
     /// # Errors
     ///
     /// When a setting is out of range, or no runtime is current.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let timer = tokio_purgatory::Timer::builder().build().unwrap();
+    /// assert!(timer.is_empty());
+    /// # }
+    /// ```
     pub fn build(self) -> Result<Timer, BuildError> {
         self.build_inner(None)
     }
@@ -71,6 +112,15 @@ impl TimerBuilder {
     /// # Errors
     ///
     /// When a setting is out of range.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// // Built on a thread outside the runtime, its reaper spawned on that runtime.
+    /// let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    /// let timer = tokio_purgatory::Timer::builder().build_on(rt.handle()).unwrap();
+    /// assert!(!timer.is_shutdown());
+    /// ```
     pub fn build_on(self, handle: &tokio::runtime::Handle) -> Result<Timer, BuildError> {
         self.build_inner(Some(handle))
     }
