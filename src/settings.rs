@@ -181,6 +181,14 @@ impl BuildError {
 
     /// Whether the build failed because no Tokio runtime was current (use
     /// `build_on` with a [`tokio::runtime::Handle`] instead).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// // Outside a runtime, `build` fails and says why.
+    /// let err = tokio_purgatory::Timer::builder().build().unwrap_err();
+    /// assert!(err.is_no_runtime());
+    /// ```
     pub fn is_no_runtime(&self) -> bool {
         self.kind == BuildErrorKind::NoRuntime
     }

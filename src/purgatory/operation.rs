@@ -92,6 +92,13 @@ pub enum Completion<T> {
 
 impl<T> Completion<T> {
     /// The output, however it came.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tokio_purgatory::Completion;
+    /// assert_eq!(Completion::Expired("partial").into_inner(), "partial");
+    /// ```
     pub fn into_inner(self) -> T {
         match self {
             Completion::Completed(t) | Completion::Expired(t) => t,
@@ -99,11 +106,26 @@ impl<T> Completion<T> {
     }
 
     /// Whether a check completed it.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tokio_purgatory::Completion;
+    /// assert!(Completion::Completed(()).is_completed());
+    /// assert!(!Completion::Expired(()).is_completed());
+    /// ```
     pub fn is_completed(&self) -> bool {
         matches!(self, Completion::Completed(_))
     }
 
     /// Whether its timeout fired first.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tokio_purgatory::Completion;
+    /// assert!(Completion::Expired(()).is_expired());
+    /// ```
     pub fn is_expired(&self) -> bool {
         matches!(self, Completion::Expired(_))
     }

@@ -102,12 +102,40 @@ impl Sleep {
     }
 
     /// The instant this sleep is due.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// use std::time::Duration;
+    /// use tokio::time::Instant;
+    ///
+    /// let timer = tokio_purgatory::Timer::new();
+    /// let start = Instant::now();
+    /// let sleep = timer.sleep(Duration::from_secs(1));
+    /// assert_eq!(sleep.deadline(), start + Duration::from_secs(1));
+    /// # }
+    /// ```
     pub fn deadline(&self) -> Instant {
         self.deadline
     }
 
     /// Whether the sleep has finished (fired or failed), so that polling it would
     /// return `Ready`.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// use std::time::Duration;
+    ///
+    /// let timer = tokio_purgatory::Timer::new();
+    /// let mut sleep = timer.sleep(Duration::from_millis(10));
+    /// assert!(!sleep.is_elapsed());
+    /// (&mut sleep).await.unwrap();
+    /// assert!(sleep.is_elapsed());
+    /// # }
+    /// ```
     pub fn is_elapsed(&self) -> bool {
         match &self.inner {
             Ok(r) => r.signal.outcome().is_some(),
@@ -197,21 +225,72 @@ impl<F> TimeoutFuture<F> {
     }
 
     /// The inner future.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// use std::time::Duration;
+    ///
+    /// let timer = tokio_purgatory::Timer::new();
+    /// let t = timer.timeout(Duration::from_secs(1), std::future::ready(7));
+    /// assert_eq!(t.get_ref().clone().into_inner(), 7);
+    /// # }
+    /// ```
     pub fn get_ref(&self) -> &F {
         &self.future
     }
 
     /// The inner future, mutably (it must not be moved out of its pin).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// use std::time::Duration;
+    ///
+    /// let timer = tokio_purgatory::Timer::new();
+    /// let mut t = timer.timeout(Duration::from_secs(1), std::future::ready(7));
+    /// let _inner: &mut std::future::Ready<i32> = t.get_mut();
+    /// # }
+    /// ```
     pub fn get_mut(&mut self) -> &mut F {
         &mut self.future
     }
 
     /// The inner future, giving up the deadline.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// use std::time::Duration;
+    ///
+    /// let timer = tokio_purgatory::Timer::new();
+    /// let t = timer.timeout(Duration::from_secs(1), async { 7 });
+    /// // Give up the deadline and await the future alone.
+    /// assert_eq!(t.into_inner().await, 7);
+    /// # }
+    /// ```
     pub fn into_inner(self) -> F {
         self.future
     }
 
     /// The instant the deadline falls.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// use std::time::Duration;
+    /// use tokio::time::Instant;
+    ///
+    /// let timer = tokio_purgatory::Timer::new();
+    /// let start = Instant::now();
+    /// let t = timer.timeout(Duration::from_secs(1), async { 7 });
+    /// assert_eq!(t.deadline(), start + Duration::from_secs(1));
+    /// # }
+    /// ```
     pub fn deadline(&self) -> Instant {
         self.deadline.deadline()
     }

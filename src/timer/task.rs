@@ -178,11 +178,37 @@ pub struct UnrunTask {
 
 impl UnrunTask {
     /// Runs the task now, on the calling thread.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// use std::time::Duration;
+    /// let timer = tokio_purgatory::Timer::new();
+    /// timer.schedule(Duration::from_secs(60), || println!("flushed")).unwrap();
+    /// for task in timer.shutdown() {
+    ///     task.run(); // here, now
+    /// }
+    /// # }
+    /// ```
     pub fn run(self) {
         self.task.call()
     }
 
     /// The task as a boxed closure.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// use std::time::Duration;
+    /// let timer = tokio_purgatory::Timer::new();
+    /// timer.schedule(Duration::from_secs(60), || println!("flushed")).unwrap();
+    /// let tasks: Vec<Box<dyn FnOnce() + Send>> =
+    ///     timer.shutdown().into_iter().map(|t| t.into_inner()).collect();
+    /// std::thread::spawn(move || tasks.into_iter().for_each(|t| t())).join().unwrap();
+    /// # }
+    /// ```
     pub fn into_inner(self) -> Box<dyn FnOnce() + Send> {
         let task = self.task;
         Box::new(move || task.call())
