@@ -77,6 +77,112 @@
 //! # }
 //! ```
 //!
+//! # Recipes
+//!
+//! **Wait for the outcome or something else**, whichever comes first, with
+//! `tokio::select!`. The branch not taken is dropped: a dropped handle cancels
+//! its operation (call [`OperationHandle::detach`] first to let it run on).
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+//! # struct Fetch;
+//! # impl tokio_purgatory::Operation for Fetch {
+//! #     type Output = &'static str;
+//! #     fn try_complete(&mut self) -> Option<&'static str> { None }
+//! #     fn on_expiration(self) -> &'static str { "empty" }
+//! # }
+//! use std::time::Duration;
+//! use tokio_purgatory::Purgatory;
+//!
+//! let fetches: Purgatory<u32, Fetch> = Purgatory::new();
+//! let (_client_gone_tx, client_gone) = tokio::sync::oneshot::channel::<()>();
+//! let fetch = fetches.try_complete_else_watch(Fetch, Duration::from_millis(500), [1]).unwrap();
+//! tokio::select! {
+//!     answer = fetch => assert!(answer.is_ok()),
+//!     _ = client_gone => { /* the fetch was cancelled when its handle dropped */ }
+//! }
+//! # }
+//! ```
+//!
+//! **A deadline of the caller's own over a handle**: `tokio::time::timeout`
+//! around the handle. If it elapses, the handle is dropped and the operation
+//! cancelled; keep the handle (`&mut handle`) to decide instead.
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+//! # struct Join;
+//! # impl tokio_purgatory::Operation for Join {
+//! #     type Output = ();
+//! #     fn try_complete(&mut self) -> Option<()> { None }
+//! #     fn on_expiration(self) {}
+//! # }
+//! use std::time::Duration;
+//! use tokio_purgatory::Purgatory;
+//!
+//! let joins: Purgatory<&str, Join> = Purgatory::new();
+//! let mut join = joins.try_complete_else_watch(Join, Duration::from_secs(300), ["g"]).unwrap();
+//! if tokio::time::timeout(Duration::from_secs(1), &mut join).await.is_err() {
+//!     // Give up on this one and get the operation back.
+//!     let _join_request: Join = join.cancel().expect("still pending");
+//! }
+//! # }
+//! ```
+//!
+//! **A detached callback operation** answers for itself from its own code, with
+//! no task waiting on it (Kafka's `onComplete`); its output type is `()`.
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+//! use std::time::Duration;
+//! use tokio::sync::mpsc;
+//! use tokio_purgatory::{Operation, Purgatory};
+//!
+//! struct Heartbeat { member: u32, replies: mpsc::UnboundedSender<(u32, &'static str)> }
+//! impl Operation for Heartbeat {
+//!     type Output = ();
+//!     fn try_complete(&mut self) -> Option<()> { None }
+//!     fn on_expiration(self) {
+//!         let _ = self.replies.send((self.member, "session expired"));
+//!     }
+//! }
+//!
+//! let sessions: Purgatory<u32, Heartbeat> = Purgatory::new();
+//! let (replies, mut out) = mpsc::unbounded_channel();
+//! sessions
+//!     .try_complete_else_watch(Heartbeat { member: 7, replies }, Duration::from_secs(10), [7])
+//!     .unwrap()
+//!     .detach();
+//! assert_eq!(out.recv().await, Some((7, "session expired")));
+//! # }
+//! ```
+//!
+//! **Graceful shutdown**: stop taking work, give what is pending a bounded time
+//! to finish on its own, then hand the rest back and answer it yourself.
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+//! # struct Produce(u64);
+//! # impl tokio_purgatory::Operation for Produce {
+//! #     type Output = ();
+//! #     fn try_complete(&mut self) -> Option<()> { None }
+//! #     fn on_expiration(self) {}
+//! # }
+//! use std::time::Duration;
+//! use tokio_purgatory::Purgatory;
+//!
+//! let produce: Purgatory<u32, Produce> = Purgatory::new();
+//! let pending = produce.try_complete_else_watch(Produce(1), Duration::from_secs(30), [0]).unwrap();
+//! let waiter = tokio::spawn(pending);
+//!
+//! if tokio::time::timeout(Duration::from_secs(5), produce.drain()).await.is_err() {
+//!     for Produce(offset) in produce.shutdown() {
+//!         println!("answering produce at offset {offset}: the broker is stopping");
+//!     }
+//! }
+//! assert!(waiter.await.unwrap().is_err(), "handed back by shutdown");
+//! # }
+//! ```
+//!
 //! # Guarantees
 //!
 //! - **Exactly once.** An operation finishes once, by completion, expiry,
