@@ -190,6 +190,14 @@ impl<J: Job> Core<J> {
                 return Err(Refused::AtCapacity(job));
             }
         }
+        self.place(now, deadline, job)
+            .map_err(|(job, why)| Refused::Closed(job, why))
+    }
+
+    /// Puts `job` in a wheel, its room under the limit already taken (given back
+    /// if the core is closed, and the job with it), and wakes the reaper if it
+    /// must come sooner.
+    fn place(&self, now: Instant, deadline: Instant, job: J) -> Result<TimerKey, (J, Closed)> {
         let tick = self.clock.tick_for(now, deadline);
         // A thread keeps to one shard, so producers on different threads rarely meet.
         let shard = (thread_index() % self.shards.len() as u64) as usize;
@@ -199,17 +207,23 @@ impl<J: Job> Core<J> {
                 drop(s);
                 self.release_capacity(1);
                 let why = self.closed().unwrap_or(Closed::Shutdown);
-                return Err(Refused::Closed(job, why));
+                return Err((job, why));
             }
             s.wheel.insert(tick, job)
         };
-        if self.wake.lower(tick) || self.wake.overdue(self.clock.now_tick(now)) {
-            self.notify.notify_one();
-        }
+        self.entered(tick, now);
         Ok(TimerKey {
             shard: shard as u32,
             key,
         })
+    }
+
+    /// An entry went in at `tick`: notifies the reaper if it sleeps past it, or
+    /// if it is overdue (see [`WakeTarget::overdue`]).
+    fn entered(&self, tick: u64, now: Instant) {
+        if self.wake.lower(tick) || self.wake.overdue(self.clock.now_tick(now)) {
+            self.notify.notify_one();
+        }
     }
 
     /// Puts back a job that has just run and goes on (a repeating task): as
@@ -219,24 +233,7 @@ impl<J: Job> Core<J> {
         if self.max_pending.is_some() {
             self.pending.fetch_add(1, Ordering::AcqRel);
         }
-        let tick = self.clock.tick_for(now, deadline);
-        let shard = (thread_index() % self.shards.len() as u64) as usize;
-        let key = {
-            let mut s = self.lock(shard);
-            if s.closed {
-                drop(s);
-                self.release_capacity(1);
-                return Err(job);
-            }
-            s.wheel.insert(tick, job)
-        };
-        if self.wake.lower(tick) || self.wake.overdue(self.clock.now_tick(now)) {
-            self.notify.notify_one();
-        }
-        Ok(TimerKey {
-            shard: shard as u32,
-            key,
-        })
+        self.place(now, deadline, job).map_err(|(job, _)| job)
     }
 
     /// Removes the entry of `key`, handing its job back; `None` when it already
@@ -267,9 +264,7 @@ impl<J: Job> Core<J> {
             let job = s.wheel.remove(key.key)?;
             s.wheel.insert(tick, job)
         };
-        if self.wake.lower(tick) || self.wake.overdue(self.clock.now_tick(now)) {
-            self.notify.notify_one();
-        }
+        self.entered(tick, now);
         Some(TimerKey {
             shard: key.shard,
             key: moved,
