@@ -363,3 +363,22 @@ async fn a_shared_timeout_is_reset_from_another_task() {
     settle().await;
     assert!(dead.load(Ordering::SeqCst));
 }
+
+/// `Duration::MAX` saturates in a reset as in a registration: no panic, and
+/// the operation or task is not due for decades.
+#[tokio::test(start_paused = true)]
+async fn a_reset_to_duration_max_saturates() {
+    let p = sessions();
+    let h = p
+        .try_complete_else_watch(Session::default(), ms(10), [1])
+        .unwrap();
+    assert!(h.reset(Duration::MAX));
+    assert!(h.op_ref().unwrap().reset(Duration::MAX));
+    let timer = Timer::new();
+    let t = timer.schedule(ms(10), || {}).unwrap();
+    assert!(t.reset(Duration::MAX));
+    advance(Duration::from_secs(86_400 * 365)).await;
+    settle().await;
+    assert!(!h.is_finished());
+    assert!(t.is_pending());
+}

@@ -335,12 +335,12 @@ where
 
     /// Records the timer entry, or removes it at once if the operation finished
     /// while it was being inserted.
-    /// Moves the operation's timeout to `deadline`; see [`OpRef::reset_at`](super::OpRef::reset_at).
-    pub(crate) fn reset_at(&self, deadline: tokio::time::Instant) -> bool {
+    /// Moves the operation's timeout to `deadline` (`now` is the caller's
+    /// reading of the clock); see [`OpRef::reset_at`](super::OpRef::reset_at).
+    pub(crate) fn reset(&self, now: tokio::time::Instant, deadline: tokio::time::Instant) -> bool {
         if self.is_finished() {
             return false;
         }
-        let now = tokio::time::Instant::now();
         let core = &self.shared.core;
         self.delivery
             .move_timer(|key| core.reset(key, now, deadline))

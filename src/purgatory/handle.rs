@@ -13,6 +13,7 @@ use super::cell::{Fate, OpCell, Outcome};
 use super::error::OperationError;
 use super::operation::{Completion, Operation};
 use super::WatchKey;
+use crate::clock::deadline_after;
 
 /// The future of a registered operation: resolves to how it finished.
 ///
@@ -230,7 +231,8 @@ where
     /// # }
     /// ```
     pub fn reset(&self, timeout: Duration) -> bool {
-        self.reset_at(Instant::now() + timeout)
+        let now = Instant::now();
+        self.reset_from(now, deadline_after(now, timeout))
     }
 
     /// Moves the operation's timeout to `deadline`, in O(1); see
@@ -259,8 +261,12 @@ where
     /// # }
     /// ```
     pub fn reset_at(&self, deadline: Instant) -> bool {
+        self.reset_from(Instant::now(), deadline)
+    }
+
+    fn reset_from(&self, now: Instant, deadline: Instant) -> bool {
         match &self.inner {
-            Inner::Waiting(cell) => cell.reset_at(deadline),
+            Inner::Waiting(cell) => cell.reset(now, deadline),
             Inner::Ready(_) | Inner::Taken => false,
         }
     }
@@ -509,7 +515,8 @@ where
     /// # }
     /// ```
     pub fn reset(&self, timeout: Duration) -> bool {
-        self.cell.reset_at(Instant::now() + timeout)
+        let now = Instant::now();
+        self.cell.reset(now, deadline_after(now, timeout))
     }
 
     /// Moves the operation's timeout to `deadline`, in O(1); as
@@ -539,7 +546,7 @@ where
     /// # }
     /// ```
     pub fn reset_at(&self, deadline: Instant) -> bool {
-        self.cell.reset_at(deadline)
+        self.cell.reset(Instant::now(), deadline)
     }
 
     /// Cancels the operation and hands it back; its handle resolves to

@@ -7,6 +7,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::task::{Chain, TimerJob};
+use crate::clock::deadline_after;
 use crate::loom::{lock, Mutex};
 use crate::reaper::{drop_contained, note_panic, Core, TimerKey};
 
@@ -39,8 +40,9 @@ pub struct Timeout {
 /// Where the task's entry is.
 #[derive(Debug)]
 enum Entry {
-    /// A one-shot task's entry; `reset` moves it, and so changes its key.
-    Once(Mutex<TimerKey>),
+    /// A one-shot task's entry; `reset` moves it, and so changes its key
+    /// (always `Some`: kept in an `Option` to share code with a chain's).
+    Once(Mutex<Option<TimerKey>>),
     /// A repeating task's current entry, shared with the task.
     Repeating(Arc<Chain>),
 }
@@ -49,7 +51,7 @@ impl Timeout {
     pub(super) fn new(core: Arc<Core<TimerJob>>, key: TimerKey) -> Timeout {
         Timeout {
             core,
-            entry: Entry::Once(Mutex::new(key)),
+            entry: Entry::Once(Mutex::new(Some(key))),
             cancelled: AtomicBool::new(false),
         }
     }
@@ -92,40 +94,38 @@ impl Timeout {
     /// # }
     /// ```
     pub fn cancel(&self) -> bool {
-        let chain = match &self.entry {
+        let (cancelled, removed) = match &self.entry {
             Entry::Once(key) => {
-                let removed = self.core.remove(*lock(key));
-                return self.cancelled_with(removed);
+                let removed = lock(key).and_then(|key| self.core.remove(key));
+                (removed.is_some(), removed)
             }
-            Entry::Repeating(chain) => chain,
-        };
-        let key = {
-            let mut key = lock(&chain.key);
-            if chain.stopped.swap(true, Ordering::AcqRel) {
-                return false;
+            Entry::Repeating(chain) => {
+                let key = {
+                    let mut key = lock(&chain.key);
+                    if chain.stopped.swap(true, Ordering::AcqRel) {
+                        return false;
+                    }
+                    key.take()
+                };
+                (true, key.and_then(|key| self.core.remove(key)))
             }
-            key.take()
         };
-        let removed = key.and_then(|key| self.core.remove(key));
-        self.cancelled.store(true, Ordering::Release);
+        if cancelled {
+            self.cancelled.store(true, Ordering::Release);
+        }
         if let Some(job) = removed {
             drop_contained(job, |panic| {
                 note_panic(&self.core.name, &self.core.counters, panic)
             });
         }
-        true
+        cancelled
     }
 
-    fn cancelled_with(&self, removed: Option<TimerJob>) -> bool {
-        match removed {
-            Some(job) => {
-                self.cancelled.store(true, Ordering::Release);
-                drop_contained(job, |panic| {
-                    note_panic(&self.core.name, &self.core.counters, panic)
-                });
-                true
-            }
-            None => false,
+    /// Where the task's current entry is recorded.
+    fn slot(&self) -> &Mutex<Option<TimerKey>> {
+        match &self.entry {
+            Entry::Once(key) => key,
+            Entry::Repeating(chain) => &chain.key,
         }
     }
 
@@ -170,7 +170,8 @@ impl Timeout {
     /// # }
     /// ```
     pub fn reset(&self, delay: Duration) -> bool {
-        self.reset_at(Instant::now() + delay)
+        let now = Instant::now();
+        self.reset_from(now, deadline_after(now, delay))
     }
 
     /// Moves the task's deadline to `deadline`, in O(1); as
@@ -192,28 +193,18 @@ impl Timeout {
     /// # }
     /// ```
     pub fn reset_at(&self, deadline: Instant) -> bool {
-        let now = Instant::now();
-        match &self.entry {
-            Entry::Once(key) => {
-                let mut key = lock(key);
-                match self.core.reset(*key, now, deadline) {
-                    Some(moved) => {
-                        *key = moved;
-                        true
-                    }
-                    None => false,
-                }
+        self.reset_from(Instant::now(), deadline)
+    }
+
+    /// Moves the entry to `deadline`, `now` read once by the caller.
+    fn reset_from(&self, now: Instant, deadline: Instant) -> bool {
+        let mut key = lock(self.slot());
+        match key.and_then(|k| self.core.reset(k, now, deadline)) {
+            Some(moved) => {
+                *key = Some(moved);
+                true
             }
-            Entry::Repeating(chain) => {
-                let mut key = lock(&chain.key);
-                match key.and_then(|k| self.core.reset(k, now, deadline)) {
-                    Some(moved) => {
-                        *key = Some(moved);
-                        true
-                    }
-                    None => false,
-                }
-            }
+            None => false,
         }
     }
 
@@ -234,13 +225,8 @@ impl Timeout {
     /// # }
     /// ```
     pub fn is_pending(&self) -> bool {
-        match &self.entry {
-            Entry::Once(key) => self.core.contains(*lock(key)),
-            Entry::Repeating(chain) => {
-                let key = *lock(&chain.key);
-                key.is_some_and(|k| self.core.contains(k))
-            }
-        }
+        let key = *lock(self.slot());
+        key.is_some_and(|k| self.core.contains(k))
     }
 
     /// What became of the task.
