@@ -26,7 +26,9 @@
 //! by one **reaper task** on your runtime, which sleeps until the earliest deadline:
 //! no fixed polling period, nothing to do while idle. The same wheel is available
 //! as a standalone [`Timer`] (Netty's `HashedWheelTimer` role: retries, heartbeats,
-//! one-shot timeouts).
+//! one-shot timeouts). Each purgatory or timer spawns its own reaper, or several
+//! share one [`Reaper`] (a broker's produce, fetch and join purgatories and its
+//! heartbeat timer on one task).
 //!
 //! # Example
 //!
@@ -270,6 +272,7 @@ pub use purgatory::{
     Completion, OpRef, Operation, OperationError, OperationHandle, Purgatory, PurgatoryBuilder,
     PurgatoryMetrics, WatchError, WatchErrorKind, WatchKey, WeakPurgatory,
 };
+pub use reaper::Reaper;
 pub use settings::BuildError;
 
 /// The README's Rust examples, compiled and run as doc tests.

@@ -6,6 +6,13 @@
 //! sleeps until the earliest bucket of any shard is due, takes the due entries out
 //! in bounded batches under the shard lock, and runs them with every lock released.
 //!
+//! One reaper task serves one core (a purgatory's or a timer's own) or several
+//! (a shared [`Reaper`]): the task holds a [`Hub`] listing the cores, each seen
+//! through the [`Served`] trait whatever its jobs' type, and sleeps on the
+//! earliest of their targets. Each core keeps its own wake target; they share the
+//! hub's `Notify`. The task lets go of a core once it is closed, and ends when no
+//! core is left and no `Reaper` handle can attach another.
+//!
 //! # Ground rules
 //!
 //! - **Under a shard lock** only the wheel's own arithmetic runs: inserting,
@@ -48,7 +55,7 @@ use tokio::time::Instant;
 
 use crate::clock::{far_future, Clock};
 use crate::loom::{lock, thread_index, Mutex};
-use crate::settings::Settings;
+use crate::settings::{runtime_handle, BuildError, Settings};
 use crate::wheel::{Key, Wheel};
 
 /// Work stored in the wheel: what to do when it expires, and when it is cleared out
@@ -116,7 +123,10 @@ pub(crate) struct Core<J> {
     shards: Box<[Padded<Mutex<Shard<J>>>]>,
     clock: Clock,
     wake: WakeTarget,
-    notify: Notify,
+    /// The reaper that serves this core (its own, or one shared with others).
+    hub: Arc<Hub>,
+    /// The reaper's buffer of due jobs, kept between turns for its capacity.
+    scratch: Mutex<Vec<J>>,
     state: AtomicU8,
     /// Pending jobs, kept only when a limit is set (a shared counter is the one
     /// thing all producers would contend on).
@@ -128,14 +138,15 @@ pub(crate) struct Core<J> {
 }
 
 impl<J: Job> Core<J> {
-    /// Builds the core and spawns its reaper on `rt`. `settings` were validated
-    /// by the builder.
+    /// Builds the core and puts it in the care of a reaper: its own, spawned on
+    /// the runtime given, or a shared one. `settings` were validated by the
+    /// builder. Fails only when a shared reaper has stopped.
     pub(crate) fn start(
         settings: &Settings,
         name: Arc<str>,
         max_pending: Option<usize>,
-        rt: &tokio::runtime::Handle,
-    ) -> Arc<Core<J>> {
+        host: Host<'_>,
+    ) -> Result<Arc<Core<J>>, BuildError> {
         let shards = (0..settings.shards.max(1))
             .map(|_| {
                 let wheel = Wheel::new(settings.slots, settings.levels)
@@ -146,11 +157,16 @@ impl<J: Job> Core<J> {
                 }))
             })
             .collect();
+        let hub = match &host {
+            Host::Own(_) => Arc::new(Hub::new()),
+            Host::Shared(reaper) => reaper.hub.clone(),
+        };
         let core = Arc::new(Core {
             shards,
             clock: Clock::new(Instant::now(), settings.tick),
             wake: WakeTarget::new(),
-            notify: Notify::new(),
+            hub: hub.clone(),
+            scratch: Mutex::new(Vec::new()),
             state: AtomicU8::new(RUNNING),
             pending: AtomicUsize::new(0),
             max_pending,
@@ -158,9 +174,11 @@ impl<J: Job> Core<J> {
             counters: Counters::default(),
             name,
         });
-        let guard = ReaperGuard(core.clone());
-        rt.spawn(run_reaper(guard));
-        core
+        hub.attach(core.clone())?;
+        if let Host::Own(rt) = host {
+            rt.spawn(run_reaper(ReaperGuard(hub)));
+        }
+        Ok(core)
     }
 
     fn lock(&self, shard: usize) -> MutexGuard<'_, Shard<J>> {
@@ -222,7 +240,7 @@ impl<J: Job> Core<J> {
     /// if it is overdue (see [`WakeTarget::overdue`]).
     fn entered(&self, tick: u64, now: Instant) {
         if self.wake.lower(tick) || self.wake.overdue(self.clock.now_tick(now)) {
-            self.notify.notify_one();
+            self.hub.notify.notify_one();
         }
     }
 
@@ -309,7 +327,8 @@ impl<J: Job> Core<J> {
             jobs.append(&mut s.wheel.drain());
         }
         self.release_capacity(jobs.len());
-        self.notify.notify_one();
+        // The reaper lets go of a closed core (and stops, if it was the last).
+        self.hub.notify.notify_one();
         Some(jobs)
     }
 
@@ -419,22 +438,65 @@ pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {
         .unwrap_or("<non-string panic payload>")
 }
 
-/// Owned by the reaper task. If the task is dropped without the core having been
-/// shut down (aborted, or its runtime stopped), the core is closed as
-/// [`Closed::ReaperGone`] and every waiting job is abandoned, so nothing waits on a
-/// timer that will never fire.
-struct ReaperGuard<J: Job>(Arc<Core<J>>);
+/// What the reaper task needs of a core, whatever its jobs' type: one task can
+/// so serve the cores of several purgatories and timers.
+trait Served: Send + Sync {
+    /// One turn: runs what is due and returns what the reaper does next.
+    fn serve(&self) -> Next;
+    /// Whether the core is closed (the reaper lets go of it).
+    fn is_closed(&self) -> bool;
+    /// The reaper woke from a sleep.
+    fn woke(&self);
+    /// The reaper task is gone: closes the core and abandons what waits in it.
+    fn reaper_gone(&self);
+}
 
-impl<J: Job> Drop for ReaperGuard<J> {
-    fn drop(&mut self) {
-        if let Some(jobs) = self.0.close(Closed::ReaperGone) {
+/// What a core asks of the reaper after a turn.
+enum Next {
+    /// More is due right now.
+    Again,
+    /// Sleep until this instant at the latest (`None`: nothing is scheduled).
+    Sleep(Option<Instant>),
+}
+
+impl<J: Job> Served for Core<J> {
+    fn serve(&self) -> Next {
+        // The buffer is taken out of its lock: the jobs run with no lock held.
+        let mut scratch = std::mem::take(&mut *lock(&self.scratch));
+        self.wake.begin_turn();
+        let (more, next, now) = self.turn(&mut scratch);
+        let target = self.wake.end_turn(next);
+        *lock(&self.scratch) = scratch;
+        if more || target <= now {
+            // A batch was cut short, or a task run this turn scheduled work
+            // already due.
+            return Next::Again;
+        }
+        tracing::trace!(timer = &*self.name, target, "core idle until its target");
+        Next::Sleep(
+            (target != NEVER)
+                .then(|| self.clock.instant_of(target))
+                .flatten(),
+        )
+    }
+
+    fn is_closed(&self) -> bool {
+        self.closed().is_some()
+    }
+
+    fn woke(&self) {
+        self.counters.wakeups.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn reaper_gone(&self) {
+        if let Some(jobs) = self.close(Closed::ReaperGone) {
             tracing::warn!(
-                timer = &*self.0.name,
+                timer = &*self.name,
                 abandoned = jobs.len(),
                 "timer reaper stopped without a shutdown"
             );
             for job in jobs {
-                run_contained(&self.0.name, &self.0.counters, || {
+                run_contained(&self.name, &self.counters, || {
                     job.abandon(Closed::ReaperGone)
                 });
             }
@@ -442,32 +504,297 @@ impl<J: Job> Drop for ReaperGuard<J> {
     }
 }
 
-async fn run_reaper<J: Job>(guard: ReaperGuard<J>) {
-    let core = &*guard.0;
-    let mut scratch = Vec::with_capacity(core.batch.min(4096));
+/// Where a new core's reaper comes from.
+pub(crate) enum Host<'a> {
+    /// A reaper of its own, spawned on this runtime; it ends with the core.
+    Own(tokio::runtime::Handle),
+    /// A reaper shared with other cores.
+    Shared(&'a Reaper),
+}
+
+/// What one reaper task serves: its cores, the [`Reaper`] handles that keep it
+/// running, and the notification that wakes it.
+#[derive(Debug)]
+struct Hub {
+    notify: Notify,
+    inner: Mutex<HubInner>,
+}
+
+#[derive(Default)]
+struct HubInner {
+    /// The open cores it serves (a closed core is let go of on the next turn).
+    cores: Vec<Arc<dyn Served>>,
+    /// Live [`Reaper`] handles.
+    handles: usize,
+    /// The task has ended: no core can be attached any more.
+    stopped: bool,
+}
+
+impl std::fmt::Debug for HubInner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HubInner")
+            .field("cores", &self.cores.len())
+            .field("handles", &self.handles)
+            .field("stopped", &self.stopped)
+            .finish()
+    }
+}
+
+impl Hub {
+    fn new() -> Hub {
+        Hub {
+            notify: Notify::new(),
+            inner: Mutex::new(HubInner::default()),
+        }
+    }
+
+    fn attach(&self, core: Arc<dyn Served>) -> Result<(), BuildError> {
+        let mut inner = lock(&self.inner);
+        if inner.stopped {
+            return Err(BuildError::reaper_stopped());
+        }
+        inner.cores.push(core);
+        Ok(())
+    }
+}
+
+/// A reaper task that several purgatories and timers share, instead of each
+/// spawning its own.
+///
+/// A broker keeps several purgatories (produce, fetch, join, heartbeat) and a
+/// timer or two; by default each spawns a reaper task of its own. Built with
+/// [`PurgatoryBuilder::reaper`](crate::PurgatoryBuilder::reaper) or
+/// [`TimerBuilder::reaper`](crate::TimerBuilder::reaper), they are served by this
+/// one task instead: one sleep, on the earliest deadline of them all, and one
+/// wake-up per distinct due time. Each keeps its own wheel, settings, limits,
+/// counters and shutdown.
+///
+/// # Lifecycle
+///
+/// - **Owned** (the default, without a `Reaper`): the reaper is spawned by
+///   `build` and ends when its purgatory or timer shuts down (explicitly, or when
+///   its last owning clone is dropped).
+/// - **Shared**: the task is spawned by [`Reaper::start`] and keeps running while
+///   a `Reaper` clone exists or a purgatory or timer built on it is open. It ends
+///   on its own once the last of these goes; shutting one purgatory down does not
+///   affect the others it serves.
+///
+/// If the task is aborted or its runtime stops first, every purgatory and timer
+/// it serves is closed as with their own reaper gone (handles resolve to
+/// `ReaperGone`, registration fails) and later builds on it fail
+/// ([`BuildError::is_reaper_stopped`]).
+///
+/// # Concurrency
+///
+/// Operations run by the reaper (expiries, timer tasks) run one after another on
+/// its task, for every purgatory and timer it serves: a slow timer task delays
+/// the expiries of the purgatories beside it. Keep tasks short, or give the slow
+/// ones a reaper of their own.
+///
+/// # Examples
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+/// use std::time::Duration;
+/// use tokio_purgatory::{Completion, Operation, Purgatory, Reaper, Timer};
+///
+/// struct Wait;
+/// impl Operation for Wait {
+///     type Output = &'static str;
+///     fn try_complete(&mut self) -> Option<&'static str> { None }
+///     fn on_expiration(self) -> &'static str { "timed out" }
+/// }
+///
+/// let reaper = Reaper::start().unwrap();
+/// let produce: Purgatory<u32, Wait> =
+///     Purgatory::builder().name("produce").reaper(&reaper).build().unwrap();
+/// let fetch: Purgatory<u32, Wait> =
+///     Purgatory::builder().name("fetch").reaper(&reaper).build().unwrap();
+/// let timer = Timer::builder().name("heartbeat").reaper(&reaper).build().unwrap();
+/// assert_eq!(reaper.serving(), 3);
+///
+/// let a = produce.try_complete_else_watch(Wait, Duration::from_millis(30), [1]).unwrap();
+/// let b = fetch.try_complete_else_watch(Wait, Duration::from_millis(20), [1]).unwrap();
+/// let beat = timer.sleep(Duration::from_millis(10));
+/// beat.await.unwrap();
+/// assert_eq!(b.await, Ok(Completion::Expired("timed out")));
+/// assert_eq!(a.await, Ok(Completion::Expired("timed out")));
+///
+/// // One shuts down (its last owner is dropped); the others are served on.
+/// drop(fetch);
+/// tokio::task::yield_now().await;
+/// assert_eq!(reaper.serving(), 2);
+/// # }
+/// ```
+#[derive(Debug)]
+pub struct Reaper {
+    hub: Arc<Hub>,
+}
+
+impl Reaper {
+    /// Spawns a shared reaper task on the current Tokio runtime.
+    ///
+    /// # Errors
+    ///
+    /// When no runtime is current ([`BuildError::is_no_runtime`]).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let reaper = tokio_purgatory::Reaper::start().unwrap();
+    /// assert_eq!(reaper.serving(), 0);
+    /// # }
+    /// ```
+    pub fn start() -> Result<Reaper, BuildError> {
+        Ok(Reaper::start_on(&runtime_handle(None)?))
+    }
+
+    /// Spawns a shared reaper task on the runtime of `handle`.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// // Started from a thread outside the runtime.
+    /// let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    /// let reaper = tokio_purgatory::Reaper::start_on(rt.handle());
+    /// let timer = tokio_purgatory::Timer::builder().reaper(&reaper).build().unwrap();
+    /// assert!(!timer.is_shutdown());
+    /// ```
+    pub fn start_on(handle: &tokio::runtime::Handle) -> Reaper {
+        let hub = Arc::new(Hub::new());
+        lock(&hub.inner).handles = 1;
+        handle.spawn(run_reaper(ReaperGuard(hub.clone())));
+        Reaper { hub }
+    }
+
+    /// How many open purgatories and timers this reaper serves (a purgatory shut
+    /// down is let go of on the reaper's next turn).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// use tokio_purgatory::{Reaper, Timer};
+    /// let reaper = Reaper::start().unwrap();
+    /// let timer = Timer::builder().reaper(&reaper).build().unwrap();
+    /// assert_eq!(reaper.serving(), 1);
+    /// # drop(timer);
+    /// # }
+    /// ```
+    pub fn serving(&self) -> usize {
+        lock(&self.hub.inner)
+            .cores
+            .iter()
+            .filter(|c| !c.is_closed())
+            .count()
+    }
+
+    /// Whether the reaper task has ended (aborted, or its runtime stopped): what
+    /// it served is closed, and nothing more can be built on it. While a
+    /// `Reaper` exists, the task does not end on its own.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    /// let reaper = tokio_purgatory::Reaper::start_on(rt.handle());
+    /// assert!(!reaper.is_stopped());
+    /// drop(rt); // the runtime stops, and its tasks with it
+    /// assert!(reaper.is_stopped());
+    /// ```
+    pub fn is_stopped(&self) -> bool {
+        lock(&self.hub.inner).stopped
+    }
+}
+
+impl Clone for Reaper {
+    fn clone(&self) -> Reaper {
+        lock(&self.hub.inner).handles += 1;
+        Reaper {
+            hub: self.hub.clone(),
+        }
+    }
+}
+
+impl Drop for Reaper {
+    fn drop(&mut self) {
+        let last = {
+            let mut inner = lock(&self.hub.inner);
+            inner.handles -= 1;
+            inner.handles == 0
+        };
+        if last {
+            // The task ends once what it serves has closed too.
+            self.hub.notify.notify_one();
+        }
+    }
+}
+
+/// Owned by the reaper task. If the task is dropped before it ended on its own
+/// (aborted, or its runtime stopped), every core it serves is closed as
+/// [`Closed::ReaperGone`] and every waiting job is abandoned, so nothing waits on
+/// a timer that will never fire.
+struct ReaperGuard(Arc<Hub>);
+
+impl Drop for ReaperGuard {
+    fn drop(&mut self) {
+        let cores = {
+            let mut inner = lock(&self.0.inner);
+            inner.stopped = true;
+            std::mem::take(&mut inner.cores)
+        };
+        for core in cores {
+            core.reaper_gone();
+        }
+    }
+}
+
+async fn run_reaper(guard: ReaperGuard) {
+    let hub = &*guard.0;
+    let mut serving: Vec<Arc<dyn Served>> = Vec::new();
+    let mut closed: Vec<Arc<dyn Served>> = Vec::new();
     let mut sleep = std::pin::pin!(tokio::time::sleep_until(far_future(Instant::now())));
     loop {
-        if core.closed().is_some() {
-            break;
+        {
+            let mut inner = lock(&hub.inner);
+            let mut i = 0;
+            while i < inner.cores.len() {
+                if inner.cores[i].is_closed() {
+                    closed.push(inner.cores.swap_remove(i));
+                } else {
+                    i += 1;
+                }
+            }
+            if inner.cores.is_empty() && inner.handles == 0 {
+                // Nothing to serve, and nobody can give it more.
+                inner.stopped = true;
+                break;
+            }
+            serving.extend(inner.cores.iter().cloned());
         }
-        core.wake.begin_turn();
-        let (more, next, now) = core.turn(&mut scratch);
-        let target = core.wake.end_turn(next);
-        if more || target <= now {
-            // More is due now (a batch was cut short, or a task run this turn
-            // scheduled work already due): let other tasks run, then go on.
+        // Let go of closed cores with the lock released.
+        closed.clear();
+        let mut again = false;
+        let mut wake_at: Option<Instant> = None;
+        for core in &serving {
+            match core.serve() {
+                Next::Again => again = true,
+                Next::Sleep(Some(at)) => wake_at = Some(wake_at.map_or(at, |w| w.min(at))),
+                Next::Sleep(None) => {}
+            }
+        }
+        if again {
+            // Let other tasks run, then go on.
+            serving.clear();
             tokio::task::yield_now().await;
             continue;
         }
-        let wake_at = (target != NEVER)
-            .then(|| core.clock.instant_of(target))
-            .flatten();
-        tracing::trace!(timer = &*core.name, target, "reaper sleeping");
         match wake_at {
             Some(at) => {
                 sleep.as_mut().reset(at);
                 // Whichever comes first: a notification (checked first) or the sleep.
-                let mut notified = std::pin::pin!(core.notify.notified());
+                let mut notified = std::pin::pin!(hub.notify.notified());
                 std::future::poll_fn(|cx| {
                     if notified.as_mut().poll(cx).is_ready() || sleep.as_mut().poll(cx).is_ready() {
                         std::task::Poll::Ready(())
@@ -477,12 +804,14 @@ async fn run_reaper<J: Job>(guard: ReaperGuard<J>) {
                 })
                 .await;
             }
-            None => core.notify.notified().await,
+            None => hub.notify.notified().await,
         }
-        core.counters.wakeups.fetch_add(1, Ordering::Relaxed);
+        for core in serving.drain(..) {
+            core.woke();
+        }
     }
-    // Closed by `close`, which already took every job out: dropping the guard
-    // finds nothing left to abandon.
+    // Ended on its own: nothing is left for the guard to close.
+    drop(closed);
     drop(guard);
 }
 

@@ -5,6 +5,7 @@
 use std::fmt;
 use std::time::Duration;
 
+use crate::reaper::{Host, Reaper};
 use crate::wheel::{ShapeError, Wheel};
 
 /// The timer core's settings, shared by the timer and purgatory builders.
@@ -15,6 +16,8 @@ pub(crate) struct Settings {
     pub(crate) levels: usize,
     pub(crate) shards: usize,
     pub(crate) batch: usize,
+    /// A shared reaper to be served by, instead of one of its own.
+    pub(crate) reaper: Option<Reaper>,
 }
 
 impl Default for Settings {
@@ -27,6 +30,7 @@ impl Default for Settings {
                 .map_or(4, |n| n.get())
                 .clamp(1, 16),
             batch: 1024,
+            reaper: None,
         }
     }
 }
@@ -55,6 +59,18 @@ impl Settings {
             return Err(BuildError::invalid("batch_size must be at least 1"));
         }
         Ok(())
+    }
+
+    /// Where the core's reaper comes from: the shared one given, or one of its
+    /// own spawned on `handle`'s runtime (the current one when `None`).
+    pub(crate) fn host(
+        &self,
+        handle: Option<&tokio::runtime::Handle>,
+    ) -> Result<Host<'_>, BuildError> {
+        match &self.reaper {
+            Some(reaper) => Ok(Host::Shared(reaper)),
+            None => Ok(Host::Own(runtime_handle(handle)?)),
+        }
     }
 }
 
@@ -150,6 +166,27 @@ macro_rules! wheel_setters {
             self.wheel.batch = batch;
             self
         }
+
+        /// Serves it from a shared [`Reaper`](crate::Reaper) task instead of
+        /// spawning one of its own (the default): see the `Reaper` docs for the
+        /// lifecycle. `build` then needs no current runtime, and `build_on`'s
+        /// runtime is not used: the reaper runs where it was started.
+        ///
+        /// # Examples
+        ///
+        /// ```
+        /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+        #[doc = concat!("# ", $setup)]
+        /// let reaper = tokio_purgatory::Reaper::start().unwrap();
+        #[doc = concat!("let built = ", $builder, ".reaper(&reaper).build().unwrap();")]
+        /// assert_eq!(reaper.serving(), 1);
+        /// # drop(built);
+        /// # }
+        /// ```
+        pub fn reaper(mut self, reaper: &crate::Reaper) -> Self {
+            self.wheel.reaper = Some(reaper.clone());
+            self
+        }
     };
 }
 pub(crate) use wheel_setters;
@@ -163,6 +200,7 @@ pub struct BuildError {
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum BuildErrorKind {
     NoRuntime,
+    ReaperStopped,
     Invalid(&'static str),
 }
 
@@ -170,6 +208,12 @@ impl BuildError {
     pub(crate) fn no_runtime() -> BuildError {
         BuildError {
             kind: BuildErrorKind::NoRuntime,
+        }
+    }
+
+    pub(crate) fn reaper_stopped() -> BuildError {
+        BuildError {
+            kind: BuildErrorKind::ReaperStopped,
         }
     }
 
@@ -194,12 +238,33 @@ impl BuildError {
     }
 }
 
+impl BuildError {
+    /// Whether the build failed because the shared [`Reaper`](crate::Reaper) it
+    /// was given has stopped (its task was aborted, or its runtime stopped).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tokio_purgatory::{Reaper, Timer};
+    ///
+    /// let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    /// let reaper = Reaper::start_on(rt.handle());
+    /// drop(rt);
+    /// let err = Timer::builder().reaper(&reaper).build().unwrap_err();
+    /// assert!(err.is_reaper_stopped());
+    /// ```
+    pub fn is_reaper_stopped(&self) -> bool {
+        self.kind == BuildErrorKind::ReaperStopped
+    }
+}
+
 impl fmt::Display for BuildError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match &self.kind {
             BuildErrorKind::NoRuntime => {
                 f.write_str("no tokio runtime is current; build inside one or use build_on")
             }
+            BuildErrorKind::ReaperStopped => f.write_str("the shared reaper has stopped"),
             BuildErrorKind::Invalid(what) => write!(f, "invalid setting: {what}"),
         }
     }

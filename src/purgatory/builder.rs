@@ -7,7 +7,7 @@ use std::time::Duration;
 use super::shared::Shared;
 use super::{Operation, Purgatory, WatchKey};
 use crate::reaper::Core;
-use crate::settings::{runtime_handle, wheel_setters, BuildError, Settings};
+use crate::settings::{wheel_setters, BuildError, Settings};
 
 /// Builds a [`Purgatory`].
 ///
@@ -259,8 +259,8 @@ impl<K: WatchKey, O: Operation> PurgatoryBuilder<K, O> {
         if self.max_pending == Some(0) {
             return Err(BuildError::invalid("max_pending must be at least 1"));
         }
-        let rt = runtime_handle(handle)?;
-        let core = Core::start(&self.wheel, self.name.clone(), None, &rt);
+        let host = self.wheel.host(handle)?;
+        let core = Core::start(&self.wheel, self.name.clone(), None, host)?;
         let shared = Arc::new(Shared::new(
             core,
             self.watcher_shards,

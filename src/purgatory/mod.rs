@@ -1003,7 +1003,8 @@ pub struct PurgatoryMetrics {
     /// Panics caught in user code: `try_complete`, `on_expiration`, and the
     /// `Drop` of operations, outputs and keys the purgatory dropped.
     pub panicked: u64,
-    /// Times the reaper woke from a sleep.
+    /// Times the reaper woke from a sleep (a [`Reaper`](crate::Reaper) shared
+    /// with others counts its wake-ups in each it serves).
     pub reaper_wakeups: u64,
 }
 

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use super::{Owner, Timer};
 use crate::reaper::Core;
-use crate::settings::{runtime_handle, wheel_setters, BuildError, Settings};
+use crate::settings::{wheel_setters, BuildError, Settings};
 
 /// Builds a [`Timer`]: wheel shape, tick, sharding and an optional limit.
 ///
@@ -130,8 +130,8 @@ impl TimerBuilder {
         if self.max_pending == Some(0) {
             return Err(BuildError::invalid("max_pending must be at least 1"));
         }
-        let rt = runtime_handle(handle)?;
-        let core = Core::start(&self.wheel, self.name, self.max_pending, &rt);
+        let host = self.wheel.host(handle)?;
+        let core = Core::start(&self.wheel, self.name, self.max_pending, host)?;
         Ok(Timer {
             owner: Arc::new(Owner { core }),
         })

@@ -588,6 +588,8 @@ pub struct TimerMetrics {
     pub expired: u64,
     /// Tasks that panicked (caught; the reaper went on).
     pub panicked: u64,
-    /// Times the reaper woke from a sleep. Stays put while nothing is scheduled.
+    /// Times the reaper woke from a sleep. Stays put while nothing is scheduled
+    /// (a [`Reaper`](crate::Reaper) shared with others counts its wake-ups in
+    /// each it serves, and wakes for their deadlines too).
     pub reaper_wakeups: u64,
 }
