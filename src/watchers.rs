@@ -254,9 +254,55 @@ struct Stripe(AtomicIsize);
 /// Stripes of the entry count: a thread adds to its own.
 const STRIPES: usize = 16;
 
+/// The hasher keys are hashed with: std's `RandomState` (the default, called
+/// directly), or one the user chose, called through a trait object so that the
+/// types holding the map do not carry its type.
+pub(crate) enum KeyHasher {
+    Std(RandomState),
+    Chosen(Box<dyn HashWith>),
+}
+
+/// A `BuildHasher` seen through a trait object: builds a hasher, lets `feed`
+/// write the key into it, and returns the hash.
+pub(crate) trait HashWith: Send + Sync {
+    fn hash_with(&self, feed: &mut dyn FnMut(&mut dyn Hasher)) -> u64;
+}
+
+impl<S: BuildHasher + Send + Sync> HashWith for S {
+    fn hash_with(&self, feed: &mut dyn FnMut(&mut dyn Hasher)) -> u64 {
+        let mut h = self.build_hasher();
+        feed(&mut h);
+        h.finish()
+    }
+}
+
+impl KeyHasher {
+    /// The hasher `s`; std's `RandomState` is recognised and called directly.
+    pub(crate) fn new<S: BuildHasher + Send + Sync + 'static>(s: S) -> KeyHasher {
+        let mut s = Some(s);
+        match (&mut s as &mut dyn std::any::Any).downcast_mut::<Option<RandomState>>() {
+            Some(std) => KeyHasher::Std(std.take().expect("just made")),
+            None => KeyHasher::Chosen(Box::new(s.take().expect("just made"))),
+        }
+    }
+
+    fn hash_one<Q: Hash + ?Sized>(&self, key: &Q) -> u64 {
+        match self {
+            KeyHasher::Std(s) => s.hash_one(key),
+            KeyHasher::Chosen(s) => s.hash_with(&mut |mut h| key.hash(&mut h)),
+        }
+    }
+}
+
+impl Default for KeyHasher {
+    fn default() -> Self {
+        KeyHasher::Std(RandomState::new())
+    }
+}
+
 pub(crate) struct Watchers<K, V> {
     lists: Lists<K, V>,
-    hasher: RandomState,
+    hasher: KeyHasher,
     entries: Box<[Stripe]>,
     /// Keys removed, to look at the table's size once per 64.
     removals: AtomicUsize,
@@ -300,13 +346,13 @@ impl<K, V> Default for Removed<K, V> {
 }
 
 impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
-    pub(crate) fn new(shards: usize) -> Self {
+    pub(crate) fn new(shards: usize, hasher: KeyHasher) -> Self {
         Watchers {
             lists: DashMap::with_hasher_and_shard_amount(
                 BuildHasherDefault::default(),
                 shards.clamp(2, 1 << 16).next_power_of_two(),
             ),
-            hasher: RandomState::new(),
+            hasher,
             entries: (0..STRIPES).map(|_| Stripe(AtomicIsize::new(0))).collect(),
             removals: AtomicUsize::new(0),
         }
@@ -586,7 +632,7 @@ mod tests {
 
     #[test]
     fn table_follows_the_live_key_count_not_its_peak() {
-        let w: Watchers<u32, u32> = Watchers::new(4);
+        let w: Watchers<u32, u32> = Watchers::new(4, KeyHasher::default());
         for k in 0..100_000 {
             w.watch(&[k], &k, &mut 0, &mut Vec::new());
         }
@@ -623,7 +669,7 @@ mod tests {
     /// of times in all, not on every removal.
     #[test]
     fn the_table_shrinks_in_a_few_steps_not_on_every_removal() {
-        let w: Watchers<u32, u32> = Watchers::new(1);
+        let w: Watchers<u32, u32> = Watchers::new(1, KeyHasher::default());
         for k in 0..20_000 {
             w.watch(&[k], &k, &mut 0, &mut Vec::new());
         }
@@ -664,7 +710,7 @@ mod tests {
                 self.0.hash(h);
             }
         }
-        let w: Watchers<K, u32> = Watchers::new(1);
+        let w: Watchers<K, u32> = Watchers::new(1, KeyHasher::default());
         for k in 0..5_000 {
             w.watch(&[K(k)], &k, &mut 0, &mut Vec::new());
         }
@@ -733,7 +779,7 @@ mod tests {
     /// Every thread counts on its own stripe, however many threads there are.
     #[test]
     fn the_entry_count_holds_across_many_threads() {
-        let w = std::sync::Arc::new(Watchers::<u32, u32>::new(4));
+        let w = std::sync::Arc::new(Watchers::<u32, u32>::new(4, KeyHasher::default()));
         for t in 0..300 {
             let w = w.clone();
             std::thread::spawn(move || w.watch(&[t % 7], &t, &mut 0, &mut Vec::new()))
@@ -749,7 +795,7 @@ mod tests {
     /// A `Removed` may be reused across calls: each call counts what it took.
     #[test]
     fn a_reused_haul_counts_each_call() {
-        let w: Watchers<u32, u32> = Watchers::new(2);
+        let w: Watchers<u32, u32> = Watchers::new(2, KeyHasher::default());
         for v in 0..6 {
             w.watch(&[v % 2], &v, &mut 0, &mut Vec::new());
         }
@@ -781,7 +827,7 @@ mod tests {
 
     #[test]
     fn purge_shrinks_the_table_too() {
-        let w: Watchers<u32, u32> = Watchers::new(2);
+        let w: Watchers<u32, u32> = Watchers::new(2, KeyHasher::default());
         for k in 0..50_000 {
             w.watch(&[k], &k, &mut 0, &mut Vec::new());
         }
@@ -797,7 +843,7 @@ mod tests {
     /// others in watch order.
     #[test]
     fn a_sweep_goes_in_slices_of_its_budget() {
-        let w: Watchers<u32, u32> = Watchers::new(2);
+        let w: Watchers<u32, u32> = Watchers::new(2, KeyHasher::default());
         for v in 0..10_000 {
             w.watch(&[v % 3], &v, &mut 0, &mut Vec::new());
         }
@@ -828,7 +874,7 @@ mod tests {
     /// being swept are still visited.
     #[test]
     fn a_sweep_survives_changes_between_slices() {
-        let w: Watchers<u32, u32> = Watchers::new(2);
+        let w: Watchers<u32, u32> = Watchers::new(2, KeyHasher::default());
         for v in 0..300 {
             w.watch(&[v % 3], &v, &mut 0, &mut Vec::new());
         }
@@ -863,7 +909,7 @@ mod tests {
     /// and a walk that rewrites the list ends the purge's visit of it.
     #[test]
     fn a_slice_leaves_a_hole_that_every_other_visit_skips() {
-        let w: Watchers<u32, u32> = Watchers::new(2);
+        let w: Watchers<u32, u32> = Watchers::new(2, KeyHasher::default());
         for v in 0..10_000 {
             w.watch(&[1, 2], &v, &mut 0, &mut Vec::new());
         }
@@ -871,7 +917,7 @@ mod tests {
             let l = w
                 .lists
                 .get(&Probe {
-                    hash: w.hasher.hash_one(k),
+                    hash: w.hasher.hash_one(&k),
                     key: Some(&k),
                 } as &dyn Lookup<u32>)
                 .unwrap();
@@ -921,7 +967,7 @@ mod tests {
     /// were past the kept part) and removes the key once nothing is left.
     #[test]
     fn the_last_slice_of_a_list_closes_the_hole() {
-        let w: Watchers<u32, u32> = Watchers::new(1);
+        let w: Watchers<u32, u32> = Watchers::new(1, KeyHasher::default());
         for v in 0..300 {
             w.watch(&[5], &v, &mut 0, &mut Vec::new());
         }
@@ -941,7 +987,7 @@ mod tests {
 
     #[test]
     fn a_walk_keeps_live_entries_and_hands_out_done_ones() {
-        let w: Watchers<u32, u32> = Watchers::new(1);
+        let w: Watchers<u32, u32> = Watchers::new(1, KeyHasher::default());
         for v in 0..10 {
             w.watch(&[1], &v, &mut 0, &mut Vec::new());
         }
@@ -972,7 +1018,7 @@ mod tests {
                 K(self.0)
             }
         }
-        let w: Watchers<K, u32> = Watchers::new(4);
+        let w: Watchers<K, u32> = Watchers::new(4, KeyHasher::default());
         let mut added = 0;
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             w.watch(&[K(1), K(2), K(3), K(4)], &7, &mut added, &mut Vec::new())

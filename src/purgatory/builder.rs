@@ -1,5 +1,7 @@
 //! The purgatory's builder.
 
+use std::collections::hash_map::RandomState;
+use std::hash::BuildHasher;
 use std::marker::PhantomData;
 use std::sync::Arc;
 use std::time::Duration;
@@ -8,6 +10,7 @@ use super::shared::Shared;
 use super::{Operation, Purgatory, WatchKey};
 use crate::reaper::Core;
 use crate::settings::{wheel_setters, BuildError, Settings};
+use crate::watchers::KeyHasher;
 
 /// Builds a [`Purgatory`].
 ///
@@ -31,27 +34,29 @@ use crate::settings::{wheel_setters, BuildError, Settings};
 /// assert_eq!(fetches.delayed(), 0);
 /// # }
 /// ```
-pub struct PurgatoryBuilder<K, O> {
+pub struct PurgatoryBuilder<K, O, S = RandomState> {
     pub(super) name: Arc<str>,
     pub(super) wheel: Settings,
     pub(super) watcher_shards: usize,
     pub(super) purge_interval: usize,
     pub(super) max_pending: Option<usize>,
+    pub(super) hasher: S,
     pub(super) _types: PhantomData<fn() -> (K, O)>,
 }
 
-impl<K, O> Clone for PurgatoryBuilder<K, O> {
+impl<K, O, S: Clone> Clone for PurgatoryBuilder<K, O, S> {
     fn clone(&self) -> Self {
         PurgatoryBuilder {
             name: self.name.clone(),
             wheel: self.wheel.clone(),
+            hasher: self.hasher.clone(),
             _types: PhantomData,
             ..*self
         }
     }
 }
 
-impl<K, O> std::fmt::Debug for PurgatoryBuilder<K, O> {
+impl<K, O, S> std::fmt::Debug for PurgatoryBuilder<K, O, S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PurgatoryBuilder")
             .field("name", &&*self.name)
@@ -63,7 +68,7 @@ impl<K, O> std::fmt::Debug for PurgatoryBuilder<K, O> {
     }
 }
 
-impl<K: WatchKey, O: Operation> PurgatoryBuilder<K, O> {
+impl<K: WatchKey, O: Operation, S: BuildHasher + Send + Sync + 'static> PurgatoryBuilder<K, O, S> {
     wheel_setters!(
         "struct Op; impl tokio_purgatory::Operation for Op { type Output = (); fn try_complete(&mut self) -> Option<()> { None } fn on_expiration(self) {} }",
         "tokio_purgatory::Purgatory::<u32, Op>::builder()"
@@ -198,6 +203,51 @@ impl<K: WatchKey, O: Operation> PurgatoryBuilder<K, O> {
         self
     }
 
+    /// The hasher of the watcher map (default std's `RandomState`, SipHash
+    /// with a random seed, as `HashMap`'s). Each key is hashed once per call
+    /// that names it, before any lock is taken; a faster hasher (ahash,
+    /// fxhash) cuts that cost, at the price of `RandomState`'s resistance to
+    /// keys chosen to collide when keys come from untrusted clients. A panic in
+    /// the hasher propagates to the caller as one in the key's `Hash` does,
+    /// with the purgatory left as it was.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// # struct Op;
+    /// # impl tokio_purgatory::Operation for Op {
+    /// #     type Output = ();
+    /// #     fn try_complete(&mut self) -> Option<()> { None }
+    /// #     fn on_expiration(self) {}
+    /// # }
+    /// use std::hash::{BuildHasherDefault, DefaultHasher};
+    /// use tokio_purgatory::Purgatory;
+    ///
+    /// type Fixed = BuildHasherDefault<DefaultHasher>;
+    /// let p: Purgatory<String, Op, Fixed> = Purgatory::builder()
+    ///     .name("join")
+    ///     .hasher(Fixed::default())
+    ///     .build()
+    ///     .unwrap();
+    /// assert_eq!(p.try_complete_watched("group-1"), 0);
+    /// # }
+    /// ```
+    pub fn hasher<T: BuildHasher + Send + Sync + 'static>(
+        self,
+        hasher: T,
+    ) -> PurgatoryBuilder<K, O, T> {
+        PurgatoryBuilder {
+            name: self.name,
+            wheel: self.wheel,
+            watcher_shards: self.watcher_shards,
+            purge_interval: self.purge_interval,
+            max_pending: self.max_pending,
+            hasher,
+            _types: PhantomData,
+        }
+    }
+
     /// Builds the purgatory and spawns its reaper on the current runtime.
     ///
     /// # Errors
@@ -219,7 +269,7 @@ impl<K: WatchKey, O: Operation> PurgatoryBuilder<K, O> {
     /// # drop(p);
     /// # }
     /// ```
-    pub fn build(self) -> Result<Purgatory<K, O>, BuildError> {
+    pub fn build(self) -> Result<Purgatory<K, O, S>, BuildError> {
         self.build_inner(None)
     }
 
@@ -244,14 +294,17 @@ impl<K: WatchKey, O: Operation> PurgatoryBuilder<K, O> {
     ///     tokio_purgatory::Purgatory::builder().build_on(rt.handle()).unwrap();
     /// assert!(!p.is_shutdown());
     /// ```
-    pub fn build_on(self, handle: &tokio::runtime::Handle) -> Result<Purgatory<K, O>, BuildError> {
+    pub fn build_on(
+        self,
+        handle: &tokio::runtime::Handle,
+    ) -> Result<Purgatory<K, O, S>, BuildError> {
         self.build_inner(Some(handle))
     }
 
     fn build_inner(
         self,
         handle: Option<&tokio::runtime::Handle>,
-    ) -> Result<Purgatory<K, O>, BuildError> {
+    ) -> Result<Purgatory<K, O, S>, BuildError> {
         self.wheel.validate()?;
         if self.watcher_shards == 0 || self.watcher_shards > 65_536 {
             return Err(BuildError::invalid("watcher_shards must be in 1..=65536"));
@@ -267,6 +320,7 @@ impl<K: WatchKey, O: Operation> PurgatoryBuilder<K, O> {
             self.purge_interval,
             self.max_pending,
             self.name,
+            KeyHasher::new(self.hasher),
         ));
         Ok(Purgatory::from_shared(shared))
     }

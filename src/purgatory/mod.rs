@@ -13,7 +13,8 @@ mod shared;
 mod state;
 
 use std::borrow::Borrow;
-use std::hash::Hash;
+use std::collections::hash_map::RandomState;
+use std::hash::{BuildHasher, Hash};
 use std::marker::PhantomData;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
@@ -61,6 +62,10 @@ impl<K: WatchKey, O: Operation> Drop for Owner<K, O> {
 /// [`OpRef`]) finds it completable, or when its timeout fires. Cheap to clone;
 /// `Send + Sync`; all clones share one purgatory.
 ///
+/// `S` is the hasher of the watcher map (default std's `RandomState`; see
+/// [`PurgatoryBuilder::hasher`] and [`Purgatory::with_hasher`]). Handles do not
+/// carry it.
+///
 /// # Concurrency
 ///
 /// All methods may be called from any number of threads at once. What runs
@@ -74,15 +79,15 @@ impl<K: WatchKey, O: Operation> Drop for Owner<K, O> {
 ///   makes it check again.
 /// - A key's `Eq` and `Clone` run under the lock of the watcher-map shard that
 ///   holds the key (see [`WatchKey`]): they must not call back into the
-///   purgatory. Its `Hash` runs before any lock is taken.
+///   purgatory. Its `Hash`, and the chosen hasher, run before any lock is taken.
 ///
 /// # Panics in user code
 ///
 /// A panic in `try_complete`, `on_expiration` or the `Drop` of an operation,
 /// output or key is caught, counted in [`PurgatoryMetrics::panicked`] and reported
 /// through `tracing`; the call that ran it finishes its work, and every handle
-/// still resolves exactly once. A panic in a key's `Hash`, `Eq` or `Clone`
-/// propagates to the caller of the method that ran it, after the purgatory has
+/// still resolves exactly once. A panic in a key's `Hash`, `Eq` or `Clone`, or
+/// in the hasher, propagates to the caller of the method that ran it, after the purgatory has
 /// been put back as it was before the call (see
 /// [`try_complete_else_watch`](Purgatory::try_complete_else_watch)).
 ///
@@ -145,14 +150,17 @@ impl<K: WatchKey, O: Operation> Drop for Owner<K, O> {
 /// assert_eq!(handle.await.unwrap(), Completion::Completed(12));
 /// # }
 /// ```
-pub struct Purgatory<K: WatchKey, O: Operation> {
+pub struct Purgatory<K: WatchKey, O: Operation, S = RandomState> {
     owner: Arc<Owner<K, O>>,
+    /// The hasher's type; the hasher itself is in the watcher map.
+    hasher: PhantomData<fn() -> S>,
 }
 
-impl<K: WatchKey, O: Operation> Clone for Purgatory<K, O> {
+impl<K: WatchKey, O: Operation, S> Clone for Purgatory<K, O, S> {
     fn clone(&self) -> Self {
         Purgatory {
             owner: self.owner.clone(),
+            hasher: PhantomData,
         }
     }
 }
@@ -181,11 +189,12 @@ impl<K: WatchKey, O: Operation> Clone for Purgatory<K, O> {
 /// assert!(weak.upgrade().is_none());
 /// # }
 /// ```
-pub struct WeakPurgatory<K: WatchKey, O: Operation> {
+pub struct WeakPurgatory<K: WatchKey, O: Operation, S = RandomState> {
     owner: std::sync::Weak<Owner<K, O>>,
+    hasher: PhantomData<fn() -> S>,
 }
 
-impl<K: WatchKey, O: Operation> WeakPurgatory<K, O> {
+impl<K: WatchKey, O: Operation, S> WeakPurgatory<K, O, S> {
     /// The purgatory, if a [`Purgatory`] handle still keeps it alive.
     ///
     /// # Examples
@@ -205,26 +214,30 @@ impl<K: WatchKey, O: Operation> WeakPurgatory<K, O> {
     /// assert!(weak.upgrade().is_none());
     /// # }
     /// ```
-    pub fn upgrade(&self) -> Option<Purgatory<K, O>> {
-        self.owner.upgrade().map(|owner| Purgatory { owner })
+    pub fn upgrade(&self) -> Option<Purgatory<K, O, S>> {
+        self.owner.upgrade().map(|owner| Purgatory {
+            owner,
+            hasher: PhantomData,
+        })
     }
 }
 
-impl<K: WatchKey, O: Operation> Clone for WeakPurgatory<K, O> {
+impl<K: WatchKey, O: Operation, S> Clone for WeakPurgatory<K, O, S> {
     fn clone(&self) -> Self {
         WeakPurgatory {
             owner: self.owner.clone(),
+            hasher: PhantomData,
         }
     }
 }
 
-impl<K: WatchKey, O: Operation> std::fmt::Debug for WeakPurgatory<K, O> {
+impl<K: WatchKey, O: Operation, S> std::fmt::Debug for WeakPurgatory<K, O, S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("WeakPurgatory").finish_non_exhaustive()
     }
 }
 
-impl<K: WatchKey, O: Operation> std::fmt::Debug for Purgatory<K, O> {
+impl<K: WatchKey, O: Operation, S> std::fmt::Debug for Purgatory<K, O, S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Purgatory")
             .field("name", &&*self.shared().name)
@@ -291,25 +304,67 @@ impl<K: WatchKey, O: Operation> Purgatory<K, O> {
             watcher_shards: 64,
             purge_interval: 1000,
             max_pending: None,
+            hasher: RandomState::new(),
             _types: PhantomData,
         }
     }
+}
 
+impl<K: WatchKey, O: Operation, S: BuildHasher + Send + Sync + 'static> Purgatory<K, O, S> {
+    /// A purgatory with default settings that hashes keys with `hasher` (as
+    /// `HashMap::with_hasher`), its reaper spawned on the current runtime.
+    /// [`PurgatoryBuilder::hasher`] sets it along with other settings.
+    ///
+    /// # Panics
+    ///
+    /// Outside a Tokio runtime.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// # struct Join;
+    /// # impl tokio_purgatory::Operation for Join {
+    /// #     type Output = ();
+    /// #     fn try_complete(&mut self) -> Option<()> { None }
+    /// #     fn on_expiration(self) {}
+    /// # }
+    /// use std::hash::{BuildHasherDefault, DefaultHasher};
+    /// use tokio_purgatory::Purgatory;
+    ///
+    /// // A fixed-seed hasher (any `BuildHasher`: ahash, fxhash, ...).
+    /// type Fixed = BuildHasherDefault<DefaultHasher>;
+    /// let joins: Purgatory<String, Join, Fixed> = Purgatory::with_hasher(Fixed::default());
+    /// assert_eq!(joins.delayed(), 0);
+    /// # }
+    /// ```
+    #[track_caller]
+    pub fn with_hasher(hasher: S) -> Purgatory<K, O, S> {
+        Purgatory::builder()
+            .hasher(hasher)
+            .build()
+            .expect("Purgatory::with_hasher must be called within a Tokio runtime")
+    }
+}
+
+impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
     /// A handle that does not keep the purgatory alive (see [`WeakPurgatory`]).
     /// Dropping the last `Purgatory` shuts it down even while weak handles exist.
     ///
     /// # Examples
     ///
     /// See [`WeakPurgatory`].
-    pub fn downgrade(&self) -> WeakPurgatory<K, O> {
+    pub fn downgrade(&self) -> WeakPurgatory<K, O, S> {
         WeakPurgatory {
             owner: Arc::downgrade(&self.owner),
+            hasher: PhantomData,
         }
     }
 
     fn from_shared(shared: Arc<Shared<K, O>>) -> Self {
         Purgatory {
             owner: Arc::new(Owner { shared }),
+            hasher: PhantomData,
         }
     }
 

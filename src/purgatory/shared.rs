@@ -12,7 +12,7 @@ use crate::loom::thread_index;
 use crate::reaper::{
     drop_contained, drop_each_contained, panic_message, Closed, Core, Job, Padded,
 };
-use crate::watchers::{Removed, Sweep, Watchers};
+use crate::watchers::{KeyHasher, Removed, Sweep, Watchers};
 use tokio::sync::Notify;
 
 /// The most watch-list entries one call visits for the purge.
@@ -211,10 +211,11 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         purge_interval: usize,
         max_pending: Option<usize>,
         name: Arc<str>,
+        hasher: KeyHasher,
     ) -> Self {
         Shared {
             core,
-            watchers: Watchers::new(watcher_shards),
+            watchers: Watchers::new(watcher_shards, hasher),
             admitted: Padded(AtomicUsize::new(0)),
             entries: Padded(Entries::default()),
             books: Books::default(),
