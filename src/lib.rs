@@ -185,6 +185,96 @@
 //! # }
 //! ```
 //!
+//! **An axum long-poll handler**: a request that waits until the log has
+//! records past the client's position, or answers empty after `max_wait`. The
+//! handler is a task already, so it awaits its handle; what the purgatory adds
+//! is the check at registration and on every append, with no wake-up lost
+//! between them. If the client disconnects, axum drops the handler's future,
+//! and with it the handle: the operation is cancelled and leaves the watch
+//! lists. Serve `app` with `axum::serve(listener, app)` as usual; here it is
+//! driven without a socket.
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+//! use std::collections::HashMap;
+//! use std::sync::{Arc, Mutex};
+//! use std::time::Duration;
+//!
+//! use axum::{body::Body, extract::{Query, State}, http::{Request, StatusCode}};
+//! use axum::{routing::{get, post}, Router};
+//! use tokio_purgatory::{Operation, Purgatory};
+//! use tower::ServiceExt as _;
+//!
+//! type Log = Arc<Mutex<HashMap<String, Vec<String>>>>;
+//!
+//! /// Waits for records of `topic` past `from`.
+//! struct LongPoll { log: Log, topic: String, from: usize }
+//! impl Operation for LongPoll {
+//!     type Output = Vec<String>;
+//!     fn try_complete(&mut self) -> Option<Vec<String>> {
+//!         let log = self.log.lock().unwrap();
+//!         let records = log.get(&self.topic)?;
+//!         (records.len() > self.from).then(|| records[self.from..].to_vec())
+//!     }
+//!     fn on_expiration(self) -> Vec<String> { Vec::new() }
+//! }
+//!
+//! #[derive(Clone)]
+//! struct App { log: Log, polls: Purgatory<String, LongPoll> }
+//!
+//! async fn fetch(
+//!     State(app): State<App>,
+//!     Query(q): Query<HashMap<String, String>>,
+//! ) -> Result<String, StatusCode> {
+//!     let topic = q.get("topic").cloned().ok_or(StatusCode::BAD_REQUEST)?;
+//!     let from = q.get("from").and_then(|f| f.parse().ok()).unwrap_or(0);
+//!     let op = LongPoll { log: app.log.clone(), topic: topic.clone(), from };
+//!     let handle = app
+//!         .polls
+//!         .try_complete_else_watch(op, Duration::from_millis(500), [topic])
+//!         .map_err(|_| StatusCode::SERVICE_UNAVAILABLE)?;
+//!     match handle.await {
+//!         Ok(records) => Ok(records.into_inner().join("\n")),
+//!         Err(_) => Err(StatusCode::SERVICE_UNAVAILABLE), // shut down
+//!     }
+//! }
+//!
+//! async fn produce(
+//!     State(app): State<App>,
+//!     Query(q): Query<HashMap<String, String>>,
+//!     record: String,
+//! ) -> StatusCode {
+//!     let Some(topic) = q.get("topic") else { return StatusCode::BAD_REQUEST };
+//!     app.log.lock().unwrap().entry(topic.clone()).or_default().push(record);
+//!     app.polls.try_complete_watched(topic); // after the append, not before
+//!     StatusCode::NO_CONTENT
+//! }
+//!
+//! let state = App { log: Log::default(), polls: Purgatory::new() };
+//! let app = Router::new()
+//!     .route("/fetch", get(fetch))
+//!     .route("/produce", post(produce))
+//!     .with_state(state.clone());
+//!
+//! let get_req = |uri: &str| Request::get(uri).body(Body::empty()).unwrap();
+//! let waiting = tokio::spawn(app.clone().oneshot(get_req("/fetch?topic=t&from=0")));
+//! tokio::task::yield_now().await; // the fetch is parked
+//! assert_eq!(state.polls.delayed(), 1);
+//!
+//! let append = Request::post("/produce?topic=t").body(Body::from("hello")).unwrap();
+//! assert_eq!(app.clone().oneshot(append).await.unwrap().status(), StatusCode::NO_CONTENT);
+//! let answer = waiting.await.unwrap().unwrap();
+//! let body = axum::body::to_bytes(answer.into_body(), 1 << 20).await.unwrap();
+//! assert_eq!(&body[..], b"hello");
+//!
+//! // Nothing past position 1 arrives: the answer is empty, after 500 ms.
+//! let start = tokio::time::Instant::now();
+//! let empty = app.oneshot(get_req("/fetch?topic=t&from=1")).await.unwrap();
+//! assert_eq!(start.elapsed(), Duration::from_millis(500));
+//! assert!(axum::body::to_bytes(empty.into_body(), 1 << 20).await.unwrap().is_empty());
+//! # }
+//! ```
+//!
 //! # Guarantees
 //!
 //! - **Exactly once.** An operation finishes once, by completion, expiry,
