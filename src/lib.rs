@@ -360,7 +360,7 @@ mod wheel;
 
 pub use purgatory::{
     Completion, OpRef, Operation, OperationError, OperationHandle, Purgatory, PurgatoryBuilder,
-    PurgatoryMetrics, WatchError, WatchErrorKind, WatchKey, WeakPurgatory,
+    PurgatoryMetrics, Watch, WatchError, WatchErrorKind, WatchKey, WeakPurgatory,
 };
 pub use reaper::Reaper;
 pub use settings::BuildError;

@@ -37,6 +37,7 @@ use std::sync::atomic::{AtomicIsize, AtomicUsize, Ordering};
 
 use dashmap::mapref::entry::Entry;
 use dashmap::DashMap;
+use std::collections::BinaryHeap;
 
 use crate::loom::thread_index;
 
@@ -166,19 +167,106 @@ struct List<V> {
     /// `items[hole.0..hole.1]` are `None`, all others `Some`. `hole.1` is how
     /// far the purge in progress has gone; `(0, 0)` when none has begun.
     hole: (usize, usize),
+    /// The entries watching the key at a level, lowest level first.
+    levels: BinaryHeap<Leveled<V>>,
+    /// Orders entries of equal level by arrival.
+    next_seq: u64,
+}
+
+/// An entry watching its key at `level`.
+#[derive(Debug)]
+struct Leveled<V> {
+    level: u64,
+    seq: u64,
+    v: V,
+}
+
+impl<V> PartialEq for Leveled<V> {
+    fn eq(&self, o: &Self) -> bool {
+        (self.level, self.seq) == (o.level, o.seq)
+    }
+}
+
+impl<V> Eq for Leveled<V> {}
+
+impl<V> PartialOrd for Leveled<V> {
+    fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(o))
+    }
+}
+
+impl<V> Ord for Leveled<V> {
+    /// Reversed: `BinaryHeap` is a max-heap, and the lowest level comes first.
+    fn cmp(&self, o: &Self) -> std::cmp::Ordering {
+        (o.level, o.seq).cmp(&(self.level, self.seq))
+    }
 }
 
 impl<V> List<V> {
-    fn new(v: V) -> Self {
+    fn new() -> Self {
         List {
-            items: vec![Some(v)],
+            items: Vec::new(),
             hole: (0, 0),
+            levels: BinaryHeap::new(),
+            next_seq: 0,
         }
     }
 
     /// Entries held (the hole is not counted).
     fn len(&self) -> usize {
-        self.items.len() - (self.hole.1 - self.hole.0)
+        self.items.len() - (self.hole.1 - self.hole.0) + self.levels.len()
+    }
+
+    /// Adds an entry watching the key at `level`.
+    fn push_level(&mut self, level: u64, v: V) {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.levels.push(Leveled { level, seq, v });
+    }
+
+    /// The key reached `level`: takes out every level entry at or below it.
+    /// Finished ones go to `out`; each live one is shown to `reached` and put
+    /// back one level above `level`, so that it is still watched while it is
+    /// checked and a later advance asks for it again (a check that said "not
+    /// yet" is so repeated on the next advance, and on no other).
+    fn reach(
+        &mut self,
+        level: u64,
+        finished: impl Fn(&V) -> bool,
+        mut reached: impl FnMut(&V),
+        out: &mut Vec<V>,
+    ) {
+        let mut again = Vec::new();
+        while self.levels.peek().is_some_and(|top| top.level <= level) {
+            let Some(e) = self.levels.pop() else { break };
+            if finished(&e.v) {
+                out.push(e.v);
+            } else {
+                reached(&e.v);
+                again.push(e.v);
+            }
+        }
+        for v in again {
+            self.push_level(level.saturating_add(1), v);
+        }
+    }
+
+    /// Takes the finished level entries out into `out` (a purge's visit).
+    /// Returns how many entries it looked at.
+    fn sweep_levels(&mut self, finished: impl Fn(&V) -> bool, out: &mut Vec<V>) -> usize {
+        let n = self.levels.len();
+        if n > 0 {
+            let mut kept = Vec::with_capacity(n);
+            for e in std::mem::take(&mut self.levels).into_vec() {
+                if finished(&e.v) {
+                    out.push(e.v);
+                } else {
+                    kept.push(e);
+                }
+            }
+            self.levels = BinaryHeap::from(kept);
+        }
+        n
     }
 
     fn is_empty(&self) -> bool {
@@ -234,7 +322,9 @@ impl<V> List<V> {
             // Only `None`s past the kept part: nothing to drop.
             self.items.truncate(kept_end);
             self.hole = (0, 0);
-            (end - start, true)
+            // The level entries in one go: a heap has no order to resume in.
+            let levels = self.sweep_levels(finished, out);
+            (end - start + levels, true)
         } else {
             self.hole = (kept_end, end);
             (end - start, false)
@@ -242,7 +332,10 @@ impl<V> List<V> {
     }
 
     fn into_entries(self) -> impl Iterator<Item = V> {
-        self.items.into_iter().flatten()
+        self.items
+            .into_iter()
+            .flatten()
+            .chain(self.levels.into_iter().map(|e| e.v))
     }
 }
 
@@ -389,38 +482,101 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
         K: 'k,
     {
         for key in keys {
-            let hash = self.hasher.hash_one(key);
-            let probe = Probe {
-                hash,
-                key: Some(key),
-            };
-            let hit = match self.lists.get_mut(&probe as &dyn Lookup<K>) {
-                Some(mut list) => {
-                    list.push(v.clone());
-                    true
-                }
-                None => false,
-            };
-            if !hit {
-                // A first watch: clone before taking the lock (a panicking clone
-                // leaves the map as it was). DashMap stores a clone of this copy,
-                // made under the shard lock, and hands this one back, to be
-                // dropped once the lock is gone.
-                let own = Hashed {
-                    hash,
-                    key: key.clone(),
-                };
-                let copy = match self.lists.entry(own) {
-                    Entry::Occupied(mut list) => {
-                        list.get_mut().push(v.clone());
-                        list.into_key()
-                    }
-                    Entry::Vacant(slot) => slot.insert_entry(List::new(v.clone())).into_key(),
-                };
-                spare.push(copy.key);
-            }
-            self.counted(1);
+            self.add(key, None, v, spare);
             *added += 1;
+        }
+    }
+
+    /// As [`watch`](Self::watch), each key at a level (see [`List::reach`]).
+    pub(crate) fn watch_levels<'k>(
+        &self,
+        keys: impl IntoIterator<Item = (&'k K, u64)>,
+        v: &V,
+        added: &mut usize,
+        spare: &mut Vec<K>,
+    ) where
+        K: 'k,
+    {
+        for (key, level) in keys {
+            self.add(key, Some(level), v, spare);
+            *added += 1;
+        }
+    }
+
+    fn add(&self, key: &K, level: Option<u64>, v: &V, spare: &mut Vec<K>) {
+        let put = |list: &mut List<V>| match level {
+            None => list.push(v.clone()),
+            Some(level) => list.push_level(level, v.clone()),
+        };
+        let hash = self.hasher.hash_one(key);
+        let probe = Probe {
+            hash,
+            key: Some(key),
+        };
+        let hit = match self.lists.get_mut(&probe as &dyn Lookup<K>) {
+            Some(mut list) => {
+                put(&mut list);
+                true
+            }
+            None => false,
+        };
+        if !hit {
+            // A first watch: clone before taking the lock (a panicking clone
+            // leaves the map as it was). DashMap stores a clone of this copy,
+            // made under the shard lock, and hands this one back, to be
+            // dropped once the lock is gone.
+            let own = Hashed {
+                hash,
+                key: key.clone(),
+            };
+            let copy = match self.lists.entry(own) {
+                Entry::Occupied(mut list) => {
+                    put(list.get_mut());
+                    list.into_key()
+                }
+                Entry::Vacant(slot) => {
+                    let mut list = List::new();
+                    put(&mut list);
+                    slot.insert_entry(list).into_key()
+                }
+            };
+            spare.push(copy.key);
+        }
+        self.counted(1);
+    }
+
+    /// `key` reached `level`: copies into `out` the live entries watching it at
+    /// or below that level (each stays watched one level above, see
+    /// [`List::reach`]) and those watching it without a level, and takes the
+    /// finished ones out (and the key, if nothing is left) into `removed`.
+    pub(crate) fn reach<Q>(
+        &self,
+        key: &Q,
+        level: u64,
+        out: &mut Vec<V>,
+        finished: impl Fn(&V) -> bool,
+        removed: &mut Removed<K, V>,
+    ) where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        let probe = Probe {
+            hash: self.hasher.hash_one(key),
+            key: Some(key),
+        };
+        let before = removed.entries.len();
+        let entries = &mut removed.entries;
+        let emptied = self
+            .lists
+            .remove_if_mut(&probe as &dyn Lookup<Q>, |_, list| {
+                list.retain(&finished, |v| out.push(v.clone()), entries);
+                list.reach(level, &finished, |v| out.push(v.clone()), entries);
+                list.is_empty()
+            });
+        self.counted(-((removed.entries.len() - before) as isize));
+        if let Some((k, _)) = emptied {
+            removed.keys.push(k.key);
+            self.key_removed();
         }
     }
 
@@ -562,7 +718,7 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
                         return list.is_empty();
                     }
                     let (visited, end) = list.sweep(left, &finished, entries);
-                    left -= visited;
+                    left = left.saturating_sub(visited);
                     key_done = end;
                     list.is_empty()
                 });

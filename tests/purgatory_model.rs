@@ -1,5 +1,11 @@
 //! Model test: random streams of register / event / cancel / drop / advance against
 //! a plain reference (`HashMap` of live operations), checked after every step.
+//! Some operations watch keys at levels (`Watch::level`), alone or beside plain
+//! watches, and level steps move a key's level up or down
+//! (`try_complete_reached`): the reference tracks the level each such watch is
+//! armed at (its own, then one above each advance that checked it and found it
+//! not yet completable) and predicts exactly which operations each advance
+//! checks and completes.
 //! Prints the seed on failure; rerun one with `PURGATORY_MODEL_SEED=<seed>`.
 //!
 //! The hostile rounds add user code that fights back at random points: keys whose
@@ -12,13 +18,15 @@
 use std::collections::{BTreeMap, HashMap};
 use std::hash::{Hash, Hasher};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::FutureExt;
 use tokio::time::Instant;
-use tokio_purgatory::{Completion, OpRef, Operation, OperationError, OperationHandle, Purgatory};
+use tokio_purgatory::{
+    Completion, OpRef, Operation, OperationError, OperationHandle, Purgatory, Watch,
+};
 
 mod support;
 use support::rng::Rng;
@@ -95,6 +103,17 @@ struct World {
     /// may then complete some of them itself (counted here).
     in_event: AtomicBool,
     completed_by_call_backs: AtomicUsize,
+    /// Each key's level, as the operations' checks read it.
+    levels: [AtomicU64; 8],
+}
+
+impl World {
+    fn reached(&self, needs: &[(u8, u64)]) -> bool {
+        !needs.is_empty()
+            && needs
+                .iter()
+                .all(|&(k, l)| self.levels[k as usize].load(Ordering::SeqCst) >= l)
+    }
 }
 
 impl World {
@@ -123,6 +142,8 @@ impl World {
 struct Op {
     id: u64,
     ready: Arc<AtomicBool>,
+    /// Keys and levels it waits for (completable once all are reached).
+    needs: Vec<(u8, u64)>,
     check_panics: bool,
     on_drop: OnDrop,
     out_drop: OnDrop,
@@ -184,7 +205,8 @@ impl Operation for Op {
         if self.check_panics {
             panic!("model: hostile check");
         }
-        self.ready.load(Ordering::SeqCst).then(|| Out::new(self))
+        (self.ready.load(Ordering::SeqCst) || self.world.reached(&self.needs))
+            .then(|| Out::new(self))
     }
     fn on_expiration(self) -> Out {
         // Drop the operation before making the output: when a parameter's drop
@@ -209,6 +231,9 @@ enum Expect {
 
 struct Live {
     keys: Vec<u8>,
+    /// Level watches: key, the level it is armed at, the level it needs.
+    levels: Vec<(u8, u64)>,
+    needs: Vec<(u8, u64)>,
     deadline: Instant,
     ready: Arc<AtomicBool>,
     check_panics: bool,
@@ -216,6 +241,14 @@ struct Live {
 }
 
 impl Live {
+    fn completable(&self, world: &World) -> bool {
+        !self.check_panics && (self.ready.load(Ordering::SeqCst) || world.reached(&self.needs))
+    }
+
+    fn watches(&self, key: u8) -> bool {
+        self.keys.contains(&key) || self.levels.iter().any(|&(k, _)| k == key)
+    }
+
     fn expiry(&self) -> Expect {
         if self.drop_panics {
             Expect::ExpiryPanicked
@@ -246,7 +279,10 @@ fn pick_drop(rng: &mut Rng, hostile: bool) -> OnDrop {
     }
 }
 
-async fn run(seed: u64, steps: usize, hostile: bool) -> Result<(), String> {
+/// `levels`: a run weighted to level watches (every operation has some, on 3
+/// keys, with long timeouts and frequent level moves), so that watches re-armed
+/// by one advance meet later advances and regressions.
+async fn run(seed: u64, steps: usize, hostile: bool, levels: bool) -> Result<(), String> {
     let mut rng = Rng(seed);
     let world = Arc::new(World::default());
     let p: Purgatory<Key, Op> = Purgatory::builder()
@@ -267,36 +303,81 @@ async fn run(seed: u64, steps: usize, hostile: bool) -> Result<(), String> {
 
     for step in 0..steps {
         let before = p.metrics();
-        match rng.below(13) {
+        let mut choice = rng.below(15);
+        if levels && choice >= 12 && rng.below(3) != 0 {
+            choice = 10; // fewer time steps, more level moves
+        }
+        match choice {
             0..=3 => {
                 let id = next_id;
                 next_id += 1;
-                let nkeys = 1 + rng.below(3) as usize;
+                // Plain keys, keys at levels, or both (not both under hostile
+                // code: a call back's walk of a plain key could then complete an
+                // operation its levels satisfy, which no step predicts).
+                let shape = match (levels, hostile) {
+                    (true, true) => 1,
+                    (true, false) => 1 + rng.below(2),
+                    (false, true) => rng.below(2),
+                    (false, false) => rng.below(3),
+                };
+                let nkeys = if shape == 1 {
+                    0
+                } else {
+                    1 + rng.below(3) as usize
+                };
+                let nlevels = if shape == 0 {
+                    0
+                } else {
+                    1 + rng.below(2) as usize
+                };
                 let ids: Vec<u8> = (0..nkeys).map(|_| rng.below(8) as u8).collect();
-                let mut keys: Vec<Key> = ids.iter().map(|&k| Key::plain(k)).collect();
+                let needs: Vec<(u8, u64)> = (0..nlevels)
+                    .map(|_| {
+                        let k = rng.below(if levels { 3 } else { 8 }) as u8;
+                        let now = world.levels[k as usize].load(Ordering::SeqCst);
+                        (k, (now + rng.below(40)).saturating_sub(8))
+                    })
+                    .collect();
+                let mut keys: Vec<Key> = ids
+                    .iter()
+                    .chain(needs.iter().map(|(k, _)| k))
+                    .map(|&k| Key::plain(k))
+                    .collect();
                 if hostile && rng.below(8) == 0 {
-                    let i = rng.below(nkeys as u64) as usize;
+                    let i = rng.below(keys.len() as u64) as usize;
                     keys[i].fault = if rng.below(2) == 0 {
                         Fault::Hash
                     } else {
                         Fault::Clone
                     };
                 }
+                let level_keys = keys.split_off(nkeys);
+                let level_watches: Vec<Watch<Key>> = level_keys
+                    .into_iter()
+                    .zip(&needs)
+                    .map(|(k, &(_, l))| Watch::level(k, l))
+                    .collect();
                 let ready = Arc::new(AtomicBool::new(rng.below(10) == 0));
                 let check_panics = hostile && rng.below(10) == 0;
                 let on_drop = pick_drop(&mut rng, hostile);
-                let timeout = Duration::from_millis(1 + rng.below(100));
+                let timeout = Duration::from_millis(1 + rng.below(if levels { 1000 } else { 100 }));
                 world.ops_made.fetch_add(1, Ordering::SeqCst);
                 let op = Op {
                     id,
                     ready: ready.clone(),
+                    needs: needs.clone(),
                     check_panics,
                     on_drop,
                     out_drop: pick_drop(&mut rng, hostile),
                     world: world.clone(),
                 };
                 let registered = catch_unwind(AssertUnwindSafe(|| {
-                    p.try_complete_else_watch(op, timeout, keys)
+                    if nlevels == 0 {
+                        p.try_complete_else_watch(op, timeout, keys)
+                    } else {
+                        let plain = keys.into_iter().map(Watch::key);
+                        p.try_complete_else_watch_levels(op, timeout, plain.chain(level_watches))
+                    }
                 }));
                 let handle = match registered {
                     Ok(r) => r.map_err(|e| format!("step {step}: registration failed: {e}"))?,
@@ -312,22 +393,24 @@ async fn run(seed: u64, steps: usize, hostile: bool) -> Result<(), String> {
                         continue;
                     }
                 };
-                if ready.load(Ordering::SeqCst) && !check_panics {
+                let entry = Live {
+                    keys: {
+                        let mut keys = ids;
+                        keys.sort();
+                        keys.dedup();
+                        keys
+                    },
+                    levels: needs.clone(),
+                    needs,
+                    deadline: Instant::now() + timeout,
+                    ready,
+                    check_panics,
+                    drop_panics: on_drop == OnDrop::Panic,
+                };
+                if entry.completable(&world) {
                     expect.insert(id, Expect::Completed);
                 } else {
-                    let mut keys = ids;
-                    keys.sort();
-                    keys.dedup();
-                    live.insert(
-                        id,
-                        Live {
-                            keys,
-                            deadline: Instant::now() + timeout,
-                            ready,
-                            check_panics,
-                            drop_panics: on_drop == OnDrop::Panic,
-                        },
-                    );
+                    live.insert(id, entry);
                 }
                 let op_ref = handle.op_ref();
                 tracked.insert(id, Tracked { handle, op_ref });
@@ -345,8 +428,7 @@ async fn run(seed: u64, steps: usize, hostile: bool) -> Result<(), String> {
                     if rng.below(2) == 0 {
                         live[&id].ready.store(true, Ordering::SeqCst);
                     }
-                    let l = &live[&id];
-                    if l.ready.load(Ordering::SeqCst) && !l.check_panics {
+                    if live[&id].completable(&world) {
                         want += 1;
                         finish(&mut live, &mut expect, id, Expect::Completed);
                     }
@@ -387,7 +469,7 @@ async fn run(seed: u64, steps: usize, hostile: bool) -> Result<(), String> {
                 let key = rng.below(8) as u8;
                 let ids: Vec<u64> = live
                     .iter()
-                    .filter(|(_, l)| l.keys.contains(&key))
+                    .filter(|(_, l)| l.watches(key))
                     .map(|(id, _)| *id)
                     .collect();
                 let back = catch_unwind(AssertUnwindSafe(|| p.cancel_for_key(&Key::plain(key))))
@@ -416,6 +498,45 @@ async fn run(seed: u64, steps: usize, hostile: bool) -> Result<(), String> {
                     catch_unwind(AssertUnwindSafe(move || drop(t)))
                         .map_err(|_| format!("step {step}: dropping a handle panicked"))?;
                     live.remove(&id);
+                }
+            }
+            10 | 11 => {
+                // A key's level moves: mostly up, sometimes down (truncation).
+                let key = rng.below(if levels { 3 } else { 8 }) as u8;
+                let cur = world.levels[key as usize].load(Ordering::SeqCst);
+                let level = if rng.below(5) == 0 {
+                    cur.saturating_sub(rng.below(20))
+                } else {
+                    cur + rng.below(25)
+                };
+                world.levels[key as usize].store(level, Ordering::SeqCst);
+                let mut want = 0;
+                let ids: Vec<u64> = live.keys().copied().collect();
+                for id in ids {
+                    let l = live.get_mut(&id).unwrap();
+                    let hit = l.levels.iter().any(|&(k, at)| k == key && at <= level);
+                    if !(hit || l.keys.contains(&key)) {
+                        continue;
+                    }
+                    if l.completable(&world) {
+                        want += 1;
+                        finish(&mut live, &mut expect, id, Expect::Completed);
+                    } else {
+                        for w in l.levels.iter_mut() {
+                            if w.0 == key && w.1 <= level {
+                                w.1 = level + 1;
+                            }
+                        }
+                    }
+                }
+                let got = catch_unwind(AssertUnwindSafe(|| {
+                    p.try_complete_reached(&Key::plain(key), level)
+                }))
+                .map_err(|_| format!("step {step}: an advance panicked"))?;
+                if got != want {
+                    return Err(format!(
+                        "step {step}: try_complete_reached({key}, {level}) = {got}, expected {want}"
+                    ));
                 }
             }
             9 if hostile => {
@@ -561,7 +682,7 @@ fn quiet_hostile_panics() {
 
 /// Runs `rounds` seeds from `base` on their own thread, bounded in time (a
 /// deadlock fails the test instead of hanging it).
-fn rounds(hostile: bool, default_base: u64) {
+fn rounds(hostile: bool, levels: bool, default_base: u64) {
     quiet_hostile_panics();
     let fixed = std::env::var("PURGATORY_MODEL_SEED")
         .ok()
@@ -577,7 +698,9 @@ fn rounds(hostile: bool, default_base: u64) {
                 .start_paused(true)
                 .build()
                 .unwrap();
-            let r = catch_unwind(AssertUnwindSafe(|| rt.block_on(run(seed, 1500, hostile))));
+            let r = catch_unwind(AssertUnwindSafe(|| {
+                rt.block_on(run(seed, 1500, hostile, levels))
+            }));
             let r = match r {
                 Ok(r) => r,
                 Err(_) => Err("a panic escaped the purgatory".to_string()),
@@ -598,10 +721,20 @@ fn rounds(hostile: bool, default_base: u64) {
 
 #[test]
 fn purgatory_matches_the_reference_model() {
-    rounds(false, 0xC0FFEE);
+    rounds(false, false, 0xC0FFEE);
 }
 
 #[test]
 fn purgatory_matches_the_reference_model_under_hostile_user_code() {
-    rounds(true, 0xBAD_C0DE);
+    rounds(true, false, 0xBAD_C0DE);
+}
+
+#[test]
+fn level_watches_match_the_reference_model() {
+    rounds(false, true, 0x1E7E1);
+}
+
+#[test]
+fn level_watches_match_the_reference_model_under_hostile_user_code() {
+    rounds(true, true, 0x1E7E1_BAD);
 }

@@ -27,7 +27,8 @@ pub use self::builder::PurgatoryBuilder;
 use self::cell::{Checked, Fate, OpCell};
 pub use self::error::{OperationError, WatchError, WatchErrorKind};
 pub use self::handle::{OpRef, OperationHandle};
-use self::keys::KeyList;
+pub use self::keys::Watch;
+use self::keys::Watches;
 pub use self::operation::{Completion, Operation, WatchKey};
 use self::shared::{closed_refusal, Expiry, Shared};
 use crate::clock::deadline_after;
@@ -435,7 +436,13 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
         I: IntoIterator<Item = K>,
     {
         let now = Instant::now();
-        self.register(op, now, deadline_after(now, timeout), keys)
+        self.register(
+            op,
+            now,
+            deadline_after(now, timeout),
+            |k| Watches::plain(k),
+            keys,
+        )
     }
 
     /// As [`try_complete_else_watch`](Purgatory::try_complete_else_watch), with the
@@ -486,22 +493,150 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
     where
         I: IntoIterator<Item = K>,
     {
-        self.register(op, Instant::now(), deadline, keys)
+        self.register(op, Instant::now(), deadline, |k| Watches::plain(k), keys)
     }
 
+    /// As [`try_complete_else_watch`](Purgatory::try_complete_else_watch), with
+    /// some keys watched **at a level** ([`Watch::level`]): a `u64` the key's
+    /// number must reach (an offset, a high watermark, a log end in bytes)
+    /// before the operation is checked for it. Plain watches ([`Watch::key`],
+    /// or a key converted with `.into()`) may be mixed in, on the same keys or
+    /// others.
+    ///
+    /// A watch at a level is served by
+    /// [`try_complete_reached`](Purgatory::try_complete_reached): the key's
+    /// watchers at a level are kept ordered by level, and an advance takes out
+    /// exactly those at or below the new level, in O(k log n) for k of them
+    /// among n, without looking at the others. This is the produce with
+    /// `acks=all` waiting for the high watermark to cover its last offset: each
+    /// advance checks the produces it satisfies, not every one in flight.
+    ///
+    /// As for plain watches, the operation is checked before it watches and
+    /// again after, so an event between the two is not missed: one registered at
+    /// level 100 on a key already at 120 completes here if its check says so.
+    /// Plain duplicate keys are watched once; a key given at several levels is
+    /// watched at each.
+    ///
+    /// # Errors
+    ///
+    /// As [`try_complete_else_watch`](Purgatory::try_complete_else_watch)
+    /// ([`WatchError::NoKeys`] when `watches` is empty).
+    ///
+    /// # Panics
+    ///
+    /// As [`try_complete_else_watch`](Purgatory::try_complete_else_watch).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// use std::sync::atomic::{AtomicU64, Ordering};
+    /// use std::sync::Arc;
+    /// use std::time::Duration;
+    /// use tokio_purgatory::{Completion, Operation, Purgatory, Watch};
+    ///
+    /// /// A produce with `acks=all`: done once the high watermark covers `last`.
+    /// struct Produce { hw: Arc<AtomicU64>, last: u64 }
+    /// impl Operation for Produce {
+    ///     type Output = &'static str;
+    ///     fn try_complete(&mut self) -> Option<&'static str> {
+    ///         (self.hw.load(Ordering::Acquire) > self.last).then_some("ok")
+    ///     }
+    ///     fn on_expiration(self) -> &'static str { "REQUEST_TIMED_OUT" }
+    /// }
+    ///
+    /// let produces: Purgatory<&str, Produce> = Purgatory::new();
+    /// let hw = Arc::new(AtomicU64::new(0));
+    /// let mut handles = Vec::new();
+    /// for last in [9, 19, 29] {
+    ///     let op = Produce { hw: hw.clone(), last };
+    ///     // The high watermark must pass `last`: reach `last + 1`.
+    ///     let watch = [Watch::level("orders-0", last + 1)];
+    ///     handles.push(produces.try_complete_else_watch_levels(op, Duration::from_secs(30), watch).unwrap());
+    /// }
+    /// // A follower caught up to offset 20: the first two are covered.
+    /// hw.store(20, Ordering::Release);
+    /// assert_eq!(produces.try_complete_reached("orders-0", 20), 2);
+    /// assert_eq!(produces.delayed(), 1);
+    /// # for h in handles.drain(..2) { assert_eq!(h.await, Ok(Completion::Completed("ok"))); }
+    /// # }
+    /// ```
+    pub fn try_complete_else_watch_levels<I>(
+        &self,
+        op: O,
+        timeout: Duration,
+        watches: I,
+    ) -> Result<OperationHandle<K, O>, WatchError<O>>
+    where
+        I: IntoIterator<Item = Watch<K>>,
+    {
+        let now = Instant::now();
+        self.register(
+            op,
+            now,
+            deadline_after(now, timeout),
+            |w| Watches::mixed(w),
+            watches,
+        )
+    }
+
+    /// As [`try_complete_else_watch_levels`](Purgatory::try_complete_else_watch_levels),
+    /// with the timeout given as an instant.
+    ///
+    /// # Errors
+    ///
+    /// As [`try_complete_else_watch`](Purgatory::try_complete_else_watch).
+    ///
+    /// # Panics
+    ///
+    /// As [`try_complete_else_watch`](Purgatory::try_complete_else_watch).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// use std::time::Duration;
+    /// use tokio::time::Instant;
+    /// use tokio_purgatory::{Completion, Operation, Purgatory, Watch};
+    ///
+    /// struct Replica;
+    /// impl Operation for Replica {
+    ///     type Output = bool;
+    ///     fn try_complete(&mut self) -> Option<bool> { None }
+    ///     fn on_expiration(self) -> bool { false }
+    /// }
+    ///
+    /// let p: Purgatory<u32, Replica> = Purgatory::new();
+    /// let deadline = Instant::now() + Duration::from_millis(500);
+    /// let h = p.try_complete_else_watch_levels_at(Replica, deadline, [Watch::level(0, 42)]).unwrap();
+    /// assert_eq!(h.await, Ok(Completion::Expired(false)));
+    /// # }
+    /// ```
+    pub fn try_complete_else_watch_levels_at<I>(
+        &self,
+        op: O,
+        deadline: Instant,
+        watches: I,
+    ) -> Result<OperationHandle<K, O>, WatchError<O>>
+    where
+        I: IntoIterator<Item = Watch<K>>,
+    {
+        self.register(op, Instant::now(), deadline, |w| Watches::mixed(w), watches)
+    }
+
+    /// Registers `op` on `watches`, made from `given` by `make` (which runs key
+    /// code: `Eq`, and `Hash` past a few keys).
     fn register<I>(
         &self,
         mut op: O,
         now: Instant,
         deadline: Instant,
-        keys: I,
-    ) -> Result<OperationHandle<K, O>, WatchError<O>>
-    where
-        I: IntoIterator<Item = K>,
-    {
+        make: impl FnOnce(I) -> (Watches<K>, Vec<K>),
+        given: I,
+    ) -> Result<OperationHandle<K, O>, WatchError<O>> {
         let shared = self.shared();
         // Key code may panic: nothing is counted or registered until it has run.
-        let keys = match catch_unwind(AssertUnwindSafe(|| KeyList::distinct(keys))) {
+        let keys = match catch_unwind(AssertUnwindSafe(|| make(given))) {
             Ok((keys, dups)) => {
                 shared.drop_keys(dups);
                 keys
@@ -554,7 +689,13 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
         let watched = catch_unwind(AssertUnwindSafe(|| {
             shared
                 .watchers
-                .watch(keys.iter(), &cell, &mut added, &mut spare)
+                .watch(keys.keys.iter(), &cell, &mut added, &mut spare);
+            shared.watchers.watch_levels(
+                keys.levels.iter().map(|(k, l)| (k, *l)),
+                &cell,
+                &mut added,
+                &mut spare,
+            );
         }));
         shared.drop_keys(spare);
         if let Err(panic) = watched {
@@ -608,6 +749,90 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
         shared.maybe_purge();
         shared.drop_keys(keys);
         Ok(OperationHandle::waiting(cell))
+    }
+
+    /// `key` reached `level` (a high watermark advanced, a log grew): checks the
+    /// operations watching `key` at a level at most `level`, and those watching
+    /// it without a level (as [`try_complete_watched`](Purgatory::try_complete_watched)
+    /// does), and completes those that can be. Returns how many this call
+    /// completed. Operations watching `key` above `level` are not looked at:
+    /// the cost is O(k log n) for the k at or below `level` among the n
+    /// watching the key at a level, plus the plain watchers.
+    ///
+    /// Call it after the change the operations' checks read is visible (after
+    /// the high watermark is stored), as for `try_complete_watched`.
+    ///
+    /// **A check that says "not yet"** after the key reached its level (an
+    /// operation that also waits for another partition, a fetch whose
+    /// `min_bytes` the new data does not fill yet) leaves the operation
+    /// watching `key` one level above `level`: it is checked again by the next
+    /// call whose level is higher than this one, and not by calls that do not
+    /// move the key past `level`. Its other watches and its timeout are
+    /// unchanged. Such operations are re-checked once per advance until they
+    /// complete, time out or are cancelled; the others are never touched.
+    ///
+    /// **A level lower than before** (a leader change truncating the log)
+    /// checks what watches the key at or below it, and the plain watchers, as
+    /// any call does; operations waiting above it keep waiting until the key
+    /// comes back up to their level. The purgatory keeps no level per key: each
+    /// call says where the key stands, and checks are what decide completion.
+    ///
+    /// Which thread runs the checks, and what a check may do, are as for
+    /// [`try_complete_watched`](Purgatory::try_complete_watched).
+    ///
+    /// # Panics
+    ///
+    /// When the key's `Hash` or `Eq`, or the hasher, panics (nothing is
+    /// changed then).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// use std::sync::atomic::{AtomicU64, Ordering};
+    /// use std::sync::Arc;
+    /// use std::time::Duration;
+    /// use tokio_purgatory::{Operation, Purgatory, Watch};
+    ///
+    /// struct UpTo(Arc<AtomicU64>, u64);
+    /// impl Operation for UpTo {
+    ///     type Output = ();
+    ///     fn try_complete(&mut self) -> Option<()> {
+    ///         (self.0.load(Ordering::Acquire) >= self.1).then_some(())
+    ///     }
+    ///     fn on_expiration(self) {}
+    /// }
+    ///
+    /// let p: Purgatory<u32, UpTo> = Purgatory::new();
+    /// let hw = Arc::new(AtomicU64::new(0));
+    /// for level in 1..=1000 {
+    ///     p.try_complete_else_watch_levels(UpTo(hw.clone(), level), Duration::from_secs(5), [Watch::level(7, level)])
+    ///         .unwrap()
+    ///         .detach();
+    /// }
+    /// hw.store(3, Ordering::Release);
+    /// assert_eq!(p.try_complete_reached(&7, 3), 3, "three checks, not a thousand");
+    /// assert_eq!(p.delayed(), 997);
+    /// # }
+    /// ```
+    pub fn try_complete_reached<Q>(&self, key: &Q, level: u64) -> usize
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        let shared = self.shared();
+        let mut live = Vec::new();
+        let mut removed = Removed::default();
+        shared
+            .watchers
+            .reach(key, level, &mut live, |c| c.is_finished(), &mut removed);
+        shared.drop_removed(removed);
+        let completed = live.iter().filter(|cell| cell.check()).count();
+        drop_each_contained(live, |p| {
+            shared.note_panic("drop of an operation's cell", p)
+        });
+        shared.maybe_purge();
+        completed
     }
 
     /// Checks the operations watching `key` and completes those that can be (Kafka's
