@@ -736,5 +736,5 @@ fn level_watches_match_the_reference_model() {
 
 #[test]
 fn level_watches_match_the_reference_model_under_hostile_user_code() {
-    rounds(true, true, 0x1E7E1_BAD);
+    rounds(true, true, 0x1E7E_1BAD);
 }
