@@ -1,27 +1,38 @@
-//! A broker's produce path with `acks=all`, on a purgatory.
+//! A broker's produce and fetch paths, on two purgatories sharing one reaper.
 //!
 //! Run: `cargo run --release --example broker`
 //!
 //! Producers append batches to partitions of a topic and register a
-//! `DelayedProduce` that waits until every in-sync replica has acknowledged the
-//! batch's last offset, watched under each partition it wrote to. Replica fetchers
-//! acknowledge offsets and call `try_complete_watched` for the partition they
-//! advanced. One replica is stuck on partition 3, so requests that touch it time
-//! out. Request handlers await their handles; at the end the program prints a
-//! summary and checks the purgatory's counts balance.
+//! `DelayedProduce` (`acks=all`) that waits until every in-sync replica has
+//! acknowledged the batch's last offset: it watches each partition it wrote to
+//! **at that offset** (`Watch::level`). Replica fetchers acknowledge offsets
+//! and, when a partition's high watermark moves, call `try_complete_reached`
+//! with it: only the produces the new high watermark covers are checked, not
+//! every one in flight. One replica is stuck on partition 3, so requests that
+//! touch it time out.
+//!
+//! Consumers long-poll with a `DelayedFetch` that waits for `MIN_RECORDS` past
+//! their position or `MAX_WAIT`, watching their partition at the log end it
+//! needs; each append advances the partition's log end the same way.
+//!
+//! Request handlers await their handles; at the end the program prints a
+//! summary and checks the purgatories' counts balance.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::time::Instant;
-use tokio_purgatory::{Completion, Operation, Purgatory};
+use tokio_purgatory::{Completion, Operation, Purgatory, Reaper, Watch};
 
 const PARTITIONS: usize = 8;
 const REPLICAS: usize = 3; // the leader and two followers
 const STUCK_PARTITION: usize = 3;
 const REQUESTS: u64 = 20_000;
 const TIMEOUT: Duration = Duration::from_millis(100);
+const CONSUMERS: usize = 16;
+const MIN_RECORDS: u64 = 200;
+const MAX_WAIT: Duration = Duration::from_millis(20);
 
 /// A partition's leader log end and each replica's acknowledged offset.
 struct Partition {
@@ -84,6 +95,35 @@ impl Operation for DelayedProduce {
     }
 }
 
+/// Kafka's `DelayedFetch` on one partition: done once the log holds
+/// `MIN_RECORDS` offsets past `position`; at `MAX_WAIT`, answers with what there
+/// is.
+struct DelayedFetch {
+    cluster: Arc<Cluster>,
+    partition: usize,
+    position: u64,
+}
+
+impl DelayedFetch {
+    fn available(&self) -> u64 {
+        let end = self.cluster.partitions[self.partition]
+            .log_end
+            .load(Ordering::Acquire);
+        end.saturating_sub(self.position)
+    }
+}
+
+impl Operation for DelayedFetch {
+    type Output = u64; // offsets returned
+    fn try_complete(&mut self) -> Option<u64> {
+        let n = self.available();
+        (n >= MIN_RECORDS).then_some(n)
+    }
+    fn on_expiration(self) -> u64 {
+        self.available()
+    }
+}
+
 #[derive(Default)]
 struct Summary {
     ok: u64,
@@ -102,11 +142,19 @@ async fn main() {
             })
             .collect(),
     });
+    // One reaper task serves both purgatories.
+    let reaper = Reaper::start().expect("inside a runtime");
     let purgatory: Purgatory<Key, DelayedProduce> = Purgatory::builder()
         .name("produce")
         .max_pending(50_000)
+        .reaper(&reaper)
         .build()
-        .expect("inside a runtime");
+        .expect("valid settings");
+    let fetches: Purgatory<Key, DelayedFetch> = Purgatory::builder()
+        .name("fetch")
+        .reaper(&reaper)
+        .build()
+        .expect("valid settings");
     let summary = Arc::new(Mutex::new(Summary::default()));
     let started = Instant::now();
 
@@ -127,8 +175,47 @@ async fn main() {
                     let part = &cluster.partitions[p];
                     let end = part.log_end.load(Ordering::Acquire);
                     if part.acked[replica].swap(end, Ordering::AcqRel) != end {
-                        purgatory.try_complete_watched(&("orders", p));
+                        // The high watermark may have moved: check the
+                        // produces it now covers, and only those.
+                        let hw = cluster.high_watermark(p);
+                        purgatory.try_complete_reached(&("orders", p), hw);
                     }
+                }
+            }
+        }));
+    }
+
+    // Consumers: long-poll fetches from their position, one partition each.
+    let producing = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let fetch_counts = Arc::new([AtomicU64::new(0), AtomicU64::new(0)]); // [filled, at max_wait]
+    let mut consumers = Vec::new();
+    for c in 0..CONSUMERS {
+        let (cluster, fetches) = (cluster.clone(), fetches.clone());
+        let (producing, counts) = (producing.clone(), fetch_counts.clone());
+        consumers.push(tokio::spawn(async move {
+            let partition = c % PARTITIONS;
+            let mut position = 0;
+            while producing.load(Ordering::Acquire) {
+                let op = DelayedFetch {
+                    cluster: cluster.clone(),
+                    partition,
+                    position,
+                };
+                // Watch the partition at the log end this fetch needs.
+                let needs = Watch::level(("orders", partition), position + MIN_RECORDS);
+                let handle = fetches
+                    .try_complete_else_watch_levels(op, MAX_WAIT, [needs])
+                    .expect("fetch registered");
+                match handle.await {
+                    Ok(Completion::Completed(n)) => {
+                        counts[0].fetch_add(1, Ordering::Relaxed);
+                        position += n;
+                    }
+                    Ok(Completion::Expired(n)) => {
+                        counts[1].fetch_add(1, Ordering::Relaxed);
+                        position += n;
+                    }
+                    Err(e) => panic!("fetch failed: {e}"),
                 }
             }
         }));
@@ -145,6 +232,8 @@ async fn main() {
             let part = &cluster.partitions[p];
             let offset = part.log_end.fetch_add(10, Ordering::AcqRel) + 10;
             part.acked[0].fetch_max(offset, Ordering::AcqRel); // the leader's own ack
+                                                               // The log grew: fetches waiting for this much data can answer.
+            fetches.try_complete_reached(&("orders", p), offset);
             writes.push((p, offset));
         }
         writes.dedup_by_key(|w| w.0);
@@ -153,8 +242,13 @@ async fn main() {
             writes,
             started: Instant::now(),
         };
-        let keys: Vec<Key> = partitions.iter().map(|&p| ("orders", p)).collect();
-        match purgatory.try_complete_else_watch(op, TIMEOUT, keys) {
+        // Each partition written, at the offset its high watermark must reach.
+        let watches: Vec<Watch<Key>> = op
+            .writes
+            .iter()
+            .map(|&(p, offset)| Watch::level(("orders", p), offset))
+            .collect();
+        match purgatory.try_complete_else_watch_levels(op, TIMEOUT, watches) {
             Ok(handle) => {
                 let summary = summary.clone();
                 handlers.push(tokio::spawn(async move {
@@ -180,6 +274,10 @@ async fn main() {
     }
     for h in handlers {
         h.await.expect("handler");
+    }
+    producing.store(false, Ordering::Release);
+    for c in consumers {
+        c.await.expect("consumer");
     }
     for f in fetchers {
         f.abort();
@@ -209,6 +307,11 @@ async fn main() {
         "  timed out: {:>6}  ({} waiting on partition {STUCK_PARTITION}, whose follower is stuck)",
         s.timed_out, s.timed_out_on_stuck
     );
+    println!(
+        "fetch requests (min {MIN_RECORDS} offsets, max_wait {MAX_WAIT:?}) from {CONSUMERS} consumers: {} answered with enough data, {} at max_wait",
+        fetch_counts[0].load(Ordering::Relaxed),
+        fetch_counts[1].load(Ordering::Relaxed)
+    );
     println!("  elapsed:   {:.2} s", elapsed.as_secs_f64());
     println!(
         "purgatory: registered {}, completed {}, expired {}, cancelled {}, purged tombstones {}, reaper wake-ups {}",
@@ -228,4 +331,10 @@ async fn main() {
         );
     }
     assert_eq!(purgatory.delayed(), 0);
+    let f = fetches.metrics();
+    assert_eq!(
+        f.registered,
+        f.completed + f.expired + f.cancelled + f.handed_back
+    );
+    assert_eq!(fetches.delayed(), 0);
 }

@@ -54,7 +54,7 @@ use dashmap::DashMap;
 use hdrhistogram::Histogram;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
-use tokio_purgatory::{OpRef, Operation, Purgatory};
+use tokio_purgatory::{OpRef, Operation, Purgatory, Watch};
 
 // ---------------------------------------------------------------- options
 
@@ -66,6 +66,14 @@ enum Mode {
     Key,
     /// As `kafka`, with a task per request awaiting its handle.
     Awaited,
+    /// `acks=all` on partitions: each request is a produce at the next offset
+    /// of a random partition (of `--key-space-size`), done once the
+    /// partition's high watermark passes it; the driver advances the high
+    /// watermark to cover each request when its completion time comes (so it
+    /// covers every lower offset too). This crate watches at the offset
+    /// (`Watch::level`, `try_complete_reached`); the peers walk the
+    /// partition's watchers.
+    Offsets,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -232,13 +240,48 @@ impl Counts {
 struct FakeOp {
     completes_at: Option<Instant>,
     deadline: Instant,
+    level: Option<Level>,
     _data: Vec<u8>,
     counts: Arc<Counts>,
 }
 
 impl FakeOp {
     fn completable(&self) -> bool {
-        self.completes_at.is_some_and(|t| Instant::now() >= t)
+        match &self.level {
+            Some(l) => l.reached(),
+            None => self.completes_at.is_some_and(|t| Instant::now() >= t),
+        }
+    }
+}
+
+/// `--mode offsets`: a produce's offset on its partition's high watermark.
+#[derive(Clone)]
+struct Level {
+    hw: Arc<AtomicU64>,
+    offset: u64,
+}
+
+impl Level {
+    fn reached(&self) -> bool {
+        self.hw.load(Ordering::Acquire) > self.offset
+    }
+}
+
+/// `--mode offsets`: each partition's next offset and high watermark.
+struct Partitions(Vec<(AtomicU64, Arc<AtomicU64>)>);
+
+impl Partitions {
+    fn new(n: usize) -> Partitions {
+        Partitions(
+            (0..n)
+                .map(|_| (AtomicU64::new(0), Arc::default()))
+                .collect(),
+        )
+    }
+    /// Advances partition `p`'s high watermark past `offset`; returns it.
+    fn cover(&self, p: u32, offset: u64) -> u64 {
+        let hw = &self.0[p as usize].1;
+        hw.fetch_max(offset + 1, Ordering::AcqRel).max(offset + 1)
     }
 }
 
@@ -260,6 +303,8 @@ enum Token {
     Key(u32),
     Signal(oneshot::Sender<()>),
     Id(u64),
+    /// `--mode offsets`: cover this partition's offset.
+    Reach(u32, u64),
 }
 
 /// The completion driver's tokens, in 1 ms slots from the start; `next` is the
@@ -281,7 +326,11 @@ enum Target {
 // ---- peer (a): a task per request, `tokio::time::timeout` on a signal, DashMap of watchers
 
 /// A watcher of the task-per-request peer: when it completes, and its signal.
-type Watcher = (Option<Instant>, Arc<Mutex<Option<oneshot::Sender<()>>>>);
+type Watcher = (
+    Option<Instant>,
+    Option<Level>,
+    Arc<Mutex<Option<oneshot::Sender<()>>>>,
+);
 
 struct TaskPeer {
     watchers: DashMap<u32, HashMap<u64, Watcher>>,
@@ -297,7 +346,7 @@ impl TaskPeer {
             self.watchers
                 .entry(*k)
                 .or_default()
-                .insert(id, (op.completes_at, tx.clone()));
+                .insert(id, (op.completes_at, op.level.clone(), tx.clone()));
         }
         let me = self.clone();
         let keys = keys.to_vec();
@@ -330,8 +379,11 @@ impl TaskPeer {
         let due: Vec<_> = match self.watchers.get(&key) {
             Some(w) => w
                 .values()
-                .filter(|(at, _)| at.is_some_and(|t| now >= t))
-                .map(|(_, tx)| tx.clone())
+                .filter(|(at, level, _)| match level {
+                    Some(l) => l.reached(),
+                    None => at.is_some_and(|t| now >= t),
+                })
+                .map(|(_, _, tx)| tx.clone())
                 .collect(),
             None => return,
         };
@@ -524,8 +576,10 @@ async fn run(o: Opts) -> RunResult {
     // The completion driver: tokens in 1 ms buckets, acted on when due.
     let start = Instant::now();
     let buckets: Arc<Mutex<Buckets>> = Arc::default();
+    let partitions = Arc::new(Partitions::new(o.key_space));
     let driver = {
         let buckets = buckets.clone();
+        let partitions = partitions.clone();
         let target = target.clone();
         let counts = counts.clone();
         let total = o.num;
@@ -567,8 +621,19 @@ async fn run(o: Opts) -> RunResult {
                             counts.completed.fetch_add(1, Ordering::Relaxed);
                             let _ = tx.send(());
                         }
-                        (Target::Floor, Token::Id(_) | Token::Key(_)) => {
+                        (Target::Floor, Token::Id(_) | Token::Key(_) | Token::Reach(..)) => {
                             counts.completed.fetch_add(1, Ordering::Relaxed);
+                        }
+                        (Target::Purgatory(p), Token::Reach(k, offset)) => {
+                            p.try_complete_reached(&k, partitions.cover(k, offset));
+                        }
+                        (Target::Task(peer), Token::Reach(k, offset)) => {
+                            partitions.cover(k, offset);
+                            peer.complete_key(k);
+                        }
+                        (Target::Dq(peer), Token::Reach(k, offset)) => {
+                            partitions.cover(k, offset);
+                            peer.complete_key(k);
                         }
                         _ => unreachable!("token matches its target"),
                     }
@@ -614,6 +679,7 @@ async fn run(o: Opts) -> RunResult {
                 rate: o.rate / o.generators as f64,
                 start,
                 shared_keys: shared_keys.clone(),
+                partitions: partitions.clone(),
                 target: target.clone(),
                 buckets: buckets.clone(),
                 counts: counts.clone(),
@@ -658,6 +724,7 @@ struct Generator {
     rate: f64,
     start: Instant,
     shared_keys: Vec<u32>,
+    partitions: Arc<Partitions>,
     target: Arc<Target>,
     buckets: Arc<Mutex<Buckets>>,
     counts: Arc<Counts>,
@@ -674,9 +741,13 @@ async fn generate(g: Generator) -> (Instant, Histogram<u64>) {
     let timeout = Duration::from_millis(o.timeout_ms);
     let awaited = o.mode == Mode::Awaited;
     let key_driven = o.mode == Mode::Key;
+    let offsets = o.mode == Mode::Offsets;
     let mut lag = Histogram::<u64>::new(3).unwrap();
     let mut arrival = g.start;
     let mut keys = g.shared_keys.clone();
+    if offsets {
+        keys.truncate(1); // a produce on one partition
+    }
     let mean_interval_ns = 1e9 / g.rate;
     for i in 0..g.num {
         // Poisson arrivals: exponential intervals. Sleep only when at least 1 ms
@@ -698,24 +769,41 @@ async fn generate(g: Generator) -> (Instant, Histogram<u64>) {
         let completes = latency_ms < o.timeout_ms as f64;
         let completes_at =
             completes.then(|| arrival + Duration::from_secs_f64(latency_ms / 1000.0));
-        if key_driven {
+        if key_driven || offsets {
             for k in keys.iter_mut() {
                 *k = rng.below(o.key_space as u64) as u32;
             }
         }
+        let level = offsets.then(|| {
+            let (next, hw) = &g.partitions.0[keys[0] as usize];
+            Level {
+                hw: hw.clone(),
+                offset: next.fetch_add(1, Ordering::Relaxed),
+            }
+        });
+        let reach = level.as_ref().map(|l| Token::Reach(keys[0], l.offset));
         let deadline = arrival + timeout;
         let op = FakeOp {
             completes_at,
             deadline,
+            level: level.clone(),
             _data: vec![0; o.size],
             counts: g.counts.clone(),
         };
         let token = match &*g.target {
             Target::Purgatory(p) => {
-                let handle = p
-                    .try_complete_else_watch_at(op, deadline, keys.iter().copied())
-                    .unwrap();
-                let token = if key_driven {
+                let handle = match &level {
+                    Some(l) => p.try_complete_else_watch_levels_at(
+                        op,
+                        deadline,
+                        [Watch::level(keys[0], l.offset + 1)],
+                    ),
+                    None => p.try_complete_else_watch_at(op, deadline, keys.iter().copied()),
+                }
+                .unwrap();
+                let token = if offsets {
+                    reach
+                } else if key_driven {
                     Some(Token::Key(keys[0]))
                 } else {
                     handle.op_ref().map(Token::Op)
@@ -732,8 +820,10 @@ async fn generate(g: Generator) -> (Instant, Histogram<u64>) {
                 token
             }
             Target::Task(peer) => {
-                let t = peer.register(op, &keys, !key_driven);
-                if key_driven {
+                let t = peer.register(op, &keys, !key_driven && !offsets);
+                if offsets {
+                    reach
+                } else if key_driven {
                     Some(Token::Key(keys[0]))
                 } else {
                     t
@@ -746,11 +836,13 @@ async fn generate(g: Generator) -> (Instant, Histogram<u64>) {
                         let _ = rx.await;
                     });
                 }
-                Some(if key_driven {
-                    Token::Key(keys[0])
+                if offsets {
+                    reach
+                } else if key_driven {
+                    Some(Token::Key(keys[0]))
                 } else {
-                    Token::Id(id)
-                })
+                    Some(Token::Id(id))
+                }
             }
             Target::Floor => {
                 if completes_at.is_none() {
@@ -763,6 +855,8 @@ async fn generate(g: Generator) -> (Instant, Histogram<u64>) {
                         let _ = rx.await;
                     });
                     completes_at.is_some().then_some(Token::Signal(tx))
+                } else if offsets {
+                    reach
                 } else if key_driven {
                     Some(Token::Key(keys[0]))
                 } else {
