@@ -96,8 +96,9 @@ impl<K: WatchKey, O: Operation> Drop for Owner<K, O> {
 ///
 /// A finished operation is dropped at once, and an output is dropped as soon as
 /// its handle reads it or is dropped. The operation's entries in the watch lists
-/// of its other keys become **tombstones** until that key is next walked or the
-/// amortised purge, which runs in bounded slices, reaches them (see
+/// of its other keys become **tombstones** until that key is next walked (an
+/// entry at a level: until an advance reaches its level) or the amortised
+/// purge, which runs in bounded slices, reaches them (see
 /// [`PurgatoryBuilder::purge_interval`]); keys whose
 /// lists empty are removed. A tombstone holds a pointer to the operation's cell,
 /// and the cell stays allocated until its last tombstone goes: it is
