@@ -390,3 +390,64 @@ fn no_advance_is_lost_between_the_checks_and_the_watch() {
     assert_eq!(p.delayed(), 0);
     assert!(balanced(&p.metrics()));
 }
+
+/// An operation's own check advances its key again (a check that moves the
+/// watermark itself): the nested advance does not re-run the check it comes
+/// from (that would loop forever for a check that always advances), and moves
+/// the operation's watch past its level as any advance does; nothing
+/// deadlocks, and the next advance past that level checks it again.
+#[tokio::test(start_paused = true)]
+async fn a_check_may_advance_its_own_key() {
+    struct Bumps {
+        hw: Arc<AtomicU64>,
+        p: Arc<OnceLock<Purgatory<u32, Bumps>>>,
+        checks: Arc<AtomicUsize>,
+    }
+    impl Operation for Bumps {
+        type Output = u64;
+        fn try_complete(&mut self) -> Option<u64> {
+            self.checks.fetch_add(1, Ordering::SeqCst);
+            let hw = self.hw.load(Ordering::SeqCst);
+            if hw == 10 {
+                self.hw.store(20, Ordering::SeqCst);
+                if let Some(p) = self.p.get() {
+                    assert_eq!(
+                        p.try_complete_reached(&0, 20),
+                        0,
+                        "not re-run inside itself"
+                    );
+                }
+                return None;
+            }
+            (hw >= 21).then_some(hw)
+        }
+        fn on_expiration(self) -> u64 {
+            0
+        }
+    }
+    let slot = Arc::new(OnceLock::new());
+    let p: Purgatory<u32, Bumps> = Purgatory::new();
+    slot.set(p.clone()).ok().unwrap();
+    let (hw, checks) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicUsize::new(0)));
+    let op = Bumps {
+        hw: hw.clone(),
+        p: slot.clone(),
+        checks: checks.clone(),
+    };
+    let h = p
+        .try_complete_else_watch_levels(op, ms(1000), [Watch::level(0, 5)])
+        .unwrap();
+    hw.store(10, Ordering::SeqCst);
+    assert_eq!(p.try_complete_reached(&0, 10), 0);
+    assert_eq!(
+        checks.swap(0, Ordering::SeqCst),
+        3,
+        "two at registration, one advance"
+    );
+    assert_eq!(p.try_complete_reached(&0, 20), 0, "its watch moved past 20");
+    assert_eq!(checks.swap(0, Ordering::SeqCst), 0);
+    hw.store(21, Ordering::SeqCst);
+    assert_eq!(p.try_complete_reached(&0, 21), 1);
+    assert_eq!(h.await, Ok(Completion::Completed(21)));
+    assert!(balanced(&p.metrics()));
+}

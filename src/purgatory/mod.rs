@@ -779,7 +779,11 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
     /// call says where the key stands, and checks are what decide completion.
     ///
     /// Which thread runs the checks, and what a check may do, are as for
-    /// [`try_complete_watched`](Purgatory::try_complete_watched).
+    /// [`try_complete_watched`](Purgatory::try_complete_watched). A check that
+    /// itself advances its own key (from inside its `try_complete`) is not
+    /// re-run by that advance, which would loop forever for a check that
+    /// always advances; the advance still moves the operation's watch past
+    /// its level. Such a check should decide from the state it just changed.
     ///
     /// # Panics
     ///
