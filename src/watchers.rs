@@ -203,13 +203,20 @@ impl<V> Ord for Leveled<V> {
 }
 
 impl<V> List<V> {
-    fn new() -> Self {
-        List {
+    /// A list holding its first entry, plain or at a level, in a buffer of
+    /// one (most keys have few watchers).
+    fn first(level: Option<u64>, v: V) -> Self {
+        let mut list = List {
             items: Vec::new(),
             hole: (0, 0),
             levels: BinaryHeap::new(),
             next_seq: 0,
+        };
+        match level {
+            None => list.items = vec![Some(v)],
+            Some(level) => list.push_level(level, v),
         }
+        list
     }
 
     /// Entries held (the hole is not counted).
@@ -236,18 +243,22 @@ impl<V> List<V> {
         mut reached: impl FnMut(&V),
         out: &mut Vec<V>,
     ) {
-        let mut again = Vec::new();
-        while self.levels.peek().is_some_and(|top| top.level <= level) {
+        // An entry put back has a sequence number from `start` on: at `level`
+        // below `u64::MAX` it is above `level` anyway; at `u64::MAX`, where one
+        // above saturates, this is what stops the loop at it.
+        let start = self.next_seq;
+        while self
+            .levels
+            .peek()
+            .is_some_and(|top| top.level <= level && top.seq < start)
+        {
             let Some(e) = self.levels.pop() else { break };
             if finished(&e.v) {
                 out.push(e.v);
             } else {
                 reached(&e.v);
-                again.push(e.v);
+                self.push_level(level.saturating_add(1), e.v);
             }
-        }
-        for v in again {
-            self.push_level(level.saturating_add(1), v);
         }
     }
 
@@ -534,11 +545,7 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
                     put(list.get_mut());
                     list.into_key()
                 }
-                Entry::Vacant(slot) => {
-                    let mut list = List::new();
-                    put(&mut list);
-                    slot.insert_entry(list).into_key()
-                }
+                Entry::Vacant(slot) => slot.insert_entry(List::first(level, v.clone())).into_key(),
             };
             spare.push(copy.key);
         }
@@ -560,24 +567,7 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
         K: Borrow<Q>,
         Q: Hash + Eq + ?Sized,
     {
-        let probe = Probe {
-            hash: self.hasher.hash_one(key),
-            key: Some(key),
-        };
-        let before = removed.entries.len();
-        let entries = &mut removed.entries;
-        let emptied = self
-            .lists
-            .remove_if_mut(&probe as &dyn Lookup<Q>, |_, list| {
-                list.retain(&finished, |v| out.push(v.clone()), entries);
-                list.reach(level, &finished, |v| out.push(v.clone()), entries);
-                list.is_empty()
-            });
-        self.counted(-((removed.entries.len() - before) as isize));
-        if let Some((k, _)) = emptied {
-            removed.keys.push(k.key);
-            self.key_removed();
-        }
+        self.retain(key, Some(level), finished, |v| out.push(v.clone()), removed)
     }
 
     /// Copies `key`'s entries that are not `finished` into `out`, and takes the
@@ -593,7 +583,7 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
         K: Borrow<Q>,
         Q: Hash + Eq + ?Sized,
     {
-        self.retain(key, finished, |v| out.push(v.clone()), removed)
+        self.retain(key, None, finished, |v| out.push(v.clone()), removed)
     }
 
     /// Takes `key`'s finished entries out into `removed`.
@@ -606,15 +596,18 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
         K: Borrow<Q>,
         Q: Hash + Eq + ?Sized,
     {
-        self.retain(key, finished, |_| {}, removed)
+        self.retain(key, None, finished, |_| {}, removed)
     }
 
     /// Takes `key`'s finished entries out, showing each kept one to `kept`, and
     /// removes the key when its list empties (in the same critical section, so a
-    /// concurrent watch of the key cannot be lost).
+    /// concurrent watch of the key cannot be lost). With `reached`, does the
+    /// same for the entries at a level at most `reached` (see [`List::reach`]);
+    /// without, leaves level entries alone.
     fn retain<Q>(
         &self,
         key: &Q,
+        reached: Option<u64>,
         finished: impl Fn(&V) -> bool,
         mut kept: impl FnMut(&V),
         removed: &mut Removed<K, V>,
@@ -632,6 +625,9 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
             .lists
             .remove_if_mut(&probe as &dyn Lookup<Q>, |_, list| {
                 list.retain(&finished, &mut kept, entries);
+                if let Some(level) = reached {
+                    list.reach(level, &finished, &mut kept, entries);
+                }
                 list.is_empty()
             });
         self.counted(-((removed.entries.len() - before) as isize));

@@ -752,6 +752,27 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
         Ok(OperationHandle::waiting(cell))
     }
 
+    /// Runs `collect` (which copies live cells out of the watcher map into its
+    /// first argument and takes finished entries into its second), drops what
+    /// it took out, checks every cell copied with no lock held, and drops the
+    /// copies. Returns how many were checked and how many of them completed.
+    fn check_collected(
+        &self,
+        collect: impl FnOnce(&mut Vec<Arc<OpCell<K, O>>>, &mut Removed<K, Arc<OpCell<K, O>>>),
+    ) -> (usize, usize) {
+        let shared = self.shared();
+        let mut live = Vec::new();
+        let mut removed = Removed::default();
+        collect(&mut live, &mut removed);
+        shared.drop_removed(removed);
+        let checked = live.len();
+        let completed = live.iter().filter(|cell| cell.check()).count();
+        drop_each_contained(live, |p| {
+            shared.note_panic("drop of an operation's cell", p)
+        });
+        (checked, completed)
+    }
+
     /// `key` reached `level` (a high watermark advanced, a log grew): checks the
     /// operations watching `key` at a level at most `level`, and those watching
     /// it without a level (as [`try_complete_watched`](Purgatory::try_complete_watched)
@@ -826,15 +847,10 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
         Q: Hash + Eq + ?Sized,
     {
         let shared = self.shared();
-        let mut live = Vec::new();
-        let mut removed = Removed::default();
-        shared
-            .watchers
-            .reach(key, level, &mut live, |c| c.is_finished(), &mut removed);
-        shared.drop_removed(removed);
-        let completed = live.iter().filter(|cell| cell.check()).count();
-        drop_each_contained(live, |p| {
-            shared.note_panic("drop of an operation's cell", p)
+        let (_, completed) = self.check_collected(|live, removed| {
+            shared
+                .watchers
+                .reach(key, level, live, |c| c.is_finished(), removed)
         });
         shared.maybe_purge();
         completed
@@ -894,16 +910,10 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
         Q: Hash + Eq + ?Sized,
     {
         let shared = self.shared();
-        let mut live = Vec::new();
-        let mut removed = Removed::default();
-        shared
-            .watchers
-            .collect_live(key, &mut live, |c| c.is_finished(), &mut removed);
-        shared.drop_removed(removed);
-        let checked = live.len();
-        let completed = live.iter().filter(|cell| cell.check()).count();
-        drop_each_contained(live, |p| {
-            shared.note_panic("drop of an operation's cell", p)
+        let (checked, completed) = self.check_collected(|live, removed| {
+            shared
+                .watchers
+                .collect_live(key, live, |c| c.is_finished(), removed)
         });
         // Compact now only when much of the list finished: otherwise the finished
         // entries are tombstones the key's next walk drops anyway, and a second
