@@ -194,14 +194,7 @@ use rng::Rng;
 
 /// Process CPU time (user + system) in ms, from /proc/self/stat.
 fn cpu_ms() -> u64 {
-    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
-    // Fields after the command name (which may hold spaces) start after ')'.
-    let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
-    // `rest` starts at field 3 (state); utime and stime are fields 14 and 15.
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let field = |i: usize| f.get(i).and_then(|x| x.parse::<u64>().ok()).unwrap_or(0);
-    let ticks = field(11) + field(12);
-    ticks * 1000 / 100 // USER_HZ is 100 on Linux
+    procfs::cpu_ms("self")
 }
 
 #[path = "../tests/support/proc.rs"]

@@ -12,3 +12,16 @@ pub fn status_mb(field: &str) -> f64 {
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
         .map_or(0.0, |kb| kb / 1024.0)
 }
+
+/// User plus system CPU time, in ms, of process `pid` ("self" for this one);
+/// 0 if it cannot be read.
+pub fn cpu_ms(pid: &str) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // Fields after the command name (which may hold spaces) start after ')'.
+    let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
+    // `rest` starts at field 3 (state); utime and stime are fields 14 and 15.
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let field = |i: usize| f.get(i).and_then(|x| x.parse::<u64>().ok()).unwrap_or(0);
+    let ticks = field(11) + field(12);
+    ticks * 1000 / 100 // USER_HZ is 100 on Linux
+}

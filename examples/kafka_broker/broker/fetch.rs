@@ -1,0 +1,214 @@
+//! `Fetch`: answer at once if `min_bytes` are readable below the high
+//! watermark, else wait for them or for `max_wait_ms`.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use kafka_protocol::error::ResponseError;
+use kafka_protocol::messages::fetch_response::{FetchableTopicResponse, PartitionData};
+use kafka_protocol::messages::{FetchRequest, FetchResponse};
+use tokio::time::Instant;
+use tokio_purgatory::{Completion, Operation, Watch};
+
+use super::{Broker, FetchWait, Gone, Partition};
+
+/// One partition of a fetch.
+struct Want {
+    /// The partition, or why it cannot be read.
+    part: Result<Arc<Partition>, ResponseError>,
+    index: i32,
+    offset: u64,
+    max_bytes: usize,
+}
+
+/// Kafka's `DelayedFetch`: done once `min_bytes` are readable across its
+/// partitions.
+pub struct DelayedFetch {
+    /// (topic name, its partitions), in the request's order.
+    topics: Vec<(kafka_protocol::messages::TopicName, Vec<Want>)>,
+    min_bytes: u64,
+    max_bytes: usize,
+    closing: Arc<AtomicBool>,
+}
+
+impl DelayedFetch {
+    fn wants(&self) -> impl Iterator<Item = (&Arc<Partition>, &Want)> {
+        self.topics
+            .iter()
+            .flat_map(|(_, ws)| ws.iter())
+            .filter_map(|w| w.part.as_ref().ok().map(|p| (p, w)))
+    }
+
+    /// Bytes readable now, counted up to `min_bytes`.
+    fn available(&self) -> u64 {
+        let mut sum = 0;
+        for (part, w) in self.wants() {
+            if sum >= self.min_bytes {
+                break;
+            }
+            sum += part.available(w.offset, self.min_bytes - sum);
+        }
+        sum
+    }
+
+    fn enough(&self) -> bool {
+        self.min_bytes == 0 || self.available() >= self.min_bytes
+    }
+
+    /// The response with what is readable now, at most `max_bytes` in all
+    /// (the first batch found is sent whole even if larger, as Kafka does).
+    fn answer(&self) -> FetchResponse {
+        let mut left = self.max_bytes;
+        let mut first = true;
+        let mut response = FetchResponse::default();
+        for (name, wants) in &self.topics {
+            let mut t = FetchableTopicResponse::default().with_topic(name.clone());
+            for w in wants {
+                let mut p = PartitionData::default()
+                    .with_partition_index(w.index)
+                    .with_log_start_offset(0);
+                match &w.part {
+                    Ok(part) => {
+                        let read = part.read(w.offset, w.max_bytes.min(left), first);
+                        first &= read.records.is_empty();
+                        left = left.saturating_sub(read.records.len());
+                        p.high_watermark = read.high_watermark as i64;
+                        p.last_stable_offset = read.high_watermark as i64;
+                        p.records = Some(read.records);
+                    }
+                    Err(e) => {
+                        p.error_code = e.code();
+                        p.high_watermark = -1;
+                        p.last_stable_offset = -1;
+                    }
+                }
+                t.partitions.push(p);
+            }
+            response.responses.push(t);
+        }
+        response
+    }
+}
+
+impl Operation for DelayedFetch {
+    type Output = FetchResponse;
+
+    fn try_complete(&mut self) -> Option<FetchResponse> {
+        (self.enough() || self.closing.load(Ordering::SeqCst)).then(|| self.answer())
+    }
+
+    fn on_expiration(self) -> FetchResponse {
+        self.answer()
+    }
+}
+
+/// Handles a fetch: answers when `min_bytes` are readable or `max_wait_ms`
+/// has passed, waiting as the broker's [`FetchWait`] says. `Err` when the
+/// broker stopped under it.
+pub async fn handle(broker: &Broker, request: FetchRequest) -> Result<FetchResponse, Gone> {
+    let mut topics = Vec::new();
+    for topic in &request.topics {
+        let wants = topic
+            .partitions
+            .iter()
+            .map(|p| {
+                let part = broker
+                    .topics
+                    .partition(&topic.topic, p.partition)
+                    .ok_or(ResponseError::UnknownTopicOrPartition)
+                    .and_then(|part| {
+                        // Past the log end, or before its start: out of range.
+                        if p.fetch_offset < 0 || p.fetch_offset as u64 > part.log_end() {
+                            Err(ResponseError::OffsetOutOfRange)
+                        } else {
+                            Ok(part)
+                        }
+                    });
+                Want {
+                    part,
+                    index: p.partition,
+                    offset: p.fetch_offset.max(0) as u64,
+                    max_bytes: p.partition_max_bytes.max(0) as usize,
+                }
+            })
+            .collect();
+        topics.push((topic.topic.clone(), wants));
+    }
+    let fetch = DelayedFetch {
+        topics,
+        min_bytes: request.min_bytes.max(0) as u64,
+        max_bytes: request.max_bytes.max(0) as usize,
+        closing: broker.closing.clone(),
+    };
+    let max_wait = Duration::from_millis(request.max_wait_ms.max(0) as u64);
+    // Kafka answers at once when there is nothing to wait for, or an error.
+    let errors = fetch.topics.iter().flat_map(|(_, ws)| ws).any(|w| w.part.is_err());
+    if max_wait.is_zero() || errors || fetch.wants().next().is_none() || fetch.enough() {
+        return Ok(fetch.answer());
+    }
+    broker.stats.fetches_parked.fetch_add(1, Ordering::Relaxed);
+    match broker.config.fetch_wait {
+        FetchWait::Purgatory => in_purgatory(broker, fetch, max_wait).await,
+        FetchWait::SleepPoll(every) => Ok(sleep_poll(fetch, max_wait, every).await),
+        FetchWait::Notify => Ok(notified(fetch, max_wait).await),
+    }
+}
+
+/// Waits in the fetch purgatory, watching each partition at the offset after
+/// its position: the first high watermark move that makes a byte readable
+/// checks it; a check that finds too few bytes leaves it watching one level
+/// higher.
+async fn in_purgatory(
+    broker: &Broker,
+    fetch: DelayedFetch,
+    max_wait: Duration,
+) -> Result<FetchResponse, Gone> {
+    let watches: Vec<_> = fetch
+        .wants()
+        .map(|(part, w)| Watch::level(part.key, w.offset + 1))
+        .collect();
+    match broker
+        .fetches
+        .try_complete_else_watch_levels(fetch, max_wait, watches)
+    {
+        // Dropping this future (the client hung up) drops the handle, which
+        // takes the fetch out of the purgatory.
+        Ok(handle) => handle.await.map(Completion::into_inner).map_err(|_| Gone),
+        Err(refused) => Ok(refused.into_inner().answer()),
+    }
+}
+
+/// Re-reads every `every` until enough bytes or the deadline.
+async fn sleep_poll(fetch: DelayedFetch, max_wait: Duration, every: Duration) -> FetchResponse {
+    let deadline = Instant::now() + max_wait;
+    loop {
+        let next = (Instant::now() + every).min(deadline);
+        tokio::time::sleep_until(next).await;
+        if next >= deadline || fetch.enough() || fetch.closing.load(Ordering::SeqCst) {
+            return fetch.answer();
+        }
+    }
+}
+
+/// Awaits any of its partitions' `Notify` under `tokio::time::timeout`,
+/// re-reading after each wake-up. Each waiter is armed (`enable`) before the
+/// read that decides to wait, so a move between the read and the wait is not
+/// lost.
+async fn notified(fetch: DelayedFetch, max_wait: Duration) -> FetchResponse {
+    let deadline = Instant::now() + max_wait;
+    loop {
+        let parts: Vec<Arc<Partition>> = fetch.wants().map(|(p, _)| p.clone()).collect();
+        let mut waits: Vec<_> = parts.iter().map(|p| Box::pin(p.notify.notified())).collect();
+        for w in &mut waits {
+            w.as_mut().enable();
+        }
+        if fetch.enough() || fetch.closing.load(Ordering::SeqCst) {
+            return fetch.answer();
+        }
+        let any = futures::future::select_all(waits);
+        if tokio::time::timeout_at(deadline, any).await.is_err() {
+            return fetch.answer();
+        }
+    }
+}

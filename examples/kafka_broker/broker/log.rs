@@ -1,0 +1,306 @@
+//! Topics, partitions and their in-memory logs.
+//!
+//! A partition's log is the record batches producers sent, stored as they
+//! arrived (format v2, any compression: the broker never opens them) with
+//! their base offset rewritten, as Kafka's leader does. The CRC of a v2 batch
+//! starts after the base offset, so the rewrite keeps it valid.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+
+use bytes::{Buf, Bytes, BytesMut};
+
+/// A partition's watch key in the purgatories: topic number and partition,
+/// packed so hashing it is one `u64`.
+pub type PartitionKey = u64;
+
+/// One stored record batch.
+struct Batch {
+    base: u64,
+    /// One past its last offset.
+    end: u64,
+    max_timestamp: i64,
+    bytes: Bytes,
+}
+
+/// Why an append was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AppendError {
+    /// Not record batches of format v2 (or cut short).
+    Corrupt,
+}
+
+/// What a read found below the high watermark.
+pub struct Read {
+    pub records: Bytes,
+    pub high_watermark: u64,
+}
+
+/// A partition: its log, its log end, its high watermark, and how far each
+/// follower has copied it.
+pub struct Partition {
+    pub key: PartitionKey,
+    pub index: i32,
+    log: Mutex<Vec<Batch>>,
+    log_end: AtomicU64,
+    high_watermark: AtomicU64,
+    /// Each follower's copied offset (its log end).
+    copied: Vec<AtomicU64>,
+    /// Woken at each high watermark move, for the `Notify` way of waiting.
+    pub notify: tokio::sync::Notify,
+}
+
+impl Partition {
+    fn new(key: PartitionKey, index: i32, followers: usize) -> Partition {
+        Partition {
+            key,
+            index,
+            log: Mutex::new(Vec::new()),
+            log_end: AtomicU64::new(0),
+            high_watermark: AtomicU64::new(0),
+            copied: (0..followers).map(|_| AtomicU64::new(0)).collect(),
+            notify: tokio::sync::Notify::new(),
+        }
+    }
+
+    pub fn log_end(&self) -> u64 {
+        self.log_end.load(Ordering::Acquire)
+    }
+
+    pub fn high_watermark(&self) -> u64 {
+        self.high_watermark.load(Ordering::Acquire)
+    }
+
+    /// Appends the batches in `records`, giving them the next offsets.
+    /// Returns the first and one past the last offset given.
+    pub fn append(&self, records: &Bytes, now_ms: i64) -> Result<(u64, u64), AppendError> {
+        let batches = split_batches(records)?;
+        let mut log = self.log.lock().unwrap();
+        let first = self.log_end.load(Ordering::Relaxed);
+        let mut next = first;
+        for (raw, count, max_timestamp) in batches {
+            let mut batch = BytesMut::from(&raw[..]);
+            batch[..8].copy_from_slice(&(next as i64).to_be_bytes());
+            let max_timestamp = if max_timestamp < 0 { now_ms } else { max_timestamp };
+            log.push(Batch {
+                base: next,
+                end: next + count,
+                max_timestamp,
+                bytes: batch.freeze(),
+            });
+            next += count;
+        }
+        // Published under the lock, so log ends only grow.
+        self.log_end.store(next, Ordering::Release);
+        Ok((first, next))
+    }
+
+    /// Records follower `f` as having copied up to `offset`; returns the new
+    /// high watermark if it moved (the least of the leader's log end and what
+    /// every follower copied).
+    pub fn copied(&self, f: usize, offset: u64) -> Option<u64> {
+        self.copied[f].fetch_max(offset, Ordering::AcqRel);
+        self.advance_high_watermark()
+    }
+
+    /// Recomputes the high watermark; `Some(new)` when it moved.
+    pub fn advance_high_watermark(&self) -> Option<u64> {
+        let hw = self
+            .copied
+            .iter()
+            .map(|c| c.load(Ordering::Acquire))
+            .fold(self.log_end(), u64::min);
+        let before = self.high_watermark.fetch_max(hw, Ordering::AcqRel);
+        (hw > before).then_some(hw)
+    }
+
+    /// Bytes of whole batches from `offset` up to the high watermark, counted
+    /// until `enough` is reached.
+    pub fn available(&self, offset: u64, enough: u64) -> u64 {
+        let hw = self.high_watermark();
+        if offset >= hw {
+            return 0;
+        }
+        let log = self.log.lock().unwrap();
+        let mut bytes = 0;
+        for b in &log[first_batch(&log, offset)..] {
+            if b.end > hw || bytes >= enough {
+                break;
+            }
+            bytes += b.bytes.len() as u64;
+        }
+        bytes
+    }
+
+    /// Whole batches from the one holding `offset`, below the high watermark,
+    /// at most `max_bytes` of them unless the first alone is larger (then just
+    /// the first, so a consumer always makes progress, as Kafka does).
+    pub fn read(&self, offset: u64, max_bytes: usize, allow_oversized: bool) -> Read {
+        let hw = self.high_watermark();
+        let log = self.log.lock().unwrap();
+        let mut out = BytesMut::new();
+        if offset < hw {
+            for b in &log[first_batch(&log, offset)..] {
+                if b.end > hw {
+                    break;
+                }
+                let fits = out.len() + b.bytes.len() <= max_bytes;
+                if !fits && !(out.is_empty() && allow_oversized) {
+                    break;
+                }
+                out.extend_from_slice(&b.bytes);
+                if !fits {
+                    break;
+                }
+            }
+        }
+        Read {
+            records: out.freeze(),
+            high_watermark: hw,
+        }
+    }
+
+    /// The offset of the first batch whose newest record is at least
+    /// `timestamp` (Kafka's offset-by-time lookup, at batch granularity), or
+    /// the high watermark if there is none.
+    pub fn offset_for_time(&self, timestamp: i64) -> u64 {
+        let hw = self.high_watermark();
+        let log = self.log.lock().unwrap();
+        log.iter()
+            .take_while(|b| b.end <= hw)
+            .find(|b| b.max_timestamp >= timestamp)
+            .map_or(hw, |b| b.base)
+    }
+}
+
+/// Index of the batch holding `offset` (or the first after it).
+fn first_batch(log: &[Batch], offset: u64) -> usize {
+    log.partition_point(|b| b.end <= offset)
+}
+
+/// Splits `records` into v2 batches: (bytes, record count, max timestamp).
+fn split_batches(records: &Bytes) -> Result<Vec<(Bytes, u64, i64)>, AppendError> {
+    // Base offset (8), length (4), leader epoch (4), magic (1), CRC (4),
+    // attributes (2), last offset delta (4), first timestamp (8), max
+    // timestamp (8): 43 bytes before the fields this broker reads no further.
+    const HEADER: usize = 61;
+    let mut rest = records.clone();
+    let mut out = Vec::new();
+    while !rest.is_empty() {
+        if rest.len() < HEADER {
+            return Err(AppendError::Corrupt);
+        }
+        let length = (&rest[8..12]).get_i32();
+        let magic = rest[16];
+        if length < (HEADER - 12) as i32 || magic != 2 {
+            return Err(AppendError::Corrupt);
+        }
+        let size = 12 + length as usize;
+        if rest.len() < size {
+            return Err(AppendError::Corrupt);
+        }
+        let last_delta = (&rest[23..27]).get_i32();
+        let max_timestamp = (&rest[35..43]).get_i64();
+        if last_delta < 0 {
+            return Err(AppendError::Corrupt);
+        }
+        out.push((rest.split_to(size), last_delta as u64 + 1, max_timestamp));
+    }
+    if out.is_empty() {
+        return Err(AppendError::Corrupt);
+    }
+    Ok(out)
+}
+
+/// A topic: its name and partitions.
+pub struct Topic {
+    pub name: Arc<str>,
+    pub partitions: Vec<Arc<Partition>>,
+}
+
+/// Every topic, created on first use with `partitions` partitions.
+pub struct Topics {
+    by_name: RwLock<HashMap<Arc<str>, Arc<Topic>>>,
+    partitions: i32,
+    followers: usize,
+    auto_create: bool,
+}
+
+impl Topics {
+    pub fn new(partitions: i32, followers: usize, auto_create: bool) -> Topics {
+        Topics {
+            by_name: RwLock::new(HashMap::new()),
+            partitions,
+            followers,
+            auto_create,
+        }
+    }
+
+    pub fn get(&self, name: &str) -> Option<Arc<Topic>> {
+        self.by_name.read().unwrap().get(name).cloned()
+    }
+
+    pub fn partition(&self, name: &str, index: i32) -> Option<Arc<Partition>> {
+        let topic = self.get(name)?;
+        usize::try_from(index)
+            .ok()
+            .and_then(|i| topic.partitions.get(i).cloned())
+    }
+
+    /// The topic, created if it is new and creation on first use is on.
+    pub fn get_or_create(&self, name: &str) -> Option<Arc<Topic>> {
+        if let Some(t) = self.get(name) {
+            return Some(t);
+        }
+        if !self.auto_create || !valid_topic_name(name) {
+            return None;
+        }
+        Some(self.create(name, self.partitions))
+    }
+
+    /// Creates `name` with `partitions` partitions, or returns it if it exists.
+    pub fn create(&self, name: &str, partitions: i32) -> Arc<Topic> {
+        let mut map = self.by_name.write().unwrap();
+        let number = map.len() as u64;
+        map.entry(Arc::from(name))
+            .or_insert_with(|| {
+                let name: Arc<str> = Arc::from(name);
+                Arc::new(Topic {
+                    partitions: (0..partitions)
+                        .map(|p| {
+                            let key = number << 32 | p as u32 as u64;
+                            Arc::new(Partition::new(key, p, self.followers))
+                        })
+                        .collect(),
+                    name,
+                })
+            })
+            .clone()
+    }
+
+    pub fn all(&self) -> Vec<Arc<Topic>> {
+        let mut all: Vec<_> = self.by_name.read().unwrap().values().cloned().collect();
+        all.sort_by(|a, b| a.name.cmp(&b.name));
+        all
+    }
+
+    pub fn all_partitions(&self) -> Vec<Arc<Partition>> {
+        self.all()
+            .iter()
+            .flat_map(|t| t.partitions.iter().cloned())
+            .collect()
+    }
+}
+
+/// Kafka's rule: 1 to 249 characters of ASCII letters, digits, '.', '_', '-'.
+fn valid_topic_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() < 250
+        && name != "."
+        && name != ".."
+        && name
+            .bytes()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'.' | b'_' | b'-'))
+}
+

@@ -1,0 +1,230 @@
+//! A single-node Kafka-protocol broker, in memory, whose waiting requests live
+//! in two purgatories sharing one reaper.
+//!
+//! - `Produce` with `acks=-1` waits in the produce purgatory until the high
+//!   watermark of every partition it wrote covers its records, watching each
+//!   partition **at** the offset that covers them (a watermark key).
+//! - `Fetch` waits in the fetch purgatory until `min_bytes` are readable below
+//!   the high watermark or `max_wait_ms` passes, watching each partition at the
+//!   offset after its fetch position.
+//! - Simulated followers (tasks) copy each append after a lag and move the
+//!   high watermark; each move calls `try_complete_reached` on both
+//!   purgatories, which checks only the requests the new watermark can
+//!   satisfy.
+//!
+//! The broker can also answer fetches the two ways Rust brokers commonly do,
+//! for comparison: a sleep-poll loop, and a per-partition `Notify` with
+//! `tokio::time::timeout` ([`FetchWait`]).
+
+mod fetch;
+mod log;
+mod produce;
+mod replication;
+mod server;
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+use tokio_purgatory::{Purgatory, Reaper};
+use tokio_util::sync::CancellationToken;
+
+pub use self::fetch::DelayedFetch;
+pub use self::log::{Partition, PartitionKey, Topics};
+pub use self::produce::DelayedProduce;
+use self::replication::Followers;
+
+/// How the broker makes a fetch wait for data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FetchWait {
+    /// In the fetch purgatory, on watermark keys (the default).
+    Purgatory,
+    /// Re-reading the partitions every `interval` until `min_bytes` or
+    /// `max_wait_ms` (how some Kafka-compatible brokers answer fetches).
+    SleepPoll(Duration),
+    /// A `tokio::sync::Notify` per partition, awaited under
+    /// `tokio::time::timeout` (armed before each read, so no wake-up is lost).
+    Notify,
+}
+
+/// The broker's settings.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Where to listen (port 0 picks one).
+    pub listen: SocketAddr,
+    /// The `host:port` given to clients in metadata; the listener's own
+    /// address if `None`.
+    pub advertise: Option<String>,
+    /// Partitions of a topic created on first use.
+    pub partitions: i32,
+    /// Create a topic when a client asks for its metadata.
+    pub auto_create_topics: bool,
+    /// Topics created at start.
+    pub topics: Vec<String>,
+    /// Simulated followers per partition.
+    pub followers: usize,
+    /// How long after an append a follower has copied it.
+    pub replica_lag: Duration,
+    /// A follower (0-based) that copies nothing until told otherwise.
+    pub stuck_follower: Option<usize>,
+    /// The longest a produce waits for replication, whatever its own
+    /// `timeout_ms` asks (Kafka waits `timeout_ms`; clients often send 30 s).
+    pub max_produce_wait: Duration,
+    /// How fetches wait.
+    pub fetch_wait: FetchWait,
+}
+
+impl Default for Config {
+    fn default() -> Config {
+        Config {
+            listen: "127.0.0.1:9092".parse().unwrap(),
+            advertise: None,
+            partitions: 4,
+            auto_create_topics: true,
+            topics: Vec::new(),
+            followers: 2,
+            replica_lag: Duration::from_millis(2),
+            stuck_follower: None,
+            max_produce_wait: Duration::from_secs(30),
+            fetch_wait: FetchWait::Purgatory,
+        }
+    }
+}
+
+/// Counts of what the broker did, for the demonstration and benchmark.
+#[derive(Debug, Default)]
+pub struct Stats {
+    pub requests: AtomicU64,
+    pub produces_timed_out: AtomicU64,
+    pub fetches_parked: AtomicU64,
+    pub connections_dropped_while_waiting: AtomicU64,
+}
+
+/// The broker stopped under a waiting request (its purgatory was shut down
+/// or its reaper is gone): the connection is closed without an answer.
+#[derive(Debug)]
+pub struct Gone;
+
+/// The broker's shared state.
+pub struct Broker {
+    pub config: Config,
+    pub topics: Topics,
+    pub produces: Purgatory<PartitionKey, DelayedProduce>,
+    pub fetches: Purgatory<PartitionKey, DelayedFetch>,
+    pub stats: Stats,
+    /// Set at shutdown: every waiting request's check answers at once.
+    closing: Arc<AtomicBool>,
+    followers: Followers,
+    advertised: (String, i32),
+}
+
+impl Broker {
+    /// The partition's high watermark moved to `hw`: checks the produces and
+    /// fetches that watch it at or below `hw`, and wakes the comparison
+    /// strategies' waiters.
+    pub fn high_watermark_moved(&self, part: &Partition, hw: u64) {
+        self.produces.try_complete_reached(&part.key, hw);
+        self.fetches.try_complete_reached(&part.key, hw);
+        part.notify.notify_waiters();
+    }
+
+    /// Makes follower `f` stop copying (`true`) or copy again and catch up.
+    pub fn set_stuck(&self, f: usize, stuck: bool) {
+        self.followers.set_stuck(self, f, stuck);
+    }
+}
+
+/// A running broker: its address, its state, and its shutdown.
+pub struct BrokerHandle {
+    pub addr: SocketAddr,
+    pub broker: Arc<Broker>,
+    stop: CancellationToken,
+    server: JoinHandle<()>,
+    _reaper: Reaper,
+}
+
+impl BrokerHandle {
+    /// Starts a broker on the current runtime.
+    pub async fn start(config: Config) -> std::io::Result<BrokerHandle> {
+        let listener = TcpListener::bind(config.listen).await?;
+        let addr = listener.local_addr()?;
+        let advertised = match &config.advertise {
+            Some(a) => {
+                let (host, port) = a.rsplit_once(':').ok_or_else(|| {
+                    std::io::Error::new(std::io::ErrorKind::InvalidInput, "advertise is host:port")
+                })?;
+                let port = port.parse().map_err(|_| {
+                    std::io::Error::new(std::io::ErrorKind::InvalidInput, "bad advertised port")
+                })?;
+                (host.to_string(), port)
+            }
+            None => (addr.ip().to_string(), addr.port() as i32),
+        };
+        let reaper = Reaper::start().map_err(std::io::Error::other)?;
+        let produces = Purgatory::builder()
+            .name("produce")
+            .reaper(&reaper)
+            .build()
+            .map_err(std::io::Error::other)?;
+        let fetches = Purgatory::builder()
+            .name("fetch")
+            .reaper(&reaper)
+            .build()
+            .map_err(std::io::Error::other)?;
+        let topics = Topics::new(
+            config.partitions,
+            config.followers,
+            config.auto_create_topics,
+        );
+        for t in &config.topics {
+            topics.create(t, config.partitions);
+        }
+        let broker = Arc::new_cyclic(|weak| Broker {
+            followers: Followers::start(weak.clone(), &config),
+            config,
+            topics,
+            produces,
+            fetches,
+            stats: Stats::default(),
+            closing: Arc::new(AtomicBool::new(false)),
+            advertised,
+        });
+        let stop = CancellationToken::new();
+        let server = tokio::spawn(server::accept(listener, broker.clone(), stop.clone()));
+        Ok(BrokerHandle {
+            addr,
+            broker,
+            stop,
+            server,
+            _reaper: reaper,
+        })
+    }
+
+    /// Stops the broker: no new connections; every waiting request is
+    /// answered now with what it has (a fetch with the data readable, a
+    /// produce with `NOT_ENOUGH_REPLICAS_AFTER_APPEND` for partitions not yet
+    /// replicated); connections close once their answer is written. Returns
+    /// when the listener and every connection are gone.
+    pub async fn shutdown(self) {
+        let broker = &self.broker;
+        broker.closing.store(true, Ordering::SeqCst);
+        // Each waiting request's check now answers at once: ask every one.
+        // A request registering meanwhile sees `closing` in its own check.
+        for part in broker.topics.all_partitions() {
+            broker.produces.try_complete_reached(&part.key, u64::MAX);
+            broker.fetches.try_complete_reached(&part.key, u64::MAX);
+            part.notify.notify_waiters();
+        }
+        self.stop.cancel();
+        let _ = self.server.await;
+        // Anything still registered would be a request that slipped past both:
+        // none can, and the counts say so.
+        debug_assert_eq!(broker.produces.delayed() + broker.fetches.delayed(), 0);
+        drop(broker.produces.shutdown());
+        drop(broker.fetches.shutdown());
+        broker.followers.stop();
+    }
+}

@@ -1,0 +1,309 @@
+//! Connections: Kafka's framing (a 4-byte size, then a request header and
+//! body), one request at a time per connection in order as Kafka's broker
+//! does, and the answers that need no waiting (`ApiVersions`, `Metadata`,
+//! `ListOffsets`).
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use kafka_protocol::error::ResponseError;
+use kafka_protocol::messages::api_versions_response::ApiVersion;
+use kafka_protocol::messages::list_offsets_response::{
+    ListOffsetsPartitionResponse, ListOffsetsTopicResponse,
+};
+use kafka_protocol::messages::metadata_response::{
+    MetadataResponseBroker, MetadataResponsePartition, MetadataResponseTopic,
+};
+use kafka_protocol::messages::*;
+use kafka_protocol::protocol::{Decodable, Encodable, HeaderVersion, StrBytes};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use super::{fetch, produce, Broker, Gone};
+
+/// The largest request accepted (Kafka's `socket.request.max.bytes`).
+const MAX_REQUEST: usize = 100 * 1024 * 1024;
+
+/// The APIs and versions served: those without topic IDs.
+const SUPPORTED: &[(ApiKey, i16, i16)] = &[
+    (ApiKey::Produce, 3, 11),
+    (ApiKey::Fetch, 4, 12),
+    (ApiKey::ListOffsets, 1, 7),
+    (ApiKey::Metadata, 0, 12),
+    (ApiKey::ApiVersions, 0, 3),
+];
+
+fn supported(key: ApiKey, version: i16) -> bool {
+    SUPPORTED
+        .iter()
+        .any(|&(k, lo, hi)| k == key && (lo..=hi).contains(&version))
+}
+
+/// Accepts connections until `stop`, then waits for every connection to end.
+pub async fn accept(listener: TcpListener, broker: Arc<Broker>, stop: CancellationToken) {
+    let mut connections = JoinSet::new();
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => break,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => {
+                    let _ = stream.set_nodelay(true);
+                    connections.spawn(serve(stream, broker.clone(), stop.clone()));
+                }
+                Err(e) => tracing::warn!(error = %e, "accept failed"),
+            },
+            // Reap finished connections as they end.
+            Some(_) = connections.join_next(), if !connections.is_empty() => {}
+        }
+    }
+    drop(listener);
+    while connections.join_next().await.is_some() {}
+}
+
+/// Serves one connection: reads a request, answers it, reads the next. While
+/// a request waits, the socket is still read, so a client that hangs up is
+/// seen at once: its waiting request is dropped, which cancels it.
+async fn serve(stream: TcpStream, broker: Arc<Broker>, stop: CancellationToken) {
+    let (mut rd, mut wr) = stream.into_split();
+    let mut inbuf = BytesMut::with_capacity(64 * 1024);
+    loop {
+        let frame = loop {
+            match take_frame(&mut inbuf) {
+                Ok(Some(frame)) => break frame,
+                Ok(None) => {}
+                Err(()) => return,
+            }
+            tokio::select! {
+                read = rd.read_buf(&mut inbuf) => match read {
+                    Ok(0) | Err(_) => return,
+                    Ok(_) => {}
+                },
+                _ = stop.cancelled() => return,
+            }
+        };
+        let work = answer(&broker, frame);
+        tokio::pin!(work);
+        let reply = loop {
+            tokio::select! {
+                reply = &mut work => break reply,
+                read = rd.read_buf(&mut inbuf), if inbuf.len() < MAX_REQUEST => match read {
+                    Ok(0) | Err(_) => {
+                        broker
+                            .stats
+                            .connections_dropped_while_waiting
+                            .fetch_add(1, Ordering::Relaxed);
+                        return; // drops `work`: its waiting request is cancelled
+                    }
+                    Ok(_) => {} // a pipelined request: kept for its turn
+                },
+            }
+        };
+        match reply {
+            Ok(Some(bytes)) => {
+                if wr.write_all(&bytes).await.is_err() {
+                    return;
+                }
+            }
+            Ok(None) => {}
+            Err(_) => return,
+        }
+    }
+}
+
+/// A whole frame's payload from the front of `buf`, if it has arrived.
+fn take_frame(buf: &mut BytesMut) -> Result<Option<Bytes>, ()> {
+    if buf.len() < 4 {
+        return Ok(None);
+    }
+    let size = (&buf[..4]).get_i32();
+    if size < 0 || size as usize > MAX_REQUEST {
+        return Err(());
+    }
+    if buf.len() < 4 + size as usize {
+        buf.reserve(4 + size as usize - buf.len());
+        return Ok(None);
+    }
+    buf.advance(4);
+    Ok(Some(buf.split_to(size as usize).freeze()))
+}
+
+/// Decodes a request and answers it: the encoded response frame, `None` when
+/// no answer is due (`acks=0`), `Err` to close the connection.
+async fn answer(broker: &Broker, mut frame: Bytes) -> Result<Option<BytesMut>, Gone> {
+    broker.stats.requests.fetch_add(1, Ordering::Relaxed);
+    if frame.len() < 8 {
+        return Err(Gone);
+    }
+    let key = (&frame[..2]).get_i16();
+    let version = (&frame[2..4]).get_i16();
+    let Ok(key) = ApiKey::try_from(key) else {
+        return Err(Gone);
+    };
+    let header = RequestHeader::decode(&mut frame, key.request_header_version(version))
+        .map_err(|_| Gone)?;
+    let id = header.correlation_id;
+    if !supported(key, version) {
+        if key == ApiKey::ApiVersions {
+            // Kafka's answer to an ApiVersions it cannot parse: version 0,
+            // UNSUPPORTED_VERSION, and the versions it does serve.
+            let r = api_versions().with_error_code(ResponseError::UnsupportedVersion.code());
+            return encode(id, 0, &r).map(Some);
+        }
+        tracing::debug!(?key, version, "unsupported request version");
+        return Err(Gone);
+    }
+    match key {
+        ApiKey::ApiVersions => encode(id, version, &api_versions()).map(Some),
+        ApiKey::Metadata => {
+            let r = metadata(broker, &decode(&mut frame, version)?);
+            encode(id, version, &r).map(Some)
+        }
+        ApiKey::ListOffsets => {
+            let r = list_offsets(broker, &decode(&mut frame, version)?);
+            encode(id, version, &r).map(Some)
+        }
+        ApiKey::Produce => match produce::handle(broker, decode(&mut frame, version)?).await? {
+            Some(r) => encode(id, version, &r).map(Some),
+            None => Ok(None),
+        },
+        ApiKey::Fetch => {
+            let r = fetch::handle(broker, decode(&mut frame, version)?).await?;
+            encode(id, version, &r).map(Some)
+        }
+        _ => Err(Gone),
+    }
+}
+
+fn decode<T: Decodable>(frame: &mut Bytes, version: i16) -> Result<T, Gone> {
+    T::decode(frame, version).map_err(|e| {
+        tracing::debug!(error = %e, "undecodable request");
+        Gone
+    })
+}
+
+/// A response frame: size, header, body.
+fn encode<T: Encodable + HeaderVersion>(
+    correlation_id: i32,
+    version: i16,
+    body: &T,
+) -> Result<BytesMut, Gone> {
+    let mut out = BytesMut::new();
+    out.put_i32(0); // the size, written below
+    ResponseHeader::default()
+        .with_correlation_id(correlation_id)
+        .encode(&mut out, T::header_version(version))
+        .map_err(|_| Gone)?;
+    body.encode(&mut out, version).map_err(|e| {
+        tracing::warn!(error = %e, "response did not encode");
+        Gone
+    })?;
+    let size = (out.len() - 4) as i32;
+    out[..4].copy_from_slice(&size.to_be_bytes());
+    Ok(out)
+}
+
+fn api_versions() -> ApiVersionsResponse {
+    ApiVersionsResponse::default().with_api_keys(
+        SUPPORTED
+            .iter()
+            .map(|&(k, lo, hi)| {
+                ApiVersion::default()
+                    .with_api_key(k as i16)
+                    .with_min_version(lo)
+                    .with_max_version(hi)
+            })
+            .collect(),
+    )
+}
+
+/// The leader is node 0 (this broker); followers are nodes 1..=n, listed as
+/// replicas and in-sync replicas but not as brokers (nobody can reach them).
+fn metadata(broker: &Broker, request: &MetadataRequest) -> MetadataResponse {
+    let topics = match &request.topics {
+        // Version 0 asks for all with an empty list; later versions with null.
+        Some(ts) if !ts.is_empty() => ts
+            .iter()
+            .filter_map(|t| t.name.as_ref())
+            .map(|name| (name.clone(), broker.topics.get_or_create(name)))
+            .collect(),
+        _ => broker
+            .topics
+            .all()
+            .into_iter()
+            .map(|t| (TopicName(StrBytes::from_string(t.name.to_string())), Some(t)))
+            .collect::<Vec<_>>(),
+    };
+    let replicas: Vec<BrokerId> = (0..=broker.config.followers as i32).map(BrokerId).collect();
+    let (host, port) = &broker.advertised;
+    MetadataResponse::default()
+        .with_brokers(vec![MetadataResponseBroker::default()
+            .with_node_id(BrokerId(0))
+            .with_host(StrBytes::from_string(host.clone()))
+            .with_port(*port)])
+        .with_cluster_id(Some(StrBytes::from_static_str("tokio-purgatory")))
+        .with_controller_id(BrokerId(0))
+        .with_topics(
+            topics
+                .into_iter()
+                .map(|(name, topic)| {
+                    let t = MetadataResponseTopic::default().with_name(Some(name));
+                    match topic {
+                        None => t.with_error_code(ResponseError::UnknownTopicOrPartition.code()),
+                        Some(topic) => t.with_partitions(
+                            topic
+                                .partitions
+                                .iter()
+                                .map(|p| {
+                                    MetadataResponsePartition::default()
+                                        .with_partition_index(p.index)
+                                        .with_leader_id(BrokerId(0))
+                                        .with_replica_nodes(replicas.clone())
+                                        .with_isr_nodes(replicas.clone())
+                                })
+                                .collect(),
+                        ),
+                    }
+                })
+                .collect(),
+        )
+}
+
+/// Latest (-1) is the high watermark, earliest (-2) is 0; a timestamp finds
+/// the first batch holding a record at least that new.
+fn list_offsets(broker: &Broker, request: &ListOffsetsRequest) -> ListOffsetsResponse {
+    ListOffsetsResponse::default().with_topics(
+        request
+            .topics
+            .iter()
+            .map(|t| {
+                ListOffsetsTopicResponse::default()
+                    .with_name(t.name.clone())
+                    .with_partitions(
+                        t.partitions
+                            .iter()
+                            .map(|p| {
+                                let r = ListOffsetsPartitionResponse::default()
+                                    .with_partition_index(p.partition_index)
+                                    .with_timestamp(-1);
+                                match broker.topics.partition(&t.name, p.partition_index) {
+                                    None => r
+                                        .with_offset(-1)
+                                        .with_error_code(
+                                            ResponseError::UnknownTopicOrPartition.code(),
+                                        ),
+                                    Some(part) => r.with_offset(match p.timestamp {
+                                        -1 => part.high_watermark() as i64,
+                                        -2 => 0,
+                                        ts => part.offset_for_time(ts) as i64,
+                                    }),
+                                }
+                            })
+                            .collect(),
+                    )
+            })
+            .collect(),
+    )
+}

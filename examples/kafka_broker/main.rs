@@ -1,0 +1,145 @@
+//! A single-node Kafka-protocol broker on two purgatories, driven by a real
+//! Kafka client library.
+//!
+//! ```sh
+//! # The demonstration: starts the broker on an ephemeral port, drives it with
+//! # rskafka, prints what happened, exits.
+//! cargo run --release --example kafka_broker
+//! # A broker for any Kafka client (kcat, librdkafka, Java) to talk to:
+//! cargo run --release --example kafka_broker -- serve --listen 127.0.0.1:9092
+//! # Parked fetches woken by produces: this broker against the same broker
+//! # answering fetches by sleep-polling and by Notify + timeout.
+//! cargo run --release --example kafka_broker -- bench
+//! ```
+//!
+//! `Produce` with `acks=-1` waits in a purgatory until simulated followers
+//! have copied its records (the high watermark covers them); `Fetch` waits
+//! until `min_bytes` are readable or `max_wait_ms` passes. Both watch their
+//! partitions at an offset (watermark keys), so a high watermark move checks
+//! only the requests it can satisfy.
+
+mod bench;
+mod broker;
+mod demo;
+mod wire;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+
+use broker::{BrokerHandle, Config, FetchWait};
+
+#[derive(Parser)]
+#[command(about = "A Kafka-protocol broker whose waiting requests live in purgatories")]
+struct Args {
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Starts the broker, drives it with a Kafka client, prints what happened
+    /// (the default).
+    Demo,
+    /// Runs the broker until Ctrl-C.
+    Serve(ServeArgs),
+    /// Compares fetch waiting strategies under parked consumers.
+    Bench(bench::BenchArgs),
+}
+
+#[derive(Parser, Debug, Clone)]
+pub struct ServeArgs {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1:9092")]
+    listen: SocketAddr,
+    /// `host:port` given to clients in metadata (default: the listen address).
+    #[arg(long)]
+    advertise: Option<String>,
+    /// Partitions per topic created on first use.
+    #[arg(long, default_value_t = 4)]
+    partitions: i32,
+    /// Topics to create at start (comma-separated).
+    #[arg(long, value_delimiter = ',')]
+    topics: Vec<String>,
+    /// Do not create topics when clients ask for their metadata.
+    #[arg(long)]
+    no_auto_create: bool,
+    /// Simulated followers per partition.
+    #[arg(long, default_value_t = 2)]
+    followers: usize,
+    /// Replication lag of each follower, in ms.
+    #[arg(long, default_value_t = 2)]
+    replica_lag_ms: u64,
+    /// A follower (0-based) that copies nothing: `acks=-1` produces time out.
+    #[arg(long)]
+    stuck_follower: Option<usize>,
+    /// The longest a produce waits for replication, in ms (Kafka waits the
+    /// request's `timeout_ms`; this caps it).
+    #[arg(long, default_value_t = 30_000)]
+    max_produce_wait_ms: u64,
+    /// How fetches wait: purgatory, poll, notify.
+    #[arg(long, default_value = "purgatory")]
+    fetch_wait: String,
+    /// The sleep-poll interval, in ms, for `--fetch-wait poll`.
+    #[arg(long, default_value_t = 10)]
+    poll_ms: u64,
+}
+
+impl ServeArgs {
+    pub fn config(&self) -> Result<Config, String> {
+        let fetch_wait = match self.fetch_wait.as_str() {
+            "purgatory" => FetchWait::Purgatory,
+            "poll" => FetchWait::SleepPoll(Duration::from_millis(self.poll_ms.max(1))),
+            "notify" => FetchWait::Notify,
+            other => return Err(format!("unknown --fetch-wait {other}")),
+        };
+        Ok(Config {
+            listen: self.listen,
+            advertise: self.advertise.clone(),
+            partitions: self.partitions.max(1),
+            auto_create_topics: !self.no_auto_create,
+            topics: self.topics.clone(),
+            followers: self.followers,
+            replica_lag: Duration::from_millis(self.replica_lag_ms),
+            stuck_follower: self.stuck_follower,
+            max_produce_wait: Duration::from_millis(self.max_produce_wait_ms),
+            fetch_wait,
+        })
+    }
+}
+
+fn main() {
+    let args = Args::parse();
+    let runtime = tokio::runtime::Runtime::new().expect("a Tokio runtime");
+    let code = runtime.block_on(async {
+        match args.command.unwrap_or(Command::Demo) {
+            Command::Demo => demo::run().await,
+            Command::Serve(s) => serve(s).await,
+            Command::Bench(b) => bench::run(b).await,
+        }
+    });
+    std::process::exit(code);
+}
+
+async fn serve(args: ServeArgs) -> i32 {
+    let config = match args.config() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("{e}");
+            return 2;
+        }
+    };
+    let handle = match BrokerHandle::start(config).await {
+        Ok(h) => h,
+        Err(e) => {
+            eprintln!("cannot start: {e}");
+            return 1;
+        }
+    };
+    // The first line says where it listens (the benchmark reads it).
+    println!("listening on {}", handle.addr);
+    let _ = tokio::signal::ctrl_c().await;
+    handle.shutdown().await;
+    0
+}
