@@ -105,9 +105,14 @@ pub async fn run(args: BenchArgs) -> i32 {
     for s in &args.strategies {
         let Some(r) = results.get(s) else { continue };
         let m = summary(r);
-        let per_request: Vec<f64> = r.iter().map(|x| x.cpu_ms * 1e3 / x.requests.max(1.0)).collect();
+        let per_request: Vec<f64> = r
+            .iter()
+            .map(|x| x.cpu_ms * 1e3 / x.requests.max(1.0))
+            .collect();
         let ratio = |f: fn(&Run) -> f64| {
-            base.map_or("-".to_string(), |b| format!("{:.2}", f(&m) / f(&b).max(1e-9)))
+            base.map_or("-".to_string(), |b| {
+                format!("{:.2}", f(&m) / f(&b).max(1e-9))
+            })
         };
         println!(
             "| {s} | {} | {} | {} | {} | {} | {} | {} |",
@@ -165,8 +170,18 @@ impl Broker {
         let exe = std::env::current_exe().map_err(|e| e.to_string())?;
         let mut child = Command::new(exe)
             .args(["serve", "--listen", "127.0.0.1:0", "--followers", "0"])
-            .args(["--topics", "bench", "--partitions", &args.partitions.to_string()])
-            .args(["--fetch-wait", strategy, "--poll-ms", &args.poll_ms.to_string()])
+            .args([
+                "--topics",
+                "bench",
+                "--partitions",
+                &args.partitions.to_string(),
+            ])
+            .args([
+                "--fetch-wait",
+                strategy,
+                "--poll-ms",
+                &args.poll_ms.to_string(),
+            ])
             .stdout(Stdio::piped())
             .spawn()
             .map_err(|e| e.to_string())?;
@@ -216,7 +231,9 @@ async fn one(args: &BenchArgs, strategy: &str) -> Result<Run, String> {
         consumers.push(tokio::spawn(consume(wire, p, shared.clone())));
     }
     let producer = tokio::spawn(produce(
-        Wire::connect(broker.addr).await.map_err(|e| e.to_string())?,
+        Wire::connect(broker.addr)
+            .await
+            .map_err(|e| e.to_string())?,
         args.partitions,
         args.rate,
         shared.clone(),
@@ -311,7 +328,11 @@ async fn consume(mut wire: Wire, p: i32, shared: Arc<Shared>) {
             shared.answers.fetch_add(1, Ordering::Relaxed);
             match first_new {
                 Some(at) => {
-                    let _ = shared.latency.lock().unwrap().record(now.saturating_sub(at).max(1));
+                    let _ = shared
+                        .latency
+                        .lock()
+                        .unwrap()
+                        .record(now.saturating_sub(at).max(1));
                 }
                 None => {
                     shared.empty.fetch_add(1, Ordering::Relaxed);

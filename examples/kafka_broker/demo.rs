@@ -73,14 +73,20 @@ pub async fn run() -> i32 {
     let p0 = partition(addr, 0).await;
     let t = Instant::now();
     let offsets = p0
-        .produce(vec![record("a"), record("b"), record("c")], Compression::NoCompression)
+        .produce(
+            vec![record("a"), record("b"), record("c")],
+            Compression::NoCompression,
+        )
         .await
         .expect("produce");
     println!(
         "\n[acks=all] 3 records at offsets {offsets:?}, acknowledged after {} (both followers copied them)",
         ms(t.elapsed())
     );
-    let (records, hw) = p0.fetch_records(0, 1..1_000_000, 1_000).await.expect("fetch");
+    let (records, hw) = p0
+        .fetch_records(0, 1..1_000_000, 1_000)
+        .await
+        .expect("fetch");
     let values: Vec<String> = records
         .iter()
         .map(|r| String::from_utf8_lossy(r.record.value.as_deref().unwrap_or_default()).into())
@@ -93,11 +99,16 @@ pub async fn run() -> i32 {
     for _ in 0..PARKED {
         let c = partition(addr, 1).await;
         fetchers.push(tokio::spawn(async move {
-            c.fetch_records(0, 1..1_000_000, 5_000).await.expect("fetch");
+            c.fetch_records(0, 1..1_000_000, 5_000)
+                .await
+                .expect("fetch");
             Instant::now()
         }));
     }
-    until("the fetches are parked", || broker.fetches.delayed() == PARKED).await;
+    until("the fetches are parked", || {
+        broker.fetches.delayed() == PARKED
+    })
+    .await;
     let producer = partition(addr, 1).await;
     let sent = Instant::now();
     producer
@@ -156,7 +167,13 @@ pub async fn run() -> i32 {
     let t = Instant::now();
     let r = raw
         .call(
-            &wire::produce(TOPIC, 3, 1, Duration::from_secs(5), wire::batch(&[b"leader only"])),
+            &wire::produce(
+                TOPIC,
+                3,
+                1,
+                Duration::from_secs(5),
+                wire::batch(&[b"leader only"]),
+            ),
             wire::PRODUCE_VERSION,
         )
         .await
@@ -195,8 +212,13 @@ pub async fn run() -> i32 {
     let mut waiting = Vec::new();
     for i in 0..3 {
         let mut w = Wire::connect(addr).await.expect("connect");
-        let req: ProduceRequest =
-            wire::produce(TOPIC, i, -1, Duration::from_secs(30), wire::batch(&[b"late"]));
+        let req: ProduceRequest = wire::produce(
+            TOPIC,
+            i,
+            -1,
+            Duration::from_secs(30),
+            wire::batch(&[b"late"]),
+        );
         waiting.push(tokio::spawn(async move {
             w.call(&req, wire::PRODUCE_VERSION)
                 .await

@@ -119,7 +119,13 @@ pub fn now_ms() -> i64 {
 }
 
 /// A produce of `records` to one partition.
-pub fn produce(topic: &str, partition: i32, acks: i16, timeout: Duration, records: Bytes) -> ProduceRequest {
+pub fn produce(
+    topic: &str,
+    partition: i32,
+    acks: i16,
+    timeout: Duration,
+    records: Bytes,
+) -> ProduceRequest {
     ProduceRequest::default()
         .with_acks(acks)
         .with_timeout_ms(timeout.as_millis() as i32)

@@ -143,7 +143,11 @@ pub async fn handle(broker: &Broker, request: FetchRequest) -> Result<FetchRespo
     };
     let max_wait = Duration::from_millis(request.max_wait_ms.max(0) as u64);
     // Kafka answers at once when there is nothing to wait for, or an error.
-    let errors = fetch.topics.iter().flat_map(|(_, ws)| ws).any(|w| w.part.is_err());
+    let errors = fetch
+        .topics
+        .iter()
+        .flat_map(|(_, ws)| ws)
+        .any(|w| w.part.is_err());
     if max_wait.is_zero() || errors || fetch.wants().next().is_none() || fetch.enough() {
         return Ok(fetch.answer());
     }
@@ -199,7 +203,10 @@ async fn notified(fetch: DelayedFetch, max_wait: Duration) -> FetchResponse {
     let deadline = Instant::now() + max_wait;
     loop {
         let parts: Vec<Arc<Partition>> = fetch.wants().map(|(p, _)| p.clone()).collect();
-        let mut waits: Vec<_> = parts.iter().map(|p| Box::pin(p.notify.notified())).collect();
+        let mut waits: Vec<_> = parts
+            .iter()
+            .map(|p| Box::pin(p.notify.notified()))
+            .collect();
         for w in &mut waits {
             w.as_mut().enable();
         }

@@ -82,7 +82,11 @@ impl Partition {
         for (raw, count, max_timestamp) in batches {
             let mut batch = BytesMut::from(&raw[..]);
             batch[..8].copy_from_slice(&(next as i64).to_be_bytes());
-            let max_timestamp = if max_timestamp < 0 { now_ms } else { max_timestamp };
+            let max_timestamp = if max_timestamp < 0 {
+                now_ms
+            } else {
+                max_timestamp
+            };
             log.push(Batch {
                 base: next,
                 end: next + count,
@@ -303,4 +307,3 @@ fn valid_topic_name(name: &str) -> bool {
             .bytes()
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'.' | b'_' | b'-'))
 }
-

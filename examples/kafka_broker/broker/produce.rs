@@ -133,8 +133,8 @@ pub async fn handle(
         response,
         closing: broker.closing.clone(),
     };
-    let timeout = Duration::from_millis(request.timeout_ms.max(0) as u64)
-        .min(broker.config.max_produce_wait);
+    let timeout =
+        Duration::from_millis(request.timeout_ms.max(0) as u64).min(broker.config.max_produce_wait);
     match broker
         .produces
         .try_complete_else_watch_levels(op, timeout, watches)
@@ -142,7 +142,10 @@ pub async fn handle(
         Ok(handle) => match handle.await {
             Ok(Completion::Completed(r)) => Ok(Some(r)),
             Ok(Completion::Expired(r)) => {
-                broker.stats.produces_timed_out.fetch_add(1, Ordering::Relaxed);
+                broker
+                    .stats
+                    .produces_timed_out
+                    .fetch_add(1, Ordering::Relaxed);
                 Ok(Some(r))
             }
             Err(_) => Err(Gone),

@@ -142,8 +142,8 @@ async fn answer(broker: &Broker, mut frame: Bytes) -> Result<Option<BytesMut>, G
     let Ok(key) = ApiKey::try_from(key) else {
         return Err(Gone);
     };
-    let header = RequestHeader::decode(&mut frame, key.request_header_version(version))
-        .map_err(|_| Gone)?;
+    let header =
+        RequestHeader::decode(&mut frame, key.request_header_version(version)).map_err(|_| Gone)?;
     let id = header.correlation_id;
     if !supported(key, version) {
         if key == ApiKey::ApiVersions {
@@ -233,7 +233,12 @@ fn metadata(broker: &Broker, request: &MetadataRequest) -> MetadataResponse {
             .topics
             .all()
             .into_iter()
-            .map(|t| (TopicName(StrBytes::from_string(t.name.to_string())), Some(t)))
+            .map(|t| {
+                (
+                    TopicName(StrBytes::from_string(t.name.to_string())),
+                    Some(t),
+                )
+            })
             .collect::<Vec<_>>(),
     };
     let replicas: Vec<BrokerId> = (0..=broker.config.followers as i32).map(BrokerId).collect();
@@ -289,11 +294,9 @@ fn list_offsets(broker: &Broker, request: &ListOffsetsRequest) -> ListOffsetsRes
                                     .with_partition_index(p.partition_index)
                                     .with_timestamp(-1);
                                 match broker.topics.partition(&t.name, p.partition_index) {
-                                    None => r
-                                        .with_offset(-1)
-                                        .with_error_code(
-                                            ResponseError::UnknownTopicOrPartition.code(),
-                                        ),
+                                    None => r.with_offset(-1).with_error_code(
+                                        ResponseError::UnknownTopicOrPartition.code(),
+                                    ),
                                     Some(part) => r.with_offset(match p.timestamp {
                                         -1 => part.high_watermark() as i64,
                                         -2 => 0,

@@ -1,0 +1,445 @@
+//! The Kafka-protocol broker example (`examples/kafka_broker`) checked by a
+//! Kafka client library nobody here wrote (rskafka), and by raw requests for
+//! what rskafka does not send (`acks` 0 and 1, a fetch abandoned mid-wait).
+//!
+//! Real sockets on 127.0.0.1 and real time: few tests, each bounded by a
+//! timeout.
+
+#[path = "../examples/kafka_broker/broker/mod.rs"]
+#[allow(dead_code)]
+mod broker;
+#[path = "../examples/kafka_broker/wire.rs"]
+#[allow(dead_code)]
+mod wire;
+
+use std::future::Future;
+use std::time::Duration;
+
+use broker::{BrokerHandle, Config};
+use kafka_protocol::error::ResponseError;
+use rskafka::chrono::{TimeZone, Utc};
+use rskafka::client::error::{Error as ClientError, ProtocolError};
+use rskafka::client::partition::{Compression, PartitionClient, UnknownTopicHandling};
+use rskafka::client::ClientBuilder;
+use rskafka::record::Record;
+use tokio::time::Instant;
+use wire::Wire;
+
+const TOPIC: &str = "t";
+
+/// Every test's body runs under this bound.
+async fn bounded<F: Future>(f: F) -> F::Output {
+    tokio::time::timeout(Duration::from_secs(30), f)
+        .await
+        .expect("the test finished in time")
+}
+
+async fn start(config: Config) -> BrokerHandle {
+    BrokerHandle::start(Config {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        ..config
+    })
+    .await
+    .expect("the broker starts")
+}
+
+fn record(value: &[u8]) -> Record {
+    Record {
+        key: None,
+        value: Some(value.to_vec()),
+        headers: Default::default(),
+        timestamp: Utc.timestamp_millis_opt(wire::now_ms()).unwrap(),
+    }
+}
+
+/// A client with its own connection (one request at a time per connection).
+async fn client(b: &BrokerHandle, p: i32) -> PartitionClient {
+    ClientBuilder::new(vec![b.addr.to_string()])
+        .build()
+        .await
+        .expect("connects")
+        .partition_client(TOPIC, p, UnknownTopicHandling::Retry)
+        .await
+        .expect("partition client")
+}
+
+/// Polls `cond` on the wall clock (the broker is real) for up to 10 s.
+async fn until(what: &str, cond: impl Fn() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !cond() {
+        assert!(Instant::now() < deadline, "waited too long until {what}");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acks_all_then_the_same_records_are_consumed() {
+    bounded(async {
+        let b = start(Config::default()).await;
+        let c = client(&b, 0).await;
+        let offsets = c
+            .produce(vec![record(b"a"), record(b"b")], Compression::NoCompression)
+            .await
+            .unwrap();
+        assert_eq!(offsets, vec![0, 1]);
+        let more = c
+            .produce(vec![record(b"c")], Compression::NoCompression)
+            .await
+            .unwrap();
+        assert_eq!(more, vec![2]);
+        // acks=all answered: the high watermark covers the records.
+        assert_eq!(
+            b.broker
+                .topics
+                .partition(TOPIC, 0)
+                .unwrap()
+                .high_watermark(),
+            3
+        );
+        let (records, hw) = c.fetch_records(0, 1..1_000_000, 1_000).await.unwrap();
+        assert_eq!(hw, 3);
+        let values: Vec<_> = records
+            .iter()
+            .map(|r| (r.offset, r.record.value.clone().unwrap()))
+            .collect();
+        assert_eq!(
+            values,
+            vec![(0, b"a".to_vec()), (1, b"b".to_vec()), (2, b"c".to_vec())]
+        );
+        // From the middle of a batch: the client drops what it did not ask for.
+        let (records, _) = c.fetch_records(1, 1..1_000_000, 1_000).await.unwrap();
+        assert_eq!(records.first().map(|r| r.offset), Some(1));
+        assert_eq!(
+            c.get_offset(rskafka::client::partition::OffsetAt::Latest)
+                .await
+                .unwrap(),
+            3
+        );
+        b.shutdown().await;
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_empty_fetch_answers_at_its_max_wait() {
+    bounded(async {
+        let b = start(Config::default()).await;
+        let c = client(&b, 1).await;
+        let t = Instant::now();
+        let (records, hw) = c.fetch_records(0, 1..1_000_000, 500).await.unwrap();
+        let took = t.elapsed();
+        assert!(records.is_empty());
+        assert_eq!(hw, 0);
+        assert!(
+            took >= Duration::from_millis(500),
+            "answered early: {took:?}"
+        );
+        // A few ms on a quiet machine; room here for a loaded 2-core CI.
+        assert!(took < Duration::from_millis(560), "answered late: {took:?}");
+        b.shutdown().await;
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fetch_parked_on_min_bytes_answers_soon_after_the_produce_that_fills_it() {
+    bounded(async {
+        let b = start(Config::default()).await;
+        let producer = client(&b, 2).await;
+        let consumer = client(&b, 2).await;
+        // One small record is about 70 bytes: a fetch wanting 100 waits for two.
+        let fetch = tokio::spawn(async move {
+            let r = consumer.fetch_records(0, 100..1_000_000, 10_000).await;
+            (r, Instant::now())
+        });
+        until("the fetch is parked", || b.broker.fetches.delayed() == 1).await;
+        producer
+            .produce(vec![record(b"one")], Compression::NoCompression)
+            .await
+            .unwrap();
+        // Replicated (acks=all answered), checked, and not enough: still parked.
+        assert_eq!(b.broker.fetches.delayed(), 1, "not enough bytes yet");
+        producer
+            .produce(vec![record(b"two")], Compression::NoCompression)
+            .await
+            .unwrap();
+        let acked = Instant::now();
+        let (r, answered) = fetch.await.unwrap();
+        let (records, hw) = r.unwrap();
+        assert_eq!(records.len(), 2);
+        assert_eq!(hw, 2);
+        let after = answered.saturating_duration_since(acked);
+        assert!(
+            after < Duration::from_millis(50),
+            "woke {after:?} after the produce"
+        );
+        b.shutdown().await;
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_fetch_misses_a_produce_that_races_its_registration() {
+    bounded(async {
+        let b = start(Config {
+            followers: 0, // the high watermark moves in the produce's own request
+            topics: vec![TOPIC.into()],
+            ..Config::default()
+        })
+        .await;
+        let addr = b.addr;
+        let mut producer = Wire::connect(addr).await.unwrap();
+        let mut consumer = Wire::connect(addr).await.unwrap();
+        for offset in 0..200i64 {
+            // The fetch and the produce go out together: the produce lands
+            // before, during or after the fetch's read and registration.
+            let fetch = wire::fetch(TOPIC, &[(3, offset)], Duration::from_secs(5), 1, 1 << 20);
+            let produce = wire::produce(TOPIC, 3, 1, Duration::from_secs(5), wire::batch(&[b"x"]));
+            let t = Instant::now();
+            let (f, p) = tokio::join!(
+                consumer.call(&fetch, wire::FETCH_VERSION),
+                producer.call(&produce, wire::PRODUCE_VERSION)
+            );
+            assert_eq!(wire::produce_error(&p.unwrap()), 0);
+            let f = f.unwrap();
+            let took = t.elapsed();
+            assert!(
+                took < Duration::from_secs(1),
+                "round {offset}: a wake-up was lost ({took:?})"
+            );
+            let part = &f.responses[0].partitions[0];
+            assert_eq!(part.error_code, 0);
+            assert!(part.records.as_ref().is_some_and(|r| !r.is_empty()));
+        }
+        b.shutdown().await;
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stuck_follower_times_out_acks_all_but_not_acks_1() {
+    bounded(async {
+        let b = start(Config {
+            stuck_follower: Some(1),
+            max_produce_wait: Duration::from_millis(200),
+            ..Config::default()
+        })
+        .await;
+        let c = client(&b, 0).await;
+        let t = Instant::now();
+        let result = c
+            .produce(vec![record(b"stuck")], Compression::NoCompression)
+            .await;
+        let took = t.elapsed();
+        assert!(
+            matches!(
+                result,
+                Err(ClientError::ServerError {
+                    protocol_error: ProtocolError::RequestTimedOut,
+                    ..
+                })
+            ),
+            "{result:?}"
+        );
+        assert!(took >= Duration::from_millis(200), "{took:?}");
+        let mut raw = Wire::connect(b.addr).await.unwrap();
+        let r = raw
+            .call(
+                &wire::produce(
+                    TOPIC,
+                    0,
+                    1,
+                    Duration::from_secs(5),
+                    wire::batch(&[b"leader"]),
+                ),
+                wire::PRODUCE_VERSION,
+            )
+            .await
+            .unwrap();
+        assert_eq!(wire::produce_error(&r), 0);
+        assert_eq!(r.responses[0].partition_responses[0].base_offset, 1);
+        // acks=0: no answer; the next request's answer is the next one read.
+        raw.send(
+            &wire::produce(
+                TOPIC,
+                0,
+                0,
+                Duration::from_secs(5),
+                wire::batch(&[b"quiet"]),
+            ),
+            wire::PRODUCE_VERSION,
+        )
+        .await
+        .unwrap();
+        let r = raw
+            .call(
+                &wire::produce(
+                    TOPIC,
+                    0,
+                    1,
+                    Duration::from_secs(5),
+                    wire::batch(&[b"after"]),
+                ),
+                wire::PRODUCE_VERSION,
+            )
+            .await
+            .unwrap();
+        assert_eq!(r.responses[0].partition_responses[0].base_offset, 3);
+        let part = b.broker.topics.partition(TOPIC, 0).unwrap();
+        assert_eq!((part.log_end(), part.high_watermark()), (4, 0));
+        // The follower comes back: the high watermark catches up.
+        b.broker.set_stuck(1, false);
+        until("caught up", || part.high_watermark() == 4).await;
+        b.shutdown().await;
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fetch_limits_and_errors_per_partition() {
+    bounded(async {
+        let b = start(Config {
+            followers: 0,
+            ..Config::default()
+        })
+        .await;
+        let mut raw = Wire::connect(b.addr).await.unwrap();
+        // Make the topic, then two batches on partition 0 and one on 1.
+        let _ = client(&b, 0).await;
+        for (p, v) in [(0, &b"first"[..]), (0, b"second"), (1, b"other")] {
+            let r = raw
+                .call(
+                    &wire::produce(TOPIC, p, 1, Duration::from_secs(5), wire::batch(&[v])),
+                    wire::PRODUCE_VERSION,
+                )
+                .await
+                .unwrap();
+            assert_eq!(wire::produce_error(&r), 0);
+        }
+        // max_bytes 1: the first batch comes whole (a consumer must progress),
+        // nothing else fits.
+        let f = raw
+            .call(
+                &wire::fetch(TOPIC, &[(0, 0), (1, 0)], Duration::ZERO, 1, 1),
+                wire::FETCH_VERSION,
+            )
+            .await
+            .unwrap();
+        let parts = &f.responses[0].partitions;
+        let first = parts[0].records.clone().unwrap();
+        assert!(!first.is_empty());
+        let batches =
+            kafka_protocol::records::RecordBatchDecoder::decode_all(&mut first.clone()).unwrap();
+        assert_eq!(batches.len(), 1);
+        assert!(parts[1].records.as_ref().unwrap().is_empty());
+        assert_eq!((parts[0].high_watermark, parts[1].high_watermark), (2, 1));
+        // Out of range, and unknown partition: answered at once with errors.
+        let t = Instant::now();
+        let f = raw
+            .call(
+                &wire::fetch(
+                    TOPIC,
+                    &[(0, 99), (77, 0)],
+                    Duration::from_secs(10),
+                    1,
+                    1 << 20,
+                ),
+                wire::FETCH_VERSION,
+            )
+            .await
+            .unwrap();
+        assert!(t.elapsed() < Duration::from_secs(1));
+        let codes: Vec<_> = f.responses[0]
+            .partitions
+            .iter()
+            .map(|p| p.error_code)
+            .collect();
+        assert_eq!(
+            codes,
+            vec![
+                ResponseError::OffsetOutOfRange.code(),
+                ResponseError::UnknownTopicOrPartition.code()
+            ]
+        );
+        // Not record batches: refused, nothing appended.
+        let r = raw
+            .call(
+                &wire::produce(
+                    TOPIC,
+                    1,
+                    1,
+                    Duration::from_secs(5),
+                    bytes::Bytes::from_static(b"junk"),
+                ),
+                wire::PRODUCE_VERSION,
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            wire::produce_error(&r),
+            ResponseError::CorruptMessage.code()
+        );
+        assert_eq!(b.broker.topics.partition(TOPIC, 1).unwrap().log_end(), 1);
+        b.shutdown().await;
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hang_up_cancels_and_shutdown_answers_what_waits() {
+    bounded(async {
+        let b = start(Config {
+            stuck_follower: Some(0),
+            ..Config::default()
+        })
+        .await;
+        let _ = client(&b, 0).await; // makes the topic
+        let mut gone = Wire::connect(b.addr).await.unwrap();
+        gone.send(
+            &wire::fetch(TOPIC, &[(0, 0)], Duration::from_secs(30), 1, 1 << 20),
+            wire::FETCH_VERSION,
+        )
+        .await
+        .unwrap();
+        until("parked", || b.broker.fetches.delayed() == 1).await;
+        drop(gone);
+        until("cancelled", || b.broker.fetches.delayed() == 0).await;
+
+        let mut waiting = Vec::new();
+        for p in 0..2 {
+            let mut w = Wire::connect(b.addr).await.unwrap();
+            let req = wire::produce(TOPIC, p, -1, Duration::from_secs(30), wire::batch(&[b"x"]));
+            waiting.push(tokio::spawn(async move {
+                w.call(&req, wire::PRODUCE_VERSION).await
+            }));
+        }
+        let mut w = Wire::connect(b.addr).await.unwrap();
+        let fetch = tokio::spawn(async move {
+            w.call(
+                &wire::fetch(TOPIC, &[(1, 0)], Duration::from_secs(30), 1 << 20, 1 << 20),
+                wire::FETCH_VERSION,
+            )
+            .await
+        });
+        until("2 produces and a fetch wait", || {
+            b.broker.produces.delayed() == 2 && b.broker.fetches.delayed() == 1
+        })
+        .await;
+        let broker = b.broker.clone();
+        b.shutdown().await;
+        for w in waiting {
+            let r = w
+                .await
+                .unwrap()
+                .expect("answered before the connection closed");
+            assert_eq!(
+                wire::produce_error(&r),
+                ResponseError::NotEnoughReplicasAfterAppend.code()
+            );
+        }
+        let f = fetch.await.unwrap().expect("answered");
+        assert_eq!(f.responses[0].partitions[0].error_code, 0);
+        assert_eq!(broker.produces.delayed() + broker.fetches.delayed(), 0);
+    })
+    .await
+}
