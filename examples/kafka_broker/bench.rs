@@ -8,11 +8,12 @@
 //! [min..max].
 //!
 //! The load: `--consumers` connections, each long-polling one of
-//! `--partitions` partitions (`min_bytes` 1, `max_wait` 1 s) from its
+//! `--partitions` partitions (`--min-bytes`, `max_wait` 1 s) from its
 //! position; one producer writing one record at a time (`acks=1`) to the
 //! partitions in turn at `--rate` records/s, each record carrying its send
 //! time. Wake-up latency is a fetch's arrival minus the send time of the
-//! first new record it carries.
+//! newest record it carries (the produce that satisfied it); answers that
+//! came at `max_wait` with less than `min_bytes` are counted apart.
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
@@ -52,6 +53,9 @@ pub struct BenchArgs {
     /// Strategies, comma-separated: purgatory, poll, notify.
     #[arg(long, value_delimiter = ',', default_value = "purgatory,poll,notify")]
     strategies: Vec<String>,
+    /// Each fetch's `min_bytes` (a one-record batch is about 70 bytes).
+    #[arg(long, default_value_t = 1)]
+    min_bytes: i32,
     /// The sleep-poll interval, ms.
     #[arg(long, default_value_t = 10)]
     poll_ms: u64,
@@ -70,8 +74,8 @@ struct Run {
 
 pub async fn run(args: BenchArgs) -> i32 {
     println!(
-        "{} consumers parked on {} partitions, {} records/s, {} s measured, {} runs each, interleaved",
-        args.consumers, args.partitions, args.rate, args.seconds, args.repeat
+        "{} consumers parked on {} partitions (min_bytes {}), {} records/s, {} s measured, {} runs each, interleaved",
+        args.consumers, args.partitions, args.min_bytes, args.rate, args.seconds, args.repeat
     );
     let mut results: HashMap<String, Vec<Run>> = HashMap::new();
     for round in 0..args.repeat {
@@ -81,7 +85,7 @@ pub async fn run(args: BenchArgs) -> i32 {
             match one(&args, s).await {
                 Ok(r) => {
                     println!(
-                        "round {} {s:>9} (load {load}): broker CPU {:.0} ms for {:.0} requests, wake-up p50 {:.2} / p99 {:.2} / max {:.2} ms, {:.0} empty answers",
+                        "round {} {s:>9} (load {load}): broker CPU {:.0} ms for {:.0} requests, wake-up p50 {:.2} / p99 {:.2} / max {:.2} ms, {:.0} answers at max_wait",
                         round + 1,
                         r.cpu_ms,
                         r.requests,
@@ -228,7 +232,7 @@ async fn one(args: &BenchArgs, strategy: &str) -> Result<Run, String> {
             .await
             .map_err(|e| format!("consumer {c} cannot connect: {e}"))?;
         let p = c as i32 % args.partitions;
-        consumers.push(tokio::spawn(consume(wire, p, shared.clone())));
+        consumers.push(tokio::spawn(consume(wire, p, args.min_bytes, shared.clone())));
     }
     let producer = tokio::spawn(produce(
         Wire::connect(broker.addr)
@@ -298,10 +302,16 @@ async fn produce(mut wire: Wire, partitions: i32, rate: u64, shared: Arc<Shared>
 
 /// Long-polls partition `p` from its start; records each answer's wake-up
 /// latency.
-async fn consume(mut wire: Wire, p: i32, shared: Arc<Shared>) {
+async fn consume(mut wire: Wire, p: i32, min_bytes: i32, shared: Arc<Shared>) {
     let mut offset = 0i64;
     while !shared.stop.load(Ordering::SeqCst) {
-        let request = wire::fetch("bench", &[(p, offset)], Duration::from_secs(1), 1, 1 << 20);
+        let request = wire::fetch(
+            "bench",
+            &[(p, offset)],
+            Duration::from_secs(1),
+            min_bytes,
+            1 << 20,
+        );
         let Ok(response) = wire.call(&request, wire::FETCH_VERSION).await else {
             return;
         };
@@ -310,31 +320,30 @@ async fn consume(mut wire: Wire, p: i32, shared: Arc<Shared>) {
         let Some(mut records) = response.responses[0].partitions[0].records.clone() else {
             continue;
         };
+        let bytes = records.len();
         let Ok(sets) = RecordBatchDecoder::decode_all(&mut records) else {
             return;
         };
-        let mut first_new = None;
+        // The newest record carried: the produce that satisfied the fetch.
+        let mut newest = None;
         for r in sets.iter().flat_map(|s| s.records.iter()) {
             if r.offset >= offset {
-                first_new = first_new.or(r.value.as_ref().map(|v| {
+                newest = r.value.as_ref().map(|v| {
                     let mut b = [0u8; 8];
                     b.copy_from_slice(&v[..8]);
                     u64::from_be_bytes(b)
-                }));
+                });
                 offset = r.offset + 1;
             }
         }
         if measuring {
             shared.answers.fetch_add(1, Ordering::Relaxed);
-            match first_new {
-                Some(at) => {
-                    let _ = shared
-                        .latency
-                        .lock()
-                        .unwrap()
-                        .record(now.saturating_sub(at).max(1));
+            match newest {
+                Some(at) if bytes >= min_bytes as usize => {
+                    let _ = shared.latency.lock().unwrap().record(now.saturating_sub(at).max(1));
                 }
-                None => {
+                // Answered at max_wait, with less than min_bytes.
+                _ => {
                     shared.empty.fetch_add(1, Ordering::Relaxed);
                 }
             }

@@ -9,7 +9,7 @@ use kafka_protocol::error::ResponseError;
 use kafka_protocol::messages::fetch_response::{FetchableTopicResponse, PartitionData};
 use kafka_protocol::messages::{FetchRequest, FetchResponse};
 use tokio::time::Instant;
-use tokio_purgatory::{Completion, Operation, Watch};
+use tokio_purgatory::{Operation, Watch};
 
 use super::{Broker, FetchWait, Gone, Partition};
 
@@ -22,9 +22,9 @@ struct Want {
     max_bytes: usize,
 }
 
-/// Kafka's `DelayedFetch`: done once `min_bytes` are readable across its
-/// partitions.
-pub struct DelayedFetch {
+/// What a fetch asks for, and how to answer it.
+#[derive(Default)]
+pub struct Fetch {
     /// (topic name, its partitions), in the request's order.
     topics: Vec<(kafka_protocol::messages::TopicName, Vec<Want>)>,
     min_bytes: u64,
@@ -32,7 +32,7 @@ pub struct DelayedFetch {
     closing: Arc<AtomicBool>,
 }
 
-impl DelayedFetch {
+impl Fetch {
     fn wants(&self) -> impl Iterator<Item = (&Arc<Partition>, &Want)> {
         self.topics
             .iter()
@@ -91,15 +91,25 @@ impl DelayedFetch {
     }
 }
 
-impl Operation for DelayedFetch {
-    type Output = FetchResponse;
+/// Kafka's `DelayedFetch`: done once `min_bytes` are readable across its
+/// partitions.
+///
+/// Its check only decides; the answer (reading the log, encoding) is built by
+/// the request's own task once the handle resolves, so a high watermark move
+/// that completes many fetches does not build all their answers in the
+/// thread that moved it.
+pub struct DelayedFetch(Fetch);
 
-    fn try_complete(&mut self) -> Option<FetchResponse> {
-        (self.enough() || self.closing.load(Ordering::SeqCst)).then(|| self.answer())
+impl Operation for DelayedFetch {
+    type Output = Fetch;
+
+    fn try_complete(&mut self) -> Option<Fetch> {
+        let f = &self.0;
+        (f.enough() || f.closing.load(Ordering::SeqCst)).then(|| std::mem::take(&mut self.0))
     }
 
-    fn on_expiration(self) -> FetchResponse {
-        self.answer()
+    fn on_expiration(self) -> Fetch {
+        self.0
     }
 }
 
@@ -135,7 +145,7 @@ pub async fn handle(broker: &Broker, request: FetchRequest) -> Result<FetchRespo
             .collect();
         topics.push((topic.topic.clone(), wants));
     }
-    let fetch = DelayedFetch {
+    let fetch = Fetch {
         topics,
         min_bytes: request.min_bytes.max(0) as u64,
         max_bytes: request.max_bytes.max(0) as usize,
@@ -165,7 +175,7 @@ pub async fn handle(broker: &Broker, request: FetchRequest) -> Result<FetchRespo
 /// higher.
 async fn in_purgatory(
     broker: &Broker,
-    fetch: DelayedFetch,
+    fetch: Fetch,
     max_wait: Duration,
 ) -> Result<FetchResponse, Gone> {
     let watches: Vec<_> = fetch
@@ -174,17 +184,20 @@ async fn in_purgatory(
         .collect();
     match broker
         .fetches
-        .try_complete_else_watch_levels(fetch, max_wait, watches)
+        .try_complete_else_watch_levels(DelayedFetch(fetch), max_wait, watches)
     {
         // Dropping this future (the client hung up) drops the handle, which
         // takes the fetch out of the purgatory.
-        Ok(handle) => handle.await.map(Completion::into_inner).map_err(|_| Gone),
-        Err(refused) => Ok(refused.into_inner().answer()),
+        Ok(handle) => match handle.await {
+            Ok(done) => Ok(done.into_inner().answer()),
+            Err(_) => Err(Gone),
+        },
+        Err(refused) => Ok(refused.into_inner().0.answer()),
     }
 }
 
 /// Re-reads every `every` until enough bytes or the deadline.
-async fn sleep_poll(fetch: DelayedFetch, max_wait: Duration, every: Duration) -> FetchResponse {
+async fn sleep_poll(fetch: Fetch, max_wait: Duration, every: Duration) -> FetchResponse {
     let deadline = Instant::now() + max_wait;
     loop {
         let next = (Instant::now() + every).min(deadline);
@@ -199,7 +212,7 @@ async fn sleep_poll(fetch: DelayedFetch, max_wait: Duration, every: Duration) ->
 /// re-reading after each wake-up. Each waiter is armed (`enable`) before the
 /// read that decides to wait, so a move between the read and the wait is not
 /// lost.
-async fn notified(fetch: DelayedFetch, max_wait: Duration) -> FetchResponse {
+async fn notified(fetch: Fetch, max_wait: Duration) -> FetchResponse {
     let deadline = Instant::now() + max_wait;
     loop {
         let parts: Vec<Arc<Partition>> = fetch.wants().map(|(p, _)| p.clone()).collect();

@@ -150,7 +150,7 @@ impl Partition {
                     break;
                 }
                 let fits = out.len() + b.bytes.len() <= max_bytes;
-                if !fits && !(out.is_empty() && allow_oversized) {
+                if !(fits || out.is_empty() && allow_oversized) {
                     break;
                 }
                 out.extend_from_slice(&b.bytes);
