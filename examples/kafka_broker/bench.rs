@@ -232,7 +232,12 @@ async fn one(args: &BenchArgs, strategy: &str) -> Result<Run, String> {
             .await
             .map_err(|e| format!("consumer {c} cannot connect: {e}"))?;
         let p = c as i32 % args.partitions;
-        consumers.push(tokio::spawn(consume(wire, p, args.min_bytes, shared.clone())));
+        consumers.push(tokio::spawn(consume(
+            wire,
+            p,
+            args.min_bytes,
+            shared.clone(),
+        )));
     }
     let producer = tokio::spawn(produce(
         Wire::connect(broker.addr)
@@ -340,7 +345,11 @@ async fn consume(mut wire: Wire, p: i32, min_bytes: i32, shared: Arc<Shared>) {
             shared.answers.fetch_add(1, Ordering::Relaxed);
             match newest {
                 Some(at) if bytes >= min_bytes as usize => {
-                    let _ = shared.latency.lock().unwrap().record(now.saturating_sub(at).max(1));
+                    let _ = shared
+                        .latency
+                        .lock()
+                        .unwrap()
+                        .record(now.saturating_sub(at).max(1));
                 }
                 // Answered at max_wait, with less than min_bytes.
                 _ => {
