@@ -52,14 +52,10 @@ impl Operation for DelayedProduce {
     type Output = ProduceResponse;
 
     fn try_complete(&mut self) -> Option<ProduceResponse> {
-        if self.covered() {
-            // `answer` re-reads: a partition covered now stays covered.
-            Some(self.answer(ResponseError::RequestTimedOut))
-        } else if self.closing.load(Ordering::SeqCst) {
-            Some(self.answer(ResponseError::NotEnoughReplicasAfterAppend))
-        } else {
-            None
-        }
+        // Covered: `answer` marks nothing (a covered partition stays covered).
+        // Closing: what is not covered yet is in the log, not replicated.
+        (self.covered() || self.closing.load(Ordering::SeqCst))
+            .then(|| self.answer(ResponseError::NotEnoughReplicasAfterAppend))
     }
 
     fn on_expiration(self) -> ProduceResponse {
