@@ -702,14 +702,14 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
         if let Err(panic) = watched {
             // A key's code panicked: undo. The entries made are tombstones now.
             let op = cell.abandon_registration();
-            shared.entries.0.change(0, added as i64);
+            shared.entries.change(0, added as i64);
             shared.unadmit();
             drop(cell);
             shared.drop_contained("drop of an operation", op);
             shared.drop_keys(keys);
             resume_unwind(panic);
         }
-        shared.entries.0.change(added as i64, 0);
+        shared.entries.change(added as i64, 0);
         shared.books.registered();
 
         let refused = match cell.run_checks(me) {
@@ -1075,7 +1075,7 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
         let t = s.books.totals();
         PurgatoryMetrics {
             watched: self.watched(),
-            tombstones: s.entries.0.tombstones(),
+            tombstones: s.entries.tombstones(),
             delayed: t.delayed,
             keys: s.watchers.keys(),
             registered: t.registered,
@@ -1083,7 +1083,7 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
             expired: t.expired,
             cancelled: t.cancelled,
             handed_back: t.handed_back,
-            purged: c.purged.load(Ordering::Relaxed),
+            purged: s.purge.0.purged.load(Ordering::Relaxed),
             panicked: c.panicked.load(Ordering::Relaxed),
             reaper_wakeups: s.core.wakeups(),
         }

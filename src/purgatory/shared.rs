@@ -55,8 +55,16 @@ pub(crate) fn closed_refusal<O>(op: O, why: Closed) -> WatchError<O> {
 /// Rare events, counted once for the whole purgatory.
 #[derive(Debug, Default)]
 pub(crate) struct Counters {
-    pub(crate) purged: AtomicU64,
     pub(crate) panicked: AtomicU64,
+}
+
+/// A purge under way (`maybe_purge`), a flag to skip its lock when none is,
+/// and the entries purged so far.
+#[derive(Debug)]
+pub(crate) struct Purge {
+    sweep: Mutex<Option<Sweep>>,
+    sweeping: AtomicBool,
+    pub(crate) purged: AtomicU64,
 }
 
 /// How many stripes the per-operation counts are spread over.
@@ -189,11 +197,12 @@ pub(crate) struct Shared<K: WatchKey, O: Operation> {
     /// striped.
     admitted: Padded<AtomicUsize>,
     /// Watch-list entries of pending operations, and of finished ones (tombstones).
-    pub(crate) entries: Padded<Entries>,
+    pub(crate) entries: Entries,
     pub(crate) books: Books,
-    /// A purge under way (`maybe_purge`), and a flag to skip the lock when none is.
-    sweep: Mutex<Option<Sweep>>,
-    sweeping: AtomicBool,
+    /// The purge under way, on cache lines of its own: the thread purging
+    /// writes it on every slice, and the threads completing operations read
+    /// the fields around it on every finish.
+    pub(crate) purge: Padded<Purge>,
     purge_interval: usize,
     pub(crate) max_pending: Option<usize>,
     /// Set by `drain`: registrations are refused, and each finish wakes the
@@ -217,10 +226,13 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
             core,
             watchers: Watchers::new(watcher_shards, hasher),
             admitted: Padded(AtomicUsize::new(0)),
-            entries: Padded(Entries::default()),
+            entries: Entries::default(),
             books: Books::default(),
-            sweep: Mutex::new(None),
-            sweeping: AtomicBool::new(false),
+            purge: Padded(Purge {
+                sweep: Mutex::new(None),
+                sweeping: AtomicBool::new(false),
+                purged: AtomicU64::new(0),
+            }),
             purge_interval,
             max_pending,
             draining: AtomicBool::new(false),
@@ -314,7 +326,7 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
     pub(crate) fn drop_removed(&self, removed: Removed<K, Arc<OpCell<K, O>>>) {
         let n = removed.entries.len();
         if n > 0 {
-            self.entries.0.change(0, -(n as i64));
+            self.entries.change(0, -(n as i64));
         }
         drop_each_contained(removed.entries, |p| {
             self.note_panic("drop of a finished operation's cell", p)
@@ -332,7 +344,7 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
             self.drained.notify_waiters();
         }
         tracing::trace!(purgatory = &*self.name, ?fate, "operation finished");
-        self.entries.0.change(-i64::from(keys), i64::from(keys));
+        self.entries.change(-i64::from(keys), i64::from(keys));
         // No purge here: this runs on the reaper too, and a purge walks every
         // list. Registration and key walks purge instead (Kafka's places).
     }
@@ -347,13 +359,14 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
     /// registration, key walks and cancellation by key, never on the reaper.
     /// A call that finds another thread on the purge goes on without waiting.
     pub(crate) fn maybe_purge(&self) {
-        if !self.sweeping.load(Ordering::Acquire) {
-            let (live, tomb) = self.entries.0.get();
+        let purge = &self.purge.0;
+        if !purge.sweeping.load(Ordering::Acquire) {
+            let (live, tomb) = self.entries.get();
             if tomb <= self.purge_interval || tomb <= live {
                 return;
             }
         }
-        let mut sweep = match self.sweep.try_lock() {
+        let mut sweep = match purge.sweep.try_lock() {
             Ok(sweep) => sweep,
             // No code that can panic runs under this lock; recover anyway.
             Err(TryLockError::Poisoned(p)) => p.into_inner(),
@@ -368,12 +381,10 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         if done {
             *sweep = None;
         }
-        self.sweeping.store(!done, Ordering::Release);
+        purge.sweeping.store(!done, Ordering::Release);
         drop(sweep);
         let purged = removed.entries.len();
-        self.counters
-            .purged
-            .fetch_add(purged as u64, Ordering::Relaxed);
+        purge.purged.fetch_add(purged as u64, Ordering::Relaxed);
         self.drop_removed(removed);
         tracing::trace!(
             purgatory = &*self.name,
@@ -404,26 +415,44 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
 }
 
 /// Watch-list entries of pending operations (live) and of finished ones
-/// (tombstones), in one word so that a finish moves its entries from one count
-/// to the other in a single read-modify-write, and the purge rule reads both at
-/// once: live entries in the high 32 bits, tombstones in the low 32.
+/// (tombstones), counted in one word per stripe so that a finish moves its
+/// entries from one count to the other in a single read-modify-write: live
+/// entries in the high 32 bits, tombstones in the low 32.
+///
+/// Striped by thread, as the books are: registration adds live entries on the
+/// registering thread and the finish moves them on the completing one, and a
+/// single word would bounce its cache line between the two on every
+/// operation. The stripes add up with wrapping arithmetic to the packed sum of
+/// all changes, so each half of the sum is exact whatever stripe each change
+/// went to.
 ///
 /// Tombstones may dip below zero briefly (an entry removed just before its
-/// operation's finish is counted): the word is the sum of all changes, so each
-/// half reads right again once the finish is counted, and a reader in between
-/// sees a huge tombstone count, which at worst runs a purge early.
-#[derive(Debug, Default)]
-pub(crate) struct Entries(AtomicU64);
+/// operation's finish is counted): each half reads right again once the finish
+/// is counted, and a reader in between sees a huge tombstone count, which at
+/// worst runs a purge early.
+#[derive(Debug)]
+pub(crate) struct Entries(Box<[Padded<AtomicU64>]>);
+
+impl Default for Entries {
+    fn default() -> Self {
+        Entries((0..STRIPES).map(|_| Padded(AtomicU64::new(0))).collect())
+    }
+}
 
 impl Entries {
     pub(crate) fn change(&self, live: i64, tombstones: i64) {
         let delta = (live << 32).wrapping_add(tombstones) as u64;
-        self.0.fetch_add(delta, Ordering::AcqRel);
+        let stripe = &self.0[(thread_index() % STRIPES as u64) as usize].0;
+        stripe.fetch_add(delta, Ordering::AcqRel);
     }
 
-    /// Live entries and tombstones.
+    /// Live entries and tombstones (sums the stripes: exact when no call races
+    /// the read).
     pub(crate) fn get(&self) -> (usize, usize) {
-        let v = self.0.load(Ordering::Acquire);
+        let v = self
+            .0
+            .iter()
+            .fold(0u64, |sum, s| sum.wrapping_add(s.0.load(Ordering::Acquire)));
         ((v >> 32) as usize, (v & 0xFFFF_FFFF) as usize)
     }
 
@@ -443,7 +472,7 @@ mod tests {
     use super::Entries;
 
     #[test]
-    fn live_entries_and_tombstones_share_one_word() {
+    fn live_entries_and_tombstones_share_one_word_per_stripe() {
         let e = Entries::default();
         e.change(3, 0); // registered on three keys
         assert_eq!(e.get(), (3, 0));
