@@ -819,7 +819,7 @@ mod tests {
     #[test]
     fn chunked_walks_and_slices_keep_order() {
         let n = 3 * CHUNK as u32 + 5;
-        let finished = |v: &u32| v % 3 == 0;
+        let finished = |v: &u32| v.is_multiple_of(3);
         let live: Vec<u32> = (0..n).filter(|v| !finished(v)).collect();
         let gone: Vec<u32> = (0..n).filter(finished).collect();
 
