@@ -373,7 +373,13 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
             // Another thread is on the purge.
             Err(TryLockError::WouldBlock) => return,
         };
-        let mut removed = Removed::default();
+        // Room for a whole slice: growing the buffer entry by entry would
+        // allocate several times per slice, on every registration while a
+        // purge is under way.
+        let mut removed = Removed {
+            entries: Vec::with_capacity(SWEEP_SLICE),
+            keys: Vec::new(),
+        };
         let state = sweep.get_or_insert_with(|| self.watchers.start_sweep());
         self.watchers
             .sweep(state, SWEEP_SLICE, |c| c.is_finished(), &mut removed);
