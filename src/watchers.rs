@@ -290,17 +290,27 @@ impl<V> List<V> {
 
     /// Takes out the entries `finished` picks into `out`, in order, showing each
     /// kept one to `kept`; the hole closes.
-    fn retain(
+    fn retain(&mut self, finished: impl Fn(&V) -> bool, kept: impl FnMut(&V), out: &mut Vec<V>) {
+        let kept_end = self.compact(0, 0..self.items.len(), finished, kept, out);
+        self.items.truncate(kept_end);
+        self.hole = (0, 0);
+    }
+
+    /// Visits `items[range]`, every entry before `range` from `kept_end` on
+    /// being `None`: takes the finished entries out into `out`, shows each
+    /// kept one to `kept` and moves it down to `kept_end`. Returns the end of
+    /// the kept part; from there to `range.end` all are `None`.
+    fn compact(
         &mut self,
+        mut kept_end: usize,
+        range: std::ops::Range<usize>,
         finished: impl Fn(&V) -> bool,
         mut kept: impl FnMut(&V),
         out: &mut Vec<V>,
-    ) {
-        let len = self.items.len();
-        let mut kept_end = 0;
-        let mut at = 0;
-        while at < len {
-            let chunk = (len - at).min(CHUNK);
+    ) -> usize {
+        let mut at = range.start;
+        while at < range.end {
+            let chunk = (range.end - at).min(CHUNK);
             let gone = finished_flags(&self.items[at..at + chunk], &finished);
             for (i, gone) in gone[..chunk].iter().enumerate() {
                 let slot = &mut self.items[at + i];
@@ -314,8 +324,7 @@ impl<V> List<V> {
             }
             at += chunk;
         }
-        self.items.truncate(kept_end);
-        self.hole = (0, 0);
+        kept_end
     }
 
     /// One slice of a purge: visits at most `budget` entries from where the
@@ -327,22 +336,9 @@ impl<V> List<V> {
         finished: impl Fn(&V) -> bool,
         out: &mut Vec<V>,
     ) -> (usize, bool) {
-        let (mut kept_end, start) = self.hole;
+        let (kept_end, start) = self.hole;
         let end = start.saturating_add(budget).min(self.items.len());
-        let mut at = start;
-        while at < end {
-            let chunk = (end - at).min(CHUNK);
-            let gone = finished_flags(&self.items[at..at + chunk], &finished);
-            for (i, gone) in gone[..chunk].iter().enumerate() {
-                if *gone {
-                    out.extend(self.items[at + i].take());
-                } else if self.items[at + i].is_some() {
-                    self.items.swap(kept_end, at + i);
-                    kept_end += 1;
-                }
-            }
-            at += chunk;
-        }
+        let kept_end = self.compact(kept_end, start..end, &finished, |_| {}, out);
         if end == self.items.len() {
             // Only `None`s past the kept part: nothing to drop.
             self.items.truncate(kept_end);
@@ -583,30 +579,15 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
         self.counted(1);
     }
 
-    /// `key` reached `level`: copies into `out` the live entries watching it at
-    /// or below that level (each stays watched one level above, see
-    /// [`List::reach`]) and those watching it without a level, and takes the
-    /// finished ones out (and the key, if nothing is left) into `removed`.
-    pub(crate) fn reach<Q>(
-        &self,
-        key: &Q,
-        level: u64,
-        out: &mut Vec<V>,
-        finished: impl Fn(&V) -> bool,
-        removed: &mut Removed<K, V>,
-    ) where
-        K: Borrow<Q>,
-        Q: Hash + Eq + ?Sized,
-    {
-        self.retain(key, Some(level), finished, |v| out.push(v.clone()), removed)
-    }
-
     /// Copies `key`'s entries that are not `finished` into `out`, and takes the
     /// finished ones out of the list (and the key, if nothing is left) into
-    /// `removed`.
+    /// `removed`. Plain entries only, unless the key `reached` a level: then
+    /// also the level entries at or below it (each live one stays watched one
+    /// level above, see [`List::reach`]).
     pub(crate) fn collect_live<Q>(
         &self,
         key: &Q,
+        reached: Option<u64>,
         out: &mut Vec<V>,
         finished: impl Fn(&V) -> bool,
         removed: &mut Removed<K, V>,
@@ -614,7 +595,7 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
         K: Borrow<Q>,
         Q: Hash + Eq + ?Sized,
     {
-        self.retain(key, None, finished, |v| out.push(v.clone()), removed)
+        self.retain(key, reached, finished, |v| out.push(v.clone()), removed)
     }
 
     /// Takes `key`'s finished entries out into `removed`.
@@ -1086,7 +1067,7 @@ mod tests {
         assert_eq!(w.len(), 5_000);
         for k in 0..3 {
             let mut live = Vec::new();
-            w.collect_live(&k, &mut live, |_| false, &mut Removed::default());
+            w.collect_live(&k, None, &mut live, |_| false, &mut Removed::default());
             let odd: Vec<u32> = (0..10_000).filter(|v| v % 3 == k && v % 2 == 1).collect();
             assert_eq!(live, odd, "key {k} keeps its live entries in order");
         }
@@ -1165,7 +1146,7 @@ mod tests {
         assert_eq!(list(swept), (10_001, (100, 200), 9_901));
         // A walk sees live entries in order, no hole, and closes it.
         let mut live = Vec::new();
-        w.collect_live(&swept, &mut live, |_| false, &mut Removed::default());
+        w.collect_live(&swept, None, &mut live, |_| false, &mut Removed::default());
         let want: Vec<u32> = (0..200).filter(|v| v % 2 == 1).chain(200..10_001).collect();
         assert_eq!(live, want);
         assert_eq!(list(swept), (9_901, (0, 0), 9_901));
@@ -1201,7 +1182,7 @@ mod tests {
         assert!(sweep.is_done());
         assert_eq!(r.entries, (0..250).collect::<Vec<_>>());
         let mut live = Vec::new();
-        w.collect_live(&5, &mut live, |_| false, &mut Removed::default());
+        w.collect_live(&5, None, &mut live, |_| false, &mut Removed::default());
         assert_eq!(live, (250..300).collect::<Vec<_>>());
         let (r, _) = sweep_all(&w, 7, |_| true);
         assert_eq!((r.entries.len(), r.keys), (50, vec![5]));
@@ -1216,7 +1197,7 @@ mod tests {
         }
         let mut live = Vec::new();
         let mut r = Removed::default();
-        w.collect_live(&1, &mut live, |v| v % 2 == 0, &mut r);
+        w.collect_live(&1, None, &mut live, |v| v % 2 == 0, &mut r);
         assert_eq!(live, vec![1, 3, 5, 7, 9], "in watch order");
         assert_eq!(r.entries, vec![0, 2, 4, 6, 8]);
         assert!(r.keys.is_empty(), "the key still has live entries");

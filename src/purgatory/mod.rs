@@ -850,7 +850,7 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
         let (_, completed) = self.check_collected(|live, removed| {
             shared
                 .watchers
-                .reach(key, level, live, |c| c.is_finished(), removed)
+                .collect_live(key, Some(level), live, |c| c.is_finished(), removed)
         });
         shared.maybe_purge();
         completed
@@ -913,7 +913,7 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
         let (checked, completed) = self.check_collected(|live, removed| {
             shared
                 .watchers
-                .collect_live(key, live, |c| c.is_finished(), removed)
+                .collect_live(key, None, live, |c| c.is_finished(), removed)
         });
         // Compact now only when much of the list finished: otherwise the finished
         // entries are tombstones the key's next walk drops anyway, and a second
