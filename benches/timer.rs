@@ -1,6 +1,14 @@
 //! Timer benchmark: our `Timer` against the peers a Rust user would pick instead.
 //!
-//! Run: `cargo bench --bench timer` (add `-- --quick` for 100,000 timers).
+//! Run: `cargo bench --bench timer` (add `-- --quick` for 100,000 timers,
+//! `-- --repeat N` for N repetitions, default 3). Every run is a process of its
+//! own, and the runs are interleaved (each repetition runs every
+//! implementation once per configuration); the table shows medians with
+//! [min..max]. `-- --child NAME FLAVOUR PRODUCERS` makes one run and prints its
+//! row (for profiling one implementation, e.g. `--child tokio-purgatory
+//! multi_thread 1`). Byte counts are exact and taken once, in the parent;
+//! children do not count bytes, since the counter is an atomic every
+//! allocation would update.
 //!
 //! Workload: N timers with delays uniform in 1..1000 ms, 80% cancelled
 //! soon after being scheduled (in batches of 1,000: schedule the batch, cancel 800
@@ -256,7 +264,6 @@ struct Row {
     producers: usize,
     schedule_rate: f64,
     cancel_rate: f64,
-    bytes: Option<f64>,
     p50: u64,
     p99: u64,
     max: u64,
@@ -302,7 +309,6 @@ async fn run_peer<P: Peer>(
         // producer's time in that call: concurrent throughput.
         schedule_rate: total.scheduled as f64 / sched_wall.as_secs_f64(),
         cancel_rate: total.cancelled as f64 / cancel_wall.as_secs_f64(),
-        bytes: None,
         p50: h.value_at_quantile(0.5),
         p99: h.value_at_quantile(0.99),
         max: h.max(),
@@ -369,154 +375,242 @@ async fn bytes_per_pending(name: &str, n: usize) -> f64 {
     }
 }
 
-async fn all(flavour: &'static str, n: usize, producers: usize, rows: &mut Vec<Row>) {
-    let stop = Arc::new(Notify::new());
-    // `TIMER_BENCH_ONLY=ours` measures our timer alone (for profiling).
-    let only_ours = std::env::var("TIMER_BENCH_ONLY").is_ok_and(|v| v == "ours");
+/// The implementations, in the order they run within each repetition.
+const IMPLS: [&str; 4] = [
+    "tokio-purgatory",
+    "task-per-timer",
+    "DelayQueue",
+    "BinaryHeap",
+];
 
+/// The (runtime flavour, producers) configurations.
+const CONFIGS: [(&str, usize); 3] = [
+    ("current_thread", 1),
+    ("multi_thread", 1),
+    ("multi_thread", 2),
+];
+
+/// One implementation, one runtime, one producer count: the run a child
+/// process makes.
+async fn one(name: &'static str, flavour: &'static str, n: usize, producers: usize) -> Row {
     let late = hist();
-    let tick_us: u64 = std::env::var("TIMER_TICK_US")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(1000);
-    let timer = Timer::builder()
-        .tick(Duration::from_micros(tick_us))
-        .build()
-        .unwrap();
-    let timer = Arc::new(Ours(timer));
-    rows.push(
-        run_peer(
-            "tokio-purgatory",
-            flavour,
-            timer.clone(),
-            n,
-            producers,
-            late,
-        )
-        .await,
-    );
-    timer.0.shutdown();
-    if only_ours {
-        return;
+    match name {
+        "tokio-purgatory" => {
+            let tick_us: u64 = std::env::var("TIMER_TICK_US")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(1000);
+            let timer = Timer::builder()
+                .tick(Duration::from_micros(tick_us))
+                .build()
+                .unwrap();
+            let timer = Arc::new(Ours(timer));
+            let row = run_peer(name, flavour, timer.clone(), n, producers, late).await;
+            timer.0.shutdown();
+            row
+        }
+        "task-per-timer" => {
+            run_peer(name, flavour, Arc::new(TaskPerTimer), n, producers, late).await
+        }
+        "DelayQueue" => {
+            let stop = Arc::new(Notify::new());
+            let dq = Arc::new(Dq {
+                q: Mutex::new(tokio_util::time::DelayQueue::new()),
+            });
+            let driver = tokio::spawn(drive_dq(dq.clone(), late, stop.clone()));
+            let row = run_peer(name, flavour, dq, n, producers, late).await;
+            stop.notify_one();
+            driver.await.unwrap();
+            row
+        }
+        _ => {
+            let stop = Arc::new(Notify::new());
+            let heap = Arc::new(Heap {
+                inner: Mutex::new(HeapInner {
+                    heap: BinaryHeap::new(),
+                    cancelled: HashSet::new(),
+                    next_id: 0,
+                }),
+                notify: Notify::new(),
+            });
+            let driver = tokio::spawn(drive_heap(heap.clone(), late, stop.clone()));
+            let row = run_peer("BinaryHeap", flavour, heap, n, producers, late).await;
+            stop.notify_one();
+            driver.await.unwrap();
+            row
+        }
     }
+}
 
-    let late = hist();
-    rows.push(
-        run_peer(
-            "task-per-timer",
-            flavour,
-            Arc::new(TaskPerTimer),
-            n,
-            producers,
-            late,
-        )
-        .await,
+fn runtime(flavour: &str) -> tokio::runtime::Runtime {
+    if flavour == "current_thread" {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    } else {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap()
+    }
+}
+
+fn static_name(name: &str) -> &'static str {
+    IMPLS
+        .iter()
+        .chain(CONFIGS.iter().map(|(f, _)| f))
+        .find(|n| **n == name)
+        .copied()
+        .unwrap_or_else(|| panic!("unknown name {name:?}"))
+}
+
+/// A child's run, printed as one tab-separated `ROW` line.
+fn child(name: &str, flavour: &str, producers: usize, n: usize) {
+    // Counting bytes costs every allocation a shared atomic: off while
+    // throughput is measured, so that it taxes no implementation.
+    alloc::pause_counting(true);
+    let r = runtime(flavour).block_on(one(static_name(name), static_name(flavour), n, producers));
+    println!(
+        "ROW\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}",
+        r.name,
+        r.flavour,
+        r.producers,
+        r.schedule_rate,
+        r.cancel_rate,
+        r.p50,
+        r.p99,
+        r.max,
+        r.fired
     );
+}
 
-    let late = hist();
-    let dq = Arc::new(Dq {
-        q: Mutex::new(tokio_util::time::DelayQueue::new()),
-    });
-    let driver = tokio::spawn(drive_dq(dq.clone(), late, stop.clone()));
-    rows.push(run_peer("DelayQueue", flavour, dq, n, producers, late).await);
-    stop.notify_one();
-    driver.await.unwrap();
+fn parse_row(line: &str) -> Option<Row> {
+    let f: Vec<&str> = line.strip_prefix("ROW\t")?.split('\t').collect();
+    Some(Row {
+        name: static_name(f[0]),
+        flavour: static_name(f[1]),
+        producers: f[2].parse().ok()?,
+        schedule_rate: f[3].parse().ok()?,
+        cancel_rate: f[4].parse().ok()?,
+        p50: f[5].parse().ok()?,
+        p99: f[6].parse().ok()?,
+        max: f[7].parse().ok()?,
+        fired: f[8].parse().ok()?,
+    })
+}
 
-    let late = hist();
-    let heap = Arc::new(Heap {
-        inner: Mutex::new(HeapInner {
-            heap: BinaryHeap::new(),
-            cancelled: HashSet::new(),
-            next_id: 0,
-        }),
-        notify: Notify::new(),
-    });
-    let driver = tokio::spawn(drive_heap(heap.clone(), late, stop.clone()));
-    rows.push(run_peer("BinaryHeap", flavour, heap, n, producers, late).await);
-    stop.notify_one();
-    driver.await.unwrap();
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().next().unwrap_or("?").to_string())
+        .unwrap_or_else(|_| "?".into())
+}
+
+/// Median, min and max.
+fn spread(mut v: Vec<f64>) -> (f64, f64, f64) {
+    v.sort_by(f64::total_cmp);
+    (v[v.len() / 2], v[0], v[v.len() - 1])
 }
 
 fn main() {
-    let quick = std::env::args().any(|a| a == "--quick");
+    let args: Vec<String> = std::env::args().collect();
+    let quick = args.iter().any(|a| a == "--quick");
     let n = if quick { 100_000 } else { 1_000_000 };
-    let mut rows = Vec::new();
-    for (flavour, producers) in [
-        ("current_thread", 1),
-        ("multi_thread", 1),
-        ("multi_thread", 2),
-    ] {
-        let rt = if flavour == "current_thread" {
-            tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap()
-        } else {
-            tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(2)
-                .enable_all()
-                .build()
-                .unwrap()
-        };
-        rt.block_on(all(flavour, n, producers, &mut rows));
+    if let Some(i) = args.iter().position(|a| a == "--child") {
+        let producers = args[i + 3].parse().expect("producers");
+        child(&args[i + 1], &args[i + 2], producers, n);
+        return;
     }
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    for name in [
-        "tokio-purgatory",
-        "task-per-timer",
-        "DelayQueue",
-        "BinaryHeap",
-    ] {
-        if std::env::var("TIMER_BENCH_ONLY").is_ok_and(|v| v == "ours") && name != "tokio-purgatory"
-        {
-            continue;
-        }
-        let b = rt.block_on(bytes_per_pending(name, n));
-        for r in rows.iter_mut().filter(|r| r.name == name) {
-            r.bytes = Some(b);
+    let repeat: usize = args
+        .iter()
+        .position(|a| a == "--repeat")
+        .map(|i| args[i + 1].parse().expect("--repeat N"))
+        .unwrap_or(3)
+        .max(1);
+
+    // Every run in its own process, interleaved: A B C D A B C D ...
+    let exe = std::env::current_exe().expect("own path");
+    let mut rows: Vec<Row> = Vec::new();
+    for rep in 1..=repeat {
+        for (flavour, producers) in CONFIGS {
+            for name in IMPLS {
+                eprintln!(
+                    "# run {rep}/{repeat}: {name} {flavour} x{producers} (load average {})",
+                    loadavg()
+                );
+                let mut cmd = std::process::Command::new(&exe);
+                cmd.args(["--child", name, flavour, &producers.to_string()]);
+                if quick {
+                    cmd.arg("--quick");
+                }
+                let out = cmd.output().expect("run a child");
+                let text = String::from_utf8_lossy(&out.stdout);
+                match text.lines().find_map(parse_row) {
+                    Some(r) => rows.push(r),
+                    None => panic!(
+                        "child {name} {flavour} x{producers} failed: {}",
+                        String::from_utf8_lossy(&out.stderr)
+                    ),
+                }
+            }
         }
     }
 
+    // Bytes per pending timer: exact counts, the same in every run; once each.
+    let rt = runtime("current_thread");
+    let bytes: Vec<(&str, f64)> = IMPLS
+        .iter()
+        .map(|name| (*name, rt.block_on(bytes_per_pending(name, n))))
+        .collect();
+    let bytes_of = |name: &str| {
+        bytes
+            .iter()
+            .find(|(b, _)| *b == name)
+            .map_or(f64::NAN, |(_, v)| *v)
+    };
+
     println!(
-        "timers: {n}, delays 1..1000 ms, {}% cancelled",
+        "timers: {n}, delays 1..1000 ms, {}% cancelled; medians of {repeat} interleaved runs, each in its own process, [min..max]",
         CANCEL_PER_BATCH * 100 / BATCH
     );
     println!(
         "| implementation | runtime | producers | schedule M/s | cancel M/s | bytes/pending | lateness p50 / p99 / max (ms) | fired |"
     );
     println!("|---|---|---|---|---|---|---|---|");
-    for r in &rows {
-        println!(
-            "| {} | {} | {} | {:.2} | {:.2} | {:.0} | {:.2} / {:.2} / {:.2} | {} |",
-            r.name,
-            r.flavour,
-            r.producers,
-            r.schedule_rate / 1e6,
-            r.cancel_rate / 1e6,
-            r.bytes.unwrap_or(f64::NAN),
-            r.p50 as f64 / 1000.0,
-            r.p99 as f64 / 1000.0,
-            r.max as f64 / 1000.0,
-            r.fired
-        );
+    let mut medians: Vec<(&str, &str, usize, f64, f64)> = Vec::new();
+    for (flavour, producers) in CONFIGS {
+        for name in IMPLS {
+            let runs: Vec<&Row> = rows
+                .iter()
+                .filter(|r| r.name == name && r.flavour == flavour && r.producers == producers)
+                .collect();
+            let col = |f: fn(&Row) -> f64| spread(runs.iter().map(|r| f(r)).collect());
+            let (s, s0, s1) = col(|r| r.schedule_rate / 1e6);
+            let (c, c0, c1) = col(|r| r.cancel_rate / 1e6);
+            let (p50, ..) = col(|r| r.p50 as f64 / 1000.0);
+            let (p99, p99a, p99b) = col(|r| r.p99 as f64 / 1000.0);
+            let (max, ..) = col(|r| r.max as f64 / 1000.0);
+            let (fired, ..) = col(|r| r.fired as f64);
+            println!(
+                "| {name} | {flavour} | {producers} | {s:.2} [{s0:.2}..{s1:.2}] | {c:.2} [{c0:.2}..{c1:.2}] | {:.0} | {p50:.2} / {p99:.2} [{p99a:.2}..{p99b:.2}] / {max:.2} | {fired:.0} |",
+                bytes_of(name)
+            );
+            medians.push((name, flavour, producers, s, c));
+        }
     }
     println!();
-    println!("ratios (ours / peer, same runtime and producers):");
-    for r in rows.iter().filter(|r| r.name != "tokio-purgatory") {
-        if let Some(o) = rows.iter().find(|o| {
-            o.name == "tokio-purgatory" && o.flavour == r.flavour && o.producers == r.producers
-        }) {
+    println!("ratios of medians (ours / peer, same runtime and producers):");
+    for &(name, flavour, producers, s, c) in medians.iter().filter(|m| m.0 != IMPLS[0]) {
+        if let Some(&(_, _, _, os, oc)) = medians
+            .iter()
+            .find(|o| o.0 == IMPLS[0] && o.1 == flavour && o.2 == producers)
+        {
             println!(
-                "  vs {:<15} {:<14} x{}: schedule {:.1}x, cancel {:.1}x, bytes {:.2}x",
-                r.name,
-                r.flavour,
-                r.producers,
-                o.schedule_rate / r.schedule_rate,
-                o.cancel_rate / r.cancel_rate,
-                o.bytes.unwrap_or(f64::NAN) / r.bytes.unwrap_or(f64::NAN)
+                "  vs {name:<15} {flavour:<14} x{producers}: schedule {:.2}x, cancel {:.2}x, bytes {:.2}x",
+                os / s,
+                oc / c,
+                bytes_of(IMPLS[0]) / bytes_of(name)
             );
         }
     }

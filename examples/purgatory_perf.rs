@@ -582,53 +582,66 @@ async fn run(o: Opts) -> RunResult {
             while counts.done() < total {
                 tick.tick().await;
                 let now_ms = start.elapsed().as_millis() as usize;
-                let due: Vec<Token> = {
-                    let mut b = buckets.lock().unwrap();
-                    let upto = (now_ms + 1).min(b.slots.len());
-                    let next = b.next;
-                    let mut due = Vec::new();
-                    for slot in b.slots.iter_mut().take(upto).skip(next) {
+                // One 1 ms slot at a time, yielding between slots: a driver
+                // behind schedule works through its backlog as a request
+                // handler would, letting the other tasks on its runtime (the
+                // generators, and a reaper or a DelayQueue's driver) run
+                // between slots rather than starving them for the whole backlog.
+                let mut worked = false;
+                loop {
+                    let due: Vec<Token> = {
+                        let mut b = buckets.lock().unwrap();
+                        let next = b.next;
+                        if next > now_ms || next >= b.slots.len() {
+                            break;
+                        }
+                        b.next = next + 1;
                         // Take the slot's buffer too: a drained slot that kept its
                         // capacity would hold every token ever sent in the
                         // process's memory, the same for every implementation.
-                        due.append(&mut std::mem::take(slot));
+                        std::mem::take(&mut b.slots[next])
+                    };
+                    if due.is_empty() {
+                        continue;
                     }
-                    b.next = next.max(upto);
-                    due
-                };
-                for t in due {
-                    match (&*target, t) {
-                        (Target::Purgatory(_), Token::Op(r)) => {
-                            r.try_complete();
+                    if worked {
+                        tokio::task::yield_now().await;
+                    }
+                    worked = true;
+                    for t in due {
+                        match (&*target, t) {
+                            (Target::Purgatory(_), Token::Op(r)) => {
+                                r.try_complete();
+                            }
+                            (Target::Purgatory(p), Token::Key(k)) => {
+                                p.try_complete_watched(&k);
+                            }
+                            (Target::Task(_), Token::Signal(tx)) => {
+                                let _ = tx.send(());
+                            }
+                            (Target::Task(peer), Token::Key(k)) => peer.complete_key(k),
+                            (Target::Dq(peer), Token::Id(id)) => peer.complete(id),
+                            (Target::Dq(peer), Token::Key(k)) => peer.complete_key(k),
+                            (Target::Floor, Token::Signal(tx)) => {
+                                counts.completed.fetch_add(1, Ordering::Relaxed);
+                                let _ = tx.send(());
+                            }
+                            (Target::Floor, Token::Id(_) | Token::Key(_) | Token::Reach(..)) => {
+                                counts.completed.fetch_add(1, Ordering::Relaxed);
+                            }
+                            (Target::Purgatory(p), Token::Reach(k, offset)) => {
+                                p.try_complete_reached(&k, partitions.cover(k, offset));
+                            }
+                            (Target::Task(peer), Token::Reach(k, offset)) => {
+                                partitions.cover(k, offset);
+                                peer.complete_key(k);
+                            }
+                            (Target::Dq(peer), Token::Reach(k, offset)) => {
+                                partitions.cover(k, offset);
+                                peer.complete_key(k);
+                            }
+                            _ => unreachable!("token matches its target"),
                         }
-                        (Target::Purgatory(p), Token::Key(k)) => {
-                            p.try_complete_watched(&k);
-                        }
-                        (Target::Task(_), Token::Signal(tx)) => {
-                            let _ = tx.send(());
-                        }
-                        (Target::Task(peer), Token::Key(k)) => peer.complete_key(k),
-                        (Target::Dq(peer), Token::Id(id)) => peer.complete(id),
-                        (Target::Dq(peer), Token::Key(k)) => peer.complete_key(k),
-                        (Target::Floor, Token::Signal(tx)) => {
-                            counts.completed.fetch_add(1, Ordering::Relaxed);
-                            let _ = tx.send(());
-                        }
-                        (Target::Floor, Token::Id(_) | Token::Key(_) | Token::Reach(..)) => {
-                            counts.completed.fetch_add(1, Ordering::Relaxed);
-                        }
-                        (Target::Purgatory(p), Token::Reach(k, offset)) => {
-                            p.try_complete_reached(&k, partitions.cover(k, offset));
-                        }
-                        (Target::Task(peer), Token::Reach(k, offset)) => {
-                            partitions.cover(k, offset);
-                            peer.complete_key(k);
-                        }
-                        (Target::Dq(peer), Token::Reach(k, offset)) => {
-                            partitions.cover(k, offset);
-                            peer.complete_key(k);
-                        }
-                        _ => unreachable!("token matches its target"),
                     }
                 }
             }

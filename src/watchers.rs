@@ -385,6 +385,40 @@ struct Stripe(AtomicIsize);
 /// Stripes of the entry count: a thread adds to its own.
 const STRIPES: usize = 16;
 
+/// Adds `n` to the calling thread's stripe.
+fn count_in(stripes: &[Stripe], n: isize) {
+    if n != 0 {
+        let i = (thread_index() % STRIPES as u64) as usize;
+        stripes[i].0.fetch_add(n, Ordering::Relaxed);
+    }
+}
+
+/// Counts the entries a registration added once, when it is done or unwinds
+/// from key code that panicked part-way: one read-modify-write per
+/// registration rather than one per key.
+struct Tally<'a> {
+    stripes: &'a [Stripe],
+    added: &'a mut usize,
+    before: usize,
+}
+
+impl<'a> Tally<'a> {
+    fn new(stripes: &'a [Stripe], added: &'a mut usize) -> Self {
+        let before = *added;
+        Tally {
+            stripes,
+            added,
+            before,
+        }
+    }
+}
+
+impl Drop for Tally<'_> {
+    fn drop(&mut self) {
+        count_in(self.stripes, (*self.added - self.before) as isize);
+    }
+}
+
 /// The hasher keys are hashed with: std's `RandomState` (the default, called
 /// directly), or one the user chose, called through a trait object so that the
 /// types holding the map do not carry its type.
@@ -490,10 +524,7 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
     }
 
     fn counted(&self, n: isize) {
-        if n != 0 {
-            let i = (thread_index() % STRIPES as u64) as usize;
-            self.entries[i].0.fetch_add(n, Ordering::Relaxed);
-        }
+        count_in(&self.entries, n);
     }
 
     /// Watch-list entries held, tombstones included. Sums the stripes: exact when
@@ -519,9 +550,10 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
     ) where
         K: 'k,
     {
+        let tally = Tally::new(&self.entries, added);
         for key in keys {
             self.add(key, None, v, spare);
-            *added += 1;
+            *tally.added += 1;
         }
     }
 
@@ -535,9 +567,10 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
     ) where
         K: 'k,
     {
+        let tally = Tally::new(&self.entries, added);
         for (key, level) in keys {
             self.add(key, Some(level), v, spare);
-            *added += 1;
+            *tally.added += 1;
         }
     }
 
@@ -576,7 +609,6 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
             };
             spare.push(copy.key);
         }
-        self.counted(1);
     }
 
     /// Copies `key`'s entries that are not `finished` into `out`, and takes the
