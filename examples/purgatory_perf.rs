@@ -12,6 +12,9 @@
 //! 0.674490), `--size` bytes of payload per request (default 0). A request whose
 //! sampled latency is below the timeout is completed at arrival + latency by a
 //! completion driver (the original Scala version's semantics); the rest expire.
+//! The driver wakes every millisecond and works through what is due one 1 ms
+//! slot at a time, yielding to the runtime between slots, so that a driver
+//! behind schedule does not starve the other tasks (a reaper among them).
 //!
 //! Added:
 //! - `--mode kafka|key|awaited`: `kafka` (all requests watch the same `--keys`
