@@ -243,19 +243,7 @@ async fn a_stuck_follower_times_out_acks_all_but_not_acks_1() {
         );
         assert!(took >= Duration::from_millis(200), "{took:?}");
         let mut raw = Wire::connect(b.addr).await.unwrap();
-        let r = raw
-            .call(
-                &wire::produce(
-                    TOPIC,
-                    0,
-                    1,
-                    Duration::from_secs(5),
-                    wire::batch(&[b"leader"]),
-                ),
-                wire::PRODUCE_VERSION,
-            )
-            .await
-            .unwrap();
+        let r = raw.append(TOPIC, 0, &[b"leader"]).await.unwrap();
         assert_eq!(wire::produce_error(&r), 0);
         assert_eq!(r.responses[0].partition_responses[0].base_offset, 1);
         // acks=0: no answer; the next request's answer is the next one read.
@@ -271,19 +259,7 @@ async fn a_stuck_follower_times_out_acks_all_but_not_acks_1() {
         )
         .await
         .unwrap();
-        let r = raw
-            .call(
-                &wire::produce(
-                    TOPIC,
-                    0,
-                    1,
-                    Duration::from_secs(5),
-                    wire::batch(&[b"after"]),
-                ),
-                wire::PRODUCE_VERSION,
-            )
-            .await
-            .unwrap();
+        let r = raw.append(TOPIC, 0, &[b"after"]).await.unwrap();
         assert_eq!(r.responses[0].partition_responses[0].base_offset, 3);
         let part = b.broker.topics.partition(TOPIC, 0).unwrap();
         assert_eq!((part.log_end(), part.high_watermark()), (4, 0));
@@ -307,13 +283,7 @@ async fn fetch_limits_and_errors_per_partition() {
         // Make the topic, then two batches on partition 0 and one on 1.
         let _ = client(&b, 0).await;
         for (p, v) in [(0, &b"first"[..]), (0, b"second"), (1, b"other")] {
-            let r = raw
-                .call(
-                    &wire::produce(TOPIC, p, 1, Duration::from_secs(5), wire::batch(&[v])),
-                    wire::PRODUCE_VERSION,
-                )
-                .await
-                .unwrap();
+            let r = raw.append(TOPIC, p, &[v]).await.unwrap();
             assert_eq!(wire::produce_error(&r), 0);
         }
         // max_bytes 1: the first batch comes whole (a consumer must progress),

@@ -166,16 +166,7 @@ pub async fn run() -> i32 {
     let mut raw = Wire::connect(addr).await.expect("connect");
     let t = Instant::now();
     let r = raw
-        .call(
-            &wire::produce(
-                TOPIC,
-                3,
-                1,
-                Duration::from_secs(5),
-                wire::batch(&[b"leader only"]),
-            ),
-            wire::PRODUCE_VERSION,
-        )
+        .append(TOPIC, 3, &[b"leader only"])
         .await
         .expect("produce");
     println!(

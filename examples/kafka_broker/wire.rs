@@ -74,6 +74,18 @@ impl Wire {
         self.send(request, version).await?;
         self.receive::<R>(version).await
     }
+
+    /// Produces `values` as one batch to one partition with `acks` 1 (answered
+    /// once the leader has appended) and reads the answer.
+    pub async fn append(
+        &mut self,
+        topic: &str,
+        partition: i32,
+        values: &[&[u8]],
+    ) -> std::io::Result<ProduceResponse> {
+        let request = produce(topic, partition, 1, Duration::from_secs(5), batch(values));
+        self.call(&request, PRODUCE_VERSION).await
+    }
 }
 
 /// One record batch of `values` (format v2, uncompressed).
