@@ -17,30 +17,75 @@ use tokio::time::Instant;
 pub(crate) struct Clock {
     origin: Instant,
     tick_ns: u64,
+    /// When a tick divides a second: ticks per second, and the reciprocal that
+    /// divides a second's nanoseconds by the tick without a `div` instruction
+    /// (every schedule divides twice, and a 64-bit `div` costs tens of cycles).
+    split: Option<Split>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Split {
+    per_sec: u64,
+    /// `ceil(2^64 / tick_ns)`: `(n * recip) >> 64 == n / tick_ns` for every
+    /// `n < 2^32` (the error, below `n / 2^64 < 2^-32`, is less than the
+    /// `1 / tick_ns` that separates `n / tick_ns` from the next integer, as
+    /// `tick_ns < 2^32`).
+    recip: u64,
+}
+
+impl Split {
+    fn new(tick_ns: u64) -> Option<Split> {
+        (tick_ns > 1 && 1_000_000_000 % tick_ns == 0).then(|| Split {
+            per_sec: 1_000_000_000 / tick_ns,
+            recip: u64::MAX / tick_ns + 1,
+        })
+    }
+
+    /// `n / tick_ns`, for `n < 2^32`.
+    fn div(self, n: u32) -> u64 {
+        ((n as u128 * self.recip as u128) >> 64) as u64
+    }
 }
 
 impl Clock {
     pub(crate) fn new(origin: Instant, tick: Duration) -> Clock {
         let tick_ns = u64::try_from(tick.as_nanos()).unwrap_or(u64::MAX).max(1);
-        Clock { origin, tick_ns }
+        Clock {
+            origin,
+            tick_ns,
+            split: Split::new(tick_ns),
+        }
     }
 
-    fn nanos_since_origin(&self, t: Instant) -> u64 {
-        // Whole seconds and nanoseconds separately: no u128 division on the hot path.
-        let d = t.saturating_duration_since(self.origin);
-        d.as_secs()
+    /// Whole ticks in `d`, rounded up when `up`; saturates at `u64::MAX`.
+    fn ticks(&self, d: Duration, up: bool) -> u64 {
+        if let Some(split) = self.split {
+            // A second is a whole number of ticks: divide only the part below a
+            // second (below 2^31 even when rounding up), by the reciprocal.
+            let sub = d.subsec_nanos() + if up { self.tick_ns as u32 - 1 } else { 0 };
+            return d
+                .as_secs()
+                .saturating_mul(split.per_sec)
+                .saturating_add(split.div(sub));
+        }
+        // Whole seconds and nanoseconds separately: no u128 division.
+        let ns = d
+            .as_secs()
             .saturating_mul(1_000_000_000)
-            .saturating_add(d.subsec_nanos() as u64)
+            .saturating_add(d.subsec_nanos() as u64);
+        if ns == u64::MAX {
+            u64::MAX
+        } else if up {
+            ns.div_ceil(self.tick_ns)
+        } else {
+            ns / self.tick_ns
+        }
     }
 
     /// The tick a deadline falls due in: rounded up, so it is never early.
     /// Saturates at `u64::MAX` ("never").
     pub(crate) fn deadline_tick(&self, deadline: Instant) -> u64 {
-        let ns = self.nanos_since_origin(deadline);
-        if ns == u64::MAX {
-            return u64::MAX;
-        }
-        ns.div_ceil(self.tick_ns)
+        self.ticks(deadline.saturating_duration_since(self.origin), true)
     }
 
     /// The tick an entry inserted at `now` with `deadline` is due in: rounded up
@@ -57,7 +102,7 @@ impl Clock {
 
     /// The last whole tick that has passed at `now`.
     pub(crate) fn now_tick(&self, now: Instant) -> u64 {
-        self.nanos_since_origin(now) / self.tick_ns
+        self.ticks(now.saturating_duration_since(self.origin), false)
     }
 
     /// The instant tick `t` begins, or `None` when it is beyond what `Instant` holds.
@@ -111,6 +156,56 @@ mod tests {
             2,
             "future: rounded up"
         );
+    }
+
+    /// The reciprocal path (a tick dividing a second) agrees with plain
+    /// division for every tick shape, rounding either way.
+    #[test]
+    fn reciprocal_division_matches_plain_division() {
+        let mut rng = crate::test_rng::Rng(7);
+        let ticks = [
+            2,
+            3,
+            7,
+            1_000,
+            999_983,
+            1_000_000,
+            1_953_125,
+            500_000_000,
+            1_000_000_000,
+            1_500_000,
+        ];
+        for tick_ns in ticks {
+            let (o, _) = clock();
+            let c = Clock::new(o, Duration::from_nanos(tick_ns));
+            assert_eq!(
+                c.split.is_some(),
+                1_000_000_000 % tick_ns == 0,
+                "tick {tick_ns}"
+            );
+            let mut cases: Vec<u64> = vec![
+                0,
+                1,
+                tick_ns - 1,
+                tick_ns,
+                tick_ns + 1,
+                999_999_999,
+                1_000_000_000,
+            ];
+            cases.extend((0..2_000).map(|_| rng.next() % 5_000_000_000));
+            cases.extend((0..200).map(|_| rng.next() % 1_000_000_000 / tick_ns * tick_ns));
+            for ns in cases {
+                let d = Duration::from_nanos(ns);
+                assert_eq!(c.ticks(d, false), ns / tick_ns, "{ns} ns / {tick_ns}");
+                assert_eq!(
+                    c.ticks(d, true),
+                    ns.div_ceil(tick_ns),
+                    "{ns} ns / {tick_ns} up"
+                );
+            }
+            assert_eq!(c.ticks(Duration::MAX, true), u64::MAX, "saturates");
+            assert_eq!(c.ticks(Duration::MAX, false), u64::MAX, "saturates");
+        }
     }
 
     #[test]

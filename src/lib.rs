@@ -358,6 +358,12 @@ pub mod timer;
 mod watchers;
 mod wheel;
 
+/// The tests' seeded generator, so failures name a reproducible seed.
+#[cfg(test)]
+#[path = "../tests/support/rng.rs"]
+#[allow(unreachable_pub)]
+mod test_rng;
+
 pub use purgatory::{
     Completion, OpRef, Operation, OperationError, OperationHandle, Purgatory, PurgatoryBuilder,
     PurgatoryMetrics, Watch, WatchError, WatchErrorKind, WatchKey, WeakPurgatory,

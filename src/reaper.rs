@@ -181,6 +181,17 @@ impl<J: Job> Core<J> {
         Ok(core)
     }
 
+    /// The shard of the thread with index `thread`: a mask when the count is a
+    /// power of two (the default), not a 64-bit division per insert.
+    fn shard_of(&self, thread: u64) -> usize {
+        let n = self.shards.len();
+        if n.is_power_of_two() {
+            thread as usize & (n - 1)
+        } else {
+            (thread % n as u64) as usize
+        }
+    }
+
     fn lock(&self, shard: usize) -> MutexGuard<'_, Shard<J>> {
         lock(&self.shards[shard].0)
     }
@@ -218,7 +229,7 @@ impl<J: Job> Core<J> {
     fn place(&self, now: Instant, deadline: Instant, job: J) -> Result<TimerKey, (J, Closed)> {
         let tick = self.clock.tick_for(now, deadline);
         // A thread keeps to one shard, so producers on different threads rarely meet.
-        let shard = (thread_index() % self.shards.len() as u64) as usize;
+        let shard = self.shard_of(thread_index());
         let key = {
             let mut s = self.lock(shard);
             if s.closed {

@@ -113,6 +113,9 @@ pub(crate) struct Wheel<T> {
     slots: u64,
     /// `log2(slots)` when `slots` is a power of two: digits by shift and mask.
     shift: Option<u32>,
+    /// With `shift`: the level of each highest differing bit (`bit / shift`),
+    /// looked up rather than divided on every insert.
+    level_of_bit: [u8; 64],
     entries: Pages<Entry<T>>,
     free: u32,
     overflow: List,
@@ -152,11 +155,19 @@ impl<T> Wheel<T> {
                 slots: vec![List::EMPTY; slots].into_boxed_slice(),
             })
             .collect();
+        let shift = slots.is_power_of_two().then(|| slots.trailing_zeros());
+        let mut level_of_bit = [0; 64];
+        if let Some(b) = shift {
+            for (bit, level) in level_of_bit.iter_mut().enumerate() {
+                *level = (bit as u32 / b) as u8;
+            }
+        }
         Ok(Wheel {
             levels,
             span: span.into_boxed_slice(),
             slots: slots as u64,
-            shift: slots.is_power_of_two().then(|| slots.trailing_zeros()),
+            shift,
+            level_of_bit,
             entries: Pages::new(),
             free: NIL,
             overflow: List::EMPTY,
@@ -352,9 +363,9 @@ impl<T> Wheel<T> {
     fn level_for(&self, deadline: u64) -> Option<usize> {
         let levels = self.levels.len();
         let l = match self.shift {
-            Some(b) => {
+            Some(_) => {
                 let masked = (self.elapsed ^ deadline) | (self.slots - 1);
-                ((63 - masked.leading_zeros()) / b) as usize
+                self.level_of_bit[63 - masked.leading_zeros() as usize] as usize
             }
             None => (0..levels)
                 .find(|&l| deadline / self.span[l + 1] == self.elapsed / self.span[l + 1])
@@ -580,12 +591,6 @@ enum Bucket {
     Overflow,
 }
 
-/// The tests' seeded generator, so failures name a reproducible seed.
-#[cfg(test)]
-#[path = "../tests/support/rng.rs"]
-#[allow(unreachable_pub)]
-mod test_rng;
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -766,7 +771,7 @@ mod tests {
         assert_eq!(Wheel::<Box<dyn FnOnce() + Send>>::entry_size(), 40);
     }
 
-    use super::test_rng::Rng;
+    use crate::test_rng::Rng;
 
     /// Drives the wheel with random insert/cancel/advance streams and checks it
     /// against a `BinaryHeap` + `HashMap` reference: nothing early, nothing later

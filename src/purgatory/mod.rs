@@ -761,15 +761,15 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
         collect: impl FnOnce(&mut Vec<Arc<OpCell<K, O>>>, &mut Removed<K, Arc<OpCell<K, O>>>),
     ) -> (usize, usize) {
         let shared = self.shared();
-        let mut live = Vec::new();
-        let mut removed = Removed::default();
-        collect(&mut live, &mut removed);
-        shared.drop_removed(removed);
-        let checked = live.len();
-        let completed = live.iter().filter(|cell| cell.check()).count();
-        drop_each_contained(live, |p| {
+        let mut buffers = shared.take_buffers();
+        collect(&mut buffers.live, &mut buffers.removed);
+        shared.drop_removed(&mut buffers.removed);
+        let checked = buffers.live.len();
+        let completed = buffers.live.iter().filter(|cell| cell.check()).count();
+        drop_each_contained(buffers.live.drain(..), |p| {
             shared.note_panic("drop of an operation's cell", p)
         });
+        shared.keep_buffers(buffers);
         (checked, completed)
     }
 
@@ -919,16 +919,19 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
         // entries are tombstones the key's next walk drops anyway, and a second
         // full walk per event would double the cost of hot keys.
         if completed > 0 && completed * 4 >= checked {
-            let mut removed = Removed::default();
+            let mut buffers = shared.take_buffers();
+            // Room for every entry the walk completed, before the list is locked.
+            buffers.removed.entries.reserve(completed);
             let pruned = catch_unwind(AssertUnwindSafe(|| {
                 shared
                     .watchers
-                    .prune(key, |c| c.is_finished(), &mut removed)
+                    .prune(key, |c| c.is_finished(), &mut buffers.removed)
             }));
             if let Err(panic) = pruned {
                 shared.note_panic("hash or eq of a key", &*panic);
             }
-            shared.drop_removed(removed);
+            shared.drop_removed(&mut buffers.removed);
+            shared.keep_buffers(buffers);
         }
         shared.maybe_purge();
         completed
@@ -991,7 +994,7 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
             .iter()
             .filter_map(|cell| cell.cancel(OperationError::Cancelled, Fate::Cancelled))
             .collect();
-        shared.drop_removed(removed);
+        shared.drop_removed(&mut removed);
         shared.maybe_purge();
         ops
     }

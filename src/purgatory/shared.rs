@@ -211,7 +211,36 @@ pub(crate) struct Shared<K: WatchKey, O: Operation> {
     drained: Notify,
     pub(crate) counters: Counters,
     pub(crate) name: Arc<str>,
+    /// Buffers kept between walks and purge slices, one set per thread stripe.
+    buffers: Box<[KeptBuffers<K, O>]>,
 }
+
+/// One thread stripe's kept [`Buffers`], on cache lines of its own.
+type KeptBuffers<K, O> = Padded<Mutex<Buffers<K, O>>>;
+
+/// What a walk or a purge slice fills while it holds a list's lock: the live
+/// cells copied out and the entries taken out. Kept between calls (see
+/// [`Shared::take_buffers`]) so that those calls neither allocate nor grow a
+/// buffer under the lock: an allocation there could wait on the allocator's
+/// own lock (which another thread takes to free what this one allocated), and
+/// every thread wanting the list would wait behind it.
+pub(crate) struct Buffers<K: WatchKey, O: Operation> {
+    pub(crate) live: Vec<Arc<OpCell<K, O>>>,
+    pub(crate) removed: Removed<K, Arc<OpCell<K, O>>>,
+}
+
+impl<K: WatchKey, O: Operation> Default for Buffers<K, O> {
+    fn default() -> Self {
+        Buffers {
+            live: Vec::new(),
+            removed: Removed::default(),
+        }
+    }
+}
+
+/// The most entries a kept buffer may have room for: a buffer grown past it
+/// by one long walk is freed rather than kept.
+const KEEP_BUFFER: usize = 1024;
 
 impl<K: WatchKey, O: Operation> Shared<K, O> {
     pub(crate) fn new(
@@ -239,7 +268,43 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
             drained: Notify::new(),
             counters: Counters::default(),
             name,
+            buffers: (0..STRIPES).map(|_| Padded(Mutex::default())).collect(),
         }
+    }
+
+    fn buffer_slot(&self) -> &Mutex<Buffers<K, O>> {
+        &self.buffers[(thread_index() % STRIPES as u64) as usize].0
+    }
+
+    /// Empty buffers for a walk or a purge slice: this thread stripe's kept
+    /// ones, or new ones when they are in use (another thread of the stripe,
+    /// or a walk re-entered from an operation's check).
+    pub(crate) fn take_buffers(&self) -> Buffers<K, O> {
+        match self.buffer_slot().try_lock() {
+            Ok(mut kept) => std::mem::take(&mut *kept),
+            Err(_) => Buffers::default(),
+        }
+    }
+
+    /// Keeps `buffers` (emptied by the caller) for the next call on this
+    /// thread stripe, unless one grew past [`KEEP_BUFFER`]. Whatever is not
+    /// kept is freed after the lock is released (empty buffers: no user code).
+    pub(crate) fn keep_buffers(&self, mut buffers: Buffers<K, O>) {
+        debug_assert!(buffers.live.is_empty() && buffers.removed.entries.is_empty());
+        debug_assert!(buffers.removed.keys.is_empty());
+        if buffers.live.capacity() > KEEP_BUFFER {
+            buffers.live = Vec::new();
+        }
+        if buffers.removed.entries.capacity() > KEEP_BUFFER {
+            buffers.removed.entries = Vec::new();
+        }
+        if buffers.removed.keys.capacity() > KEEP_BUFFER {
+            buffers.removed.keys = Vec::new();
+        }
+        if let Ok(mut kept) = self.buffer_slot().try_lock() {
+            std::mem::swap(&mut *kept, &mut buffers);
+        }
+        drop(buffers);
     }
 
     /// Counts an operation in, unless the purgatory holds `max_pending` already.
@@ -323,15 +388,16 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
 
     /// Drops what was taken out of the watcher map, with no lock held. The
     /// entries removed were tombstones, or are about to be (cancelled).
-    pub(crate) fn drop_removed(&self, removed: Removed<K, Arc<OpCell<K, O>>>) {
+    /// Leaves `removed` empty, its buffers kept.
+    pub(crate) fn drop_removed(&self, removed: &mut Removed<K, Arc<OpCell<K, O>>>) {
         let n = removed.entries.len();
         if n > 0 {
             self.entries.change(0, -(n as i64));
         }
-        drop_each_contained(removed.entries, |p| {
+        drop_each_contained(removed.entries.drain(..), |p| {
             self.note_panic("drop of a finished operation's cell", p)
         });
-        self.drop_keys(removed.keys);
+        self.drop_keys(removed.keys.drain(..));
     }
 
     /// Counts a finished operation; its `keys` list entries are now tombstones.
@@ -373,16 +439,15 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
             // Another thread is on the purge.
             Err(TryLockError::WouldBlock) => return,
         };
-        // Room for a whole slice: growing the buffer entry by entry would
-        // allocate several times per slice, on every registration while a
-        // purge is under way.
-        let mut removed = Removed {
-            entries: Vec::with_capacity(SWEEP_SLICE),
-            keys: Vec::new(),
-        };
+        // Room for a whole slice before the lists are locked: growing the
+        // buffer entry by entry would allocate several times per slice, on
+        // every registration while a purge is under way.
+        let mut buffers = self.take_buffers();
+        let removed = &mut buffers.removed;
+        removed.entries.reserve(SWEEP_SLICE);
         let state = sweep.get_or_insert_with(|| self.watchers.start_sweep());
         self.watchers
-            .sweep(state, SWEEP_SLICE, |c| c.is_finished(), &mut removed);
+            .sweep(state, SWEEP_SLICE, |c| c.is_finished(), removed);
         let done = state.is_done();
         if done {
             *sweep = None;
@@ -392,6 +457,7 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         let purged = removed.entries.len();
         purge.purged.fetch_add(purged as u64, Ordering::Relaxed);
         self.drop_removed(removed);
+        self.keep_buffers(buffers);
         tracing::trace!(
             purgatory = &*self.name,
             removed = purged,
@@ -415,7 +481,7 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         for cell in &removed.entries {
             ops.extend(cell.cancel(OperationError::Shutdown, fate));
         }
-        self.drop_removed(removed);
+        self.drop_removed(&mut removed);
         ops
     }
 }

@@ -5,6 +5,7 @@
 #![allow(dead_code)]
 
 use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, AtomicIsize, Ordering};
 
 /// Forwards to the system allocator, counting bytes in use.
@@ -25,8 +26,27 @@ fn counting() -> bool {
     !PAUSED.load(Ordering::Relaxed)
 }
 
+thread_local! {
+    /// Allocations (and reallocations) made by this thread.
+    static MINE: Cell<u64> = const { Cell::new(0) };
+}
+
+fn count_mine() {
+    // No destructor and a constant initialiser: never allocates, and still
+    // usable while the thread is being torn down.
+    let _ = MINE.try_with(|n| n.set(n.get() + 1));
+}
+
+/// Allocations and reallocations made so far by the calling thread (counted
+/// even while byte counting is paused). Per thread, so tests running at once
+/// on other threads do not disturb it.
+pub fn allocations_here() -> u64 {
+    MINE.try_with(Cell::get).unwrap_or(0)
+}
+
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+        count_mine();
         if counting() {
             LIVE.fetch_add(l.size() as isize, Ordering::Relaxed);
         }
@@ -39,6 +59,7 @@ unsafe impl GlobalAlloc for Counting {
         unsafe { System.dealloc(p, l) }
     }
     unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
+        count_mine();
         if counting() {
             LIVE.fetch_add(new as isize - l.size() as isize, Ordering::Relaxed);
         }
