@@ -286,7 +286,8 @@
 //! - **Never early.** Nothing expires before its deadline. Deadlines are rounded
 //!   up to the tick (default 100 µs), so expiry is late by less than one tick
 //!   plus the time the reaper waits to be scheduled (Tokio's own timer rounds its
-//!   sleep up to the millisecond, which adds up to 1 ms more). A deadline already
+//!   sleep up to its millisecond grid and then parks for whole milliseconds
+//!   from wherever its clock stands, which adds up to 2 ms more). A deadline already
 //!   reached (a zero timeout, a past instant) runs on the reaper's next turn.
 //! - **No FIFO among equal deadlines.** Entries due in the same tick run in no
 //!   promised order.

@@ -738,6 +738,45 @@ async fn a_deadline_off_the_grid_is_never_early() {
     }
 }
 
+/// Ticks of every shape: ones that divide a second (converted by a
+/// reciprocal multiply) and ones that do not (3 ms, 7 ms, a prime number of
+/// nanoseconds, 1.5 ms; converted by division). Whatever the tick, a deadline
+/// off its grid, near or a second or more out (so the whole-seconds part of
+/// the conversion counts), fires no earlier than asked, and late by less than
+/// a tick plus the 2 ms Tokio's timer may add to the reaper's sleep (its
+/// millisecond rounding, and whole-millisecond parks from an off-grid clock);
+/// a zero delay off the grid runs with no time passing.
+#[tokio::test(start_paused = true)]
+async fn every_tick_shape_is_never_early_and_late_by_at_most_a_tick_and_tokios_rounding() {
+    for tick in [
+        Duration::from_micros(100),
+        ms(1),
+        Duration::from_micros(1_500),
+        ms(3),
+        ms(7),
+        Duration::from_nanos(999_983),
+        ms(250),
+    ] {
+        let timer = Timer::builder().tick(tick).build().unwrap();
+        advance(Duration::from_micros(1_234)).await;
+        let t0 = Instant::now();
+        for us in [1, 999, 1_001, 2_999, 1_000_000, 1_000_001, 2_345_678] {
+            let at = t0 + Duration::from_micros(us);
+            timer.sleep_until(at).await.unwrap();
+            let now = Instant::now();
+            assert!(now >= at, "tick {tick:?}, {us} µs: fired early");
+            assert!(
+                now - at < tick + ms(2),
+                "tick {tick:?}, {us} µs: {:?} late",
+                now - at
+            );
+        }
+        let t1 = Instant::now();
+        timer.sleep(Duration::ZERO).await.unwrap();
+        assert_eq!(Instant::now(), t1, "tick {tick:?}: a zero delay waited");
+    }
+}
+
 // ---------------------------------------------------------------------------
 // One wake-up per distinct due time.
 
