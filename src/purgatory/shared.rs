@@ -238,9 +238,16 @@ impl<K: WatchKey, O: Operation> Default for Buffers<K, O> {
     }
 }
 
-/// The most entries a kept buffer may have room for: a buffer grown past it
-/// by one long walk is freed rather than kept.
-const KEEP_BUFFER: usize = 1024;
+/// The most bytes a kept buffer may hold room for (1,024 cell references): a
+/// buffer grown past it by one long walk is freed rather than kept.
+const KEEP_BUFFER_BYTES: usize = 8 * 1024;
+
+/// Frees `v`'s room if it is past [`KEEP_BUFFER_BYTES`].
+fn cap_kept<T>(v: &mut Vec<T>) {
+    if v.capacity().saturating_mul(std::mem::size_of::<T>()) > KEEP_BUFFER_BYTES {
+        *v = Vec::new();
+    }
+}
 
 impl<K: WatchKey, O: Operation> Shared<K, O> {
     pub(crate) fn new(
@@ -287,20 +294,15 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
     }
 
     /// Keeps `buffers` (emptied by the caller) for the next call on this
-    /// thread stripe, unless one grew past [`KEEP_BUFFER`]. Whatever is not
-    /// kept is freed after the lock is released (empty buffers: no user code).
+    /// thread stripe, each unless it grew past [`KEEP_BUFFER_BYTES`]. Whatever
+    /// is not kept is freed after the lock is released (empty buffers: no user
+    /// code).
     pub(crate) fn keep_buffers(&self, mut buffers: Buffers<K, O>) {
         debug_assert!(buffers.live.is_empty() && buffers.removed.entries.is_empty());
         debug_assert!(buffers.removed.keys.is_empty());
-        if buffers.live.capacity() > KEEP_BUFFER {
-            buffers.live = Vec::new();
-        }
-        if buffers.removed.entries.capacity() > KEEP_BUFFER {
-            buffers.removed.entries = Vec::new();
-        }
-        if buffers.removed.keys.capacity() > KEEP_BUFFER {
-            buffers.removed.keys = Vec::new();
-        }
+        cap_kept(&mut buffers.live);
+        cap_kept(&mut buffers.removed.entries);
+        cap_kept(&mut buffers.removed.keys);
         if let Ok(mut kept) = self.buffer_slot().try_lock() {
             std::mem::swap(&mut *kept, &mut buffers);
         }
