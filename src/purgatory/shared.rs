@@ -70,6 +70,11 @@ pub(crate) struct Purge {
 /// How many stripes the per-operation counts are spread over.
 const STRIPES: usize = 8;
 
+/// The stripe of the calling thread (for the counts and the kept buffers).
+fn my_stripe() -> usize {
+    (thread_index() % STRIPES as u64) as usize
+}
+
 /// One thread's share of the per-operation counts, on cache lines of its own.
 #[derive(Debug, Default)]
 #[repr(align(128))]
@@ -117,7 +122,7 @@ impl Default for Books {
 
 impl Books {
     fn mine(&self) -> &Stripe {
-        &self.stripes[(thread_index() % STRIPES as u64) as usize]
+        &self.stripes[my_stripe()]
     }
 
     /// An operation was admitted. Sequentially consistent, as the other changes
@@ -280,7 +285,7 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
     }
 
     fn buffer_slot(&self) -> &Mutex<Buffers<K, O>> {
-        &self.buffers[(thread_index() % STRIPES as u64) as usize].0
+        &self.buffers[my_stripe()].0
     }
 
     /// Empty buffers for a walk or a purge slice: this thread stripe's kept
@@ -516,7 +521,7 @@ impl Default for Entries {
 impl Entries {
     pub(crate) fn change(&self, live: i64, tombstones: i64) {
         let delta = (live << 32).wrapping_add(tombstones) as u64;
-        let stripe = &self.0[(thread_index() % STRIPES as u64) as usize].0;
+        let stripe = &self.0[my_stripe()].0;
         stripe.fetch_add(delta, Ordering::AcqRel);
     }
 

@@ -37,17 +37,17 @@ fn count_mine() {
     let _ = MINE.try_with(|n| n.set(n.get() + 1));
 }
 
-/// Allocations and reallocations made so far by the calling thread (counted
-/// even while byte counting is paused). Per thread, so tests running at once
-/// on other threads do not disturb it.
+/// Allocations and reallocations made so far by the calling thread, while
+/// counting is on (not while paused, so the speed runs pay nothing for it).
+/// Per thread, so tests running at once on other threads do not disturb it.
 pub fn allocations_here() -> u64 {
     MINE.try_with(Cell::get).unwrap_or(0)
 }
 
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        count_mine();
         if counting() {
+            count_mine();
             LIVE.fetch_add(l.size() as isize, Ordering::Relaxed);
         }
         unsafe { System.alloc(l) }
@@ -59,8 +59,8 @@ unsafe impl GlobalAlloc for Counting {
         unsafe { System.dealloc(p, l) }
     }
     unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
-        count_mine();
         if counting() {
+            count_mine();
             LIVE.fetch_add(new as isize - l.size() as isize, Ordering::Relaxed);
         }
         unsafe { System.realloc(p, l, new) }
