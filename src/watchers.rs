@@ -109,8 +109,10 @@ impl<K: Borrow<Q>, Q: ?Sized> Lookup<Q> for Hashed<K> {
     }
 }
 
-/// A key looked up by reference (or by hash alone), with its hash.
-struct Probe<'a, Q: ?Sized> {
+/// A key looked up by reference (or by hash alone), with its hash. Made once
+/// per call by [`Watchers::probe`], so a call that looks its key up twice (a
+/// walk, then the prune after its checks) hashes it once.
+pub(crate) struct Probe<'a, Q: ?Sized> {
     hash: u64,
     key: Option<&'a Q>,
 }
@@ -618,7 +620,7 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
     /// level above, see [`List::reach`]).
     pub(crate) fn collect_live<Q>(
         &self,
-        key: &Q,
+        key: &Probe<'_, Q>,
         reached: Option<u64>,
         out: &mut Vec<V>,
         finished: impl Fn(&V) -> bool,
@@ -633,7 +635,7 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
     /// Takes `key`'s finished entries out into `removed`.
     pub(crate) fn prune<Q>(
         &self,
-        key: &Q,
+        key: &Probe<'_, Q>,
         finished: impl Fn(&V) -> bool,
         removed: &mut Removed<K, V>,
     ) where
@@ -643,6 +645,18 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
         self.retain(key, None, finished, |_| {}, removed)
     }
 
+    /// Hashes `key` (its `Hash` and the hasher run here, with no lock held), for
+    /// [`collect_live`](Self::collect_live) and [`prune`](Self::prune).
+    pub(crate) fn probe<'q, Q>(&self, key: &'q Q) -> Probe<'q, Q>
+    where
+        Q: Hash + ?Sized,
+    {
+        Probe {
+            hash: self.hasher.hash_one(key),
+            key: Some(key),
+        }
+    }
+
     /// Takes `key`'s finished entries out, showing each kept one to `kept`, and
     /// removes the key when its list empties (in the same critical section, so a
     /// concurrent watch of the key cannot be lost). With `reached`, does the
@@ -650,7 +664,7 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
     /// without, leaves level entries alone.
     fn retain<Q>(
         &self,
-        key: &Q,
+        probe: &Probe<'_, Q>,
         reached: Option<u64>,
         finished: impl Fn(&V) -> bool,
         mut kept: impl FnMut(&V),
@@ -659,15 +673,11 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
         K: Borrow<Q>,
         Q: Hash + Eq + ?Sized,
     {
-        let probe = Probe {
-            hash: self.hasher.hash_one(key),
-            key: Some(key),
-        };
         let before = removed.entries.len();
         let entries = &mut removed.entries;
         let emptied = self
             .lists
-            .remove_if_mut(&probe as &dyn Lookup<Q>, |_, list| {
+            .remove_if_mut(probe as &dyn Lookup<Q>, |_, list| {
                 list.retain(&finished, &mut kept, entries);
                 if let Some(level) = reached {
                     list.reach(level, &finished, &mut kept, entries);
@@ -878,7 +888,7 @@ mod tests {
         for k in 100..100_000 {
             if k % 2 == 0 {
                 let mut r = Removed::default();
-                w.prune(&k, |_| true, &mut r);
+                w.prune(&w.probe(&k), |_| true, &mut r);
                 assert_eq!((r.entries, r.keys), (vec![k], vec![k]));
             } else {
                 assert_eq!(take(&w, k), vec![k]);
@@ -1024,7 +1034,7 @@ mod tests {
         }
         assert_eq!(w.len(), 300);
         let mut r = Removed::default();
-        w.prune(&3, |_| true, &mut r);
+        w.prune(&w.probe(&3), |_| true, &mut r);
         assert_eq!(w.len(), 300 - r.entries.len());
     }
 
@@ -1036,10 +1046,10 @@ mod tests {
             w.watch(&[v % 2], &v, &mut 0, &mut Vec::new());
         }
         let mut r = Removed::default();
-        w.prune(&0, |v| *v < 4, &mut r);
+        w.prune(&w.probe(&0), |v| *v < 4, &mut r);
         assert_eq!(r.entries.len(), 2);
         assert_eq!(w.len(), 4);
-        w.prune(&1, |v| *v < 4, &mut r);
+        w.prune(&w.probe(&1), |v| *v < 4, &mut r);
         assert_eq!(r.entries.len(), 4);
         assert_eq!(w.len(), 2);
     }
@@ -1099,7 +1109,7 @@ mod tests {
         assert_eq!(w.len(), 5_000);
         for k in 0..3 {
             let mut live = Vec::new();
-            w.collect_live(&k, None, &mut live, |_| false, &mut Removed::default());
+            w.collect_live(&w.probe(&k), None, &mut live, |_| false, &mut Removed::default());
             let odd: Vec<u32> = (0..10_000).filter(|v| v % 3 == k && v % 2 == 1).collect();
             assert_eq!(live, odd, "key {k} keeps its live entries in order");
         }
@@ -1124,7 +1134,7 @@ mod tests {
             w.watch(&[k], &(1000 + k), &mut 0, &mut Vec::new());
         }
         let mut gone = Removed::default();
-        w.prune(&2, |_| true, &mut gone);
+        w.prune(&w.probe(&2), |_| true, &mut gone);
         assert_eq!(gone.keys, vec![2]);
         w.watch(&[7], &2000, &mut 0, &mut Vec::new());
         while !sweep.is_done() {
@@ -1178,7 +1188,7 @@ mod tests {
         assert_eq!(list(swept), (10_001, (100, 200), 9_901));
         // A walk sees live entries in order, no hole, and closes it.
         let mut live = Vec::new();
-        w.collect_live(&swept, None, &mut live, |_| false, &mut Removed::default());
+        w.collect_live(&w.probe(&swept), None, &mut live, |_| false, &mut Removed::default());
         let want: Vec<u32> = (0..200).filter(|v| v % 2 == 1).chain(200..10_001).collect();
         assert_eq!(live, want);
         assert_eq!(list(swept), (9_901, (0, 0), 9_901));
@@ -1214,7 +1224,7 @@ mod tests {
         assert!(sweep.is_done());
         assert_eq!(r.entries, (0..250).collect::<Vec<_>>());
         let mut live = Vec::new();
-        w.collect_live(&5, None, &mut live, |_| false, &mut Removed::default());
+        w.collect_live(&w.probe(&5), None, &mut live, |_| false, &mut Removed::default());
         assert_eq!(live, (250..300).collect::<Vec<_>>());
         let (r, _) = sweep_all(&w, 7, |_| true);
         assert_eq!((r.entries.len(), r.keys), (50, vec![5]));
@@ -1229,12 +1239,12 @@ mod tests {
         }
         let mut live = Vec::new();
         let mut r = Removed::default();
-        w.collect_live(&1, None, &mut live, |v| v % 2 == 0, &mut r);
+        w.collect_live(&w.probe(&1), None, &mut live, |v| v % 2 == 0, &mut r);
         assert_eq!(live, vec![1, 3, 5, 7, 9], "in watch order");
         assert_eq!(r.entries, vec![0, 2, 4, 6, 8]);
         assert!(r.keys.is_empty(), "the key still has live entries");
         let mut r = Removed::default();
-        w.prune(&1, |_| true, &mut r);
+        w.prune(&w.probe(&1), |_| true, &mut r);
         assert_eq!((r.entries.len(), r.keys), (5, vec![1]));
         assert_eq!(w.keys(), 0);
     }

@@ -163,3 +163,40 @@ async fn a_panicking_hasher_leaves_the_purgatory_as_it_was() {
     settle().await;
     assert!(balanced(&p.metrics()));
 }
+
+/// A walk that completes enough of a key's watchers to prune its list at once
+/// looks the list up twice (the checks run with no lock held between), and
+/// hashes the key once: the prune finds the list by the walk's hash. So do
+/// level advances, cancellations by key and walks that complete nothing.
+#[tokio::test(start_paused = true)]
+async fn a_walk_that_prunes_its_list_hashes_the_key_once() {
+    let hasher = Counting::default();
+    let built = hasher.built.clone();
+    let p: Purgatory<&'static str, Ready, Counting> = Purgatory::with_hasher(hasher);
+    let flag = Arc::new(AtomicBool::new(false));
+    let handles: Vec<_> = (0..4)
+        .map(|_| {
+            p.try_complete_else_watch(Ready(flag.clone()), ms(100), ["hot"])
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(built.swap(0, Ordering::SeqCst), 4, "one hash per registration");
+    assert_eq!(p.try_complete_watched("hot"), 0);
+    assert_eq!(built.swap(0, Ordering::SeqCst), 1, "a walk completing nothing");
+    flag.store(true, Ordering::SeqCst);
+    assert_eq!(p.try_complete_watched("hot"), 4);
+    assert_eq!(built.swap(0, Ordering::SeqCst), 1, "a walk that prunes");
+    assert_eq!(p.watched(), 0, "the prune did run: the list and key are gone");
+    for h in handles {
+        assert_eq!(h.await, Ok(Completion::Completed("done")));
+    }
+    p.try_complete_else_watch(Ready(Arc::new(AtomicBool::new(false))), ms(100), ["cold"])
+        .unwrap()
+        .detach();
+    built.swap(0, Ordering::SeqCst);
+    assert_eq!(p.try_complete_reached("cold", 5), 0);
+    assert_eq!(built.swap(0, Ordering::SeqCst), 1, "a level advance");
+    assert_eq!(p.cancel_for_key("cold").len(), 1);
+    assert_eq!(built.swap(0, Ordering::SeqCst), 1, "a cancellation by key");
+    assert!(balanced(&p.metrics()));
+}

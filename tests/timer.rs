@@ -700,6 +700,156 @@ async fn a_panicking_repeating_task_ends_its_chain_and_nothing_else() {
     assert_eq!(timer.len(), 0);
 }
 
+/// A chain that a panic ended is ended: the handle cannot "cancel" it after,
+/// and its status stays `Done` (as for a chain that returned `None`), whether
+/// the panic came on the first run or a later one.
+#[tokio::test(start_paused = true)]
+async fn a_chain_ended_by_a_panic_cannot_be_cancelled_after() {
+    for runs_before in [0, 2] {
+        let timer = Timer::new();
+        let mut left = runs_before;
+        let t = timer
+            .schedule_repeating(ms(10), move || {
+                if left == 0 {
+                    panic!("boom");
+                }
+                left -= 1;
+                Some(ms(10))
+            })
+            .unwrap();
+        step(ms(20 + 10 * runs_before as u64)).await;
+        assert_eq!(timer.metrics().panicked, 1);
+        assert_eq!(t.status(), TimeoutStatus::Done, "after {runs_before} runs");
+        assert!(!t.cancel(), "the panic ended it; nothing to cancel");
+        assert_eq!(t.status(), TimeoutStatus::Done);
+        assert!(!t.reset(ms(10)));
+        assert!(!t.is_pending());
+        assert_eq!(timer.len(), 0);
+    }
+}
+
+/// A chain that ends by returning `None` and whose task then panics in its
+/// `Drop` is ended too, and the panic is contained and counted.
+#[tokio::test(start_paused = true)]
+async fn a_chain_whose_task_panics_in_drop_as_it_ends_is_ended() {
+    struct Bomb;
+    impl Drop for Bomb {
+        fn drop(&mut self) {
+            panic!("drop bomb");
+        }
+    }
+    let timer = Timer::new();
+    let bomb = Bomb;
+    let t = timer
+        .schedule_repeating(ms(10), move || -> Option<Duration> {
+            let _keep = &bomb;
+            None
+        })
+        .unwrap();
+    step(ms(20)).await;
+    assert_eq!(timer.metrics().panicked, 1);
+    assert!(!t.cancel());
+    assert_eq!(t.status(), TimeoutStatus::Done);
+    // The timer goes on.
+    let (n, task) = counter();
+    timer.schedule(ms(5), task()).unwrap();
+    step(ms(10)).await;
+    assert_eq!(n.load(Ordering::SeqCst), 1);
+}
+
+/// A cancel that lands while a run is under way wins, even if that run then
+/// panics: the cancel said `true`, so the status stays `Cancelled`, and no
+/// later cancel succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_during_a_run_that_panics_stays_cancelled() {
+    use std::sync::mpsc;
+    let timer = Timer::new();
+    let (started_tx, started) = mpsc::channel::<()>();
+    let (go_tx, go) = mpsc::channel::<()>();
+    let t = timer
+        .schedule_repeating(Duration::ZERO, move || -> Option<Duration> {
+            started_tx.send(()).unwrap();
+            go.recv().unwrap();
+            panic!("after the cancel");
+        })
+        .unwrap();
+    let t = tokio::task::spawn_blocking(move || {
+        started.recv_timeout(Duration::from_secs(10)).unwrap();
+        let cancelled = t.cancel();
+        go_tx.send(()).unwrap();
+        (t, cancelled)
+    });
+    let (t, cancelled) = tokio::time::timeout(Duration::from_secs(10), t)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(cancelled, "the chain was running, not ended");
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while timer.metrics().panicked == 0 {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .unwrap();
+    assert!(!t.cancel());
+    assert_eq!(t.status(), TimeoutStatus::Cancelled);
+    assert_eq!(timer.len(), 0);
+}
+
+/// A panicking run and a cancel from another thread, raced many times: exactly
+/// one of them ends the chain, a cancel that comes after the panic was counted
+/// says `false`, and the handle agrees with what `cancel` said.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panic_racing_a_cancel_ends_the_chain_once() {
+    let timer = Timer::new();
+    let started = Arc::new(AtomicUsize::new(0));
+    let (mut won, mut after_panic) = (0, 0);
+    for i in 0..200 {
+        let before = timer.metrics().panicked;
+        let s = started.clone();
+        let t = Arc::new(
+            timer
+                .schedule_repeating(Duration::ZERO, move || -> Option<Duration> {
+                    s.fetch_add(1, Ordering::SeqCst);
+                    panic!("race")
+                })
+                .unwrap(),
+        );
+        let (c, other) = (t.clone(), timer.clone());
+        let (seen, cancelled) = std::thread::spawn(move || {
+            let seen = other.metrics().panicked;
+            (seen, c.cancel())
+        })
+        .join()
+        .unwrap();
+        if seen > before {
+            assert!(!cancelled, "run {i}: the panic had ended the chain");
+            after_panic += 1;
+        }
+        assert!(!t.cancel(), "run {i}: ended once already");
+        let want = if cancelled {
+            won += 1;
+            TimeoutStatus::Cancelled
+        } else {
+            TimeoutStatus::Done
+        };
+        assert_eq!(t.status(), want, "run {i}");
+        // Every run that started panicked and was counted before the next.
+        let settled = tokio::time::timeout(Duration::from_secs(10), async {
+            while timer.len() > 0
+                || timer.metrics().panicked != started.load(Ordering::SeqCst) as u64
+            {
+                tokio::task::yield_now().await;
+            }
+        })
+        .await;
+        assert!(settled.is_ok(), "run {i}: a run never finished");
+        assert_eq!(t.status(), want, "run {i}: the status never changes");
+    }
+    // Which side wins is the scheduler's; both orders are common here.
+    eprintln!("cancel won {won} of 200; {after_panic} cancels came after the panic");
+}
+
 /// A repeating task keeps its room under the limit: full, it still goes on.
 #[tokio::test(start_paused = true)]
 async fn a_repeating_task_at_the_limit_goes_on() {

@@ -847,10 +847,11 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
         Q: Hash + Eq + ?Sized,
     {
         let shared = self.shared();
+        let key = shared.watchers.probe(key);
         let (_, completed) = self.check_collected(|live, removed| {
             shared
                 .watchers
-                .collect_live(key, Some(level), live, |c| c.is_finished(), removed)
+                .collect_live(&key, Some(level), live, |c| c.is_finished(), removed)
         });
         shared.maybe_purge();
         completed
@@ -910,10 +911,12 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
         Q: Hash + Eq + ?Sized,
     {
         let shared = self.shared();
+        // Hashed once: the prune below finds the list by the same hash.
+        let key = shared.watchers.probe(key);
         let (checked, completed) = self.check_collected(|live, removed| {
             shared
                 .watchers
-                .collect_live(key, None, live, |c| c.is_finished(), removed)
+                .collect_live(&key, None, live, |c| c.is_finished(), removed)
         });
         // Compact now only when much of the list finished: otherwise the finished
         // entries are tombstones the key's next walk drops anyway, and a second
@@ -925,10 +928,10 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
             let pruned = catch_unwind(AssertUnwindSafe(|| {
                 shared
                     .watchers
-                    .prune(key, |c| c.is_finished(), &mut buffers.removed)
+                    .prune(&key, |c| c.is_finished(), &mut buffers.removed)
             }));
             if let Err(panic) = pruned {
-                shared.note_panic("hash or eq of a key", &*panic);
+                shared.note_panic("eq of a key", &*panic);
             }
             shared.drop_removed(&mut buffers.removed);
             shared.keep_buffers(buffers);

@@ -16,7 +16,8 @@ use crate::reaper::{drop_contained, note_panic, Core, TimerKey};
 pub enum TimeoutStatus {
     /// Waiting for its deadline.
     Pending,
-    /// Cancelled through this handle; it never ran.
+    /// Cancelled through this handle: a one-shot task never ran; a repeating
+    /// task was stopped before its chain ended (its earlier runs happened).
     Cancelled,
     /// No longer waiting: it ran (or panicked while running), or the timer was
     /// shut down (the task was handed back by `shutdown` or dropped).
@@ -70,7 +71,10 @@ impl Timeout {
     /// on this thread, with no lock held (a panic in its `Drop` is caught and
     /// counted in [`TimerMetrics::panicked`](super::TimerMetrics::panicked)). Returns whether this call cancelled it.
     /// A repeating task ([`Timer::schedule_repeating`](super::Timer::schedule_repeating))
-    /// stops: `true` when this call stopped it, and no run starts afterwards.
+    /// stops: `true` when this call stopped it, and no run starts afterwards. A
+    /// chain that ended on its own (its task returned `None` or panicked, or the
+    /// timer shut down) is not stopped again: `false`, and the status stays
+    /// [`Done`](TimeoutStatus::Done).
     ///
     /// # Concurrent calls
     ///

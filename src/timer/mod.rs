@@ -287,7 +287,9 @@ impl Timer {
     /// One entry in the wheel at a time, moved back in O(1) after each run, and
     /// kept under [`max_pending`](TimerBuilder::max_pending) by the room it held
     /// (a rescheduling is never refused for the limit). A panic in the task ends
-    /// the chain (caught, counted and reported as for any task).
+    /// the chain (caught, counted and reported as for any task) as returning
+    /// `None` does: the handle's status is then `Done`, and `cancel` returns
+    /// `false`.
     ///
     /// # Cancellation and shutdown
     ///

@@ -79,6 +79,26 @@ pub(crate) struct Repeating<F> {
     pub(crate) handed_back: bool,
 }
 
+/// Ends a chain when dropped, unless the run rescheduled it: every way out of a
+/// run (`f` returned `None`, panicked, or its `Drop` did; the timer is gone or
+/// shut down; the handle cancelled it meanwhile) leaves the one state a
+/// finished chain has, so [`Timeout::cancel`](super::Timeout::cancel) finds it
+/// stopped and returns `false`. The flag is set under the key's lock, as the
+/// handle sets it, so a cancel sees the chain either running or ended.
+struct EndsChain {
+    chain: Arc<Chain>,
+    rescheduled: bool,
+}
+
+impl Drop for EndsChain {
+    fn drop(&mut self) {
+        if !self.rescheduled {
+            let _key = lock(&self.chain.key);
+            self.chain.stopped.store(true, Ordering::Release);
+        }
+    }
+}
+
 impl<F: FnMut() -> Option<Duration> + Send + 'static> TaskFn for Repeating<F> {
     fn call(self: Box<Self>) {
         let mut me = self;
@@ -91,28 +111,36 @@ impl<F: FnMut() -> Option<Duration> + Send + 'static> TaskFn for Repeating<F> {
         if me.chain.stopped.load(Ordering::Acquire) {
             return;
         }
-        // A panic here ends the chain (the reaper contains and counts it).
+        // Declared after `me`, so dropped before it: the chain reads as ended
+        // before the task (user code) is dropped. A panic in `f` unwinds through
+        // it too (the reaper contains and counts the panic).
+        let mut end = EndsChain {
+            chain: me.chain.clone(),
+            rescheduled: false,
+        };
         let Some(delay) = (me.f)() else {
-            me.chain.stopped.store(true, Ordering::Release);
             return;
         };
         let Some(core) = me.core.upgrade() else {
             return;
         };
-        let chain = me.chain.clone();
-        let mut key = lock(&chain.key);
-        if chain.stopped.load(Ordering::Acquire) {
+        let mut key = lock(&end.chain.key);
+        if end.chain.stopped.load(Ordering::Acquire) {
             // Cancelled while it ran: `me` is dropped after the lock is gone.
             drop(key);
             return;
         }
         let now = Instant::now();
         match core.reinsert(now, deadline_after(now, delay), TimerJob(me)) {
-            Ok(moved) => *key = Some(moved),
+            Ok(moved) => {
+                *key = Some(moved);
+                end.rescheduled = true;
+            }
             Err(job) => {
-                // The timer was shut down meanwhile: the chain ends.
-                chain.stopped.store(true, Ordering::Release);
+                // The timer was shut down meanwhile: the chain ends (the guard
+                // marks it once the lock is gone, before the task is dropped).
                 drop(key);
+                drop(end);
                 drop(job);
             }
         }
