@@ -17,14 +17,23 @@
 //! behind schedule does not starve the other tasks (a reaper among them).
 //!
 //! Added:
-//! - `--mode kafka|key|awaited`: `kafka` (all requests watch the same `--keys`
-//!   keys; the driver completes the request itself, as Kafka's completion thread
-//!   calls `forceComplete`), `key` (each request watches `--keys` random keys; the
-//!   driver calls `try_complete_watched` on its first key), `awaited` (as `kafka`,
-//!   but every request is a task awaiting its handle).
-//! - `--impl purgatory|task|delayqueue|floor`: this crate; a task per request awaiting
+//! - `--mode kafka|key|awaited|offsets`: `kafka` (each request watches `--keys`
+//!   keys drawn at random, as produce requests land on different partitions;
+//!   the driver completes the request by reference, running its check),
+//!   `key` (the driver calls `try_complete_watched` on the request's first
+//!   key, which checks every watcher of that key), `awaited` (as `kafka`, but
+//!   every request is a task awaiting its handle), `offsets` (see `--help`).
+//!   `--shared-keys`: in `kafka` and `awaited` modes every request watches the
+//!   same `--keys` keys (Kafka's original test), so every list holds every
+//!   pending request.
+//! - The completion driver's lag (how late it acts on each 1 ms slot) is
+//!   reported beside the generators' registration lag, so a driver falling
+//!   behind is seen rather than guessed.
+//! - `--impl purgatory|task|fair|floor`: this crate; a task per request awaiting
 //!   `tokio::time::timeout` on a completion signal with a `DashMap` of key ->
-//!   watchers; a purgatory built on one `tokio_util::time::DelayQueue`; the
+//!   watchers; the fair one-lock purgatory (a `tokio_util::time::DelayQueue`, a
+//!   slab with generation-checked ids and `HashMap<key, Vec<id>>` lists behind
+//!   one mutex, running every check this crate runs and purging as Kafka); the
 //!   harness alone, with no purgatory (the CPU floor under every run).
 //! - `--runtime current|multi` (multi: 2 workers).
 //! - `--generators N`: N generator tasks share the load, so saturation measures
@@ -63,7 +72,9 @@ use tokio_purgatory::{OpRef, Operation, Purgatory, Watch};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 enum Mode {
-    /// All requests watch the same keys; the driver completes each request itself.
+    /// Each request watches `--keys` keys drawn at random (all the same keys
+    /// with `--shared-keys`); the driver completes each request by reference,
+    /// running its check.
     Kafka,
     /// Random keys per request; the driver walks the request's first key.
     Key,
@@ -85,8 +96,11 @@ enum Imp {
     Purgatory,
     /// A task per request, `tokio::time::timeout_at` on a signal, a DashMap of watchers.
     Task,
-    /// A purgatory on one `tokio_util::time::DelayQueue` behind a mutex.
-    Delayqueue,
+    /// The fair one-lock purgatory: a `tokio_util::time::DelayQueue`, a slab
+    /// of requests with generation-checked ids and `HashMap<key, Vec<id>>`
+    /// watch lists behind one mutex; it runs every check this crate runs and
+    /// purges its lists as Kafka does.
+    Fair,
     /// No purgatory: the harness alone (a request that would expire is counted
     /// expired at registration, one that would complete is counted when the
     /// driver reaches it). Its CPU is the floor under every implementation.
@@ -131,6 +145,10 @@ struct Opts {
     /// 75th percentile completion latency, ms.
     #[arg(long, default_value_t = 150.0)]
     pct75: f64,
+    /// `kafka` and `awaited` modes: every request watches the same `--keys`
+    /// keys (drawn once) instead of keys drawn at random per request.
+    #[arg(long)]
+    shared_keys: bool,
     /// Payload bytes per request.
     #[arg(long, default_value_t = 0)]
     size: usize,
@@ -298,7 +316,7 @@ enum Token {
     Op(OpRef<u32, FakeOp>),
     Key(u32),
     Signal(oneshot::Sender<()>),
-    Id(u64),
+    Id(Id),
     /// `--mode offsets`: cover this partition's offset.
     Reach(u32, u64),
 }
@@ -315,7 +333,7 @@ struct Buckets {
 enum Target {
     Purgatory(Purgatory<u32, FakeOp>),
     Task(Arc<TaskPeer>),
-    Dq(Arc<DqPeer>),
+    Fair(Arc<FairPeer>),
     Floor,
 }
 
@@ -391,89 +409,224 @@ impl TaskPeer {
     }
 }
 
-// ---- peer (b): a purgatory on one DelayQueue (mutex-guarded, one driver task)
+// ---- peer (b): the fair one-lock purgatory
+//
+// What a competent team writes in an afternoon instead of taking this crate: one
+// mutex around a `DelayQueue`, a slab of requests with generation-checked ids
+// and `HashMap<key, Vec<id>>` watch lists. It does the work this crate does:
+// completing a request by reference runs its check and completes it only if
+// the check says so; a walk runs the check of every live watcher of the key and
+// drops dead ids from that list; a purge sweeps every list once dead ids exceed
+// max(1,000, live ids) (Kafka's policy), so its memory stays flat; expiry is one
+// task awaiting the queue. Checks run under the one lock (there is no other
+// lock to run them under, and checking outside it would race events).
 
-struct DqState {
-    queue: tokio_util::time::DelayQueue<u64>,
-    ops: HashMap<
-        u64,
-        (
-            FakeOp,
-            tokio_util::time::delay_queue::Key,
-            Option<oneshot::Sender<()>>,
-        ),
-    >,
-    watchers: HashMap<u32, Vec<u64>>,
-    next_id: u64,
+/// A request's id: its slot, and the slot's generation when it was taken.
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct Id {
+    index: u32,
+    generation: u32,
 }
 
-struct DqPeer {
-    state: Mutex<DqState>,
+/// A pending request in the fair peer.
+struct Pending {
+    op: FakeOp,
+    timer: tokio_util::time::delay_queue::Key,
+    keys: u32,
+    /// `--mode awaited`: the task awaiting this request.
+    done: Option<oneshot::Sender<()>>,
 }
 
-impl DqPeer {
-    fn register(
-        &self,
-        op: FakeOp,
-        keys: &[u32],
-        awaited: bool,
-    ) -> (u64, Option<oneshot::Receiver<()>>) {
+struct Slot {
+    generation: u32,
+    pending: Option<Pending>,
+}
+
+struct FairState {
+    queue: tokio_util::time::DelayQueue<Id>,
+    slots: Vec<Slot>,
+    free: Vec<u32>,
+    watchers: HashMap<u32, Vec<Id>>,
+    /// Ids in the lists whose request is pending, and whose request finished.
+    live: usize,
+    dead: usize,
+}
+
+impl FairState {
+    fn new() -> FairState {
+        FairState {
+            queue: tokio_util::time::DelayQueue::new(),
+            slots: Vec::new(),
+            free: Vec::new(),
+            watchers: HashMap::new(),
+            live: 0,
+            dead: 0,
+        }
+    }
+
+    fn is_live(slots: &[Slot], id: Id) -> bool {
+        let s = &slots[id.index as usize];
+        s.generation == id.generation && s.pending.is_some()
+    }
+
+    /// An empty slot's id, for [`fill`](Self::fill) (the timer entry is made
+    /// between the two, with the id it carries).
+    fn vacant(&mut self) -> Id {
+        let index = self.free.pop().unwrap_or_else(|| {
+            self.slots.push(Slot {
+                generation: 0,
+                pending: None,
+            });
+            self.slots.len() as u32 - 1
+        });
+        Id {
+            index,
+            generation: self.slots[index as usize].generation,
+        }
+    }
+
+    fn fill(&mut self, id: Id, pending: Pending) {
+        self.live += pending.keys as usize;
+        self.slots[id.index as usize].pending = Some(pending);
+    }
+
+    /// Takes a finished request out of its slot: its list entries are dead now.
+    fn take(slots: &mut [Slot], free: &mut Vec<u32>, live: &mut usize, dead: &mut usize, id: Id) -> Pending {
+        let slot = &mut slots[id.index as usize];
+        let pending = slot.pending.take().expect("a live id");
+        slot.generation = slot.generation.wrapping_add(1);
+        free.push(id.index);
+        *live -= pending.keys as usize;
+        *dead += pending.keys as usize;
+        pending
+    }
+
+    /// Kafka's purge: once dead ids outnumber max(1,000, live ids), sweep every
+    /// list, and give back the room of lists that shrank a lot.
+    fn maybe_purge(&mut self) {
+        if self.dead <= self.live.max(1_000) {
+            return;
+        }
+        let slots = &self.slots;
+        self.watchers.retain(|_, ids| {
+            ids.retain(|id| Self::is_live(slots, *id));
+            if ids.capacity() > 16 && ids.len() * 4 < ids.capacity() {
+                ids.shrink_to_fit();
+            }
+            !ids.is_empty()
+        });
+        self.dead = 0;
+    }
+}
+
+struct FairPeer {
+    state: Mutex<FairState>,
+}
+
+impl FairPeer {
+    /// Checks `op`, and registers it on `keys` unless it completed: one lock
+    /// held throughout, so no event is lost between the check and the watch.
+    fn register(&self, mut op: FakeOp, keys: &[u32], awaited: bool) -> (Option<Id>, Option<oneshot::Receiver<()>>) {
         let mut s = self.state.lock().unwrap();
-        let id = s.next_id;
-        s.next_id += 1;
-        let key = s.queue.insert_at(id, op.deadline);
-        let (tx, rx) = if awaited {
+        if op.try_complete().is_some() {
+            drop(s);
+            return (None, None);
+        }
+        let id = s.vacant();
+        let timer = s.queue.insert_at(id, op.deadline);
+        let (done, rx) = if awaited {
             let (tx, rx) = oneshot::channel();
             (Some(tx), Some(rx))
         } else {
             (None, None)
         };
+        s.fill(
+            id,
+            Pending {
+                op,
+                timer,
+                keys: keys.len() as u32,
+                done,
+            },
+        );
         for k in keys {
             s.watchers.entry(*k).or_default().push(id);
         }
-        s.ops.insert(id, (op, key, tx));
-        (id, rx)
+        s.maybe_purge();
+        (Some(id), rx)
     }
 
-    fn complete(&self, id: u64) {
-        let done = {
+    /// Completes the request `id` if its check says it can.
+    fn complete(&self, id: Id) {
+        let finished = {
             let mut s = self.state.lock().unwrap();
-            let Some((op, key, tx)) = s.ops.remove(&id) else {
+            let FairState {
+                queue,
+                slots,
+                free,
+                live,
+                dead,
+                ..
+            } = &mut *s;
+            let slot = &mut slots[id.index as usize];
+            if slot.generation != id.generation {
                 return;
+            }
+            let completes = match slot.pending.as_mut() {
+                Some(p) => p.op.try_complete().is_some(),
+                None => false,
             };
-            s.queue.remove(&key);
-            (op, tx)
+            if !completes {
+                return;
+            }
+            let p = FairState::take(slots, free, live, dead, id);
+            queue.remove(&p.timer);
+            p
         };
-        done.0.counts.completed.fetch_add(1, Ordering::Relaxed);
-        if let Some(tx) = done.1 {
+        if let Some(tx) = finished.done {
             let _ = tx.send(());
         }
     }
 
+    /// Runs the check of every live watcher of `key`, completes those that
+    /// can, and drops dead ids from the list.
     fn complete_key(&self, key: u32) {
-        let mut done = Vec::new();
+        let mut finished = Vec::new();
         {
             let mut s = self.state.lock().unwrap();
-            let Some(mut ids) = s.watchers.remove(&key) else {
+            let FairState {
+                queue,
+                slots,
+                free,
+                watchers,
+                live,
+                dead,
+            } = &mut *s;
+            let Some(ids) = watchers.get_mut(&key) else {
                 return;
             };
-            ids.retain(|id| match s.ops.get(id) {
-                None => false, // finished through another key: prune
-                Some((op, _, _)) if op.completable() => {
-                    let (op, k, tx) = s.ops.remove(id).unwrap();
-                    s.queue.remove(&k);
-                    done.push((op, tx));
-                    false
+            ids.retain(|&id| {
+                if !FairState::is_live(slots, id) {
+                    *dead -= 1;
+                    return false;
                 }
-                Some(_) => true,
+                let p = slots[id.index as usize].pending.as_mut().expect("live");
+                if p.op.try_complete().is_none() {
+                    return true;
+                }
+                let p = FairState::take(slots, free, live, dead, id);
+                *dead -= 1; // this entry goes now
+                queue.remove(&p.timer);
+                finished.push(p);
+                false
             });
-            if !ids.is_empty() {
-                s.watchers.insert(key, ids);
+            if ids.is_empty() {
+                watchers.remove(&key);
             }
+            s.maybe_purge();
         }
-        for (op, tx) in done {
-            op.counts.completed.fetch_add(1, Ordering::Relaxed);
-            if let Some(tx) = tx {
+        for p in finished {
+            if let Some(tx) = p.done {
                 let _ = tx.send(());
             }
         }
@@ -493,7 +646,14 @@ impl DqPeer {
                 match s.queue.poll_expired(cx) {
                     Poll::Ready(Some(e)) => {
                         let id = e.into_inner();
-                        Poll::Ready(Some(s.ops.remove(&id)))
+                        let FairState {
+                            slots,
+                            free,
+                            live,
+                            dead,
+                            ..
+                        } = &mut *s;
+                        Poll::Ready(Some(FairState::take(slots, free, live, dead, id)))
                     }
                     Poll::Ready(None) | Poll::Pending => Poll::Pending,
                 }
@@ -501,11 +661,11 @@ impl DqPeer {
             .await;
             match expired {
                 None => return,
-                Some(Some((op, _, tx))) => {
-                    op.counts.expired_at(op.deadline);
-                    drop(tx); // an awaiting task sees the sender dropped: expired
+                Some(p) => {
+                    // An awaiting task sees the sender dropped: expired.
+                    drop(p.done);
+                    p.op.on_expiration();
                 }
-                Some(None) => {}
             }
         }
     }
@@ -527,6 +687,7 @@ struct RunResult {
     p99: f64,
     max: f64,
     lag_p99: f64,
+    driver_lag_p99: f64,
 }
 
 async fn run(o: Opts) -> RunResult {
@@ -553,17 +714,12 @@ async fn run(o: Opts) -> RunResult {
             watchers: DashMap::new(),
             next_id: AtomicU64::new(0),
         })),
-        Imp::Delayqueue => {
-            let peer = Arc::new(DqPeer {
-                state: Mutex::new(DqState {
-                    queue: tokio_util::time::DelayQueue::new(),
-                    ops: HashMap::new(),
-                    watchers: HashMap::new(),
-                    next_id: 0,
-                }),
+        Imp::Fair => {
+            let peer = Arc::new(FairPeer {
+                state: Mutex::new(FairState::new()),
             });
             tokio::spawn(peer.clone().drive(stop.clone()));
-            Target::Dq(peer)
+            Target::Fair(peer)
         }
         Imp::Floor => Target::Floor,
     };
@@ -580,6 +736,8 @@ async fn run(o: Opts) -> RunResult {
         let counts = counts.clone();
         let total = o.num;
         tokio::spawn(async move {
+            // How far behind its slot's time the driver acts on each slot.
+            let mut lag = Histogram::<u64>::new(3).unwrap();
             let mut tick = tokio::time::interval(Duration::from_millis(1));
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
             while counts.done() < total {
@@ -592,7 +750,7 @@ async fn run(o: Opts) -> RunResult {
                 // between slots rather than starving them for the whole backlog.
                 let mut worked = false;
                 loop {
-                    let due: Vec<Token> = {
+                    let (next_slot, due): (usize, Vec<Token>) = {
                         let mut b = buckets.lock().unwrap();
                         let next = b.next;
                         if next > now_ms || next >= b.slots.len() {
@@ -602,7 +760,7 @@ async fn run(o: Opts) -> RunResult {
                         // Take the slot's buffer too: a drained slot that kept its
                         // capacity would hold every token ever sent in the
                         // process's memory, the same for every implementation.
-                        std::mem::take(&mut b.slots[next])
+                        (next, std::mem::take(&mut b.slots[next]))
                     };
                     if due.is_empty() {
                         continue;
@@ -611,6 +769,8 @@ async fn run(o: Opts) -> RunResult {
                         tokio::task::yield_now().await;
                     }
                     worked = true;
+                    let slot_time = start + Duration::from_millis(next_slot as u64);
+                    lag.record(slot_time.elapsed().as_micros() as u64).ok();
                     for t in due {
                         match (&*target, t) {
                             (Target::Purgatory(_), Token::Op(r)) => {
@@ -623,8 +783,8 @@ async fn run(o: Opts) -> RunResult {
                                 let _ = tx.send(());
                             }
                             (Target::Task(peer), Token::Key(k)) => peer.complete_key(k),
-                            (Target::Dq(peer), Token::Id(id)) => peer.complete(id),
-                            (Target::Dq(peer), Token::Key(k)) => peer.complete_key(k),
+                            (Target::Fair(peer), Token::Id(id)) => peer.complete(id),
+                            (Target::Fair(peer), Token::Key(k)) => peer.complete_key(k),
                             (Target::Floor, Token::Signal(tx)) => {
                                 counts.completed.fetch_add(1, Ordering::Relaxed);
                                 let _ = tx.send(());
@@ -639,7 +799,7 @@ async fn run(o: Opts) -> RunResult {
                                 partitions.cover(k, offset);
                                 peer.complete_key(k);
                             }
-                            (Target::Dq(peer), Token::Reach(k, offset)) => {
+                            (Target::Fair(peer), Token::Reach(k, offset)) => {
                                 partitions.cover(k, offset);
                                 peer.complete_key(k);
                             }
@@ -648,6 +808,7 @@ async fn run(o: Opts) -> RunResult {
                     }
                 }
             }
+            lag
         })
     };
 
@@ -703,7 +864,7 @@ async fn run(o: Opts) -> RunResult {
         lag.add(l).unwrap();
     }
     let end = Instant::now();
-    driver.await.unwrap();
+    let driver_lag = driver.await.unwrap();
     let done = Instant::now();
     progress.abort();
     stop.notify_one();
@@ -722,6 +883,7 @@ async fn run(o: Opts) -> RunResult {
         p99: ms(h.value_at_quantile(0.99)),
         max: ms(h.max()),
         lag_p99: ms(lag.value_at_quantile(0.99)),
+        driver_lag_p99: ms(driver_lag.value_at_quantile(0.99)),
     }
 }
 
@@ -778,7 +940,7 @@ async fn generate(g: Generator) -> (Instant, Histogram<u64>) {
         let completes = latency_ms < o.timeout_ms as f64;
         let completes_at =
             completes.then(|| arrival + Duration::from_secs_f64(latency_ms / 1000.0));
-        if key_driven || offsets {
+        if !o.shared_keys || key_driven || offsets {
             for k in keys.iter_mut() {
                 *k = rng.below(o.key_space as u64) as u32;
             }
@@ -838,7 +1000,7 @@ async fn generate(g: Generator) -> (Instant, Histogram<u64>) {
                     t
                 }
             }
-            Target::Dq(peer) => {
+            Target::Fair(peer) => {
                 let (id, rx) = peer.register(op, &keys, awaited);
                 if let Some(rx) = rx {
                     tokio::spawn(async move {
@@ -850,7 +1012,7 @@ async fn generate(g: Generator) -> (Instant, Histogram<u64>) {
                 } else if key_driven {
                     Some(Token::Key(keys[0]))
                 } else {
-                    Some(Token::Id(id))
+                    id.map(Token::Id)
                 }
             }
             Target::Floor => {
@@ -869,7 +1031,10 @@ async fn generate(g: Generator) -> (Instant, Histogram<u64>) {
                 } else if key_driven {
                     Some(Token::Key(keys[0]))
                 } else {
-                    Some(Token::Id(0))
+                    Some(Token::Id(Id {
+                        index: 0,
+                        generation: 0,
+                    }))
                 }
             }
         };
@@ -907,11 +1072,11 @@ fn single(o: &Opts) -> RunResult {
     rt.block_on(run(o.clone()))
 }
 
-const COLUMNS: &str = "impl\tmode\truntime\tgenerators\telapsed_ms\ttarget_rate\tactual_rate\tcpu_ms\tpeak_rss_mb\tcompleted\texpired\tlate_p50_ms\tlate_p99_ms\tlate_max_ms\tlag_p99_ms";
+const COLUMNS: &str = "impl\tmode\truntime\tgenerators\telapsed_ms\ttarget_rate\tactual_rate\tcpu_ms\tpeak_rss_mb\tcompleted\texpired\tlate_p50_ms\tlate_p99_ms\tlate_max_ms\tlag_p99_ms\tdriver_lag_p99_ms";
 
 fn row(o: &Opts, r: &RunResult) -> String {
     format!(
-        "{}\t{}\t{}\t{}\t{}\t{:.0}\t{:.0}\t{}\t{:.1}\t{}\t{}\t{:.2}\t{:.2}\t{:.2}\t{:.2}",
+        "{}\t{}\t{}\t{}\t{}\t{:.0}\t{:.0}\t{}\t{:.1}\t{}\t{}\t{:.2}\t{:.2}\t{:.2}\t{:.2}\t{:.2}",
         name(&o.imp),
         name(&o.mode),
         name(&o.runtime),
@@ -926,7 +1091,8 @@ fn row(o: &Opts, r: &RunResult) -> String {
         r.p50,
         r.p99,
         r.max,
-        r.lag_p99
+        r.lag_p99,
+        r.driver_lag_p99
     )
 }
 
@@ -942,6 +1108,7 @@ struct Row {
     expired: f64,
     p99: f64,
     lag_p99: f64,
+    driver_lag_p99: f64,
 }
 
 fn parse_row(line: &str) -> Option<Row> {
@@ -957,6 +1124,7 @@ fn parse_row(line: &str) -> Option<Row> {
         expired: n(10)?,
         p99: n(12)?,
         lag_p99: n(14)?,
+        driver_lag_p99: n(15).unwrap_or(f64::NAN),
     })
 }
 
@@ -992,6 +1160,7 @@ fn child(o: &Opts, imp: Imp, rate: f64) -> Option<String> {
             "--quiet",
         ])
         .args(o.tick_us.map(|us| format!("--tick-us={us}")))
+        .args(o.shared_keys.then_some("--shared-keys"))
         .stderr(std::process::Stdio::inherit())
         .output()
         .ok()?;
@@ -1008,9 +1177,9 @@ fn loadavg() -> String {
         .unwrap_or_else(|| "?".into())
 }
 
-const IMPS: [Imp; 3] = [Imp::Purgatory, Imp::Task, Imp::Delayqueue];
+const IMPS: [Imp; 3] = [Imp::Purgatory, Imp::Task, Imp::Fair];
 /// `--compare` also runs the harness alone, to show the floor under every run.
-const WITH_FLOOR: [Imp; 4] = [Imp::Purgatory, Imp::Task, Imp::Delayqueue, Imp::Floor];
+const WITH_FLOOR: [Imp; 4] = [Imp::Purgatory, Imp::Task, Imp::Fair, Imp::Floor];
 
 /// Runs every implementation `o.repeat` times at `rate`, interleaved, and returns
 /// the rows, raw and parsed (printed as they come).
@@ -1066,29 +1235,30 @@ fn summary(o: &Opts, rows: &[Row]) {
         name(&o.mode), name(&o.runtime), o.generators, o.num, o.rate, o.keys, o.key_space, o.timeout_ms, o.repeat
     );
     println!();
-    println!("| implementation | CPU s | peak RSS MB | achieved /s | expiry lateness p99 ms | registration lag p99 ms | completed | expired |");
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("| implementation | CPU s | peak RSS MB | achieved /s | expiry lateness p99 ms | registration lag p99 ms | driver lag p99 ms | completed | expired |");
+    println!("|---|---|---|---|---|---|---|---|---|");
     for imp in WITH_FLOOR {
         let i = name(&imp);
         println!(
-            "| {i} | {} | {} | {} | {} | {} | {} | {} |",
+            "| {i} | {} | {} | {} | {} | {} | {} | {} | {} |",
             cell(col(&i, |r| r.cpu_ms / 1000.0), 2),
             cell(col(&i, |r| r.rss_mb), 0),
             cell(col(&i, |r| r.actual_rate), 0),
             cell(col(&i, |r| r.p99), 1),
             cell(col(&i, |r| r.lag_p99), 1),
+            cell(col(&i, |r| r.driver_lag_p99), 1),
             col(&i, |r| r.completed).0,
             col(&i, |r| r.expired).0,
         );
     }
     // Ratios of the medians: this crate against the best peer on each measure.
     let med = |imp: Imp, f: fn(&Row) -> f64| col(&name(&imp), f).0;
-    let best_low = |f: fn(&Row) -> f64| med(Imp::Task, f).min(med(Imp::Delayqueue, f));
+    let best_low = |f: fn(&Row) -> f64| med(Imp::Task, f).min(med(Imp::Fair, f));
     println!();
     println!(
-        "ratios, tokio-purgatory / best peer: CPU {:.2} (DelayQueue peer {:.2}), peak RSS {:.2}, lateness p99 {:.2}",
+        "ratios, tokio-purgatory / best peer: CPU {:.2} (one-lock peer {:.2}), peak RSS {:.2}, lateness p99 {:.2}",
         med(Imp::Purgatory, |r| r.cpu_ms) / best_low(|r| r.cpu_ms),
-        med(Imp::Purgatory, |r| r.cpu_ms) / med(Imp::Delayqueue, |r| r.cpu_ms),
+        med(Imp::Purgatory, |r| r.cpu_ms) / med(Imp::Fair, |r| r.cpu_ms),
         med(Imp::Purgatory, |r| r.rss_mb) / best_low(|r| r.rss_mb),
         med(Imp::Purgatory, |r| r.p99) / best_low(|r| r.p99),
     );
@@ -1096,9 +1266,9 @@ fn summary(o: &Opts, rows: &[Row]) {
     // its CPU above the floor's.
     let floor = med(Imp::Floor, |r| r.cpu_ms);
     println!(
-        "harness floor CPU {:.2} s; CPU above the floor, tokio-purgatory / DelayQueue peer: {:.2}",
+        "harness floor CPU {:.2} s; CPU above the floor, tokio-purgatory / one-lock peer: {:.2}",
         floor / 1000.0,
-        (med(Imp::Purgatory, |r| r.cpu_ms) - floor) / (med(Imp::Delayqueue, |r| r.cpu_ms) - floor),
+        (med(Imp::Purgatory, |r| r.cpu_ms) - floor) / (med(Imp::Fair, |r| r.cpu_ms) - floor),
     );
 }
 
@@ -1147,7 +1317,7 @@ fn draw(rows: &[Row], path: &str, title: &str, y_desc: &str, y: fn(&Row) -> f64,
         let label = match imp {
             Imp::Purgatory => "tokio-purgatory",
             Imp::Task => "task per request + DashMap",
-            Imp::Delayqueue => "purgatory on one DelayQueue",
+            Imp::Fair => "one-lock purgatory (DelayQueue + slab + lists)",
             Imp::Floor => "the harness alone",
         };
         // The median of each rate's runs.
@@ -1280,8 +1450,8 @@ fn main() {
             r.elapsed_ms, r.target_rate, r.actual_rate, r.cpu_ms
         );
         println!(
-            "# peak rss {:.1} MB; completed {}, expired {}; expiry lateness p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms; registration lag p99 {:.2} ms",
-            r.rss_mb, r.completed, r.expired, r.p50, r.p99, r.max, r.lag_p99
+            "# peak rss {:.1} MB; completed {}, expired {}; expiry lateness p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms; registration lag p99 {:.2} ms; completion driver lag p99 {:.2} ms",
+            r.rss_mb, r.completed, r.expired, r.p50, r.p99, r.max, r.lag_p99, r.driver_lag_p99
         );
     }
     println!("ROW\t{}", row(&o, &r));
