@@ -178,3 +178,50 @@ async fn registrations_racing_a_drain_are_refused_or_waited_for() {
         assert!(balanced(&p.metrics()));
     }
 }
+
+/// A key whose `Hash` runs a hook (the first time only) and then panics.
+#[derive(Clone)]
+struct Tripwire(Arc<std::sync::Mutex<Option<Box<dyn FnOnce() + Send>>>>);
+
+impl std::hash::Hash for Tripwire {
+    fn hash<H: std::hash::Hasher>(&self, _: &mut H) {
+        if let Some(hook) = self.0.lock().unwrap().take() {
+            hook();
+        }
+        panic!("hostile hash");
+    }
+}
+
+impl PartialEq for Tripwire {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+impl Eq for Tripwire {}
+
+/// A registration admitted before a drain began, whose key then panics, is the
+/// last thing that drain waits for: turning it back wakes the drain, which
+/// returns at once rather than waiting for some later operation.
+#[tokio::test(start_paused = true)]
+async fn a_registration_turned_back_by_a_panicking_key_ends_a_drain_it_held() {
+    let p: Purgatory<Tripwire, Fetch> = Purgatory::builder().name("drain").build().unwrap();
+    let drainer = p.clone();
+    let drain = Arc::new(std::sync::Mutex::new(task::spawn(async move {
+        drainer.drain().await
+    })));
+    let d = drain.clone();
+    let key = Tripwire(Arc::new(std::sync::Mutex::new(Some(Box::new(move || {
+        // Admitted already: the drain sees one operation pending and waits.
+        assert_pending!(d.lock().unwrap().poll());
+    })))));
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let _ = p.try_complete_else_watch(Fetch::default(), ms(10), [key]);
+    }));
+    assert!(r.is_err(), "the key's panic reaches the caller");
+    let mut drain = drain.lock().unwrap();
+    assert!(drain.is_woken(), "turning the registration back woke the drain");
+    assert_ready!(drain.poll());
+    assert_eq!(p.delayed(), 0);
+    assert!(balanced(&p.metrics()));
+}

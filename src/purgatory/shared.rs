@@ -326,12 +326,18 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         true
     }
 
-    /// Undoes [`admit`](Self::admit) for an operation that never registered.
+    /// Undoes [`admit`](Self::admit) for an operation that never registered,
+    /// and wakes a drainer that may be waiting for it: a registration admitted
+    /// before `drain` began and turned back after (a key that panicked) is the
+    /// last thing that drainer waits for.
     pub(crate) fn unadmit(&self) {
         if self.max_pending.is_some() {
             self.admitted.0.fetch_sub(1, Ordering::AcqRel);
         }
         self.books.turned_back();
+        if self.draining.load(Ordering::SeqCst) {
+            self.drained.notify_waiters();
+        }
     }
 
     /// Operations registered and not finished.
@@ -349,7 +355,6 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
             return false;
         }
         self.unadmit();
-        self.drained.notify_waiters();
         true
     }
 
