@@ -406,7 +406,18 @@ pub(crate) fn drop_contained<T>(value: T, on_panic: impl FnOnce(&(dyn std::any::
     if std::mem::needs_drop::<T>() {
         if let Err(panic) = catch_unwind(AssertUnwindSafe(move || drop(value))) {
             on_panic(&*panic);
+            drop_payload(panic);
         }
+    }
+}
+
+/// Drops a caught panic's payload. A payload from `std::panic::panic_any` may
+/// be any type, and its own `Drop` may panic: that second panic is caught here
+/// and its payload forgotten, so no unwinding leaves the code that caught the
+/// first one (and skips the bookkeeping after it).
+pub(crate) fn drop_payload(payload: Box<dyn std::any::Any + Send>) {
+    if let Err(again) = catch_unwind(AssertUnwindSafe(move || drop(payload))) {
+        std::mem::forget(again);
     }
 }
 
@@ -427,6 +438,7 @@ pub(crate) fn drop_each_contained<T>(
 pub(crate) fn run_contained(name: &str, counters: &Counters, f: impl FnOnce()) {
     if let Err(panic) = catch_unwind(AssertUnwindSafe(f)) {
         note_panic(name, counters, &*panic);
+        drop_payload(panic);
     }
 }
 

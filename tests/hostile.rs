@@ -892,3 +892,76 @@ async fn a_panicking_key_drop_is_contained() {
     assert_eq!((m.keys, m.watched, m.delayed), (0, 0, 0), "{m:?}");
     assert!(m.panicked >= 2, "both drops counted: {m:?}");
 }
+
+/// A panic payload whose own `Drop` panics (`std::panic::panic_any` takes any
+/// type): dropping it after the catch would unwind again, past the
+/// bookkeeping that follows the catch.
+struct PayloadBomb;
+
+impl Drop for PayloadBomb {
+    fn drop(&mut self) {
+        panic!("the payload's drop panicked too");
+    }
+}
+
+/// Its checks and its expiry panic with a [`PayloadBomb`].
+struct BombOp;
+
+impl Operation for BombOp {
+    type Output = ();
+    fn try_complete(&mut self) -> Option<()> {
+        std::panic::panic_any(PayloadBomb)
+    }
+    fn on_expiration(self) {
+        std::panic::panic_any(PayloadBomb)
+    }
+}
+
+/// Checks at registration, checks run by a walk and an expiry that panic with a
+/// payload whose drop panics: each panic is contained and counted, the
+/// operation still expires, its handle resolves, and the counts balance.
+#[tokio::test(start_paused = true)]
+async fn a_panic_payload_whose_drop_panics_is_contained_in_checks_and_expiry() {
+    let p: Purgatory<u32, BombOp> = Purgatory::builder().name("bombs").build().unwrap();
+    let h = p.try_complete_else_watch(BombOp, ms(10), [1]).unwrap();
+    // Registration checks twice: before watching, and once watched.
+    assert_eq!(p.metrics().panicked, 2, "the checks at registration");
+    assert_eq!(p.try_complete_watched(&1), 0);
+    assert_eq!(p.metrics().panicked, 3, "the walk's check");
+    assert_eq!(p.delayed(), 1, "still pending after two panicking checks");
+    advance(ms(11)).await;
+    settle().await;
+    assert_eq!(h.await, Err(OperationError::Panicked));
+    let m = p.metrics();
+    assert_eq!(m.panicked, 4, "{m:?}");
+    assert_eq!(m.delayed, 0);
+    assert!(balanced(&m), "{m:?}");
+}
+
+/// A timer task panicking with such a payload: the reaper goes on, and later
+/// tasks run.
+#[tokio::test(start_paused = true)]
+async fn a_timer_task_whose_panic_payload_panics_on_drop_stops_nothing() {
+    let timer = Timer::new();
+    let ran = Arc::new(AtomicUsize::new(0));
+    timer
+        .schedule(ms(5), || std::panic::panic_any(PayloadBomb))
+        .unwrap();
+    let r = ran.clone();
+    timer
+        .schedule(ms(5), move || {
+            r.fetch_add(1, Ordering::SeqCst);
+        })
+        .unwrap();
+    let r = ran.clone();
+    timer
+        .schedule(ms(20), move || {
+            r.fetch_add(1, Ordering::SeqCst);
+        })
+        .unwrap();
+    advance(ms(25)).await;
+    settle().await;
+    assert_eq!(ran.load(Ordering::SeqCst), 2);
+    assert_eq!(timer.metrics().panicked, 1);
+    assert_eq!(timer.len(), 0);
+}

@@ -31,7 +31,7 @@ use super::shared::Shared;
 use super::state::{AfterNotYet, Claim, State, CANCEL, EXPIRE};
 use super::WatchKey;
 use crate::loom::{lock, thread_index, Mutex};
-use crate::reaper::TimerKey;
+use crate::reaper::{drop_payload, TimerKey};
 
 /// What an operation handle resolves to.
 pub(crate) type Outcome<T> = Result<Completion<T>, OperationError>;
@@ -247,7 +247,10 @@ where
                     return Checked::Completed;
                 }
                 Ok(None) => {}
-                Err(panic) => self.shared.note_panic("try_complete", &*panic),
+                Err(panic) => {
+                    self.shared.note_panic("try_complete", &*panic);
+                    drop_payload(panic);
+                }
             }
             match self.state.end_check(me) {
                 AfterNotYet::Recheck => continue,
@@ -296,6 +299,7 @@ where
             Ok(output) => Ok(Completion::Expired(output)),
             Err(panic) => {
                 self.shared.note_panic("on_expiration", &*panic);
+                drop_payload(panic);
                 Err(OperationError::Panicked)
             }
         };

@@ -33,7 +33,7 @@ pub use self::operation::{Completion, Operation, WatchKey};
 use self::shared::{closed_refusal, Expiry, Shared};
 use crate::clock::deadline_after;
 use crate::loom::thread_index;
-use crate::reaper::{drop_each_contained, Refused};
+use crate::reaper::{drop_each_contained, drop_payload, Refused};
 use crate::settings::Settings;
 use crate::watchers::Removed;
 
@@ -673,7 +673,10 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
                 return Ok(OperationHandle::ready(Completion::Completed(output)));
             }
             Ok(None) => {}
-            Err(panic) => shared.note_panic("try_complete", &*panic),
+            Err(panic) => {
+                shared.note_panic("try_complete", &*panic);
+                drop_payload(panic);
+            }
         }
 
         // The cell starts owned by this thread's check: until the second check
@@ -932,6 +935,7 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
             }));
             if let Err(panic) = pruned {
                 shared.note_panic("eq of a key", &*panic);
+                drop_payload(panic);
             }
             shared.drop_removed(&mut buffers.removed);
             shared.keep_buffers(buffers);
