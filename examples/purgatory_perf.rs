@@ -491,7 +491,13 @@ impl FairState {
     }
 
     /// Takes a finished request out of its slot: its list entries are dead now.
-    fn take(slots: &mut [Slot], free: &mut Vec<u32>, live: &mut usize, dead: &mut usize, id: Id) -> Pending {
+    fn take(
+        slots: &mut [Slot],
+        free: &mut Vec<u32>,
+        live: &mut usize,
+        dead: &mut usize,
+        id: Id,
+    ) -> Pending {
         let slot = &mut slots[id.index as usize];
         let pending = slot.pending.take().expect("a live id");
         slot.generation = slot.generation.wrapping_add(1);
@@ -526,7 +532,12 @@ struct FairPeer {
 impl FairPeer {
     /// Checks `op`, and registers it on `keys` unless it completed: one lock
     /// held throughout, so no event is lost between the check and the watch.
-    fn register(&self, mut op: FakeOp, keys: &[u32], awaited: bool) -> (Option<Id>, Option<oneshot::Receiver<()>>) {
+    fn register(
+        &self,
+        mut op: FakeOp,
+        keys: &[u32],
+        awaited: bool,
+    ) -> (Option<Id>, Option<oneshot::Receiver<()>>) {
         let mut s = self.state.lock().unwrap();
         if op.try_complete().is_some() {
             drop(s);

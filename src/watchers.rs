@@ -545,7 +545,7 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
     /// Copies of keys made and not kept go to `spare`, for the caller to drop.
     pub(crate) fn watch<'k>(
         &self,
-        keys: impl IntoIterator<Item = &'k K>,
+        keys: impl IntoIterator<Item = (u64, &'k K)>,
         v: &V,
         added: &mut usize,
         spare: &mut Vec<K>,
@@ -553,8 +553,8 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
         K: 'k,
     {
         let tally = Tally::new(&self.entries, added);
-        for key in keys {
-            self.add(key, None, v, spare);
+        for (hash, key) in keys {
+            self.add(hash, key, None, v, spare);
             *tally.added += 1;
         }
     }
@@ -562,7 +562,7 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
     /// As [`watch`](Self::watch), each key at a level (see [`List::reach`]).
     pub(crate) fn watch_levels<'k>(
         &self,
-        keys: impl IntoIterator<Item = (&'k K, u64)>,
+        keys: impl IntoIterator<Item = (u64, &'k K, u64)>,
         v: &V,
         added: &mut usize,
         spare: &mut Vec<K>,
@@ -570,18 +570,25 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
         K: 'k,
     {
         let tally = Tally::new(&self.entries, added);
-        for (key, level) in keys {
-            self.add(key, Some(level), v, spare);
+        for (hash, key, level) in keys {
+            self.add(hash, key, Some(level), v, spare);
             *tally.added += 1;
         }
     }
 
-    fn add(&self, key: &K, level: Option<u64>, v: &V, spare: &mut Vec<K>) {
+    /// `key`'s hash by the map's hasher (the key's `Hash` and the hasher run
+    /// here, with no lock held): what [`watch`](Self::watch) and
+    /// [`watch_levels`](Self::watch_levels) take beside each key.
+    pub(crate) fn hash<Q: Hash + ?Sized>(&self, key: &Q) -> u64 {
+        self.hasher.hash_one(key)
+    }
+
+    /// Adds `v` to `key`'s list; `hash` is `key`'s hash by [`hash`](Self::hash).
+    fn add(&self, hash: u64, key: &K, level: Option<u64>, v: &V, spare: &mut Vec<K>) {
         let put = |list: &mut List<V>| match level {
             None => list.push(v.clone()),
             Some(level) => list.push_level(level, v.clone()),
         };
-        let hash = self.hasher.hash_one(key);
         let probe = Probe {
             hash,
             key: Some(key),
@@ -652,7 +659,7 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
         Q: Hash + ?Sized,
     {
         Probe {
-            hash: self.hasher.hash_one(key),
+            hash: self.hash(key),
             key: Some(key),
         }
     }
@@ -826,6 +833,11 @@ fn is_sparse(keys: usize, capacity: usize) -> bool {
 mod tests {
     use super::*;
 
+    /// Watches `key` with `v`, hashing the key as registration does.
+    fn watch_one<K: Hash + Eq + Clone, V: Clone>(w: &Watchers<K, V>, key: &K, v: &V) {
+        w.watch([(w.hash(key), key)], v, &mut 0, &mut Vec::new());
+    }
+
     fn capacity<K: Hash + Eq + Clone>(w: &Watchers<K, u32>) -> usize {
         w.lists.capacity()
     }
@@ -880,7 +892,7 @@ mod tests {
     fn table_follows_the_live_key_count_not_its_peak() {
         let w: Watchers<u32, u32> = Watchers::new(4, KeyHasher::default());
         for k in 0..100_000 {
-            w.watch(&[k], &k, &mut 0, &mut Vec::new());
+            watch_one(&w, &k, &k);
         }
         let peak = capacity(&w);
         assert!(peak >= 100_000);
@@ -907,7 +919,7 @@ mod tests {
             assert_eq!(take(&w, k), vec![k]);
         }
         assert_eq!(w.keys(), 0);
-        w.watch(&[7], &7, &mut 0, &mut Vec::new());
+        watch_one(&w, &7, &7);
         assert_eq!(take(&w, 7), vec![7]);
     }
 
@@ -917,7 +929,7 @@ mod tests {
     fn the_table_shrinks_in_a_few_steps_not_on_every_removal() {
         let w: Watchers<u32, u32> = Watchers::new(1, KeyHasher::default());
         for k in 0..20_000 {
-            w.watch(&[k], &k, &mut 0, &mut Vec::new());
+            watch_one(&w, &k, &k);
         }
         let mut changes = 0;
         let mut cap = capacity(&w);
@@ -958,7 +970,7 @@ mod tests {
         }
         let w: Watchers<K, u32> = Watchers::new(1, KeyHasher::default());
         for k in 0..5_000 {
-            w.watch(&[K(k)], &k, &mut 0, &mut Vec::new());
+            watch_one(&w, &K(k), &k);
         }
         assert_eq!(HASHES.load(Ordering::SeqCst), 5_000, "growth re-hashed");
         for k in 0..4_990 {
@@ -1028,7 +1040,7 @@ mod tests {
         let w = std::sync::Arc::new(Watchers::<u32, u32>::new(4, KeyHasher::default()));
         for t in 0..300 {
             let w = w.clone();
-            std::thread::spawn(move || w.watch(&[t % 7], &t, &mut 0, &mut Vec::new()))
+            std::thread::spawn(move || watch_one(&w, &(t % 7), &t))
                 .join()
                 .unwrap();
         }
@@ -1043,7 +1055,7 @@ mod tests {
     fn a_reused_haul_counts_each_call() {
         let w: Watchers<u32, u32> = Watchers::new(2, KeyHasher::default());
         for v in 0..6 {
-            w.watch(&[v % 2], &v, &mut 0, &mut Vec::new());
+            watch_one(&w, &(v % 2), &v);
         }
         let mut r = Removed::default();
         w.prune(&w.probe(&0), |v| *v < 4, &mut r);
@@ -1075,7 +1087,7 @@ mod tests {
     fn purge_shrinks_the_table_too() {
         let w: Watchers<u32, u32> = Watchers::new(2, KeyHasher::default());
         for k in 0..50_000 {
-            w.watch(&[k], &k, &mut 0, &mut Vec::new());
+            watch_one(&w, &k, &k);
         }
         let (r, _) = sweep_all(&w, 1024, |v| *v >= 10);
         assert_eq!((r.entries.len(), r.keys.len()), (49_990, 49_990));
@@ -1091,7 +1103,7 @@ mod tests {
     fn a_sweep_goes_in_slices_of_its_budget() {
         let w: Watchers<u32, u32> = Watchers::new(2, KeyHasher::default());
         for v in 0..10_000 {
-            w.watch(&[v % 3], &v, &mut 0, &mut Vec::new());
+            watch_one(&w, &(v % 3), &v);
         }
         let mut sweep = w.start_sweep();
         let mut r = Removed::default();
@@ -1109,7 +1121,13 @@ mod tests {
         assert_eq!(w.len(), 5_000);
         for k in 0..3 {
             let mut live = Vec::new();
-            w.collect_live(&w.probe(&k), None, &mut live, |_| false, &mut Removed::default());
+            w.collect_live(
+                &w.probe(&k),
+                None,
+                &mut live,
+                |_| false,
+                &mut Removed::default(),
+            );
             let odd: Vec<u32> = (0..10_000).filter(|v| v % 3 == k && v % 2 == 1).collect();
             assert_eq!(live, odd, "key {k} keeps its live entries in order");
         }
@@ -1122,7 +1140,7 @@ mod tests {
     fn a_sweep_survives_changes_between_slices() {
         let w: Watchers<u32, u32> = Watchers::new(2, KeyHasher::default());
         for v in 0..300 {
-            w.watch(&[v % 3], &v, &mut 0, &mut Vec::new());
+            watch_one(&w, &(v % 3), &v);
         }
         let mut sweep = w.start_sweep();
         let mut r = Removed::default();
@@ -1131,12 +1149,12 @@ mod tests {
         // Between slices: every key gets an entry that is finished, one key
         // goes away, and a new key arrives.
         for k in 0..3 {
-            w.watch(&[k], &(1000 + k), &mut 0, &mut Vec::new());
+            watch_one(&w, &k, &(1000 + k));
         }
         let mut gone = Removed::default();
         w.prune(&w.probe(&2), |_| true, &mut gone);
         assert_eq!(gone.keys, vec![2]);
-        w.watch(&[7], &2000, &mut 0, &mut Vec::new());
+        watch_one(&w, &7, &2000);
         while !sweep.is_done() {
             w.sweep(&mut sweep, 50, |v| *v >= 1000, &mut r);
         }
@@ -1157,7 +1175,8 @@ mod tests {
     fn a_slice_leaves_a_hole_that_every_other_visit_skips() {
         let w: Watchers<u32, u32> = Watchers::new(2, KeyHasher::default());
         for v in 0..10_000 {
-            w.watch(&[1, 2], &v, &mut 0, &mut Vec::new());
+            watch_one(&w, &1, &v);
+            watch_one(&w, &2, &v);
         }
         let list = |k: u32| {
             let l = w
@@ -1180,7 +1199,7 @@ mod tests {
             "the tail stays put"
         );
         // A watch between slices goes to the end; the hole stays.
-        w.watch(&[swept], &10_000, &mut 0, &mut Vec::new());
+        watch_one(&w, &swept, &10_000);
         assert_eq!(list(swept), (10_001, (50, 100), 9_951));
         // The next slice goes on after the hole.
         w.sweep(&mut sweep, 100, |v| v % 2 == 0, &mut r);
@@ -1188,7 +1207,13 @@ mod tests {
         assert_eq!(list(swept), (10_001, (100, 200), 9_901));
         // A walk sees live entries in order, no hole, and closes it.
         let mut live = Vec::new();
-        w.collect_live(&w.probe(&swept), None, &mut live, |_| false, &mut Removed::default());
+        w.collect_live(
+            &w.probe(&swept),
+            None,
+            &mut live,
+            |_| false,
+            &mut Removed::default(),
+        );
         let want: Vec<u32> = (0..200).filter(|v| v % 2 == 1).chain(200..10_001).collect();
         assert_eq!(live, want);
         assert_eq!(list(swept), (9_901, (0, 0), 9_901));
@@ -1215,7 +1240,7 @@ mod tests {
     fn the_last_slice_of_a_list_closes_the_hole() {
         let w: Watchers<u32, u32> = Watchers::new(1, KeyHasher::default());
         for v in 0..300 {
-            w.watch(&[5], &v, &mut 0, &mut Vec::new());
+            watch_one(&w, &5, &v);
         }
         let mut sweep = w.start_sweep();
         let mut r = Removed::default();
@@ -1224,7 +1249,13 @@ mod tests {
         assert!(sweep.is_done());
         assert_eq!(r.entries, (0..250).collect::<Vec<_>>());
         let mut live = Vec::new();
-        w.collect_live(&w.probe(&5), None, &mut live, |_| false, &mut Removed::default());
+        w.collect_live(
+            &w.probe(&5),
+            None,
+            &mut live,
+            |_| false,
+            &mut Removed::default(),
+        );
         assert_eq!(live, (250..300).collect::<Vec<_>>());
         let (r, _) = sweep_all(&w, 7, |_| true);
         assert_eq!((r.entries.len(), r.keys), (50, vec![5]));
@@ -1235,7 +1266,7 @@ mod tests {
     fn a_walk_keeps_live_entries_and_hands_out_done_ones() {
         let w: Watchers<u32, u32> = Watchers::new(1, KeyHasher::default());
         for v in 0..10 {
-            w.watch(&[1], &v, &mut 0, &mut Vec::new());
+            watch_one(&w, &1, &v);
         }
         let mut live = Vec::new();
         let mut r = Removed::default();
@@ -1255,19 +1286,21 @@ mod tests {
         struct K(u32);
         impl Hash for K {
             fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
-                assert_ne!(self.0, 3, "hostile hash");
                 self.0.hash(h);
             }
         }
         impl Clone for K {
             fn clone(&self) -> Self {
+                assert_ne!(self.0, 3, "hostile clone");
                 K(self.0)
             }
         }
         let w: Watchers<K, u32> = Watchers::new(4, KeyHasher::default());
+        let keys = [K(1), K(2), K(3), K(4)];
+        let hashed: Vec<(u64, &K)> = keys.iter().map(|k| (w.hash(k), k)).collect();
         let mut added = 0;
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            w.watch(&[K(1), K(2), K(3), K(4)], &7, &mut added, &mut Vec::new())
+            w.watch(hashed.iter().copied(), &7, &mut added, &mut Vec::new())
         }));
         assert!(r.is_err());
         assert_eq!(added, 2);

@@ -179,16 +179,26 @@ async fn registrations_racing_a_drain_are_refused_or_waited_for() {
     }
 }
 
-/// A key whose `Hash` runs a hook (the first time only) and then panics.
-#[derive(Clone)]
-struct Tripwire(Arc<std::sync::Mutex<Option<Box<dyn FnOnce() + Send>>>>);
+/// A key whose `Clone` runs a hook (the first time only) and then panics. The
+/// purgatory clones a key when it is first watched, once the registration
+/// was admitted, before it takes the watcher map's lock.
+struct Tripwire(Arc<std::sync::Mutex<Option<Hook>>>);
 
-impl std::hash::Hash for Tripwire {
-    fn hash<H: std::hash::Hasher>(&self, _: &mut H) {
+/// What a [`Tripwire`] runs before it panics.
+type Hook = Box<dyn FnOnce() + Send>;
+
+impl Clone for Tripwire {
+    fn clone(&self) -> Self {
         if let Some(hook) = self.0.lock().unwrap().take() {
             hook();
         }
-        panic!("hostile hash");
+        panic!("hostile clone");
+    }
+}
+
+impl std::hash::Hash for Tripwire {
+    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
+        h.write_u8(7);
     }
 }
 
@@ -220,7 +230,10 @@ async fn a_registration_turned_back_by_a_panicking_key_ends_a_drain_it_held() {
     }));
     assert!(r.is_err(), "the key's panic reaches the caller");
     let mut drain = drain.lock().unwrap();
-    assert!(drain.is_woken(), "turning the registration back woke the drain");
+    assert!(
+        drain.is_woken(),
+        "turning the registration back woke the drain"
+    );
     assert_ready!(drain.poll());
     assert_eq!(p.delayed(), 0);
     assert!(balanced(&p.metrics()));

@@ -140,8 +140,8 @@ async fn a_panicking_hasher_leaves_the_purgatory_as_it_was() {
     }));
     assert!(r.is_err(), "the hasher's panic reaches the caller");
     let m = p.metrics();
-    // The entry made under "fine" before the panic is a tombstone, gone with
-    // the next walk of that key.
+    // Every key is hashed before anything is watched: nothing was made under
+    // "fine" either.
     assert_eq!((m.delayed, m.watched - m.tombstones), (0, 0), "{m:?}");
     assert!(balanced(&m), "{m:?}");
     assert_eq!(p.try_complete_watched("fine"), 0);
@@ -180,13 +180,25 @@ async fn a_walk_that_prunes_its_list_hashes_the_key_once() {
                 .unwrap()
         })
         .collect();
-    assert_eq!(built.swap(0, Ordering::SeqCst), 4, "one hash per registration");
+    assert_eq!(
+        built.swap(0, Ordering::SeqCst),
+        4,
+        "one hash per registration"
+    );
     assert_eq!(p.try_complete_watched("hot"), 0);
-    assert_eq!(built.swap(0, Ordering::SeqCst), 1, "a walk completing nothing");
+    assert_eq!(
+        built.swap(0, Ordering::SeqCst),
+        1,
+        "a walk completing nothing"
+    );
     flag.store(true, Ordering::SeqCst);
     assert_eq!(p.try_complete_watched("hot"), 4);
     assert_eq!(built.swap(0, Ordering::SeqCst), 1, "a walk that prunes");
-    assert_eq!(p.watched(), 0, "the prune did run: the list and key are gone");
+    assert_eq!(
+        p.watched(),
+        0,
+        "the prune did run: the list and key are gone"
+    );
     for h in handles {
         assert_eq!(h.await, Ok(Completion::Completed("done")));
     }
@@ -198,5 +210,67 @@ async fn a_walk_that_prunes_its_list_hashes_the_key_once() {
     assert_eq!(built.swap(0, Ordering::SeqCst), 1, "a level advance");
     assert_eq!(p.cancel_for_key("cold").len(), 1);
     assert_eq!(built.swap(0, Ordering::SeqCst), 1, "a cancellation by key");
+    assert!(balanced(&p.metrics()));
+}
+
+/// A key that counts the times its `Hash` runs.
+#[derive(Clone)]
+struct Counted(u32, Arc<AtomicUsize>);
+
+impl PartialEq for Counted {
+    fn eq(&self, o: &Self) -> bool {
+        self.0 == o.0
+    }
+}
+
+impl Eq for Counted {}
+
+impl std::hash::Hash for Counted {
+    fn hash<H: Hasher>(&self, h: &mut H) {
+        self.1.fetch_add(1, Ordering::SeqCst);
+        self.0.hash(h);
+    }
+}
+
+/// Past 16 keys, a registration finds duplicates by the hashes it computes for
+/// the watcher map: no key's `Hash` runs twice (it used to run once more, for
+/// a separate de-duplication set). A few keys: duplicates are found with `Eq`
+/// and never hashed.
+#[tokio::test(start_paused = true)]
+async fn a_registration_hashes_each_key_it_is_given_once() {
+    let hashes = Arc::new(AtomicUsize::new(0));
+    let key = |k: u32| Counted(k, hashes.clone());
+    let p: Purgatory<Counted, Ready> = Purgatory::new();
+    let never = Arc::new(AtomicBool::new(false));
+    for n in [3u32, 16, 17, 40, 300] {
+        hashes.store(0, Ordering::SeqCst);
+        let h = p
+            .try_complete_else_watch(Ready(never.clone()), ms(10), (0..n).map(key))
+            .unwrap();
+        assert_eq!(
+            hashes.load(Ordering::SeqCst),
+            n as usize,
+            "{n} distinct keys"
+        );
+        assert_eq!(p.cancel_for_key(&key(0)).len(), 1);
+        drop(h);
+    }
+    // Duplicates among a few keys are found with `Eq`, unhashed.
+    hashes.store(0, Ordering::SeqCst);
+    p.try_complete_else_watch(Ready(never.clone()), ms(10), [1, 2, 1, 2, 3].map(key))
+        .unwrap()
+        .detach();
+    assert_eq!(hashes.load(Ordering::SeqCst), 3);
+    // Past 16, each key given is hashed once, duplicates included, and the
+    // duplicates are still dropped: 40 distinct keys watched.
+    hashes.store(0, Ordering::SeqCst);
+    let before = p.watched();
+    p.try_complete_else_watch(Ready(never.clone()), ms(10), (0..40).chain(0..10).map(key))
+        .unwrap()
+        .detach();
+    assert_eq!(hashes.load(Ordering::SeqCst), 50);
+    assert_eq!(p.watched() - before, 40);
+    advance(ms(11)).await;
+    settle().await;
     assert!(balanced(&p.metrics()));
 }

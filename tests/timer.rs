@@ -836,7 +836,7 @@ async fn a_panic_racing_a_cancel_ends_the_chain_once() {
         assert_eq!(t.status(), want, "run {i}");
         // Every run that started panicked and was counted before the next.
         let settled = tokio::time::timeout(Duration::from_secs(10), async {
-            while timer.len() > 0
+            while !timer.is_empty()
                 || timer.metrics().panicked != started.load(Ordering::SeqCst) as u64
             {
                 tokio::task::yield_now().await;

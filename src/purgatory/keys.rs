@@ -1,63 +1,70 @@
-//! The distinct keys of one registration, without an allocation for the common
-//! case of a few keys.
-
-use std::collections::HashSet;
+//! The distinct keys of one registration, each with its hash, without an
+//! allocation for the common case of a few keys.
 
 use super::WatchKey;
+
+/// A key with its hash by the watcher map's hasher.
+type Hashed<K> = (u64, K);
 
 /// Keys held inline before the list moves to the heap.
 const INLINE: usize = 4;
 
-/// Distinct keys, in the order given: up to [`INLINE`] in place, more on the heap.
+/// Distinct keys with their hashes, in the order given: up to [`INLINE`] in
+/// place, more on the heap. Each key is hashed once, by the watcher map's
+/// hasher, when it is taken in; the map finds its list by that hash.
 #[derive(Debug)]
 pub(crate) enum KeyList<K> {
-    Inline([Option<K>; INLINE], usize),
-    Heap(Vec<K>),
+    Inline([Option<(u64, K)>; INLINE], usize),
+    Heap(Vec<(u64, K)>),
 }
 
 impl<K: WatchKey> KeyList<K> {
-    /// The distinct keys of `keys`, in order, and the duplicates (for the caller to
-    /// drop with its drops contained). Uses the keys' `Eq` (and, past 16 keys, their
-    /// `Hash` too), which may panic: then nothing was kept.
-    pub(crate) fn distinct(keys: impl IntoIterator<Item = K>) -> (KeyList<K>, Vec<K>) {
+    /// The distinct keys of `keys`, in order, each hashed once by `hash`, and
+    /// the duplicates (for the caller to drop with its drops contained). Up to
+    /// 16 keys, duplicates are found with `Eq` and never hashed; past 16, every
+    /// key given is hashed once and duplicates are found by hash, then `Eq`. A
+    /// panic in `Hash` or `Eq` reaches the caller: nothing was kept.
+    pub(crate) fn distinct(
+        keys: impl IntoIterator<Item = K>,
+        hash: impl Fn(&K) -> u64,
+    ) -> (KeyList<K>, Vec<K>) {
         let mut list = KeyList::Inline([const { None }; INLINE], 0);
         let mut dups = Vec::new();
         for k in keys {
+            let same = |(_, sk): &(u64, K)| *sk == k;
             match &mut list {
                 KeyList::Inline(slots, len) => {
-                    if slots[..*len].iter().flatten().any(|s| *s == k) {
+                    if slots[..*len].iter().flatten().any(same) {
                         dups.push(k);
                     } else if *len < INLINE {
-                        slots[*len] = Some(k);
+                        slots[*len] = Some((hash(&k), k));
                         *len += 1;
                     } else {
-                        let mut v: Vec<K> = slots.iter_mut().filter_map(Option::take).collect();
-                        v.push(k);
+                        let mut v: Vec<(u64, K)> =
+                            slots.iter_mut().filter_map(Option::take).collect();
+                        v.push((hash(&k), k));
                         list = KeyList::Heap(v);
                     }
                 }
                 KeyList::Heap(v) => {
-                    // A scan while short; past 16, one pass with a set at the end.
-                    if v.len() < 16 && v.contains(&k) {
+                    // A scan while short; past 16, one pass by hash at the end.
+                    if v.len() < 16 && v.iter().any(same) {
                         dups.push(k);
                     } else {
-                        v.push(k);
+                        v.push((hash(&k), k));
                     }
                 }
             }
         }
         if let KeyList::Heap(v) = &mut list {
             if v.len() > 16 {
-                let keep: Vec<bool> = {
-                    let mut seen = HashSet::with_capacity(v.len());
-                    v.iter().map(|k| seen.insert(k)).collect()
-                };
+                let keep = first_of_each(v);
                 let (kept, more): (Vec<_>, Vec<_>) = std::mem::take(v)
                     .into_iter()
                     .zip(keep)
                     .partition(|(_, keep)| *keep);
                 *v = kept.into_iter().map(|(k, _)| k).collect();
-                dups.extend(more.into_iter().map(|(k, _)| k));
+                dups.extend(more.into_iter().map(|((_, k), _)| k));
             }
         }
         (list, dups)
@@ -70,20 +77,45 @@ impl<K: WatchKey> KeyList<K> {
         }
     }
 
-    pub(crate) fn iter(&self) -> impl Iterator<Item = &K> {
-        let (inline, heap): (&[Option<K>], &[K]) = match self {
+    /// The keys with their hashes.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (u64, &K)> {
+        let (inline, heap): (&[Option<Hashed<K>>], &[Hashed<K>]) = match self {
             KeyList::Inline(slots, len) => (&slots[..*len], &[]),
             KeyList::Heap(v) => (&[], v),
         };
-        inline.iter().flatten().chain(heap)
+        inline.iter().flatten().chain(heap).map(|(h, k)| (*h, k))
     }
+}
+
+/// Which of `v` come first among the keys equal to them: sorted by hash (a
+/// stable sort, so equal hashes stay in the order given), each run of one hash
+/// compared with `Eq`. No key is hashed again.
+fn first_of_each<K: Eq>(v: &[(u64, K)]) -> Vec<bool> {
+    let mut order: Vec<usize> = (0..v.len()).collect();
+    order.sort_by_key(|&i| v[i].0);
+    let mut keep = vec![true; v.len()];
+    for run in order.chunk_by(|&a, &b| v[a].0 == v[b].0) {
+        for (j, &a) in run.iter().enumerate() {
+            if keep[a] {
+                for &b in &run[j + 1..] {
+                    if keep[b] && v[a].1 == v[b].1 {
+                        keep[b] = false;
+                    }
+                }
+            }
+        }
+    }
+    keep
 }
 
 impl<K> IntoIterator for KeyList<K> {
     type Item = K;
-    type IntoIter = std::iter::Chain<
-        std::iter::Flatten<std::array::IntoIter<Option<K>, INLINE>>,
-        std::vec::IntoIter<K>,
+    type IntoIter = std::iter::Map<
+        std::iter::Chain<
+            std::iter::Flatten<std::array::IntoIter<Option<(u64, K)>, INLINE>>,
+            std::vec::IntoIter<(u64, K)>,
+        >,
+        fn((u64, K)) -> K,
     >;
 
     fn into_iter(self) -> Self::IntoIter {
@@ -91,7 +123,8 @@ impl<K> IntoIterator for KeyList<K> {
             KeyList::Inline(slots, _) => (slots, Vec::new()),
             KeyList::Heap(v) => ([const { None }; INLINE], v),
         };
-        inline.into_iter().flatten().chain(heap)
+        let key: fn((u64, K)) -> K = |(_, k)| k;
+        inline.into_iter().flatten().chain(heap).map(key)
     }
 }
 
@@ -178,17 +211,23 @@ impl<K> From<K> for Watch<K> {
 }
 
 /// The watches of one registration: distinct plain keys, and keys at levels
-/// (a key may be watched both ways, and at several levels).
+/// (a key may be watched both ways, and at several levels), each with its hash.
 #[derive(Debug)]
 pub(crate) struct Watches<K> {
     pub(crate) keys: KeyList<K>,
-    pub(crate) levels: Vec<(K, u64)>,
+    /// Keys at levels, each with its hash (a key named at several levels is
+    /// hashed once for each: it is watched at each, see `Watch`).
+    pub(crate) levels: Vec<(u64, K, u64)>,
 }
 
 impl<K: WatchKey> Watches<K> {
-    /// Plain keys only (de-duplicated as [`KeyList::distinct`] does).
-    pub(crate) fn plain(keys: impl IntoIterator<Item = K>) -> (Watches<K>, Vec<K>) {
-        let (keys, dups) = KeyList::distinct(keys);
+    /// Plain keys only (de-duplicated as [`KeyList::distinct`] does), each
+    /// hashed once by `hash`.
+    pub(crate) fn plain(
+        keys: impl IntoIterator<Item = K>,
+        hash: impl Fn(&K) -> u64,
+    ) -> (Watches<K>, Vec<K>) {
+        let (keys, dups) = KeyList::distinct(keys, hash);
         (
             Watches {
                 keys,
@@ -198,17 +237,21 @@ impl<K: WatchKey> Watches<K> {
         )
     }
 
-    /// Plain keys and keys at levels.
-    pub(crate) fn mixed(watches: impl IntoIterator<Item = Watch<K>>) -> (Watches<K>, Vec<K>) {
+    /// Plain keys and keys at levels: each watch given is hashed once by
+    /// `hash` (a plain duplicate as [`KeyList::distinct`] says).
+    pub(crate) fn mixed(
+        watches: impl IntoIterator<Item = Watch<K>>,
+        hash: impl Fn(&K) -> u64,
+    ) -> (Watches<K>, Vec<K>) {
         let mut levels = Vec::new();
         let plain = watches.into_iter().filter_map(|w| match w.level {
             Some(l) => {
-                levels.push((w.key, l));
+                levels.push((hash(&w.key), w.key, l));
                 None
             }
             None => Some(w.key),
         });
-        let (keys, dups) = KeyList::distinct(plain);
+        let (keys, dups) = KeyList::distinct(plain, &hash);
         (Watches { keys, levels }, dups)
     }
 
@@ -225,14 +268,14 @@ impl<K> IntoIterator for Watches<K> {
     type Item = K;
     type IntoIter = std::iter::Chain<
         <KeyList<K> as IntoIterator>::IntoIter,
-        std::iter::Map<std::vec::IntoIter<(K, u64)>, fn((K, u64)) -> K>,
+        std::iter::Map<std::vec::IntoIter<(u64, K, u64)>, fn((u64, K, u64)) -> K>,
     >;
 
     fn into_iter(self) -> Self::IntoIter {
-        let first: fn((K, u64)) -> K = |(k, _)| k;
+        let key: fn((u64, K, u64)) -> K = |(_, k, _)| k;
         self.keys
             .into_iter()
-            .chain(self.levels.into_iter().map(first))
+            .chain(self.levels.into_iter().map(key))
     }
 }
 
@@ -241,9 +284,9 @@ mod tests {
     use super::*;
 
     fn distinct(keys: Vec<u32>) -> (Vec<u32>, Vec<u32>, bool) {
-        let (list, dups) = KeyList::distinct(keys);
+        let (list, dups) = KeyList::distinct(keys, |k| u64::from(*k % 8));
         let inline = matches!(list, KeyList::Inline(..));
-        let seen: Vec<u32> = list.iter().copied().collect();
+        let seen: Vec<u32> = list.iter().map(|(_, k)| *k).collect();
         assert_eq!(seen.len(), list.len());
         assert_eq!(list.into_iter().collect::<Vec<_>>(), seen);
         (seen, dups, inline)

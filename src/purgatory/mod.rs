@@ -441,7 +441,7 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
             op,
             now,
             deadline_after(now, timeout),
-            |k| Watches::plain(k),
+            |k| Watches::plain(k, |k| self.shared().watchers.hash(k)),
             keys,
         )
     }
@@ -494,7 +494,13 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
     where
         I: IntoIterator<Item = K>,
     {
-        self.register(op, Instant::now(), deadline, |k| Watches::plain(k), keys)
+        self.register(
+            op,
+            Instant::now(),
+            deadline,
+            |k| Watches::plain(k, |k| self.shared().watchers.hash(k)),
+            keys,
+        )
     }
 
     /// As [`try_complete_else_watch`](Purgatory::try_complete_else_watch), with
@@ -576,7 +582,7 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
             op,
             now,
             deadline_after(now, timeout),
-            |w| Watches::mixed(w),
+            |w| Watches::mixed(w, |k| self.shared().watchers.hash(k)),
             watches,
         )
     }
@@ -622,11 +628,17 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
     where
         I: IntoIterator<Item = Watch<K>>,
     {
-        self.register(op, Instant::now(), deadline, |w| Watches::mixed(w), watches)
+        self.register(
+            op,
+            Instant::now(),
+            deadline,
+            |w| Watches::mixed(w, |k| self.shared().watchers.hash(k)),
+            watches,
+        )
     }
 
     /// Registers `op` on `watches`, made from `given` by `make` (which runs key
-    /// code: `Eq`, and `Hash` past a few keys).
+    /// code: `Hash`, once for each key, and `Eq`).
     fn register<I>(
         &self,
         mut op: O,
@@ -695,7 +707,7 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
                 .watchers
                 .watch(keys.keys.iter(), &cell, &mut added, &mut spare);
             shared.watchers.watch_levels(
-                keys.levels.iter().map(|(k, l)| (k, *l)),
+                keys.levels.iter().map(|(h, k, l)| (*h, k, *l)),
                 &cell,
                 &mut added,
                 &mut spare,
