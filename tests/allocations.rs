@@ -72,3 +72,87 @@ async fn walks_reuse_their_buffers() {
         assert_eq!(h.is_finished(), i % 3 < 2, "operation {i}");
     }
 }
+
+/// What one operation allocates in the steady state, on each path: pinned, so
+/// that a change that adds an allocation per operation is seen here rather
+/// than in a benchmark. Today's figures: one allocation per registration (the
+/// operation's cell, shared by its watch lists, its timer entry and its
+/// handle), none to complete it by reference, none to expire it, none to drop
+/// its handle. The watch lists and the timer wheel reuse their room once warm.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn one_allocation_per_operation_in_the_steady_state() {
+    let p: Purgatory<u32, Op> = Purgatory::new();
+    let done = Arc::new(AtomicBool::new(false));
+    let never = Arc::new(AtomicBool::new(false));
+    // Operations pending throughout, as in a busy purgatory: the wheel never
+    // empties (an empty wheel gives its room back).
+    // They watch every key the rounds use, so no list empties (a key whose
+    // list empties leaves the map, and comes back with a new list).
+    for i in 0..15u32 {
+        p.try_complete_else_watch(Op(never.clone()), Duration::from_secs(3600), [i])
+            .unwrap()
+            .detach();
+    }
+    // Warm up: lists, wheel slots and kept buffers reach their working size.
+    let round = |n: u32| {
+        let mut refs = Vec::with_capacity(100);
+        let mut allocs = [0u64; 3];
+        for i in 0..100u32 {
+            let before = alloc::allocations_here();
+            let h = p
+                .try_complete_else_watch(
+                    Op(done.clone()),
+                    Duration::from_secs(60),
+                    [i % 7, 7 + i % 5, 12 + n % 3],
+                )
+                .unwrap();
+            allocs[0] += alloc::allocations_here() - before;
+            refs.push(h.op_ref().unwrap());
+            let before = alloc::allocations_here();
+            h.detach();
+            allocs[2] += alloc::allocations_here() - before;
+        }
+        done.store(true, Ordering::SeqCst);
+        let before = alloc::allocations_here();
+        for r in &refs {
+            assert!(r.try_complete());
+        }
+        allocs[1] += alloc::allocations_here() - before;
+        done.store(false, Ordering::SeqCst);
+        drop(refs);
+        // Walks drop the round's tombstones, so the lists keep their size
+        // (and no purge, which notes the keys it will visit, has to run).
+        for k in 0..15 {
+            assert_eq!(p.try_complete_watched(&k), 0);
+        }
+        allocs
+    };
+    for n in 0..20 {
+        round(n);
+    }
+    let [registered, completed, detached] = round(20);
+    assert_eq!(registered, 100, "one allocation per registration: the cell");
+    assert_eq!(completed, 0, "completing by reference allocates nothing");
+    assert_eq!(detached, 0, "detaching a handle allocates nothing");
+
+    // Expiry: the reaper's turn allocates nothing per operation.
+    for i in 0..100u32 {
+        p.try_complete_else_watch(Op(never.clone()), Duration::from_millis(10), [i % 7])
+            .unwrap()
+            .detach();
+    }
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    for i in 0..100u32 {
+        p.try_complete_else_watch(Op(never.clone()), Duration::from_millis(10), [i % 7])
+            .unwrap()
+            .detach();
+    }
+    let before = alloc::allocations_here();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert_eq!(p.delayed(), 15);
+    assert_eq!(
+        alloc::allocations_here() - before,
+        0,
+        "expiring a hundred operations allocates nothing"
+    );
+}
