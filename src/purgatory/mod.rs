@@ -678,7 +678,6 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
 
         match catch_unwind(AssertUnwindSafe(|| op.try_complete())) {
             Ok(Some(output)) => {
-                shared.books.registered();
                 shared.on_finished(Fate::Completed, 0);
                 shared.drop_contained("drop of an operation", op);
                 shared.drop_keys(keys);
@@ -717,15 +716,13 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
         if let Err(panic) = watched {
             // A key's code panicked: undo. The entries made are tombstones now.
             let op = cell.abandon_registration();
-            shared.entries.change(0, added as i64);
+            shared.books.tombstones_changed(added as i64);
             shared.unadmit();
             drop(cell);
             shared.drop_contained("drop of an operation", op);
             shared.drop_keys(keys);
             resume_unwind(panic);
         }
-        shared.entries.change(added as i64, 0);
-        shared.books.registered();
 
         let refused = match cell.run_checks(me) {
             Checked::Completed | Checked::Expired => None,
@@ -1097,7 +1094,7 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
         let t = s.books.totals();
         PurgatoryMetrics {
             watched: self.watched(),
-            tombstones: s.entries.tombstones(),
+            tombstones: s.books.tombstones(),
             delayed: t.delayed,
             keys: s.watchers.keys(),
             registered: t.registered,

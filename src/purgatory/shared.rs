@@ -76,26 +76,48 @@ fn my_stripe() -> usize {
 }
 
 /// One thread's share of the per-operation counts, on cache lines of its own.
+///
+/// Each fact is counted once: an admission, a turning back, and each fate. What
+/// follows from them is derived when read: registered operations are those
+/// admitted and not turned back, and those that left are the ones turned back
+/// plus every fate. So a registration changes one count, and a finish one.
 #[derive(Debug, Default)]
 #[repr(align(128))]
 struct Stripe {
-    /// Operations admitted, and operations that left (finished, or turned back
-    /// after admission): both only grow, so a sum read in the right order never
+    /// Operations admitted. With the counts of those that left (`turned_back`
+    /// and the fates), all only grow, so a sum read in the right order never
     /// misses an operation pending throughout the read (see `delayed_now`).
     admitted: AtomicU64,
-    left: AtomicU64,
-    registered: AtomicU64,
+    /// Admitted, then turned back before registering (refused while draining,
+    /// or a key's code panicked).
+    turned_back: AtomicU64,
     completed: AtomicU64,
     expired: AtomicU64,
     cancelled: AtomicU64,
     handed_back: AtomicU64,
+    /// Watch-list entries of finished operations (tombstones) made and
+    /// removed: a finish adds its keys, a removal takes off what it removed.
+    /// Wrapping, so a stripe may go below zero; the sum is exact.
+    tombstones: AtomicU64,
+}
+
+impl Stripe {
+    /// Operations that left: turned back, or finished with any fate.
+    fn left(&self) -> u64 {
+        self.turned_back.load(Ordering::SeqCst)
+            + self.completed.load(Ordering::SeqCst)
+            + self.expired.load(Ordering::SeqCst)
+            + self.cancelled.load(Ordering::SeqCst)
+            + self.handed_back.load(Ordering::SeqCst)
+    }
 }
 
 /// The per-operation counts, striped by thread. Every registration and every
 /// outcome changes them; one shared word per count would bounce its cache line
 /// between the registering, completing and expiring threads on every operation.
 /// A thread writes its own stripe; readers sum all of them, which is exact when
-/// no call races the read.
+/// no call races the read. Watch-list entries are counted by the watcher map
+/// (all of them) and here (tombstones); live entries are the difference.
 #[derive(Debug)]
 pub(crate) struct Books {
     stripes: Box<[Stripe]>,
@@ -135,24 +157,37 @@ impl Books {
 
     /// An admitted operation turned back before it was registered.
     pub(crate) fn turned_back(&self) {
-        self.mine().left.fetch_add(1, Ordering::SeqCst);
-    }
-
-    pub(crate) fn registered(&self) {
-        self.mine().registered.fetch_add(1, Ordering::Relaxed);
+        self.mine().turned_back.fetch_add(1, Ordering::SeqCst);
     }
 
     /// An operation finished with `fate`.
     pub(crate) fn finished(&self, fate: Fate) {
         let s = self.mine();
-        s.left.fetch_add(1, Ordering::SeqCst);
         let counter = match fate {
             Fate::Completed => &s.completed,
             Fate::Expired => &s.expired,
             Fate::Cancelled => &s.cancelled,
             Fate::HandedBack => &s.handed_back,
         };
-        counter.fetch_add(1, Ordering::Relaxed);
+        counter.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// `n` watch-list entries became tombstones (negative: were removed).
+    pub(crate) fn tombstones_changed(&self, n: i64) {
+        self.mine()
+            .tombstones
+            .fetch_add(n as u64, Ordering::Relaxed);
+    }
+
+    /// Tombstones (sums the stripes: exact when no call races the read; a
+    /// removal counted just before the finish that made its entries
+    /// tombstones reads as none rather than below zero).
+    pub(crate) fn tombstones(&self) -> usize {
+        let sum = self
+            .stripes
+            .iter()
+            .fold(0u64, |sum, s| sum.wrapping_add(s.tombstones.load(Ordering::Relaxed)));
+        (sum as i64).max(0) as usize
     }
 
     /// Operations admitted and not finished. Reads every stripe's `left` before
@@ -161,11 +196,7 @@ impl Books {
     /// counted in `admitted` only. Zero so means that no operation was pending
     /// throughout (what `drain` needs); racing calls may make it a little high.
     pub(crate) fn delayed_now(&self) -> usize {
-        let left: u64 = self
-            .stripes
-            .iter()
-            .map(|s| s.left.load(Ordering::SeqCst))
-            .sum();
+        let left: u64 = self.stripes.iter().map(Stripe::left).sum();
         let admitted: u64 = self
             .stripes
             .iter()
@@ -179,13 +210,16 @@ impl Books {
             delayed: self.delayed_now(),
             ..Totals::default()
         };
+        let mut turned_back = 0;
         for s in self.stripes.iter() {
-            t.registered += s.registered.load(Ordering::Relaxed);
+            t.registered += s.admitted.load(Ordering::Relaxed);
+            turned_back += s.turned_back.load(Ordering::Relaxed);
             t.completed += s.completed.load(Ordering::Relaxed);
             t.expired += s.expired.load(Ordering::Relaxed);
             t.cancelled += s.cancelled.load(Ordering::Relaxed);
             t.handed_back += s.handed_back.load(Ordering::Relaxed);
         }
+        t.registered = t.registered.saturating_sub(turned_back);
         t
     }
 }
@@ -201,8 +235,6 @@ pub(crate) struct Shared<K: WatchKey, O: Operation> {
     /// every registration must agree on); the books keep the same figure
     /// striped.
     admitted: Padded<AtomicUsize>,
-    /// Watch-list entries of pending operations, and of finished ones (tombstones).
-    pub(crate) entries: Entries,
     pub(crate) books: Books,
     /// The purge under way, on cache lines of its own: the thread purging
     /// writes it on every slice, and the threads completing operations read
@@ -267,7 +299,6 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
             core,
             watchers: Watchers::new(watcher_shards, hasher),
             admitted: Padded(AtomicUsize::new(0)),
-            entries: Entries::default(),
             books: Books::default(),
             purge: Padded(Purge {
                 sweep: Mutex::new(None),
@@ -404,7 +435,7 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
     pub(crate) fn drop_removed(&self, removed: &mut Removed<K, Arc<OpCell<K, O>>>) {
         let n = removed.entries.len();
         if n > 0 {
-            self.entries.change(0, -(n as i64));
+            self.books.tombstones_changed(-(n as i64));
         }
         drop_each_contained(removed.entries.drain(..), |p| {
             self.note_panic("drop of a finished operation's cell", p)
@@ -422,7 +453,9 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
             self.drained.notify_waiters();
         }
         tracing::trace!(purgatory = &*self.name, ?fate, "operation finished");
-        self.entries.change(-i64::from(keys), i64::from(keys));
+        if keys > 0 {
+            self.books.tombstones_changed(i64::from(keys));
+        }
         // No purge here: this runs on the reaper too, and a purge walks every
         // list. Registration and key walks purge instead (Kafka's places).
     }
@@ -439,8 +472,12 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
     pub(crate) fn maybe_purge(&self) {
         let purge = &self.purge.0;
         if !purge.sweeping.load(Ordering::Acquire) {
-            let (live, tomb) = self.entries.get();
-            if tomb <= self.purge_interval || tomb <= live {
+            let tomb = self.books.tombstones();
+            if tomb <= self.purge_interval {
+                return;
+            }
+            // Live entries are all entries but the tombstones.
+            if tomb.saturating_mul(2) <= self.watchers.len() {
                 return;
             }
         }
@@ -498,83 +535,34 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
     }
 }
 
-/// Watch-list entries of pending operations (live) and of finished ones
-/// (tombstones), counted in one word per stripe so that a finish moves its
-/// entries from one count to the other in a single read-modify-write: live
-/// entries in the high 32 bits, tombstones in the low 32.
-///
-/// Striped by thread, as the books are: registration adds live entries on the
-/// registering thread and the finish moves them on the completing one, and a
-/// single word would bounce its cache line between the two on every
-/// operation. The stripes add up with wrapping arithmetic to the packed sum of
-/// all changes, so each half of the sum is exact whatever stripe each change
-/// went to.
-///
-/// Tombstones may dip below zero briefly (an entry removed just before its
-/// operation's finish is counted): each half reads right again once the finish
-/// is counted, and a reader in between sees a huge tombstone count, which at
-/// worst runs a purge early.
-#[derive(Debug)]
-pub(crate) struct Entries(Box<[Padded<AtomicU64>]>);
-
-impl Default for Entries {
-    fn default() -> Self {
-        Entries((0..STRIPES).map(|_| Padded(AtomicU64::new(0))).collect())
-    }
-}
-
-impl Entries {
-    pub(crate) fn change(&self, live: i64, tombstones: i64) {
-        let delta = (live << 32).wrapping_add(tombstones) as u64;
-        let stripe = &self.0[my_stripe()].0;
-        stripe.fetch_add(delta, Ordering::AcqRel);
-    }
-
-    /// Live entries and tombstones (sums the stripes: exact when no call races
-    /// the read).
-    pub(crate) fn get(&self) -> (usize, usize) {
-        let v = self
-            .0
-            .iter()
-            .fold(0u64, |sum, s| sum.wrapping_add(s.0.load(Ordering::Acquire)));
-        ((v >> 32) as usize, (v & 0xFFFF_FFFF) as usize)
-    }
-
-    /// Tombstones, reading a brief dip below zero as zero.
-    pub(crate) fn tombstones(&self) -> usize {
-        let (_, tomb) = self.get();
-        if tomb > u32::MAX as usize / 2 {
-            0
-        } else {
-            tomb
-        }
-    }
-}
-
 #[cfg(all(test, not(purgatory_loom)))]
 mod tests {
-    use super::Entries;
+    use super::{Books, Fate};
 
     #[test]
-    fn live_entries_and_tombstones_share_one_word_per_stripe() {
-        let e = Entries::default();
-        e.change(3, 0); // registered on three keys
-        assert_eq!(e.get(), (3, 0));
-        e.change(-3, 3); // finished: all three are tombstones
-        assert_eq!(e.get(), (0, 3));
-        assert_eq!(e.tombstones(), 3);
-        e.change(0, -2); // two removed by walks
-        assert_eq!(e.get(), (0, 1));
+    fn tombstones_are_counted_once_and_a_dip_reads_as_none() {
+        let b = Books::default();
+        b.tombstones_changed(3); // a three-key operation finished
+        assert_eq!(b.tombstones(), 3);
+        b.tombstones_changed(-2); // two removed by walks
+        assert_eq!(b.tombstones(), 1);
+        b.tombstones_changed(-2); // removed by a cancel just before its finish is counted
+        assert_eq!(b.tombstones(), 0, "a dip reads as none");
+        b.tombstones_changed(2); // the finish of that two-key operation
+        assert_eq!(b.tombstones(), 1);
     }
 
     #[test]
-    fn a_removal_counted_before_its_finish_dips_and_recovers() {
-        let e = Entries::default();
-        e.change(5, 0);
-        e.change(0, -1); // removed by a cancel just before its finish is counted
-        assert_eq!(e.tombstones(), 0, "a dip reads as none");
-        e.change(-2, 2); // the finish of that two-key operation
-        assert_eq!(e.get(), (3, 1));
-        assert_eq!(e.tombstones(), 1);
+    fn registered_and_pending_follow_from_admissions_and_fates() {
+        let b = Books::default();
+        for _ in 0..5 {
+            b.admitted();
+        }
+        b.turned_back();
+        b.finished(Fate::Completed);
+        b.finished(Fate::Expired);
+        let t = b.totals();
+        assert_eq!((t.registered, t.delayed), (4, 2));
+        assert_eq!((t.completed, t.expired, t.cancelled, t.handed_back), (1, 1, 0, 0));
     }
 }
