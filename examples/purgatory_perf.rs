@@ -168,6 +168,11 @@ struct Opts {
     /// print medians and the ratios against the best peer.
     #[arg(long)]
     compare: bool,
+    /// With --compare or --sweep: only these implementations (comma-separated;
+    /// default all). The task-per-request peer takes seconds per run under
+    /// overload, so a sweep may leave it out.
+    #[arg(long, value_enum, value_delimiter = ',')]
+    impls: Option<Vec<Imp>>,
     /// Repetitions of each implementation with --compare or --sweep.
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
     repeat: u32,
@@ -1196,9 +1201,13 @@ const WITH_FLOOR: [Imp; 4] = [Imp::Purgatory, Imp::Task, Imp::Fair, Imp::Floor];
 /// the rows, raw and parsed (printed as they come).
 fn interleaved(o: &Opts, rate: f64, floor: bool) -> Vec<(String, Row)> {
     let mut rows = Vec::new();
-    let imps: &[Imp] = if floor { &WITH_FLOOR } else { &IMPS };
+    let imps: Vec<Imp> = (if floor { &WITH_FLOOR[..] } else { &IMPS[..] })
+        .iter()
+        .copied()
+        .filter(|i| o.impls.as_ref().is_none_or(|only| only.contains(i)))
+        .collect();
     for rep in 1..=o.repeat {
-        for &imp in imps {
+        for &imp in &imps {
             eprintln!(
                 "# run {rep}/{} of {} at {rate:.0}/s (load average {})",
                 o.repeat,
@@ -1250,6 +1259,9 @@ fn summary(o: &Opts, rows: &[Row]) {
     println!("|---|---|---|---|---|---|---|---|---|");
     for imp in WITH_FLOOR {
         let i = name(&imp);
+        if !rows.iter().any(|r| r.imp == i) {
+            continue;
+        }
         println!(
             "| {i} | {} | {} | {} | {} | {} | {} | {} | {} |",
             cell(col(&i, |r| r.cpu_ms / 1000.0), 2),
@@ -1325,6 +1337,9 @@ fn draw(rows: &[Row], path: &str, title: &str, y_desc: &str, y: fn(&Row) -> f64,
         RGBColor(44, 160, 44),
     ];
     for (imp, colour) in IMPS.iter().zip(colours) {
+        if !rows.iter().any(|r| r.imp == name(imp)) {
+            continue; // left out of this sweep (`--impls`)
+        }
         let label = match imp {
             Imp::Purgatory => "tokio-purgatory",
             Imp::Task => "task per request + DashMap",

@@ -183,10 +183,9 @@ impl Books {
     /// removal counted just before the finish that made its entries
     /// tombstones reads as none rather than below zero).
     pub(crate) fn tombstones(&self) -> usize {
-        let sum = self
-            .stripes
-            .iter()
-            .fold(0u64, |sum, s| sum.wrapping_add(s.tombstones.load(Ordering::Relaxed)));
+        let sum = self.stripes.iter().fold(0u64, |sum, s| {
+            sum.wrapping_add(s.tombstones.load(Ordering::Relaxed))
+        });
         (sum as i64).max(0) as usize
     }
 
@@ -563,6 +562,9 @@ mod tests {
         b.finished(Fate::Expired);
         let t = b.totals();
         assert_eq!((t.registered, t.delayed), (4, 2));
-        assert_eq!((t.completed, t.expired, t.cancelled, t.handed_back), (1, 1, 0, 0));
+        assert_eq!(
+            (t.completed, t.expired, t.cancelled, t.handed_back),
+            (1, 1, 0, 0)
+        );
     }
 }
