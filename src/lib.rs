@@ -351,10 +351,11 @@
 #![doc(test(attr(deny(warnings))))]
 
 mod clock;
-mod loom;
+mod contain;
 pub mod purgatory;
 mod reaper;
 mod settings;
+mod sync;
 pub mod timer;
 mod watchers;
 mod wheel;

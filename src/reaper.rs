@@ -44,23 +44,25 @@
 //! checks the protocol (`loom_wake`).
 
 use std::future::Future;
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use crate::loom::MutexGuard;
+use crate::sync::MutexGuard;
 
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use crate::clock::{far_future, Clock};
-use crate::loom::{lock, thread_index, Mutex};
+use crate::contain::Panics;
 use crate::settings::{runtime_handle, BuildError, Settings};
+use crate::sync::{lock, thread_index, Mutex, Padded};
 use crate::wheel::{Key, Wheel};
 
 /// Work stored in the wheel: what to do when it expires, and when it is cleared out
 /// unrun.
 pub(crate) trait Job: Send + 'static {
+    /// What the core serves, for reports: `"purgatory"` or `"timer"`.
+    const KIND: &'static str;
     /// The deadline passed; runs on the reaper task with no lock held.
     fn expire(self);
     /// The timer stopped before the deadline (`why` says how); runs with no lock held.
@@ -103,18 +105,11 @@ struct Shard<J> {
     closed: bool,
 }
 
-/// Keeps a value on cache lines of its own (each shard's lock, and the
-/// purgatory's hot counters).
-#[derive(Debug)]
-#[repr(align(128))]
-pub(crate) struct Padded<T>(pub(crate) T);
-
 /// Counters kept by the core (all monotonic).
 #[derive(Debug, Default)]
 pub(crate) struct Counters {
     pub(crate) wakeups: AtomicU64,
     pub(crate) expired: AtomicU64,
-    pub(crate) panicked: AtomicU64,
 }
 
 /// Shards of wheels, the clock and the reaper's wake-up state.
@@ -134,6 +129,8 @@ pub(crate) struct Core<J> {
     max_pending: Option<usize>,
     batch: usize,
     pub(crate) counters: Counters,
+    /// Panics caught in the jobs it runs or drops.
+    pub(crate) panics: Panics,
     pub(crate) name: Arc<str>,
 }
 
@@ -172,6 +169,7 @@ impl<J: Job> Core<J> {
             max_pending,
             batch: settings.batch.max(1),
             counters: Counters::default(),
+            panics: Panics::new(J::KIND, name.clone()),
             name,
         });
         hub.attach(core.clone())?;
@@ -378,7 +376,7 @@ impl<J: Job> Core<J> {
                     .expired
                     .fetch_add(scratch.len() as u64, Ordering::Relaxed);
                 for job in scratch.drain(..) {
-                    run_contained(&self.name, &self.counters, || job.expire());
+                    self.panics.run("an expiry", || job.expire());
                 }
                 if let Some(n) = shard_next {
                     break n;
@@ -399,66 +397,6 @@ impl<J: Job> Core<J> {
     pub(crate) fn wakeups(&self) -> u64 {
         self.counters.wakeups.load(Ordering::Relaxed)
     }
-}
-
-/// Drops `value` with a panic in its `Drop` caught and handed to `on_panic`.
-pub(crate) fn drop_contained<T>(value: T, on_panic: impl FnOnce(&(dyn std::any::Any + Send))) {
-    if std::mem::needs_drop::<T>() {
-        if let Err(panic) = catch_unwind(AssertUnwindSafe(move || drop(value))) {
-            on_panic(&*panic);
-            drop_payload(panic);
-        }
-    }
-}
-
-/// Drops a caught panic's payload. A payload from `std::panic::panic_any` may
-/// be any type, and its own `Drop` may panic: that second panic is caught here
-/// and its payload forgotten, so no unwinding leaves the code that caught the
-/// first one (and skips the bookkeeping after it).
-pub(crate) fn drop_payload(payload: Box<dyn std::any::Any + Send>) {
-    if let Err(again) = catch_unwind(AssertUnwindSafe(move || drop(payload))) {
-        std::mem::forget(again);
-    }
-}
-
-/// Drops each of `values` on its own, containing each panic as [`drop_contained`]
-/// does (a panic in one drop does not skip the rest).
-pub(crate) fn drop_each_contained<T>(
-    values: impl IntoIterator<Item = T>,
-    mut on_panic: impl FnMut(&(dyn std::any::Any + Send)),
-) {
-    if std::mem::needs_drop::<T>() {
-        for v in values {
-            drop_contained(v, &mut on_panic);
-        }
-    }
-}
-
-/// Runs user code, containing and reporting a panic.
-pub(crate) fn run_contained(name: &str, counters: &Counters, f: impl FnOnce()) {
-    if let Err(panic) = catch_unwind(AssertUnwindSafe(f)) {
-        note_panic(name, counters, &*panic);
-        drop_payload(panic);
-    }
-}
-
-/// Counts and reports a panic caught in a timer task (or its `Drop`).
-pub(crate) fn note_panic(name: &str, counters: &Counters, panic: &(dyn std::any::Any + Send)) {
-    counters.panicked.fetch_add(1, Ordering::Relaxed);
-    tracing::error!(
-        timer = name,
-        panic = panic_message(panic),
-        "a timer task panicked; the reaper carries on"
-    );
-}
-
-/// The text of a panic payload, when it has one.
-pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {
-    panic
-        .downcast_ref::<&str>()
-        .copied()
-        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
-        .unwrap_or("<non-string panic payload>")
 }
 
 /// What the reaper task needs of a core, whatever its jobs' type: one task can
@@ -519,9 +457,8 @@ impl<J: Job> Served for Core<J> {
                 "timer reaper stopped without a shutdown"
             );
             for job in jobs {
-                run_contained(&self.name, &self.counters, || {
-                    job.abandon(Closed::ReaperGone)
-                });
+                self.panics
+                    .run("an abandoned job", || job.abandon(Closed::ReaperGone));
             }
         }
     }
@@ -846,11 +783,11 @@ const TURNING: u64 = 1 << 63;
 /// The reaper's next wake-up tick, and whether it is in a turn (see the module's
 /// wake protocol).
 #[derive(Debug)]
-pub(crate) struct WakeTarget(crate::loom::AtomicU64);
+pub(crate) struct WakeTarget(crate::sync::AtomicU64);
 
 impl WakeTarget {
     pub(crate) fn new() -> WakeTarget {
-        WakeTarget(crate::loom::AtomicU64::new(NEVER))
+        WakeTarget(crate::sync::AtomicU64::new(NEVER))
     }
 
     /// An entry due at `tick` was inserted (after it is in the wheel). Lowers the
@@ -1105,41 +1042,5 @@ mod tests {
         w.begin_turn();
         assert!(!w.overdue(1_000), "during a turn: no claim");
         assert_eq!(w.end_turn(u64::MAX), NEVER);
-    }
-
-    #[test]
-    fn panic_messages_are_read_from_either_payload() {
-        let text: Box<dyn std::any::Any + Send> = Box::new("boom");
-        assert_eq!(panic_message(&*text), "boom");
-        let owned: Box<dyn std::any::Any + Send> = Box::new(String::from("owned boom"));
-        assert_eq!(panic_message(&*owned), "owned boom");
-        let other: Box<dyn std::any::Any + Send> = Box::new(7u32);
-        assert_eq!(panic_message(&*other), "<non-string panic payload>");
-    }
-
-    #[test]
-    fn each_drop_is_contained_on_its_own() {
-        struct Loud(bool, std::sync::Arc<AtomicUsize>);
-        impl Drop for Loud {
-            fn drop(&mut self) {
-                self.1.fetch_add(1, Ordering::SeqCst);
-                if self.0 {
-                    panic!("loud drop");
-                }
-            }
-        }
-        let dropped = std::sync::Arc::new(AtomicUsize::new(0));
-        let mut caught = Vec::new();
-        let values = [true, false, true, false].map(|p| Loud(p, dropped.clone()));
-        drop_each_contained(values, |p| caught.push(panic_message(p).to_string()));
-        assert_eq!(dropped.load(Ordering::SeqCst), 4, "every value dropped");
-        assert_eq!(caught, ["loud drop", "loud drop"]);
-        let mut seen = None;
-        drop_contained(Loud(true, dropped.clone()), |p| {
-            seen = Some(panic_message(p).to_string())
-        });
-        assert_eq!(seen.as_deref(), Some("loud drop"));
-        // Values without drop glue are not even looked at.
-        drop_contained(5u32, |_| unreachable!());
     }
 }

@@ -39,7 +39,7 @@ use dashmap::mapref::entry::Entry;
 use dashmap::DashMap;
 use std::collections::BinaryHeap;
 
-use crate::loom::thread_index;
+use crate::sync::Striped;
 
 /// A stored key with its hash, computed once by the map's hasher.
 #[derive(Debug)]
@@ -379,19 +379,10 @@ fn finished_flags<V>(items: &[Option<V>], finished: impl Fn(&V) -> bool) -> [boo
     gone
 }
 
-/// One stripe of the entry count, on its own cache lines.
-#[derive(Debug)]
-#[repr(align(128))]
-struct Stripe(AtomicIsize);
-
-/// Stripes of the entry count: a thread adds to its own.
-const STRIPES: usize = 16;
-
-/// Adds `n` to the calling thread's stripe.
-fn count_in(stripes: &[Stripe], n: isize) {
+/// Adds `n` to the calling thread's stripe of the entry count.
+fn count_in(stripes: &Striped<AtomicIsize>, n: isize) {
     if n != 0 {
-        let i = (thread_index() % STRIPES as u64) as usize;
-        stripes[i].0.fetch_add(n, Ordering::Relaxed);
+        stripes.mine().fetch_add(n, Ordering::Relaxed);
     }
 }
 
@@ -399,13 +390,13 @@ fn count_in(stripes: &[Stripe], n: isize) {
 /// from key code that panicked part-way: one read-modify-write per
 /// registration rather than one per key.
 struct Tally<'a> {
-    stripes: &'a [Stripe],
+    stripes: &'a Striped<AtomicIsize>,
     added: &'a mut usize,
     before: usize,
 }
 
 impl<'a> Tally<'a> {
-    fn new(stripes: &'a [Stripe], added: &'a mut usize) -> Self {
+    fn new(stripes: &'a Striped<AtomicIsize>, added: &'a mut usize) -> Self {
         let before = *added;
         Tally {
             stripes,
@@ -470,7 +461,8 @@ impl Default for KeyHasher {
 pub(crate) struct Watchers<K, V> {
     lists: Lists<K, V>,
     hasher: KeyHasher,
-    entries: Box<[Stripe]>,
+    /// Entries held, tombstones included (a thread adds to its own stripe).
+    entries: Striped<AtomicIsize>,
     /// Keys removed, to look at the table's size once per 64.
     removals: AtomicUsize,
 }
@@ -520,7 +512,7 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
                 shards.clamp(2, 1 << 16).next_power_of_two(),
             ),
             hasher,
-            entries: (0..STRIPES).map(|_| Stripe(AtomicIsize::new(0))).collect(),
+            entries: Striped::default(),
             removals: AtomicUsize::new(0),
         }
     }
@@ -532,11 +524,7 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
     /// Watch-list entries held, tombstones included. Sums the stripes: exact when
     /// no call races it.
     pub(crate) fn len(&self) -> usize {
-        let n: isize = self
-            .entries
-            .iter()
-            .map(|s| s.0.load(Ordering::Relaxed))
-            .sum();
+        let n: isize = self.entries.iter().map(|s| s.load(Ordering::Relaxed)).sum();
         n.max(0) as usize
     }
 

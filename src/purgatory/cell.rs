@@ -30,8 +30,8 @@ use super::operation::{Completion, Operation};
 use super::shared::Shared;
 use super::state::{AfterNotYet, Claim, State, CANCEL, EXPIRE};
 use super::WatchKey;
-use crate::loom::{lock, thread_index, Mutex};
-use crate::reaper::{drop_payload, TimerKey};
+use crate::reaper::TimerKey;
+use crate::sync::{lock, thread_index, Mutex};
 
 /// What an operation handle resolves to.
 pub(crate) type Outcome<T> = Result<Completion<T>, OperationError>;
@@ -247,10 +247,7 @@ where
                     return Checked::Completed;
                 }
                 Ok(None) => {}
-                Err(panic) => {
-                    self.shared.note_panic("try_complete", &*panic);
-                    drop_payload(panic);
-                }
+                Err(panic) => self.shared.panics.caught("try_complete", panic),
             }
             match self.state.end_check(me) {
                 AfterNotYet::Recheck => continue,
@@ -298,8 +295,7 @@ where
         let out = match catch_unwind(AssertUnwindSafe(|| op.on_expiration())) {
             Ok(output) => Ok(Completion::Expired(output)),
             Err(panic) => {
-                self.shared.note_panic("on_expiration", &*panic);
-                drop_payload(panic);
+                self.shared.panics.caught("on_expiration", panic);
                 Err(OperationError::Panicked)
             }
         };
@@ -377,12 +373,12 @@ mod tests {
     /// own check by thread id: ids that collapsed to one value would drop them.
     #[test]
     fn every_thread_gets_its_own_checker_id() {
-        let mine = crate::loom::thread_index();
+        let mine = crate::sync::thread_index();
         assert_ne!(mine, 0, "0 means no checker");
-        assert_eq!(mine, crate::loom::thread_index(), "stable on one thread");
+        assert_eq!(mine, crate::sync::thread_index(), "stable on one thread");
         let others: Vec<u64> = (0..4)
             .map(|_| {
-                std::thread::spawn(crate::loom::thread_index)
+                std::thread::spawn(crate::sync::thread_index)
                     .join()
                     .unwrap()
             })

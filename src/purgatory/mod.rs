@@ -32,9 +32,9 @@ use self::keys::Watches;
 pub use self::operation::{Completion, Operation, WatchKey};
 use self::shared::{closed_refusal, Expiry, Shared};
 use crate::clock::deadline_after;
-use crate::loom::thread_index;
-use crate::reaper::{drop_each_contained, drop_payload, Refused};
+use crate::reaper::Refused;
 use crate::settings::Settings;
+use crate::sync::thread_index;
 use crate::watchers::Removed;
 
 /// Shuts the purgatory down when the last [`Purgatory`] clone is dropped.
@@ -684,10 +684,7 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
                 return Ok(OperationHandle::ready(Completion::Completed(output)));
             }
             Ok(None) => {}
-            Err(panic) => {
-                shared.note_panic("try_complete", &*panic);
-                drop_payload(panic);
-            }
+            Err(panic) => shared.panics.caught("try_complete", panic),
         }
 
         // The cell starts owned by this thread's check: until the second check
@@ -778,9 +775,9 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
         shared.drop_removed(&mut buffers.removed);
         let checked = buffers.live.len();
         let completed = buffers.live.iter().filter(|cell| cell.check()).count();
-        drop_each_contained(buffers.live.drain(..), |p| {
-            shared.note_panic("drop of an operation's cell", p)
-        });
+        shared
+            .panics
+            .drop_each("drop of an operation's cell", buffers.live.drain(..));
         shared.keep_buffers(buffers);
         (checked, completed)
     }
@@ -943,8 +940,7 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
                     .prune(&key, |c| c.is_finished(), &mut buffers.removed)
             }));
             if let Err(panic) = pruned {
-                shared.note_panic("eq of a key", &*panic);
-                drop_payload(panic);
+                shared.panics.caught("eq of a key", panic);
             }
             shared.drop_removed(&mut buffers.removed);
             shared.keep_buffers(buffers);
@@ -1090,7 +1086,6 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
     /// ```
     pub fn metrics(&self) -> PurgatoryMetrics {
         let s = self.shared();
-        let c = &s.counters;
         let t = s.books.totals();
         PurgatoryMetrics {
             watched: self.watched(),
@@ -1103,7 +1098,7 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
             cancelled: t.cancelled,
             handed_back: t.handed_back,
             purged: s.purge.0.purged.load(Ordering::Relaxed),
-            panicked: c.panicked.load(Ordering::Relaxed),
+            panicked: s.panics.count(),
             reaper_wakeups: s.core.wakeups(),
         }
     }

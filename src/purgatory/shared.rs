@@ -8,10 +8,9 @@ use super::cell::{Fate, OpCell};
 use super::error::{OperationError, WatchError};
 use super::operation::Operation;
 use super::WatchKey;
-use crate::loom::thread_index;
-use crate::reaper::{
-    drop_contained, drop_each_contained, panic_message, Closed, Core, Job, Padded,
-};
+use crate::contain::Panics;
+use crate::reaper::{Closed, Core, Job};
+use crate::sync::{Padded, Striped};
 use crate::watchers::{KeyHasher, Removed, Sweep, Watchers};
 use tokio::sync::Notify;
 
@@ -22,6 +21,8 @@ pub(crate) const SWEEP_SLICE: usize = 128;
 pub(crate) struct Expiry<K: WatchKey, O: Operation>(pub(crate) Arc<OpCell<K, O>>);
 
 impl<K: WatchKey, O: Operation> Job for Expiry<K, O> {
+    const KIND: &'static str = "purgatory";
+
     fn expire(self) {
         self.0.expire();
     }
@@ -30,7 +31,7 @@ impl<K: WatchKey, O: Operation> Job for Expiry<K, O> {
         // Dropped unrun: the purgatory itself is gone, or its reaper is.
         let cell = self.0;
         if let Some(op) = cell.cancel(why.into(), Fate::Cancelled) {
-            cell.shared.drop_contained("drop of an operation", op);
+            cell.shared.panics.drop_value("drop of an operation", op);
         }
     }
 }
@@ -52,12 +53,6 @@ pub(crate) fn closed_refusal<O>(op: O, why: Closed) -> WatchError<O> {
     }
 }
 
-/// Rare events, counted once for the whole purgatory.
-#[derive(Debug, Default)]
-pub(crate) struct Counters {
-    pub(crate) panicked: AtomicU64,
-}
-
 /// A purge under way (`maybe_purge`), a flag to skip its lock when none is,
 /// and the entries purged so far.
 #[derive(Debug)]
@@ -67,22 +62,13 @@ pub(crate) struct Purge {
     pub(crate) purged: AtomicU64,
 }
 
-/// How many stripes the per-operation counts are spread over.
-const STRIPES: usize = 8;
-
-/// The stripe of the calling thread (for the counts and the kept buffers).
-fn my_stripe() -> usize {
-    (thread_index() % STRIPES as u64) as usize
-}
-
-/// One thread's share of the per-operation counts, on cache lines of its own.
+/// One thread stripe's share of the per-operation counts.
 ///
 /// Each fact is counted once: an admission, a turning back, and each fate. What
 /// follows from them is derived when read: registered operations are those
 /// admitted and not turned back, and those that left are the ones turned back
 /// plus every fate. So a registration changes one count, and a finish one.
 #[derive(Debug, Default)]
-#[repr(align(128))]
 struct Stripe {
     /// Operations admitted. With the counts of those that left (`turned_back`
     /// and the fates), all only grow, so a sum read in the right order never
@@ -118,9 +104,9 @@ impl Stripe {
 /// A thread writes its own stripe; readers sum all of them, which is exact when
 /// no call races the read. Watch-list entries are counted by the watcher map
 /// (all of them) and here (tombstones); live entries are the difference.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub(crate) struct Books {
-    stripes: Box<[Stripe]>,
+    stripes: Striped<Stripe>,
 }
 
 /// A sum of the per-operation counts.
@@ -134,17 +120,9 @@ pub(crate) struct Totals {
     pub(crate) handed_back: u64,
 }
 
-impl Default for Books {
-    fn default() -> Self {
-        Books {
-            stripes: (0..STRIPES).map(|_| Stripe::default()).collect(),
-        }
-    }
-}
-
 impl Books {
     fn mine(&self) -> &Stripe {
-        &self.stripes[my_stripe()]
+        self.stripes.mine()
     }
 
     /// An operation was admitted. Sequentially consistent, as the other changes
@@ -245,14 +223,12 @@ pub(crate) struct Shared<K: WatchKey, O: Operation> {
     /// drainers. Read by every registration and finish, written once.
     draining: AtomicBool,
     drained: Notify,
-    pub(crate) counters: Counters,
+    /// Panics caught in the purgatory's user code.
+    pub(crate) panics: Panics,
     pub(crate) name: Arc<str>,
     /// Buffers kept between walks and purge slices, one set per thread stripe.
-    buffers: Box<[KeptBuffers<K, O>]>,
+    buffers: Striped<Mutex<Buffers<K, O>>>,
 }
-
-/// One thread stripe's kept [`Buffers`], on cache lines of its own.
-type KeptBuffers<K, O> = Padded<Mutex<Buffers<K, O>>>;
 
 /// What a walk or a purge slice fills while it holds a list's lock: the live
 /// cells copied out and the entries taken out. Kept between calls (see
@@ -308,14 +284,14 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
             max_pending,
             draining: AtomicBool::new(false),
             drained: Notify::new(),
-            counters: Counters::default(),
+            panics: Panics::new("purgatory", name.clone()),
             name,
-            buffers: (0..STRIPES).map(|_| Padded(Mutex::default())).collect(),
+            buffers: Striped::default(),
         }
     }
 
     fn buffer_slot(&self) -> &Mutex<Buffers<K, O>> {
-        &self.buffers[my_stripe()].0
+        self.buffers.mine()
     }
 
     /// Empty buffers for a walk or a purge slice: this thread stripe's kept
@@ -406,26 +382,16 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         self.draining.load(Ordering::Acquire)
     }
 
-    pub(crate) fn note_panic(&self, what: &str, panic: &(dyn std::any::Any + Send)) {
-        self.counters.panicked.fetch_add(1, Ordering::Relaxed);
-        tracing::error!(
-            purgatory = &*self.name,
-            callback = what,
-            panic = panic_message(panic),
-            "user code panicked; the purgatory carries on"
-        );
-    }
-
     /// Drops a user value (an operation, an output, a key) with no lock held,
     /// containing and counting a panic in its `Drop`.
     pub(crate) fn drop_contained<T>(&self, what: &str, value: T) {
-        drop_contained(value, |p| self.note_panic(what, p));
+        self.panics.drop_value(what, value);
     }
 
     /// Drops keys the purgatory holds no more, with no lock held, each drop
     /// contained.
     pub(crate) fn drop_keys(&self, keys: impl IntoIterator<Item = K>) {
-        drop_each_contained(keys, |p| self.note_panic("drop of a key", p));
+        self.panics.drop_each("drop of a key", keys);
     }
 
     /// Drops what was taken out of the watcher map, with no lock held. The
@@ -436,9 +402,10 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         if n > 0 {
             self.books.tombstones_changed(-(n as i64));
         }
-        drop_each_contained(removed.entries.drain(..), |p| {
-            self.note_panic("drop of a finished operation's cell", p)
-        });
+        self.panics.drop_each(
+            "drop of a finished operation's cell",
+            removed.entries.drain(..),
+        );
         self.drop_keys(removed.keys.drain(..));
     }
 

@@ -21,7 +21,7 @@
 
 use std::sync::atomic::Ordering;
 
-use crate::loom::{AtomicU64, AtomicU8};
+use crate::sync::{AtomicU64, AtomicU8};
 
 const CHECKING: u8 = 1;
 const RERUN: u8 = 2;

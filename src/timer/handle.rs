@@ -8,8 +8,8 @@ use tokio::time::Instant;
 
 use super::task::{Chain, TimerJob};
 use crate::clock::deadline_after;
-use crate::loom::{lock, Mutex};
-use crate::reaper::{drop_contained, note_panic, Core, TimerKey};
+use crate::reaper::{Core, TimerKey};
+use crate::sync::{lock, Mutex};
 
 /// What became of a scheduled task, as seen by its [`Timeout`] handle.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -118,9 +118,7 @@ impl Timeout {
             self.cancelled.store(true, Ordering::Release);
         }
         if let Some(job) = removed {
-            drop_contained(job, |panic| {
-                note_panic(&self.core.name, &self.core.counters, panic)
-            });
+            self.core.panics.drop_value("drop of a task", job);
         }
         cancelled
     }

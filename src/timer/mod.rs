@@ -25,9 +25,9 @@ pub use self::handle::{Timeout, TimeoutStatus};
 pub use self::task::UnrunTask;
 use self::task::{refused_task, Chain, Repeating, TimerJob};
 use crate::clock::deadline_after;
-use crate::loom::lock;
-use crate::reaper::{run_contained, Closed, Core, Job};
+use crate::reaper::{Closed, Core, Job};
 use crate::settings::Settings;
+use crate::sync::lock;
 
 /// Stops the reaper when the last [`Timer`] clone is dropped.
 #[derive(Debug)]
@@ -41,9 +41,9 @@ impl Drop for Owner {
             for job in jobs {
                 // Each task is dropped on its own: a panicking `Drop` is counted and
                 // does not stop the others.
-                run_contained(&self.core.name, &self.core.counters, || {
-                    job.abandon(Closed::Shutdown)
-                });
+                self.core
+                    .panics
+                    .run("drop of a task", || job.abandon(Closed::Shutdown));
             }
         }
     }
@@ -537,7 +537,7 @@ impl Timer {
         TimerMetrics {
             pending: self.len(),
             expired: c.expired.load(Ordering::Relaxed),
-            panicked: c.panicked.load(Ordering::Relaxed),
+            panicked: self.core().panics.count(),
             reaper_wakeups: self.core().wakeups(),
         }
     }

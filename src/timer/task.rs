@@ -12,8 +12,8 @@ use tokio::time::Instant;
 use super::error::ScheduleError;
 use super::future::SleepSignal;
 use crate::clock::deadline_after;
-use crate::loom::{lock, Mutex};
 use crate::reaper::{Closed, Core, Job, Refused, TimerKey};
+use crate::sync::{lock, Mutex};
 
 /// What the wheel holds: a user's task or a sleep's signal, behind one thin
 /// trait object (16 bytes, so a wheel entry stays at 40).
@@ -173,6 +173,8 @@ impl fmt::Debug for TimerJob {
 }
 
 impl Job for TimerJob {
+    const KIND: &'static str = "timer";
+
     fn expire(self) {
         self.0.call();
     }

@@ -1,0 +1,77 @@
+//! Synchronisation helpers every room uses: the primitives of the code that loom
+//! checks (std's in a normal build, loom's under `--cfg purgatory_loom`, so one
+//! body of code runs both ways, as tokio's `src/loom/` does), the lock helper,
+//! thread indices, [`Padded`], and [`Striped`], the one way a count every
+//! operation changes is spread over threads.
+//!
+//! The loom-checked protocols: the per-operation state machine
+//! (`purgatory/state.rs`), the handle's delivery slot (`purgatory/cell.rs`), the
+//! reaper's wake target (`wake.rs`), and the timer core's shard locks. Under loom
+//! those types work only inside `loom::model`, so that build runs the loom tests
+//! alone (`cargo test --release --lib loom`).
+
+#[cfg(purgatory_loom)]
+pub(crate) use loom::sync::{
+    atomic::{AtomicU64, AtomicU8},
+    Mutex, MutexGuard,
+};
+#[cfg(not(purgatory_loom))]
+pub(crate) use std::sync::{
+    atomic::{AtomicU64, AtomicU8},
+    Mutex, MutexGuard,
+};
+
+/// Locks `m`. Every lock of the crate recovers from poisoning: the data behind
+/// them is changed only by code of ours that does not panic part-way (user code
+/// that runs under a lock runs before the change it guards, or inside
+/// `catch_unwind`), so a poisoned lock still guards consistent data.
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A number naming the current thread, never 0 and never shared by two threads:
+/// the key of the thread's timer shard, and who owns an operation's check.
+pub(crate) fn thread_index() -> u64 {
+    use std::sync::atomic::{AtomicU64 as Counter, Ordering};
+    static NEXT: Counter = Counter::new(1);
+    thread_local! {
+        static INDEX: u64 = NEXT.fetch_add(1, Ordering::Relaxed);
+    }
+    INDEX.with(|i| *i)
+}
+
+/// Keeps a value on cache lines of its own (each timer shard's lock, the
+/// purgatory's hot counters, each stripe of a [`Striped`]).
+#[derive(Debug, Default)]
+#[repr(align(128))]
+pub(crate) struct Padded<T>(pub(crate) T);
+
+/// How many stripes a [`Striped`] value has.
+pub(crate) const STRIPES: usize = 8;
+
+/// One value per thread stripe, each on cache lines of its own: what every
+/// operation changes (counts, kept buffers) without one shared word bouncing
+/// between the threads that register, complete and expire. A thread uses the
+/// stripe its index picks ([`Striped::mine`]); readers go through all of them.
+/// Threads whose indices collide share a stripe, so its contents must still be
+/// safe to share (atomics, or a lock).
+#[derive(Debug)]
+pub(crate) struct Striped<T>(Box<[Padded<T>]>);
+
+impl<T: Default> Default for Striped<T> {
+    fn default() -> Self {
+        Striped((0..STRIPES).map(|_| Padded(T::default())).collect())
+    }
+}
+
+impl<T> Striped<T> {
+    /// The calling thread's stripe.
+    pub(crate) fn mine(&self) -> &T {
+        &self.0[(thread_index() % STRIPES as u64) as usize].0
+    }
+
+    /// Every stripe.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = &T> {
+        self.0.iter().map(|p| &p.0)
+    }
+}
