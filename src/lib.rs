@@ -352,11 +352,13 @@
 
 mod clock;
 mod contain;
+mod core;
 pub mod purgatory;
 mod reaper;
 mod settings;
 mod sync;
 pub mod timer;
+mod wake;
 mod watchers;
 mod wheel;
 

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use super::shared::Shared;
 use super::{Operation, Purgatory, WatchKey};
-use crate::reaper::Core;
+use crate::core::Core;
 use crate::settings::{wheel_setters, BuildError, Settings};
 use crate::watchers::KeyHasher;
 

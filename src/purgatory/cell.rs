@@ -30,7 +30,7 @@ use super::operation::{Completion, Operation};
 use super::shared::Shared;
 use super::state::{AfterNotYet, Claim, State, CANCEL, EXPIRE};
 use super::WatchKey;
-use crate::reaper::TimerKey;
+use crate::core::TimerKey;
 use crate::sync::{lock, thread_index, Mutex};
 
 /// What an operation handle resolves to.

@@ -32,7 +32,7 @@ use self::keys::Watches;
 pub use self::operation::{Completion, Operation, WatchKey};
 use self::shared::{closed_refusal, Expiry, Shared};
 use crate::clock::deadline_after;
-use crate::reaper::Refused;
+use crate::core::Refused;
 use crate::settings::Settings;
 use crate::sync::thread_index;
 use crate::watchers::Removed;

@@ -9,7 +9,7 @@ use super::error::{OperationError, WatchError};
 use super::operation::Operation;
 use super::WatchKey;
 use crate::contain::Panics;
-use crate::reaper::{Closed, Core, Job};
+use crate::core::{Closed, Core, Job};
 use crate::sync::{Padded, Striped};
 use crate::watchers::{KeyHasher, Removed, Sweep, Watchers};
 use tokio::sync::Notify;

@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::{Owner, Timer};
-use crate::reaper::Core;
+use crate::core::Core;
 use crate::settings::{wheel_setters, BuildError, Settings};
 
 /// Builds a [`Timer`]: wheel shape, tick, sharding and an optional limit.

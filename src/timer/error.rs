@@ -2,7 +2,7 @@
 
 use std::fmt;
 
-use crate::reaper::{Closed, Refused};
+use crate::core::{Closed, Refused};
 
 /// [`Timer::schedule`](crate::Timer::schedule) refused a task; the task is handed
 /// back unrun. [`kind`](ScheduleError::kind) gives the reason without the task

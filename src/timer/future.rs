@@ -12,7 +12,7 @@ use tokio::time::Instant;
 
 use super::error::{TimeoutError, TimerError};
 use super::task::TimerJob;
-use crate::reaper::{Closed, Core, TimerKey};
+use crate::core::{Closed, Core, TimerKey};
 
 const WAITING: u8 = 0;
 const FIRED: u8 = 1;

@@ -8,7 +8,7 @@ use tokio::time::Instant;
 
 use super::task::{Chain, TimerJob};
 use crate::clock::deadline_after;
-use crate::reaper::{Core, TimerKey};
+use crate::core::{Core, TimerKey};
 use crate::sync::{lock, Mutex};
 
 /// What became of a scheduled task, as seen by its [`Timeout`] handle.

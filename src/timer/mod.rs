@@ -25,7 +25,7 @@ pub use self::handle::{Timeout, TimeoutStatus};
 pub use self::task::UnrunTask;
 use self::task::{refused_task, Chain, Repeating, TimerJob};
 use crate::clock::deadline_after;
-use crate::reaper::{Closed, Core, Job};
+use crate::core::{Closed, Core, Job};
 use crate::settings::Settings;
 use crate::sync::lock;
 

@@ -12,7 +12,7 @@ use tokio::time::Instant;
 use super::error::ScheduleError;
 use super::future::SleepSignal;
 use crate::clock::deadline_after;
-use crate::reaper::{Closed, Core, Job, Refused, TimerKey};
+use crate::core::{Closed, Core, Job, Refused, TimerKey};
 use crate::sync::{lock, Mutex};
 
 /// What the wheel holds: a user's task or a sleep's signal, behind one thin

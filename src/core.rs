@@ -1,0 +1,408 @@
+//! The concurrent timer core: the pure [`Wheel`](crate::wheel::Wheel) in `N`
+//! mutex-guarded shards (an inserting thread keeps to one shard, so producers on
+//! different threads rarely meet), [`Instant`]s turned into ticks, the limit on
+//! pending jobs, and one turn of expiries. The reaper task (`reaper.rs`) runs
+//! the turns; the wake protocol (`wake.rs`) tells it when.
+//!
+//! # Ground rules
+//!
+//! - **Under a shard lock** only the wheel's own arithmetic runs: inserting,
+//!   removing, polling and draining entries. Jobs are moved out of the wheel and
+//!   run, dropped or handed back after the lock is released, so no user code (a
+//!   task, a task's `Drop`, an operation's cell) ever runs under it.
+//! - **The clock.** The reaper reads Tokio's clock once per turn; inserts are given
+//!   the caller's "now" (registration and `schedule` read it to compute the
+//!   deadline anyway), so that a deadline already past is due at once instead of
+//!   being rounded up to the next tick.
+
+use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use tokio::time::Instant;
+
+use crate::clock::Clock;
+use crate::contain::Panics;
+use crate::reaper::{Host, Hub, Next, Served};
+use crate::settings::{BuildError, Settings};
+use crate::sync::{lock, thread_index, Mutex, MutexGuard, Padded};
+use crate::wake::{WakeTarget, NEVER};
+use crate::wheel::{Key, Wheel};
+
+/// Work stored in the wheel: what to do when it expires, and when it is cleared out
+/// unrun.
+pub(crate) trait Job: Send + 'static {
+    /// What the core serves, for reports: `"purgatory"` or `"timer"`.
+    const KIND: &'static str;
+    /// The deadline passed; runs on the reaper task with no lock held.
+    fn expire(self);
+    /// The timer stopped before the deadline (`why` says how); runs with no lock held.
+    fn abandon(self, why: Closed);
+}
+
+/// Why a timer stopped accepting work.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Closed {
+    /// `shutdown()` was called, or the last owning handle was dropped.
+    Shutdown,
+    /// The reaper task ended without a shutdown: aborted, or its runtime stopped.
+    ReaperGone,
+}
+
+/// Most entries the reaper takes from a shard per acquisition of its lock.
+const LOCK_RUN: usize = 64;
+
+const RUNNING: u8 = 0;
+const SHUT_DOWN: u8 = 1;
+const REAPER_GONE: u8 = 2;
+
+/// Why an insert was refused; the job comes back with it.
+#[derive(Debug)]
+pub(crate) enum Refused<J> {
+    AtCapacity(J),
+    Closed(J, Closed),
+}
+
+/// A timer entry's address: shard and wheel key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct TimerKey {
+    shard: u32,
+    key: Key,
+}
+
+#[derive(Debug)]
+struct Shard<J> {
+    wheel: Wheel<J>,
+    closed: bool,
+}
+
+/// Counters kept by the core (all monotonic).
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    pub(crate) wakeups: AtomicU64,
+    pub(crate) expired: AtomicU64,
+}
+
+/// Shards of wheels, the clock and the reaper's wake-up state.
+#[derive(Debug)]
+pub(crate) struct Core<J> {
+    shards: Box<[Padded<Mutex<Shard<J>>>]>,
+    clock: Clock,
+    wake: WakeTarget,
+    /// The reaper that serves this core (its own, or one shared with others).
+    hub: Arc<Hub>,
+    /// The reaper's buffer of due jobs, kept between turns for its capacity.
+    scratch: Mutex<Vec<J>>,
+    state: AtomicU8,
+    /// Pending jobs, kept only when a limit is set (a shared counter is the one
+    /// thing all producers would contend on).
+    pending: AtomicUsize,
+    max_pending: Option<usize>,
+    batch: usize,
+    pub(crate) counters: Counters,
+    /// Panics caught in the jobs it runs or drops.
+    pub(crate) panics: Panics,
+    pub(crate) name: Arc<str>,
+}
+
+impl<J: Job> Core<J> {
+    /// Builds the core and puts it in the care of a reaper: its own, spawned on
+    /// the runtime given, or a shared one. `settings` were validated by the
+    /// builder. Fails only when a shared reaper has stopped.
+    pub(crate) fn start(
+        settings: &Settings,
+        name: Arc<str>,
+        max_pending: Option<usize>,
+        host: Host<'_>,
+    ) -> Result<Arc<Core<J>>, BuildError> {
+        let shards = (0..settings.shards.max(1))
+            .map(|_| {
+                let wheel = Wheel::new(settings.slots, settings.levels)
+                    .expect("wheel shape is validated by the builder");
+                Padded(Mutex::new(Shard {
+                    wheel,
+                    closed: false,
+                }))
+            })
+            .collect();
+        let hub = Hub::for_host(&host);
+        let core = Arc::new(Core {
+            shards,
+            clock: Clock::new(Instant::now(), settings.tick),
+            wake: WakeTarget::new(),
+            hub: hub.clone(),
+            scratch: Mutex::new(Vec::new()),
+            state: AtomicU8::new(RUNNING),
+            pending: AtomicUsize::new(0),
+            max_pending,
+            batch: settings.batch.max(1),
+            counters: Counters::default(),
+            panics: Panics::new(J::KIND, name.clone()),
+            name,
+        });
+        hub.serve(core.clone(), host)?;
+        Ok(core)
+    }
+
+    /// The shard of the thread with index `thread`: a mask when the count is a
+    /// power of two (the default), not a 64-bit division per insert.
+    fn shard_of(&self, thread: u64) -> usize {
+        let n = self.shards.len();
+        if n.is_power_of_two() {
+            thread as usize & (n - 1)
+        } else {
+            (thread % n as u64) as usize
+        }
+    }
+
+    fn lock(&self, shard: usize) -> MutexGuard<'_, Shard<J>> {
+        lock(&self.shards[shard].0)
+    }
+
+    /// Why the core is closed, if it is.
+    pub(crate) fn closed(&self) -> Option<Closed> {
+        match self.state.load(Ordering::Acquire) {
+            RUNNING => None,
+            SHUT_DOWN => Some(Closed::Shutdown),
+            _ => Some(Closed::ReaperGone),
+        }
+    }
+
+    /// Inserts `job` to expire at `deadline`; `now` is the caller's reading of the
+    /// clock (see [`Clock::tick_for`]).
+    pub(crate) fn insert(
+        &self,
+        now: Instant,
+        deadline: Instant,
+        job: J,
+    ) -> Result<TimerKey, Refused<J>> {
+        if let Some(max) = self.max_pending {
+            if self.pending.fetch_add(1, Ordering::AcqRel) >= max {
+                self.pending.fetch_sub(1, Ordering::AcqRel);
+                return Err(Refused::AtCapacity(job));
+            }
+        }
+        self.place(now, deadline, job)
+            .map_err(|(job, why)| Refused::Closed(job, why))
+    }
+
+    /// Puts `job` in a wheel, its room under the limit already taken (given back
+    /// if the core is closed, and the job with it), and wakes the reaper if it
+    /// must come sooner.
+    fn place(&self, now: Instant, deadline: Instant, job: J) -> Result<TimerKey, (J, Closed)> {
+        let tick = self.clock.tick_for(now, deadline);
+        // A thread keeps to one shard, so producers on different threads rarely meet.
+        let shard = self.shard_of(thread_index());
+        let key = {
+            let mut s = self.lock(shard);
+            if s.closed {
+                drop(s);
+                self.release_capacity(1);
+                let why = self.closed().unwrap_or(Closed::Shutdown);
+                return Err((job, why));
+            }
+            s.wheel.insert(tick, job)
+        };
+        self.entered(tick, now);
+        Ok(TimerKey {
+            shard: shard as u32,
+            key,
+        })
+    }
+
+    /// An entry went in at `tick`: notifies the reaper if it sleeps past it, or
+    /// if it is overdue (see [`WakeTarget::overdue`]).
+    fn entered(&self, tick: u64, now: Instant) {
+        if self.wake.lower(tick) || self.wake.overdue(self.clock.now_tick(now)) {
+            self.hub.wake();
+        }
+    }
+
+    /// Puts back a job that has just run and goes on (a repeating task): as
+    /// [`insert`](Self::insert), but outside the limit's check, since the job
+    /// held its room until it ran. Hands the job back when the core is closed.
+    pub(crate) fn reinsert(&self, now: Instant, deadline: Instant, job: J) -> Result<TimerKey, J> {
+        if self.max_pending.is_some() {
+            self.pending.fetch_add(1, Ordering::AcqRel);
+        }
+        self.place(now, deadline, job).map_err(|(job, _)| job)
+    }
+
+    /// Removes the entry of `key`, handing its job back; `None` when it already
+    /// expired, was removed, or the timer was cleared.
+    pub(crate) fn remove(&self, key: TimerKey) -> Option<J> {
+        let job = {
+            let mut s = self.lock(key.shard as usize);
+            let job = s.wheel.remove(key.key);
+            s.wheel.shrink(); // a no-op unless that emptied the wheel
+            job
+        };
+        if job.is_some() {
+            self.release_capacity(1);
+        }
+        job
+    }
+
+    /// Moves the entry of `key` to expire at `deadline` instead (O(1): out of
+    /// its bucket and into another, in the same shard under one hold of its lock,
+    /// so the entry is never outside the wheel and its room under the limit stays
+    /// its own). `now` is the caller's reading of the clock. Returns the entry's
+    /// new key, or `None` when it already expired, was removed, or the timer was
+    /// cleared.
+    pub(crate) fn reset(&self, key: TimerKey, now: Instant, deadline: Instant) -> Option<TimerKey> {
+        let tick = self.clock.tick_for(now, deadline);
+        let moved = {
+            let mut s = self.lock(key.shard as usize);
+            let job = s.wheel.remove(key.key)?;
+            s.wheel.insert(tick, job)
+        };
+        self.entered(tick, now);
+        Some(TimerKey {
+            shard: key.shard,
+            key: moved,
+        })
+    }
+
+    /// Whether `key`'s entry is still waiting.
+    pub(crate) fn contains(&self, key: TimerKey) -> bool {
+        self.lock(key.shard as usize).wheel.contains(key.key)
+    }
+
+    /// Jobs waiting (sums the shards; exact when no call races it).
+    pub(crate) fn len(&self) -> usize {
+        (0..self.shards.len())
+            .map(|i| self.lock(i).wheel.len())
+            .sum()
+    }
+
+    /// `n` entries left the wheel: their room under the limit is free again.
+    /// Without a limit, the count is not kept.
+    fn release_capacity(&self, n: usize) {
+        if self.max_pending.is_some() {
+            self.pending.fetch_sub(n, Ordering::AcqRel);
+        }
+    }
+
+    /// Stops the core: no insert succeeds afterwards, and every job still waiting
+    /// is taken out and returned. Returns `None` when it was already closed.
+    pub(crate) fn close(&self, why: Closed) -> Option<Vec<J>> {
+        let to = if why == Closed::Shutdown {
+            SHUT_DOWN
+        } else {
+            REAPER_GONE
+        };
+        self.state
+            .compare_exchange(RUNNING, to, Ordering::AcqRel, Ordering::Acquire)
+            .ok()?;
+        let mut jobs = Vec::new();
+        for i in 0..self.shards.len() {
+            let mut s = self.lock(i);
+            s.closed = true;
+            jobs.append(&mut s.wheel.drain());
+        }
+        self.release_capacity(jobs.len());
+        // The reaper lets go of a closed core (and stops, if it was the last).
+        self.hub.wake();
+        Some(jobs)
+    }
+
+    /// One reaper turn: expires at most `batch` due jobs per shard. Returns whether
+    /// more are due right now, the earliest tick anything is due otherwise, and the
+    /// turn's tick.
+    fn turn(&self, scratch: &mut Vec<J>) -> (bool, u64, u64) {
+        let now = self.clock.now_tick(Instant::now());
+        let mut more = false;
+        let mut next = u64::MAX;
+        for i in 0..self.shards.len() {
+            let mut taken = 0;
+            let shard_next = loop {
+                // Hold the shard lock for a short run of polls at a time, so a
+                // producer on another worker waits microseconds, not a whole batch.
+                let mut s = self.lock(i);
+                let run = LOCK_RUN.min(self.batch - taken);
+                while scratch.len() < run {
+                    match s.wheel.poll(now) {
+                        Some((_, job)) => scratch.push(job),
+                        None => break,
+                    }
+                }
+                let drained = scratch.len() < run;
+                let shard_next = if drained {
+                    // Give back a drained burst's slab (a no-op unless empty).
+                    s.wheel.shrink();
+                    Some(s.wheel.next_expiration())
+                } else {
+                    None
+                };
+                drop(s);
+                taken += scratch.len();
+                self.release_capacity(scratch.len());
+                self.counters
+                    .expired
+                    .fetch_add(scratch.len() as u64, Ordering::Relaxed);
+                for job in scratch.drain(..) {
+                    self.panics.run("an expiry", || job.expire());
+                }
+                if let Some(n) = shard_next {
+                    break n;
+                }
+                if taken >= self.batch {
+                    // More is due now: the reaper takes another turn at once, so
+                    // this shard's next deadline is not needed.
+                    more = true;
+                    break None;
+                }
+            };
+            next = next.min(shard_next.unwrap_or(u64::MAX));
+        }
+        (more || next <= now, next, now)
+    }
+
+    /// How many times the reaper has woken from a sleep.
+    pub(crate) fn wakeups(&self) -> u64 {
+        self.counters.wakeups.load(Ordering::Relaxed)
+    }
+}
+
+impl<J: Job> Served for Core<J> {
+    fn serve(&self) -> Next {
+        // The buffer is taken out of its lock: the jobs run with no lock held.
+        let mut scratch = std::mem::take(&mut *lock(&self.scratch));
+        self.wake.begin_turn();
+        let (more, next, now) = self.turn(&mut scratch);
+        let target = self.wake.end_turn(next);
+        *lock(&self.scratch) = scratch;
+        if more || target <= now {
+            // A batch was cut short, or a task run this turn scheduled work
+            // already due.
+            return Next::Again;
+        }
+        tracing::trace!(timer = &*self.name, target, "core idle until its target");
+        Next::Sleep(
+            (target != NEVER)
+                .then(|| self.clock.instant_of(target))
+                .flatten(),
+        )
+    }
+
+    fn is_closed(&self) -> bool {
+        self.closed().is_some()
+    }
+
+    fn woke(&self) {
+        self.counters.wakeups.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn reaper_gone(&self) {
+        if let Some(jobs) = self.close(Closed::ReaperGone) {
+            tracing::warn!(
+                timer = &*self.name,
+                abandoned = jobs.len(),
+                "timer reaper stopped without a shutdown"
+            );
+            for job in jobs {
+                self.panics
+                    .run("an abandoned job", || job.abandon(Closed::ReaperGone));
+            }
+        }
+    }
+}
