@@ -46,6 +46,20 @@ pub(crate) enum Host<'a> {
     Shared(&'a Reaper),
 }
 
+impl<'a> Host<'a> {
+    /// Where a core's reaper comes from: the shared one given, or one of its
+    /// own spawned on `handle`'s runtime (the current one when `None`).
+    pub(crate) fn new(
+        shared: Option<&'a Reaper>,
+        handle: Option<&tokio::runtime::Handle>,
+    ) -> Result<Host<'a>, BuildError> {
+        match shared {
+            Some(reaper) => Ok(Host::Shared(reaper)),
+            None => Ok(Host::Own(runtime_handle(handle)?)),
+        }
+    }
+}
+
 /// What one reaper task serves: its cores, the [`Reaper`] handles that keep it
 /// running, and the notification that wakes it.
 #[derive(Debug)]

@@ -5,7 +5,6 @@
 use std::fmt;
 use std::time::Duration;
 
-use crate::reaper::{Host, Reaper};
 use crate::wheel::{ShapeError, Wheel};
 
 /// The timer core's settings, shared by the timer and purgatory builders.
@@ -16,8 +15,6 @@ pub(crate) struct Settings {
     pub(crate) levels: usize,
     pub(crate) shards: usize,
     pub(crate) batch: usize,
-    /// A shared reaper to be served by, instead of one of its own.
-    pub(crate) reaper: Option<Reaper>,
 }
 
 impl Default for Settings {
@@ -30,7 +27,6 @@ impl Default for Settings {
                 .map_or(4, |n| n.get())
                 .clamp(1, 16),
             batch: 1024,
-            reaper: None,
         }
     }
 }
@@ -59,18 +55,6 @@ impl Settings {
             return Err(BuildError::invalid("batch_size must be at least 1"));
         }
         Ok(())
-    }
-
-    /// Where the core's reaper comes from: the shared one given, or one of its
-    /// own spawned on `handle`'s runtime (the current one when `None`).
-    pub(crate) fn host(
-        &self,
-        handle: Option<&tokio::runtime::Handle>,
-    ) -> Result<Host<'_>, BuildError> {
-        match &self.reaper {
-            Some(reaper) => Ok(Host::Shared(reaper)),
-            None => Ok(Host::Own(runtime_handle(handle)?)),
-        }
     }
 }
 
@@ -184,7 +168,7 @@ macro_rules! wheel_setters {
         /// # }
         /// ```
         pub fn reaper(mut self, reaper: &crate::Reaper) -> Self {
-            self.wheel.reaper = Some(reaper.clone());
+            self.reaper = Some(reaper.clone());
             self
         }
     };

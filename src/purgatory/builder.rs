@@ -9,6 +9,7 @@ use std::time::Duration;
 use super::shared::Shared;
 use super::{Operation, Purgatory, WatchKey};
 use crate::core::Core;
+use crate::reaper::{Host, Reaper};
 use crate::settings::{wheel_setters, BuildError, Settings};
 use crate::watchers::KeyHasher;
 
@@ -37,6 +38,8 @@ use crate::watchers::KeyHasher;
 pub struct PurgatoryBuilder<K, O, S = RandomState> {
     pub(super) name: Arc<str>,
     pub(super) wheel: Settings,
+    /// A shared reaper to be served by, instead of one of its own.
+    pub(super) reaper: Option<Reaper>,
     pub(super) watcher_shards: usize,
     pub(super) purge_interval: usize,
     pub(super) max_pending: Option<usize>,
@@ -49,6 +52,7 @@ impl<K, O, S: Clone> Clone for PurgatoryBuilder<K, O, S> {
         PurgatoryBuilder {
             name: self.name.clone(),
             wheel: self.wheel.clone(),
+            reaper: self.reaper.clone(),
             hasher: self.hasher.clone(),
             _types: PhantomData,
             ..*self
@@ -61,6 +65,7 @@ impl<K, O, S> std::fmt::Debug for PurgatoryBuilder<K, O, S> {
         f.debug_struct("PurgatoryBuilder")
             .field("name", &&*self.name)
             .field("wheel", &self.wheel)
+            .field("reaper", &self.reaper)
             .field("watcher_shards", &self.watcher_shards)
             .field("purge_interval", &self.purge_interval)
             .field("max_pending", &self.max_pending)
@@ -241,6 +246,7 @@ impl<K: WatchKey, O: Operation, S: BuildHasher + Send + Sync + 'static> Purgator
         PurgatoryBuilder {
             name: self.name,
             wheel: self.wheel,
+            reaper: self.reaper,
             watcher_shards: self.watcher_shards,
             purge_interval: self.purge_interval,
             max_pending: self.max_pending,
@@ -313,7 +319,7 @@ impl<K: WatchKey, O: Operation, S: BuildHasher + Send + Sync + 'static> Purgator
         if self.max_pending == Some(0) {
             return Err(BuildError::invalid("max_pending must be at least 1"));
         }
-        let host = self.wheel.host(handle)?;
+        let host = Host::new(self.reaper.as_ref(), handle)?;
         let core = Core::start(&self.wheel, self.name.clone(), None, host)?;
         let shared = Arc::new(Shared::new(
             core,

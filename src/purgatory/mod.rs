@@ -303,6 +303,7 @@ impl<K: WatchKey, O: Operation> Purgatory<K, O> {
         PurgatoryBuilder {
             name: "purgatory".into(),
             wheel: Settings::default(),
+            reaper: None,
             watcher_shards: 64,
             purge_interval: 1000,
             max_pending: None,

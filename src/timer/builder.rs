@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use super::{Owner, Timer};
 use crate::core::Core;
+use crate::reaper::{Host, Reaper};
 use crate::settings::{wheel_setters, BuildError, Settings};
 
 /// Builds a [`Timer`]: wheel shape, tick, sharding and an optional limit.
@@ -28,6 +29,8 @@ use crate::settings::{wheel_setters, BuildError, Settings};
 #[derive(Debug, Clone)]
 pub struct TimerBuilder {
     pub(super) wheel: Settings,
+    /// A shared reaper to be served by, instead of one of its own.
+    pub(super) reaper: Option<Reaper>,
     pub(super) max_pending: Option<usize>,
     pub(super) name: Arc<str>,
 }
@@ -130,7 +133,7 @@ impl TimerBuilder {
         if self.max_pending == Some(0) {
             return Err(BuildError::invalid("max_pending must be at least 1"));
         }
-        let host = self.wheel.host(handle)?;
+        let host = Host::new(self.reaper.as_ref(), handle)?;
         let core = Core::start(&self.wheel, self.name, self.max_pending, host)?;
         Ok(Timer {
             owner: Arc::new(Owner { core }),

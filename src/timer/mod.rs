@@ -190,6 +190,7 @@ impl Timer {
     pub fn builder() -> TimerBuilder {
         TimerBuilder {
             wheel: Settings::default(),
+            reaper: None,
             max_pending: None,
             name: "timer".into(),
         }
