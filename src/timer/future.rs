@@ -2,61 +2,15 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use futures::task::AtomicWaker;
 use pin_project_lite::pin_project;
 use tokio::time::Instant;
 
 use super::error::{TimeoutError, TimerError};
-use super::task::TimerJob;
-use crate::core::{Closed, Core, TimerKey};
-
-const WAITING: u8 = 0;
-const FIRED: u8 = 1;
-const SHUT_DOWN: u8 = 2;
-const REAPER_GONE: u8 = 3;
-
-/// What the wheel holds for a [`Sleep`]: the outcome and the waker to call.
-#[derive(Debug, Default)]
-pub(crate) struct SleepSignal {
-    state: AtomicU8,
-    waker: AtomicWaker,
-}
-
-impl SleepSignal {
-    pub(crate) fn fire(&self) {
-        self.finish(FIRED);
-    }
-
-    pub(crate) fn abandon(&self, why: Closed) {
-        self.finish(match why {
-            Closed::Shutdown => SHUT_DOWN,
-            Closed::ReaperGone => REAPER_GONE,
-        });
-    }
-
-    fn finish(&self, state: u8) {
-        if self
-            .state
-            .compare_exchange(WAITING, state, Ordering::AcqRel, Ordering::Acquire)
-            .is_ok()
-        {
-            self.waker.wake();
-        }
-    }
-
-    fn outcome(&self) -> Option<Result<(), TimerError>> {
-        match self.state.load(Ordering::Acquire) {
-            WAITING => None,
-            FIRED => Some(Ok(())),
-            SHUT_DOWN => Some(Err(TimerError::Shutdown)),
-            _ => Some(Err(TimerError::ReaperGone)),
-        }
-    }
-}
+use super::task::{SleepSignal, TimerJob};
+use crate::core::{Core, TimerKey};
 
 /// A future that completes when the timer's reaper reaches its deadline.
 ///
@@ -152,12 +106,7 @@ impl Future for Sleep {
             Ok(r) => r,
             Err(e) => return Poll::Ready(Err(*e)),
         };
-        if let Some(out) = r.signal.outcome() {
-            return Poll::Ready(out);
-        }
-        r.signal.waker.register(cx.waker());
-        // Re-check: the reaper may have fired between the load and the register.
-        match r.signal.outcome() {
+        match r.signal.poll_outcome(cx.waker()) {
             Some(out) => Poll::Ready(out),
             None => Poll::Pending,
         }

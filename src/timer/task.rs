@@ -3,14 +3,15 @@
 
 use std::any::Any;
 use std::fmt;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+
+use futures::task::AtomicWaker;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::error::ScheduleError;
-use super::future::SleepSignal;
+use super::error::{ScheduleError, TimerError};
 use crate::clock::deadline_after;
 use crate::core::{Closed, Core, Job, Refused, TimerKey};
 use crate::sync::{lock, Mutex};
@@ -38,6 +39,60 @@ impl<F: FnOnce() + Send + 'static> TaskFn for F {
 
     fn stopped(self: Box<Self>, _: Closed) -> Option<Box<dyn TaskFn>> {
         Some(self)
+    }
+}
+
+const WAITING: u8 = 0;
+const FIRED: u8 = 1;
+const SHUT_DOWN: u8 = 2;
+const REAPER_GONE: u8 = 3;
+
+/// What the wheel holds for a [`Sleep`]: the outcome and the waker to call.
+#[derive(Debug, Default)]
+pub(crate) struct SleepSignal {
+    state: AtomicU8,
+    waker: AtomicWaker,
+}
+
+impl SleepSignal {
+    pub(crate) fn fire(&self) {
+        self.finish(FIRED);
+    }
+
+    pub(crate) fn abandon(&self, why: Closed) {
+        self.finish(match why {
+            Closed::Shutdown => SHUT_DOWN,
+            Closed::ReaperGone => REAPER_GONE,
+        });
+    }
+
+    fn finish(&self, state: u8) {
+        if self
+            .state
+            .compare_exchange(WAITING, state, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+        {
+            self.waker.wake();
+        }
+    }
+
+    /// The outcome, or `None` after registering `waker` to be woken with it.
+    pub(super) fn poll_outcome(&self, waker: &std::task::Waker) -> Option<Result<(), TimerError>> {
+        if let Some(out) = self.outcome() {
+            return Some(out);
+        }
+        self.waker.register(waker);
+        // Re-check: the reaper may have fired between the load and the register.
+        self.outcome()
+    }
+
+    pub(super) fn outcome(&self) -> Option<Result<(), TimerError>> {
+        match self.state.load(Ordering::Acquire) {
+            WAITING => None,
+            FIRED => Some(Ok(())),
+            SHUT_DOWN => Some(Err(TimerError::Shutdown)),
+            _ => Some(Err(TimerError::ReaperGone)),
+        }
     }
 }
 
