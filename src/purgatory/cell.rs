@@ -25,6 +25,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 use std::task::Waker;
 
+use super::books::Fate;
 use super::error::OperationError;
 use super::operation::{Completion, Operation};
 use super::shared::Shared;
@@ -35,17 +36,6 @@ use crate::sync::{lock, thread_index, Mutex};
 
 /// What an operation handle resolves to.
 pub(crate) type Outcome<T> = Result<Completion<T>, OperationError>;
-
-/// How a finished operation is counted.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Fate {
-    Completed,
-    Expired,
-    /// Cancelled by key or by dropping its handle, or dropped unrun because the
-    /// purgatory was dropped or lost its reaper.
-    Cancelled,
-    HandedBack,
-}
 
 /// Where an outcome waits for its handle: a one-slot mailbox with a waker, and
 /// the key of the operation's timer entry. Loom checks it (`loom_delivery`).

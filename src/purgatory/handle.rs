@@ -9,7 +9,8 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::cell::{Fate, OpCell, Outcome};
+use super::books::Fate;
+use super::cell::{OpCell, Outcome};
 use super::error::OperationError;
 use super::operation::{Completion, Operation};
 use super::WatchKey;

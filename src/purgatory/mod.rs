@@ -3,6 +3,7 @@
 //!
 //! See [`Purgatory`] and the [crate docs](crate).
 
+mod books;
 mod builder;
 mod cell;
 mod error;
@@ -23,8 +24,9 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use self::books::Fate;
 pub use self::builder::PurgatoryBuilder;
-use self::cell::{Checked, Fate, OpCell};
+use self::cell::{Checked, OpCell};
 pub use self::error::{OperationError, WatchError, WatchErrorKind};
 pub use self::handle::{OpRef, OperationHandle};
 pub use self::keys::Watch;

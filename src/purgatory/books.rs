@@ -1,0 +1,290 @@
+//! The purgatory's books: how many operations were admitted, turned back and
+//! finished with each fate, the tombstones their finishes left in watch lists,
+//! the limit on pending operations, and the drain flag.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+
+use tokio::sync::Notify;
+
+use crate::sync::{Padded, Striped};
+
+/// How a finished operation is counted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Fate {
+    Completed,
+    Expired,
+    /// Cancelled by key or by dropping its handle, or dropped unrun because the
+    /// purgatory was dropped or lost its reaper.
+    Cancelled,
+    HandedBack,
+}
+
+/// One thread stripe's share of the per-operation counts.
+///
+/// Each fact is counted once: an admission, a turning back, and each fate. What
+/// follows from them is derived when read: registered operations are those
+/// admitted and not turned back, and those that left are the ones turned back
+/// plus every fate. So a registration changes one count, and a finish one.
+#[derive(Debug, Default)]
+struct Stripe {
+    /// Operations admitted. With the counts of those that left (`turned_back`
+    /// and the fates), all only grow, so a sum read in the right order never
+    /// misses an operation pending throughout the read (see `delayed_now`).
+    admitted: AtomicU64,
+    /// Admitted, then turned back before registering (refused while draining,
+    /// or a key's code panicked).
+    turned_back: AtomicU64,
+    completed: AtomicU64,
+    expired: AtomicU64,
+    cancelled: AtomicU64,
+    handed_back: AtomicU64,
+    /// Watch-list entries of finished operations (tombstones) made and
+    /// removed: a finish adds its keys, a removal takes off what it removed.
+    /// Wrapping, so a stripe may go below zero; the sum is exact.
+    tombstones: AtomicU64,
+}
+
+impl Stripe {
+    /// Operations that left: turned back, or finished with any fate.
+    fn left(&self) -> u64 {
+        self.turned_back.load(Ordering::SeqCst)
+            + self.completed.load(Ordering::SeqCst)
+            + self.expired.load(Ordering::SeqCst)
+            + self.cancelled.load(Ordering::SeqCst)
+            + self.handed_back.load(Ordering::SeqCst)
+    }
+}
+
+/// The per-operation counts, striped by thread. Every registration and every
+/// outcome changes them; one shared word per count would bounce its cache line
+/// between the registering, completing and expiring threads on every operation.
+/// A thread writes its own stripe; readers sum all of them, which is exact when
+/// no call races the read. Watch-list entries are counted by the watcher map
+/// (all of them) and here (tombstones); live entries are the difference.
+#[derive(Debug)]
+pub(crate) struct Books {
+    stripes: Striped<Stripe>,
+    /// Registered and not finished, kept only under a limit (it is the one
+    /// count every registration must agree on); the stripes keep the same
+    /// figure.
+    admitted: Padded<AtomicUsize>,
+    max_pending: Option<usize>,
+    /// Set by `drain`: registrations are refused, and each finish wakes the
+    /// drainers. Read by every registration and finish, written once.
+    draining: AtomicBool,
+    drained: Notify,
+}
+
+/// A sum of the per-operation counts.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Totals {
+    pub(crate) delayed: usize,
+    pub(crate) registered: u64,
+    pub(crate) completed: u64,
+    pub(crate) expired: u64,
+    pub(crate) cancelled: u64,
+    pub(crate) handed_back: u64,
+}
+
+impl Books {
+    pub(crate) fn new(max_pending: Option<usize>) -> Books {
+        Books {
+            stripes: Striped::default(),
+            admitted: Padded(AtomicUsize::new(0)),
+            max_pending,
+            draining: AtomicBool::new(false),
+            drained: Notify::new(),
+        }
+    }
+
+    fn mine(&self) -> &Stripe {
+        self.stripes.mine()
+    }
+
+    /// Counts an operation in, unless the purgatory holds `max_pending`
+    /// already. The count is sequentially consistent, as the other changes and
+    /// the sum are: they pair with the draining flag (see
+    /// [`turn_back_if_draining`](Self::turn_back_if_draining)); on x86 a
+    /// read-modify-write costs the same with any ordering.
+    pub(crate) fn admit(&self) -> bool {
+        if let Some(max) = self.max_pending {
+            if self.admitted.0.fetch_add(1, Ordering::AcqRel) >= max {
+                self.admitted.0.fetch_sub(1, Ordering::AcqRel);
+                return false;
+            }
+        }
+        self.mine().admitted.fetch_add(1, Ordering::SeqCst);
+        true
+    }
+
+    /// Undoes [`admit`](Self::admit) for an operation that never registered,
+    /// and wakes a drainer that may be waiting for it: a registration admitted
+    /// before `drain` began and turned back after (a key that panicked) is the
+    /// last thing that drainer waits for.
+    pub(crate) fn unadmit(&self) {
+        if self.max_pending.is_some() {
+            self.admitted.0.fetch_sub(1, Ordering::AcqRel);
+        }
+        self.mine().turned_back.fetch_add(1, Ordering::SeqCst);
+        if self.draining.load(Ordering::SeqCst) {
+            self.drained.notify_waiters();
+        }
+    }
+
+    /// Whether an admitted registration must turn back because the purgatory is
+    /// draining; then it is unadmitted here. The admission's count and this read
+    /// pair with `drain`'s write of the flag and read of the count (all
+    /// sequentially consistent): either this sees the flag, or the drainer sees
+    /// the operation and waits for it.
+    pub(crate) fn turn_back_if_draining(&self) -> bool {
+        if !self.draining.load(Ordering::SeqCst) {
+            return false;
+        }
+        self.unadmit();
+        true
+    }
+
+    /// Stops taking operations and waits until none is pending.
+    pub(crate) async fn drain(&self) {
+        self.draining.store(true, Ordering::SeqCst);
+        loop {
+            let finished = self.drained.notified();
+            let mut finished = std::pin::pin!(finished);
+            finished.as_mut().enable();
+            if self.delayed_now() == 0 {
+                return;
+            }
+            finished.await;
+        }
+    }
+
+    pub(crate) fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Acquire)
+    }
+
+    /// An operation finished with `fate`: its room under the limit is free,
+    /// its `keys` list entries are tombstones now, and a drainer may be
+    /// waiting for it.
+    pub(crate) fn finished(&self, fate: Fate, keys: u32) {
+        if self.max_pending.is_some() {
+            self.admitted.0.fetch_sub(1, Ordering::AcqRel);
+        }
+        let s = self.mine();
+        let counter = match fate {
+            Fate::Completed => &s.completed,
+            Fate::Expired => &s.expired,
+            Fate::Cancelled => &s.cancelled,
+            Fate::HandedBack => &s.handed_back,
+        };
+        counter.fetch_add(1, Ordering::SeqCst);
+        if keys > 0 {
+            self.tombstones_changed(i64::from(keys));
+        }
+        if self.draining.load(Ordering::SeqCst) {
+            self.drained.notify_waiters();
+        }
+    }
+
+    /// `n` watch-list entries became tombstones (negative: were removed).
+    pub(crate) fn tombstones_changed(&self, n: i64) {
+        self.mine()
+            .tombstones
+            .fetch_add(n as u64, Ordering::Relaxed);
+    }
+
+    /// Tombstones (sums the stripes: exact when no call races the read; a
+    /// removal counted just before the finish that made its entries
+    /// tombstones reads as none rather than below zero).
+    pub(crate) fn tombstones(&self) -> usize {
+        let sum = self.stripes.iter().fold(0u64, |sum, s| {
+            sum.wrapping_add(s.tombstones.load(Ordering::Relaxed))
+        });
+        (sum as i64).max(0) as usize
+    }
+
+    /// Operations admitted and not finished. Reads every stripe's `left` before
+    /// any `admitted`: an operation counted as left was admitted before, so its
+    /// admission is counted too, and an operation pending throughout the read is
+    /// counted in `admitted` only. Zero so means that no operation was pending
+    /// throughout (what `drain` needs); racing calls may make it a little high.
+    pub(crate) fn delayed_now(&self) -> usize {
+        let left: u64 = self.stripes.iter().map(Stripe::left).sum();
+        let admitted: u64 = self
+            .stripes
+            .iter()
+            .map(|s| s.admitted.load(Ordering::SeqCst))
+            .sum();
+        admitted.saturating_sub(left) as usize
+    }
+
+    pub(crate) fn totals(&self) -> Totals {
+        let mut t = Totals {
+            delayed: self.delayed_now(),
+            ..Totals::default()
+        };
+        let mut turned_back = 0;
+        for s in self.stripes.iter() {
+            t.registered += s.admitted.load(Ordering::Relaxed);
+            turned_back += s.turned_back.load(Ordering::Relaxed);
+            t.completed += s.completed.load(Ordering::Relaxed);
+            t.expired += s.expired.load(Ordering::Relaxed);
+            t.cancelled += s.cancelled.load(Ordering::Relaxed);
+            t.handed_back += s.handed_back.load(Ordering::Relaxed);
+        }
+        t.registered = t.registered.saturating_sub(turned_back);
+        t
+    }
+}
+
+#[cfg(all(test, not(purgatory_loom)))]
+mod tests {
+    use super::{Books, Fate};
+
+    #[test]
+    fn tombstones_are_counted_once_and_a_dip_reads_as_none() {
+        let b = Books::new(None);
+        b.finished(Fate::Completed, 3); // a three-key operation finished
+        assert_eq!(b.tombstones(), 3);
+        b.tombstones_changed(-2); // two removed by walks
+        assert_eq!(b.tombstones(), 1);
+        b.tombstones_changed(-2); // removed by a cancel just before its finish is counted
+        assert_eq!(b.tombstones(), 0, "a dip reads as none");
+        b.tombstones_changed(2); // the finish of that two-key operation
+        assert_eq!(b.tombstones(), 1);
+    }
+
+    #[test]
+    fn registered_and_pending_follow_from_admissions_and_fates() {
+        let b = Books::new(None);
+        for _ in 0..5 {
+            assert!(b.admit());
+        }
+        b.unadmit();
+        b.finished(Fate::Completed, 0);
+        b.finished(Fate::Expired, 0);
+        let t = b.totals();
+        assert_eq!((t.registered, t.delayed), (4, 2));
+        assert_eq!(
+            (t.completed, t.expired, t.cancelled, t.handed_back),
+            (1, 1, 0, 0)
+        );
+    }
+}
+
+#[cfg(all(test, not(purgatory_loom)))]
+mod limit_tests {
+    use super::{Books, Fate};
+
+    #[test]
+    fn the_limit_admits_up_to_max_pending_and_frees_room_on_each_finish() {
+        let b = Books::new(Some(2));
+        assert!(b.admit());
+        assert!(b.admit());
+        assert!(!b.admit(), "at the limit");
+        b.finished(Fate::Completed, 1);
+        assert!(b.admit(), "a finish freed room");
+        b.unadmit();
+        assert!(b.admit(), "turning back freed room");
+        assert_eq!(b.totals().delayed, 2);
+    }
+}
