@@ -30,354 +30,22 @@
 //!   so each rehash is paid for by the removals before it (amortised O(1)), and its
 //!   memory follows the live key count rather than its peak.
 
+mod hashed;
+mod list;
+
 use std::borrow::Borrow;
-use std::collections::hash_map::RandomState;
-use std::hash::{BuildHasher, BuildHasherDefault, Hash, Hasher};
+use std::hash::{BuildHasherDefault, Hash};
 use std::sync::atomic::{AtomicIsize, AtomicUsize, Ordering};
 
 use dashmap::mapref::entry::Entry;
 use dashmap::DashMap;
-use std::collections::BinaryHeap;
 
+use self::hashed::{Hashed, Lookup, PassThrough};
+pub(crate) use self::hashed::{KeyHasher, Probe};
+use self::list::List;
 use crate::sync::Striped;
 
-/// A stored key with its hash, computed once by the map's hasher.
-#[derive(Debug)]
-struct Hashed<K> {
-    hash: u64,
-    key: K,
-}
-
-/// Hands the stored hash to the table unchanged.
-#[derive(Debug, Default)]
-struct PassThrough(u64);
-
-impl Hasher for PassThrough {
-    fn write(&mut self, _: &[u8]) {
-        unreachable!("only precomputed hashes are written");
-    }
-
-    fn write_u64(&mut self, hash: u64) {
-        self.0 = hash;
-    }
-
-    fn finish(&self) -> u64 {
-        self.0
-    }
-}
-
-impl<K: Clone> Clone for Hashed<K> {
-    fn clone(&self) -> Self {
-        Hashed {
-            hash: self.hash,
-            key: self.key.clone(),
-        }
-    }
-}
-
-impl<K> Hash for Hashed<K> {
-    fn hash<H: Hasher>(&self, h: &mut H) {
-        h.write_u64(self.hash);
-    }
-}
-
-impl<K: Eq> PartialEq for Hashed<K> {
-    fn eq(&self, other: &Self) -> bool {
-        self.hash == other.hash && self.key == other.key
-    }
-}
-
-impl<K: Eq> Eq for Hashed<K> {}
-
-/// What a lookup compares: a hash and a key, stored (`Hashed`) or borrowed
-/// (`Probe`). The table finds lists through `dyn Lookup`, which a stored key
-/// lends itself as, so a lookup needs neither an owned key nor a second hash. A
-/// probe without a key matches any key with its hash: used only to remove lists
-/// already found empty, where taking another empty list of the same hash is as
-/// good.
-trait Lookup<Q: ?Sized> {
-    fn hash(&self) -> u64;
-    fn key(&self) -> Option<&Q>;
-}
-
-impl<K: Borrow<Q>, Q: ?Sized> Lookup<Q> for Hashed<K> {
-    fn hash(&self) -> u64 {
-        self.hash
-    }
-    fn key(&self) -> Option<&Q> {
-        Some(self.key.borrow())
-    }
-}
-
-/// A key looked up by reference (or by hash alone), with its hash. Made once
-/// per call by [`Watchers::probe`], so a call that looks its key up twice (a
-/// walk, then the prune after its checks) hashes it once.
-pub(crate) struct Probe<'a, Q: ?Sized> {
-    hash: u64,
-    key: Option<&'a Q>,
-}
-
-impl<Q: ?Sized> Lookup<Q> for Probe<'_, Q> {
-    fn hash(&self) -> u64 {
-        self.hash
-    }
-    fn key(&self) -> Option<&Q> {
-        self.key
-    }
-}
-
-impl<'a, K: Borrow<Q> + 'a, Q: ?Sized + 'a> Borrow<dyn Lookup<Q> + 'a> for Hashed<K> {
-    fn borrow(&self) -> &(dyn Lookup<Q> + 'a) {
-        self
-    }
-}
-
-impl<Q: ?Sized> Hash for dyn Lookup<Q> + '_ {
-    fn hash<H: Hasher>(&self, h: &mut H) {
-        h.write_u64(Lookup::hash(self));
-    }
-}
-
-impl<Q: ?Sized + Eq> PartialEq for dyn Lookup<Q> + '_ {
-    fn eq(&self, other: &Self) -> bool {
-        Lookup::hash(self) == Lookup::hash(other)
-            && match (self.key(), other.key()) {
-                (Some(a), Some(b)) => a == b,
-                _ => true,
-            }
-    }
-}
-
-impl<Q: ?Sized + Eq> Eq for dyn Lookup<Q> + '_ {}
-
 type Lists<K, V> = DashMap<Hashed<K>, List<V>, BuildHasherDefault<PassThrough>>;
-
-/// A key's watch list: entries in the order they watched, and the hole a purge
-/// in progress leaves behind it.
-///
-/// A purge done in slices compacts a long list as it goes: it moves each live
-/// entry it visits down to the end of the kept part and takes finished ones out,
-/// leaving `None` in `items[hole.0..hole.1]`, and goes on from `hole.1` at its
-/// next slice. A slice so costs its budget, however long the list: closing the
-/// hole after each slice would move the whole rest of the list each time (with
-/// Kafka's semantics every pending operation is on the same few lists, and
-/// those moves came to most of a purge's cost). Every other visit skips the
-/// hole; one that rewrites the list closes it.
-#[derive(Debug)]
-struct List<V> {
-    items: Vec<Option<V>>,
-    /// `items[hole.0..hole.1]` are `None`, all others `Some`. `hole.1` is how
-    /// far the purge in progress has gone; `(0, 0)` when none has begun.
-    hole: (usize, usize),
-    /// The entries watching the key at a level, lowest level first.
-    levels: BinaryHeap<Leveled<V>>,
-    /// Orders entries of equal level by arrival.
-    next_seq: u64,
-}
-
-/// An entry watching its key at `level`.
-#[derive(Debug)]
-struct Leveled<V> {
-    level: u64,
-    seq: u64,
-    v: V,
-}
-
-impl<V> PartialEq for Leveled<V> {
-    fn eq(&self, o: &Self) -> bool {
-        (self.level, self.seq) == (o.level, o.seq)
-    }
-}
-
-impl<V> Eq for Leveled<V> {}
-
-impl<V> PartialOrd for Leveled<V> {
-    fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
-        Some(self.cmp(o))
-    }
-}
-
-impl<V> Ord for Leveled<V> {
-    /// Reversed: `BinaryHeap` is a max-heap, and the lowest level comes first.
-    fn cmp(&self, o: &Self) -> std::cmp::Ordering {
-        (o.level, o.seq).cmp(&(self.level, self.seq))
-    }
-}
-
-impl<V> List<V> {
-    /// A list holding its first entry, plain or at a level, in a buffer of
-    /// one (most keys have few watchers).
-    fn first(level: Option<u64>, v: V) -> Self {
-        let mut list = List {
-            items: Vec::new(),
-            hole: (0, 0),
-            levels: BinaryHeap::new(),
-            next_seq: 0,
-        };
-        match level {
-            None => list.items = vec![Some(v)],
-            Some(level) => list.push_level(level, v),
-        }
-        list
-    }
-
-    /// Entries held (the hole is not counted).
-    fn len(&self) -> usize {
-        self.items.len() - (self.hole.1 - self.hole.0) + self.levels.len()
-    }
-
-    /// Adds an entry watching the key at `level`.
-    fn push_level(&mut self, level: u64, v: V) {
-        let seq = self.next_seq;
-        self.next_seq += 1;
-        self.levels.push(Leveled { level, seq, v });
-    }
-
-    /// The key reached `level`: takes out every level entry at or below it.
-    /// Finished ones go to `out`; each live one is shown to `reached` and put
-    /// back one level above `level`, so that it is still watched while it is
-    /// checked and a later advance asks for it again (a check that said "not
-    /// yet" is so repeated on the next advance, and on no other).
-    fn reach(
-        &mut self,
-        level: u64,
-        finished: impl Fn(&V) -> bool,
-        mut reached: impl FnMut(&V),
-        out: &mut Vec<V>,
-    ) {
-        // An entry put back has a sequence number from `start` on: at `level`
-        // below `u64::MAX` it is above `level` anyway; at `u64::MAX`, where one
-        // above saturates, this is what stops the loop at it.
-        let start = self.next_seq;
-        while self
-            .levels
-            .peek()
-            .is_some_and(|top| top.level <= level && top.seq < start)
-        {
-            let Some(e) = self.levels.pop() else { break };
-            if finished(&e.v) {
-                out.push(e.v);
-            } else {
-                reached(&e.v);
-                self.push_level(level.saturating_add(1), e.v);
-            }
-        }
-    }
-
-    /// Takes the finished level entries out into `out` (a purge's visit).
-    /// Returns how many entries it looked at.
-    fn sweep_levels(&mut self, finished: impl Fn(&V) -> bool, out: &mut Vec<V>) -> usize {
-        let n = self.levels.len();
-        if n > 0 {
-            let mut kept = Vec::with_capacity(n);
-            for e in std::mem::take(&mut self.levels).into_vec() {
-                if finished(&e.v) {
-                    out.push(e.v);
-                } else {
-                    kept.push(e);
-                }
-            }
-            self.levels = BinaryHeap::from(kept);
-        }
-        n
-    }
-
-    fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    fn push(&mut self, v: V) {
-        self.items.push(Some(v));
-    }
-
-    /// Takes out the entries `finished` picks into `out`, in order, showing each
-    /// kept one to `kept`; the hole closes.
-    fn retain(&mut self, finished: impl Fn(&V) -> bool, kept: impl FnMut(&V), out: &mut Vec<V>) {
-        let kept_end = self.compact(0, 0..self.items.len(), finished, kept, out);
-        self.items.truncate(kept_end);
-        self.hole = (0, 0);
-    }
-
-    /// Visits `items[range]`, every entry before `range` from `kept_end` on
-    /// being `None`: takes the finished entries out into `out`, shows each
-    /// kept one to `kept` and moves it down to `kept_end`. Returns the end of
-    /// the kept part; from there to `range.end` all are `None`.
-    fn compact(
-        &mut self,
-        mut kept_end: usize,
-        range: std::ops::Range<usize>,
-        finished: impl Fn(&V) -> bool,
-        mut kept: impl FnMut(&V),
-        out: &mut Vec<V>,
-    ) -> usize {
-        let mut at = range.start;
-        while at < range.end {
-            let chunk = (range.end - at).min(CHUNK);
-            let gone = finished_flags(&self.items[at..at + chunk], &finished);
-            for (i, gone) in gone[..chunk].iter().enumerate() {
-                let slot = &mut self.items[at + i];
-                if *gone {
-                    out.extend(slot.take());
-                } else if let Some(v) = slot {
-                    kept(v);
-                    self.items.swap(kept_end, at + i);
-                    kept_end += 1;
-                }
-            }
-            at += chunk;
-        }
-        kept_end
-    }
-
-    /// One slice of a purge: visits at most `budget` entries from where the
-    /// last slice stopped, takes the finished ones out into `out`, and returns
-    /// how many it visited and whether it reached the end of the list.
-    fn sweep(
-        &mut self,
-        budget: usize,
-        finished: impl Fn(&V) -> bool,
-        out: &mut Vec<V>,
-    ) -> (usize, bool) {
-        let (kept_end, start) = self.hole;
-        let end = start.saturating_add(budget).min(self.items.len());
-        let kept_end = self.compact(kept_end, start..end, &finished, |_| {}, out);
-        if end == self.items.len() {
-            // Only `None`s past the kept part: nothing to drop.
-            self.items.truncate(kept_end);
-            self.hole = (0, 0);
-            // The level entries in one go: a heap has no order to resume in.
-            let levels = self.sweep_levels(finished, out);
-            (end - start + levels, true)
-        } else {
-            self.hole = (kept_end, end);
-            (end - start, false)
-        }
-    }
-
-    fn into_entries(self) -> impl Iterator<Item = V> {
-        self.items
-            .into_iter()
-            .flatten()
-            .chain(self.levels.into_iter().map(|e| e.v))
-    }
-}
-
-/// Entries a walk or a purge asks `finished` about before acting on the answers.
-const CHUNK: usize = 64;
-
-/// Which of `items` (at most [`CHUNK`]) are finished entries. Asked in a pass of
-/// their own, with no branch taken on an answer: each question reads an
-/// operation's state, mostly a cache miss (the cells of a long list are spread
-/// over the heap and were last touched by other threads), and independent
-/// reads let the processor fetch many cells at once instead of one after the
-/// other. The pass that acts on the answers then finds the cells in cache.
-fn finished_flags<V>(items: &[Option<V>], finished: impl Fn(&V) -> bool) -> [bool; CHUNK] {
-    let mut gone = [false; CHUNK];
-    for (flag, item) in gone.iter_mut().zip(items) {
-        *flag = item.as_ref().is_some_and(&finished);
-    }
-    gone
-}
 
 /// Adds `n` to the calling thread's stripe of the entry count.
 fn count_in(stripes: &Striped<AtomicIsize>, n: isize) {
@@ -409,52 +77,6 @@ impl<'a> Tally<'a> {
 impl Drop for Tally<'_> {
     fn drop(&mut self) {
         count_in(self.stripes, (*self.added - self.before) as isize);
-    }
-}
-
-/// The hasher keys are hashed with: std's `RandomState` (the default, called
-/// directly), or one the user chose, called through a trait object so that the
-/// types holding the map do not carry its type.
-pub(crate) enum KeyHasher {
-    Std(RandomState),
-    Chosen(Box<dyn HashWith>),
-}
-
-/// A `BuildHasher` seen through a trait object: builds a hasher, lets `feed`
-/// write the key into it, and returns the hash.
-pub(crate) trait HashWith: Send + Sync {
-    fn hash_with(&self, feed: &mut dyn FnMut(&mut dyn Hasher)) -> u64;
-}
-
-impl<S: BuildHasher + Send + Sync> HashWith for S {
-    fn hash_with(&self, feed: &mut dyn FnMut(&mut dyn Hasher)) -> u64 {
-        let mut h = self.build_hasher();
-        feed(&mut h);
-        h.finish()
-    }
-}
-
-impl KeyHasher {
-    /// The hasher `s`; std's `RandomState` is recognised and called directly.
-    pub(crate) fn new<S: BuildHasher + Send + Sync + 'static>(s: S) -> KeyHasher {
-        let mut s = Some(s);
-        match (&mut s as &mut dyn std::any::Any).downcast_mut::<Option<RandomState>>() {
-            Some(std) => KeyHasher::Std(std.take().expect("just made")),
-            None => KeyHasher::Chosen(Box::new(s.take().expect("just made"))),
-        }
-    }
-
-    fn hash_one<Q: Hash + ?Sized>(&self, key: &Q) -> u64 {
-        match self {
-            KeyHasher::Std(s) => s.hash_one(key),
-            KeyHasher::Chosen(s) => s.hash_with(&mut |mut h| key.hash(&mut h)),
-        }
-    }
-}
-
-impl Default for KeyHasher {
-    fn default() -> Self {
-        KeyHasher::Std(RandomState::new())
     }
 }
 
@@ -820,6 +442,7 @@ fn is_sparse(keys: usize, capacity: usize) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::hash::Hasher;
 
     /// Watches `key` with `v`, hashing the key as registration does.
     fn watch_one<K: Hash + Eq + Clone, V: Clone>(w: &Watchers<K, V>, key: &K, v: &V) {
@@ -834,46 +457,6 @@ mod tests {
         let mut r = Removed::default();
         w.take(&k, &mut r);
         r.entries
-    }
-
-    /// Walks and purge slices ask about entries a chunk at a time: across
-    /// chunk boundaries and slices that end mid-chunk, live entries keep their
-    /// order and finished ones come out in theirs.
-    #[test]
-    fn chunked_walks_and_slices_keep_order() {
-        let n = 3 * CHUNK as u32 + 5;
-        let finished = |v: &u32| v.is_multiple_of(3);
-        let live: Vec<u32> = (0..n).filter(|v| !finished(v)).collect();
-        let gone: Vec<u32> = (0..n).filter(finished).collect();
-
-        let mut list = List::first(None, 0u32);
-        (1..n).for_each(|v| list.push(v));
-        let (mut kept, mut out) = (Vec::new(), Vec::new());
-        list.retain(finished, |v| kept.push(*v), &mut out);
-        assert_eq!((kept, out), (live.clone(), gone.clone()));
-        assert_eq!(
-            list.items,
-            live.iter().map(|v| Some(*v)).collect::<Vec<_>>()
-        );
-
-        let mut list = List::first(None, 0u32);
-        (1..n).for_each(|v| list.push(v));
-        let mut out = Vec::new();
-        let mut slices = 0;
-        while !list.sweep(CHUNK + 7, finished, &mut out).1 {
-            slices += 1;
-            // A walk between slices closes the hole and keeps the order.
-            if slices == 1 {
-                let mut seen = Vec::new();
-                list.retain(|_| false, |v| seen.push(*v), &mut Vec::new());
-                assert!(seen.windows(2).all(|w| w[0] < w[1]), "{seen:?}");
-            }
-        }
-        assert_eq!(out, gone);
-        assert_eq!(
-            list.items,
-            live.iter().map(|v| Some(*v)).collect::<Vec<_>>()
-        );
     }
 
     #[test]
@@ -967,42 +550,6 @@ mod tests {
         }
         assert_eq!(HASHES.load(Ordering::SeqCst), 9_990, "shrinking re-hashed");
         assert!(capacity(&w) < 5_000 / 8, "the table did shrink");
-    }
-
-    /// The table is only ever handed precomputed hashes: a key's own `Hash`
-    /// never reaches it (that would hash the key a second time, under the lock).
-    #[test]
-    #[should_panic(expected = "only precomputed hashes")]
-    fn the_pass_through_hasher_takes_no_bytes() {
-        PassThrough::default().write(b"a key");
-    }
-
-    /// Stored keys and probes compare by hash and key; a probe without a key
-    /// matches by hash alone (used only to remove lists found empty).
-    #[test]
-    fn lookups_compare_hash_and_key() {
-        let stored = |hash, key: u32| Hashed { hash, key };
-        assert!(stored(1, 7) == stored(1, 7));
-        assert!(stored(1, 7) != stored(1, 8), "same hash, other key");
-        assert!(stored(1, 7) != stored(2, 7), "same key, other hash");
-        fn probe(hash: u64, key: Option<&u32>) -> Probe<'_, u32> {
-            Probe { hash, key }
-        }
-        let s = stored(1, 7);
-        let s_dyn: &dyn Lookup<u32> = &s;
-        assert_eq!(s_dyn.key(), Some(&7));
-        assert!(s_dyn == &probe(1, Some(&7)) as &dyn Lookup<u32>);
-        assert!(
-            s_dyn != &probe(1, Some(&8)) as &dyn Lookup<u32>,
-            "a collision is not a match"
-        );
-        assert!(s_dyn != &probe(2, Some(&7)) as &dyn Lookup<u32>);
-        assert!(
-            s_dyn == &probe(1, None) as &dyn Lookup<u32>,
-            "by hash alone"
-        );
-        assert!(s_dyn != &probe(2, None) as &dyn Lookup<u32>);
-        assert_eq!(probe(3, Some(&9)).key(), Some(&9));
     }
 
     #[test]
