@@ -323,8 +323,6 @@ where
         }
     }
 
-    /// Records the timer entry, or removes it at once if the operation finished
-    /// while it was being inserted.
     /// Moves the operation's timeout to `deadline` (`now` is the caller's
     /// reading of the clock); see [`OpRef::reset_at`](super::OpRef::reset_at).
     pub(crate) fn reset(&self, now: tokio::time::Instant, deadline: tokio::time::Instant) -> bool {
@@ -336,6 +334,8 @@ where
             .move_timer(|key| core.reset(key, now, deadline))
     }
 
+    /// Records the timer entry, or removes it at once if the operation finished
+    /// while it was being inserted.
     pub(crate) fn set_timer(&self, key: TimerKey) {
         if !self.delivery.set_timer(key, || self.is_finished()) {
             drop(self.shared.core.remove(key));
