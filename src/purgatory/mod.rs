@@ -26,15 +26,14 @@ use tokio::time::Instant;
 
 use self::books::Fate;
 pub use self::builder::PurgatoryBuilder;
-use self::cell::{Checked, OpCell};
+use self::cell::OpCell;
 pub use self::error::{OperationError, WatchError, WatchErrorKind};
 pub use self::handle::{OpRef, OperationHandle};
 pub use self::keys::Watch;
 use self::keys::Watches;
 pub use self::operation::{Completion, Operation, WatchKey};
-use self::shared::{closed_refusal, Expiry, Shared};
+use self::shared::{closed_refusal, Shared};
 use crate::clock::deadline_after;
-use crate::core::Refused;
 use crate::settings::Settings;
 use crate::sync::thread_index;
 use crate::watchers::Removed;
@@ -644,7 +643,7 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
     /// code: `Hash`, once for each key, and `Eq`).
     fn register<I>(
         &self,
-        mut op: O,
+        op: O,
         now: Instant,
         deadline: Instant,
         make: impl FnOnce(I) -> (Watches<K>, Vec<K>),
@@ -662,36 +661,19 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
                 resume_unwind(panic);
             }
         };
-        if keys.is_empty() {
-            return Err(WatchError::NoKeys(op));
-        }
-        if let Some(why) = shared.core.closed() {
-            shared.drop_keys(keys);
-            return Err(closed_refusal(op, why));
-        }
-        if !shared.admit() {
-            shared.drop_keys(keys);
-            return Err(WatchError::AtCapacity(op));
-        }
-        if shared.turned_back() {
-            shared.drop_keys(keys);
-            return Err(WatchError::Draining(op));
-        }
+        let (mut op, keys) = shared.admit(op, keys)?;
         tracing::trace!(purgatory = &*shared.name, keys = keys.len(), "register");
 
-        match catch_unwind(AssertUnwindSafe(|| op.try_complete())) {
-            Ok(Some(output)) => {
-                shared.on_finished(Fate::Completed, 0);
-                shared.drop_contained("drop of an operation", op);
-                shared.drop_keys(keys);
-                return Ok(OperationHandle::ready(Completion::Completed(output)));
-            }
-            Ok(None) => {}
-            Err(panic) => shared.panics.caught("try_complete", panic),
+        // Check (Kafka's `tryComplete`): done at once, nothing is watched.
+        if let Some(output) = shared.first_check(&mut op) {
+            shared.on_finished(Fate::Completed, 0);
+            shared.drop_contained("drop of an operation", op);
+            shared.drop_keys(keys);
+            return Ok(OperationHandle::ready(Completion::Completed(output)));
         }
 
-        // The cell starts owned by this thread's check: until the second check
-        // below, events only ask for it, and nothing can finish the operation.
+        // Watch. The cell starts owned by this thread's check: until the
+        // second check, events only ask for it, and nothing can finish it.
         let me = thread_index();
         let cell = Arc::new(OpCell::registering(
             op,
@@ -699,69 +681,22 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
             shared.clone(),
             me,
         ));
-        let mut added = 0;
-        let mut spare = Vec::new();
-        let watched = catch_unwind(AssertUnwindSafe(|| {
-            shared
-                .watchers
-                .watch(keys.keys.iter(), &cell, &mut added, &mut spare);
-            shared.watchers.watch_levels(
-                keys.levels.iter().map(|(h, k, l)| (*h, k, *l)),
-                &cell,
-                &mut added,
-                &mut spare,
-            );
-        }));
-        shared.drop_keys(spare);
-        if let Err(panic) = watched {
-            // A key's code panicked: undo. The entries made are tombstones now.
-            let op = cell.abandon_registration();
-            shared.books.tombstones_changed(added as i64);
-            shared.unadmit();
-            drop(cell);
-            shared.drop_contained("drop of an operation", op);
-            shared.drop_keys(keys);
-            resume_unwind(panic);
-        }
+        let keys = shared.watch(&cell, keys);
 
-        let refused = match cell.run_checks(me) {
-            Checked::Completed | Checked::Expired => None,
-            Checked::Cancelled(op) => match shared.core.closed() {
-                // A shutdown took the entries meanwhile: hand the operation back.
-                Some(why) => {
-                    cell.finish(Err(why.into()), Fate::HandedBack, true);
-                    Some((op, why))
-                }
-                None => {
-                    // Cancelled by key meanwhile.
-                    shared.drop_contained("drop of an operation", op);
-                    cell.finish(Err(OperationError::Cancelled), Fate::Cancelled, true);
-                    None
-                }
-            },
-            Checked::Pending => match shared.core.insert(now, deadline, Expiry(cell.clone())) {
-                Ok(key) => {
-                    cell.set_timer(key);
-                    None
-                }
-                Err(Refused::Closed(job, why)) => {
-                    drop(job);
-                    // A shutdown ran during registration. If it did not take the
-                    // operation, hand it back here.
-                    cell.cancel(why.into(), Fate::HandedBack)
-                        .map(|op| (op, why))
-                }
-                Err(Refused::AtCapacity(_)) => unreachable!("the purgatory's timer has no limit"),
-            },
-        };
-        if let Some((op, why)) = refused {
-            cell.detach();
-            shared.drop_keys(keys);
-            return Err(closed_refusal(op, why));
-        }
-        shared.maybe_purge();
+        // Check again (an event during the watch is not lost), and arm the
+        // timeout of an operation still pending.
+        let settled = shared.settle(&cell, me, now, deadline);
         shared.drop_keys(keys);
-        Ok(OperationHandle::waiting(cell))
+        match settled {
+            Ok(()) => {
+                shared.maybe_purge();
+                Ok(OperationHandle::waiting(cell))
+            }
+            Err((op, why)) => {
+                cell.detach();
+                Err(closed_refusal(op, why))
+            }
+        }
     }
 
     /// Runs `collect` (which copies live cells out of the watcher map into its

@@ -1,16 +1,20 @@
 //! What every purgatory handle and operation cell share: the timer core, the
 //! watcher map, the books, the purge, the kept buffers, and how closing works.
 
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, TryLockError};
 
+use tokio::time::Instant;
+
 use super::books::{Books, Fate};
-use super::cell::OpCell;
+use super::cell::{Checked, OpCell};
 use super::error::{OperationError, WatchError};
+use super::keys::Watches;
 use super::operation::Operation;
 use super::WatchKey;
 use crate::contain::Panics;
-use crate::core::{Closed, Core, Job};
+use crate::core::{Closed, Core, Job, Refused};
 use crate::sync::{Padded, Striped};
 use crate::watchers::{KeyHasher, Removed, Sweep, Watchers};
 
@@ -168,25 +172,114 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         drop(buffers);
     }
 
-    /// Counts an operation in, unless the purgatory holds `max_pending` already.
-    pub(crate) fn admit(&self) -> bool {
-        self.books.admit()
+    /// Takes a registration in (counted in the books), or refuses it, dropping
+    /// its keys and handing `op` back: no keys, the purgatory is closed, at its
+    /// limit, or draining.
+    pub(crate) fn admit(&self, op: O, keys: Watches<K>) -> Result<(O, Watches<K>), WatchError<O>> {
+        if keys.is_empty() {
+            return Err(WatchError::NoKeys(op));
+        }
+        let refusal = if let Some(why) = self.core.closed() {
+            closed_refusal(op, why)
+        } else if !self.books.admit() {
+            WatchError::AtCapacity(op)
+        } else if self.books.turn_back_if_draining() {
+            WatchError::Draining(op)
+        } else {
+            return Ok((op, keys));
+        };
+        self.drop_keys(keys);
+        Err(refusal)
     }
 
-    /// Undoes [`admit`](Self::admit) for an operation that never registered.
-    pub(crate) fn unadmit(&self) {
-        self.books.unadmit();
+    /// A registration's first check, before anything is watched; a panic in
+    /// it is contained (and counts as "not yet").
+    pub(crate) fn first_check(&self, op: &mut O) -> Option<O::Output> {
+        match catch_unwind(AssertUnwindSafe(|| op.try_complete())) {
+            Ok(out) => out,
+            Err(panic) => {
+                self.panics.caught("try_complete", panic);
+                None
+            }
+        }
+    }
+
+    /// Watches `cell` under `keys`, and hands the keys back. When a key's code
+    /// panics part-way, undoes the registration before the panic goes on: the
+    /// entries made are tombstones, the operation is turned back (not counted
+    /// as registered) and dropped, and the keys are dropped.
+    pub(crate) fn watch(&self, cell: &Arc<OpCell<K, O>>, keys: Watches<K>) -> Watches<K> {
+        let mut added = 0;
+        let mut spare = Vec::new();
+        let watched = catch_unwind(AssertUnwindSafe(|| {
+            self.watchers
+                .watch(keys.keys.iter(), cell, &mut added, &mut spare);
+            self.watchers.watch_levels(
+                keys.levels.iter().map(|(h, k, l)| (*h, k, *l)),
+                cell,
+                &mut added,
+                &mut spare,
+            );
+        }));
+        self.drop_keys(spare);
+        if let Err(panic) = watched {
+            let op = cell.abandon_registration();
+            self.books.tombstones_changed(added as i64);
+            self.books.unadmit();
+            self.drop_contained("drop of an operation", op);
+            self.drop_keys(keys);
+            resume_unwind(panic);
+        }
+        keys
+    }
+
+    /// The end of a registration, its cell watched and its check owned by
+    /// `me`: checks again, and arms the timeout of an operation still pending.
+    /// Hands the operation back when a shutdown took it meanwhile.
+    pub(crate) fn settle(
+        &self,
+        cell: &Arc<OpCell<K, O>>,
+        me: u64,
+        now: Instant,
+        deadline: Instant,
+    ) -> Result<(), (O, Closed)> {
+        match cell.run_checks(me) {
+            Checked::Completed | Checked::Expired => Ok(()),
+            Checked::Cancelled(op) => match self.core.closed() {
+                // A shutdown took the entries meanwhile: hand the operation back.
+                Some(why) => {
+                    cell.finish(Err(why.into()), Fate::HandedBack, true);
+                    Err((op, why))
+                }
+                None => {
+                    // Cancelled by key meanwhile.
+                    self.drop_contained("drop of an operation", op);
+                    cell.finish(Err(OperationError::Cancelled), Fate::Cancelled, true);
+                    Ok(())
+                }
+            },
+            Checked::Pending => match self.core.insert(now, deadline, Expiry(cell.clone())) {
+                Ok(key) => {
+                    cell.set_timer(key);
+                    Ok(())
+                }
+                Err(Refused::Closed(job, why)) => {
+                    drop(job);
+                    // A shutdown ran during registration. If it did not take the
+                    // operation, hand it back here.
+                    match cell.cancel(why.into(), Fate::HandedBack) {
+                        Some(op) => Err((op, why)),
+                        None => Ok(()),
+                    }
+                }
+                Err(Refused::AtCapacity(_)) => unreachable!("the purgatory's timer has no limit"),
+            },
+        }
     }
 
     /// Operations registered and not finished.
     pub(crate) fn delayed(&self) -> usize {
         self.books.delayed_now()
-    }
-
-    /// Whether an admitted registration must turn back because the purgatory
-    /// is draining (then it is unadmitted).
-    pub(crate) fn turned_back(&self) -> bool {
-        self.books.turn_back_if_draining()
     }
 
     /// Stops taking operations and waits until none is pending.
