@@ -368,15 +368,20 @@ mod wheel;
 #[allow(unreachable_pub)]
 mod test_rng;
 
+// One rule for both public modules: the crate root re-exports every public
+// item of `purgatory` and `timer`, so either path names the same item.
 pub use purgatory::{
     Completion, OpRef, Operation, OperationError, OperationHandle, Purgatory, PurgatoryBuilder,
     PurgatoryMetrics, Watch, WatchError, WatchErrorKind, WatchKey, WeakPurgatory,
 };
 pub use reaper::Reaper;
 pub use settings::BuildError;
+pub use timer::{
+    ScheduleError, Sleep, Timeout, TimeoutError, TimeoutFuture, TimeoutStatus, Timer, TimerBuilder,
+    TimerError, TimerMetrics, UnrunTask, WeakTimer,
+};
 
 /// The README's Rust examples, compiled and run as doc tests.
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;
-pub use timer::{Timer, TimerBuilder};

@@ -144,7 +144,29 @@ impl WeakTimer {
     }
 }
 
+/// A timer with default settings, as [`Timer::new`].
+///
+/// # Panics
+///
+/// Outside a Tokio runtime, as [`Timer::new`] does ([`Purgatory`](crate::Purgatory)
+/// has no `Default` for that reason; the timer keeps its for the common
+/// `#[derive(Default)]` on a struct built inside a runtime). Use
+/// [`Timer::builder`] and `build` or `build_on` for an error instead.
+///
+/// # Examples
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// #[derive(Default)]
+/// struct Session {
+///     timer: tokio_purgatory::Timer,
+/// }
+/// let session = Session::default();
+/// assert!(session.timer.is_empty());
+/// # }
+/// ```
 impl Default for Timer {
+    #[track_caller]
     fn default() -> Self {
         Timer::new()
     }
