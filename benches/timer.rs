@@ -501,17 +501,8 @@ fn parse_row(line: &str) -> Option<Row> {
     })
 }
 
-fn loadavg() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .map(|s| s.split_whitespace().next().unwrap_or("?").to_string())
-        .unwrap_or_else(|_| "?".into())
-}
-
-/// Median, min and max.
-fn spread(mut v: Vec<f64>) -> (f64, f64, f64) {
-    v.sort_by(f64::total_cmp);
-    (v[v.len() / 2], v[0], v[v.len() - 1])
-}
+#[path = "../tests/support/runs.rs"]
+mod runs;
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
@@ -530,32 +521,31 @@ fn main() {
         .max(1);
 
     // Every run in its own process, interleaved: A B C D A B C D ...
-    let exe = std::env::current_exe().expect("own path");
-    let mut rows: Vec<Row> = Vec::new();
-    for rep in 1..=repeat {
-        for (flavour, producers) in CONFIGS {
-            for name in IMPLS {
-                eprintln!(
-                    "# run {rep}/{repeat}: {name} {flavour} x{producers} (load average {})",
-                    loadavg()
-                );
-                let mut cmd = std::process::Command::new(&exe);
-                cmd.args(["--child", name, flavour, &producers.to_string()]);
-                if quick {
-                    cmd.arg("--quick");
-                }
-                let out = cmd.output().expect("run a child");
-                let text = String::from_utf8_lossy(&out.stdout);
-                match text.lines().find_map(parse_row) {
-                    Some(r) => rows.push(r),
-                    None => panic!(
-                        "child {name} {flavour} x{producers} failed: {}",
-                        String::from_utf8_lossy(&out.stderr)
-                    ),
-                }
+    let configs: Vec<(&str, &str, usize)> = CONFIGS
+        .iter()
+        .flat_map(|&(flavour, producers)| IMPLS.iter().map(move |&name| (name, flavour, producers)))
+        .collect();
+    let rows: Vec<Row> = runs::interleave(
+        repeat,
+        &configs,
+        |(name, flavour, producers)| format!("{name} {flavour} x{producers}"),
+        |&(name, flavour, producers)| {
+            let producers = producers.to_string();
+            let mut args = vec!["--child", name, flavour, &producers];
+            if quick {
+                args.push("--quick");
             }
-        }
-    }
+            runs::child(args).and_then(|text| text.lines().find_map(parse_row))
+        },
+    )
+    .into_iter()
+    .map(|(_, row)| row)
+    .collect();
+    assert_eq!(
+        rows.len(),
+        configs.len() * repeat,
+        "a child run failed (its error is above)"
+    );
 
     // Bytes per pending timer: exact counts, the same in every run; once each.
     let rt = runtime("current_thread");
@@ -581,11 +571,11 @@ fn main() {
     let mut medians: Vec<(&str, &str, usize, f64, f64)> = Vec::new();
     for (flavour, producers) in CONFIGS {
         for name in IMPLS {
-            let runs: Vec<&Row> = rows
+            let these: Vec<&Row> = rows
                 .iter()
                 .filter(|r| r.name == name && r.flavour == flavour && r.producers == producers)
                 .collect();
-            let col = |f: fn(&Row) -> f64| spread(runs.iter().map(|r| f(r)).collect());
+            let col = |f: fn(&Row) -> f64| runs::spread(these.iter().map(|r| f(r)));
             let (s, s0, s1) = col(|r| r.schedule_rate / 1e6);
             let (c, c0, c1) = col(|r| r.cancel_rate / 1e6);
             let (p50, ..) = col(|r| r.p50 as f64 / 1000.0);

@@ -192,23 +192,22 @@ fn print_row(r: &Row) {
 }
 
 fn child(o: &Opts, p: u64, way: Way) -> Option<Row> {
-    let exe = std::env::current_exe().ok()?;
     let way = match way {
         Way::Walk => "walk",
         Way::Levels => "levels",
     };
-    let out = std::process::Command::new(exe)
-        .args(["--p", &p.to_string(), "--way", way])
-        .args([
-            "--batch",
-            &o.batch.to_string(),
-            "--step",
-            &o.step.to_string(),
-        ])
-        .args(["--budget", &o.budget.to_string()])
-        .output()
-        .ok()?;
-    let text = String::from_utf8_lossy(&out.stdout);
+    let text = runs::child([
+        "--p".to_string(),
+        p.to_string(),
+        "--way".into(),
+        way.into(),
+        "--batch".into(),
+        o.batch.to_string(),
+        "--step".into(),
+        o.step.to_string(),
+        "--budget".into(),
+        o.budget.to_string(),
+    ])?;
     let line = text.lines().find(|l| l.starts_with("ROW\t"))?;
     let v: Vec<f64> = line
         .split('\t')
@@ -223,72 +222,53 @@ fn child(o: &Opts, p: u64, way: Way) -> Option<Row> {
     })
 }
 
-/// Median and [min..max] of `xs`.
-fn summary(xs: &mut [f64]) -> (f64, f64, f64) {
-    xs.sort_by(|a, b| a.total_cmp(b));
-    (xs[xs.len() / 2], xs[0], xs[xs.len() - 1])
-}
-
-fn fmt(xs: &mut [f64]) -> String {
-    let (m, lo, hi) = summary(xs);
-    format!("{m:.1} [{lo:.1}..{hi:.1}]")
-}
-
-fn load() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .unwrap_or_default()
-        .split_whitespace()
-        .next()
-        .unwrap_or("?")
-        .to_string()
-}
+#[path = "../tests/support/runs.rs"]
+mod runs;
 
 fn compare(o: &Opts) {
     let ways = [Way::Walk, Way::Levels];
+    let configs: Vec<(usize, u64, usize, Way)> =
+        o.ps.iter()
+            .enumerate()
+            .flat_map(|(i, &p)| ways.iter().enumerate().map(move |(j, &w)| (i, p, j, w)))
+            .collect();
     let mut rows: Vec<Vec<Vec<Row>>> =
         o.ps.iter()
             .map(|_| ways.iter().map(|_| Vec::new()).collect())
             .collect();
-    for round in 0..o.repeat {
-        for (i, &p) in o.ps.iter().enumerate() {
-            for (j, &way) in ways.iter().enumerate() {
-                eprintln!("round {round}: P {p} {way:?} (load {})", load());
-                match child(o, p, way) {
-                    Some(r) => rows[i][j].push(r),
-                    None => eprintln!("  run failed"),
-                }
-            }
-        }
+    let results = runs::interleave(
+        o.repeat,
+        &configs,
+        |&(_, p, _, way)| format!("P {p} {way:?}"),
+        |&(_, p, _, way)| child(o, p, way),
+    );
+    for (c, r) in results {
+        let (i, _, j, _) = configs[c];
+        rows[i][j].push(r);
     }
     println!(
         "| P | way | checks per advance | CPU per completed produce, ns | latency p50 / p99, µs | CPU walk / levels |"
     );
     println!("|---|---|---|---|---|---|");
     for (i, &p) in o.ps.iter().enumerate() {
-        let cpu_median = |j: usize| {
-            let mut v: Vec<f64> = rows[i][j].iter().map(|r| r.cpu_ns_per_op).collect();
-            summary(&mut v).0
-        };
+        let cpu_median = |j: usize| runs::spread(rows[i][j].iter().map(|r| r.cpu_ns_per_op)).0;
         let ratio = cpu_median(0) / cpu_median(1);
         for (j, way) in ways.iter().enumerate() {
             let rs = &rows[i][j];
             if rs.is_empty() {
                 continue;
             }
-            let mut c: Vec<f64> = rs.iter().map(|r| r.checks_per_advance).collect();
-            let mut cpu: Vec<f64> = rs.iter().map(|r| r.cpu_ns_per_op).collect();
-            let mut l50: Vec<f64> = rs.iter().map(|r| r.lat_p50_us).collect();
-            let mut l99: Vec<f64> = rs.iter().map(|r| r.lat_p99_us).collect();
+            let col = |f: fn(&Row) -> f64| runs::spread(rs.iter().map(f));
             println!(
                 "| {p} | {} | {} | {} | {} / {} | {} |",
                 match way {
                     Way::Walk => "walk",
                     Way::Levels => "levels",
                 },
-                fmt(&mut c),
-                fmt(&mut cpu),
-                summary(&mut l50).0,
-                summary(&mut l99).0,
+                runs::cell(col(|r| r.checks_per_advance), 1),
+                runs::cell(col(|r| r.cpu_ns_per_op), 1),
+                col(|r| r.lat_p50_us).0,
+                col(|r| r.lat_p99_us).0,
                 if j == 0 {
                     format!("{ratio:.0}x")
                 } else {

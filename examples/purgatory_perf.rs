@@ -1146,52 +1146,47 @@ fn parse_row(line: &str) -> Option<Row> {
 
 /// Runs one configuration in a child process and returns its result row.
 fn child(o: &Opts, imp: Imp, rate: f64) -> Option<String> {
-    let exe = std::env::current_exe().ok()?;
-    let out = std::process::Command::new(exe)
-        .args([
-            "--num",
-            &o.num.to_string(),
-            "--rate",
-            &rate.to_string(),
-            "--keys",
-            &o.keys.to_string(),
-            "--key-space-size",
-            &o.key_space.to_string(),
-            "--timeout",
-            &o.timeout_ms.to_string(),
-            "--pct50",
-            &o.pct50.to_string(),
-            "--pct75",
-            &o.pct75.to_string(),
-            "--size",
-            &o.size.to_string(),
-            "--mode",
-            &name(&o.mode),
-            "--impl",
-            &name(&imp),
-            "--runtime",
-            &name(&o.runtime),
-            "--generators",
-            &o.generators.to_string(),
-            "--quiet",
-        ])
-        .args(o.tick_us.map(|us| format!("--tick-us={us}")))
-        .args(o.shared_keys.then_some("--shared-keys"))
-        .stderr(std::process::Stdio::inherit())
-        .output()
-        .ok()?;
-    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    let mut args: Vec<String> = [
+        "--num",
+        &o.num.to_string(),
+        "--rate",
+        &rate.to_string(),
+        "--keys",
+        &o.keys.to_string(),
+        "--key-space-size",
+        &o.key_space.to_string(),
+        "--timeout",
+        &o.timeout_ms.to_string(),
+        "--pct50",
+        &o.pct50.to_string(),
+        "--pct75",
+        &o.pct75.to_string(),
+        "--size",
+        &o.size.to_string(),
+        "--mode",
+        &name(&o.mode),
+        "--impl",
+        &name(&imp),
+        "--runtime",
+        &name(&o.runtime),
+        "--generators",
+        &o.generators.to_string(),
+        "--quiet",
+    ]
+    .iter()
+    .map(|a| a.to_string())
+    .collect();
+    args.extend(o.tick_us.map(|us| format!("--tick-us={us}")));
+    if o.shared_keys {
+        args.push("--shared-keys".into());
+    }
+    let text = runs::child(args)?;
     text.lines()
         .find_map(|l| l.strip_prefix("ROW\t").map(str::to_string))
 }
 
-/// The 1-minute load average, to show the machine was quiet.
-fn loadavg() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .ok()
-        .and_then(|s| s.split_whitespace().next().map(str::to_string))
-        .unwrap_or_else(|| "?".into())
-}
+#[path = "../tests/support/runs.rs"]
+mod runs;
 
 const IMPS: [Imp; 3] = [Imp::Purgatory, Imp::Task, Imp::Fair];
 /// `--compare` also runs the harness alone, to show the floor under every run.
@@ -1200,55 +1195,37 @@ const WITH_FLOOR: [Imp; 4] = [Imp::Purgatory, Imp::Task, Imp::Fair, Imp::Floor];
 /// Runs every implementation `o.repeat` times at `rate`, interleaved, and returns
 /// the rows, raw and parsed (printed as they come).
 fn interleaved(o: &Opts, rate: f64, floor: bool) -> Vec<(String, Row)> {
-    let mut rows = Vec::new();
     let imps: Vec<Imp> = (if floor { &WITH_FLOOR[..] } else { &IMPS[..] })
         .iter()
         .copied()
         .filter(|i| o.impls.as_ref().is_none_or(|only| only.contains(i)))
         .collect();
-    for rep in 1..=o.repeat {
-        for &imp in &imps {
-            eprintln!(
-                "# run {rep}/{} of {} at {rate:.0}/s (load average {})",
-                o.repeat,
-                name(&imp),
-                loadavg()
-            );
-            match child(o, imp, rate) {
-                Some(r) => {
-                    println!("{rate:.0}\t{r}");
-                    if let Some(parsed) = parse_row(&r) {
-                        rows.push((format!("{rate:.0}\t{r}"), parsed));
-                    }
-                }
-                None => println!("{rate:.0}\t{}\t(failed)", name(&imp)),
+    runs::interleave(
+        o.repeat as usize,
+        &imps,
+        |imp| format!("{} at {rate:.0}/s", name(imp)),
+        |&imp| match child(o, imp, rate) {
+            Some(r) => {
+                println!("{rate:.0}\t{r}");
+                let parsed = parse_row(&r)?;
+                Some((format!("{rate:.0}\t{r}"), parsed))
             }
-        }
-    }
-    rows
-}
-
-/// Median, min and max.
-fn spread(mut v: Vec<f64>) -> (f64, f64, f64) {
-    v.sort_by(f64::total_cmp);
-    if v.is_empty() {
-        return (f64::NAN, f64::NAN, f64::NAN);
-    }
-    let mid = if v.len() % 2 == 1 {
-        v[v.len() / 2]
-    } else {
-        (v[v.len() / 2 - 1] + v[v.len() / 2]) / 2.0
-    };
-    (mid, v[0], v[v.len() - 1])
+            None => {
+                println!("{rate:.0}\t{}\t(failed)", name(&imp));
+                None
+            }
+        },
+    )
+    .into_iter()
+    .map(|(_, row)| row)
+    .collect()
 }
 
 fn summary(o: &Opts, rows: &[Row]) {
     let col = |imp: &str, f: fn(&Row) -> f64| -> (f64, f64, f64) {
-        spread(rows.iter().filter(|r| r.imp == imp).map(f).collect())
+        runs::spread(rows.iter().filter(|r| r.imp == imp).map(f))
     };
-    let cell = |(m, lo, hi): (f64, f64, f64), digits: usize| {
-        format!("{m:.digits$} [{lo:.digits$}..{hi:.digits$}]")
-    };
+    let cell = runs::cell;
     println!();
     println!(
         "mode {}, {} runtime, {} generator(s), {} requests at {:.0}/s, {} keys of {}, timeout {} ms; medians of {} runs [min..max]",
@@ -1360,9 +1337,8 @@ fn draw(rows: &[Row], path: &str, title: &str, y_desc: &str, y: fn(&Row) -> f64,
                 let ys = rows
                     .iter()
                     .filter(|r| r.imp == name(imp) && r.target_rate.round() == t)
-                    .map(y)
-                    .collect();
-                (t, spread(ys).0)
+                    .map(y);
+                (t, runs::spread(ys).0)
             })
             .collect();
         chart
