@@ -126,6 +126,7 @@ impl Hub {
     }
 
     /// Wakes the reaper task (a core's target moved earlier, or is overdue).
+    #[inline]
     pub(crate) fn wake(&self) {
         self.notify.notify_one();
     }

@@ -39,6 +39,7 @@ impl WakeTarget {
     /// An entry due at `tick` was inserted (after it is in the wheel). Lowers the
     /// target to `tick`; returns whether the reaper must be notified: it is asleep
     /// and would wake later than `tick`.
+    #[inline]
     pub(crate) fn lower(&self, tick: u64) -> bool {
         let tick = tick.min(NEVER);
         let mut cur = self.0.load(Ordering::SeqCst);
@@ -73,6 +74,7 @@ impl WakeTarget {
     /// caller that finds the target ahead, or a turn already claimed, pays one
     /// atomic load. While claimed, inserts lower the target silently, as during a
     /// turn; the notification makes the reaper take the turn that ends the claim.
+    #[inline]
     pub(crate) fn overdue(&self, now: u64) -> bool {
         let cur = self.0.load(Ordering::SeqCst);
         if cur & TURNING != 0 || cur & NEVER > now {
