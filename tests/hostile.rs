@@ -12,7 +12,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use tokio::time::{advance, Instant};
-use tokio_purgatory::{Completion, Operation, OperationError, Purgatory, Timer};
+use tokio_purgatory::{Completion, Operation, OperationError, Purgatory, Timer, Watch};
 
 mod support;
 use support::{balanced, ms, settle};
@@ -964,4 +964,133 @@ async fn a_timer_task_whose_panic_payload_panics_on_drop_stops_nothing() {
     assert_eq!(ran.load(Ordering::SeqCst), 2);
     assert_eq!(timer.metrics().panicked, 1);
     assert_eq!(timer.len(), 0);
+}
+
+/// An operation that never completes by itself.
+struct Plain;
+
+impl Operation for Plain {
+    type Output = ();
+    fn try_complete(&mut self) -> Option<()> {
+        None
+    }
+    fn on_expiration(self) {}
+}
+
+/// A key whose `Hash` or `Eq` may panic, and whose `Drop` may panic too.
+#[derive(Clone)]
+struct Volatile {
+    id: u32,
+    hash_panics: bool,
+    eq_panics: bool,
+    drop_panics: bool,
+}
+
+impl Volatile {
+    fn new(id: u32) -> Volatile {
+        Volatile {
+            id,
+            hash_panics: false,
+            eq_panics: false,
+            drop_panics: false,
+        }
+    }
+}
+
+impl Hash for Volatile {
+    fn hash<H: Hasher>(&self, h: &mut H) {
+        assert!(!self.hash_panics, "hostile hash");
+        self.id.hash(h);
+    }
+}
+
+impl PartialEq for Volatile {
+    fn eq(&self, o: &Self) -> bool {
+        assert!(!(self.eq_panics || o.eq_panics), "hostile eq");
+        self.id == o.id
+    }
+}
+
+impl Eq for Volatile {}
+
+impl Drop for Volatile {
+    fn drop(&mut self) {
+        if self.drop_panics && !std::thread::panicking() {
+            panic!("hostile drop");
+        }
+    }
+}
+
+/// Key code panicking while a registration takes its keys in, with keys
+/// whose `Drop` panics among them: the keys are dropped (each drop
+/// contained and counted) before the panic reaches the caller, not while it
+/// unwinds, and nothing is registered. The `Drop` above stays quiet during an
+/// unwind only so that a regression fails this test instead of aborting the
+/// whole test binary; the purgatory must not rely on it: it counts the drop
+/// panics it contained.
+#[tokio::test(start_paused = true)]
+async fn key_code_panicking_beside_keys_whose_drop_panics_is_contained() {
+    let p: Purgatory<Volatile, Plain> = Purgatory::new();
+    let loud = |id| Volatile {
+        drop_panics: true,
+        ..Volatile::new(id)
+    };
+    // `Hash` panics on the third key, past two loud ones.
+    let keys = vec![
+        loud(1),
+        loud(2),
+        Volatile {
+            hash_panics: true,
+            ..Volatile::new(3)
+        },
+        loud(4),
+    ];
+    let r = catch_unwind(AssertUnwindSafe(|| {
+        let _ = p.try_complete_else_watch(Plain, ms(10), keys);
+    }));
+    assert!(r.is_err(), "the hash's panic reaches the caller");
+    assert_eq!(p.metrics().panicked, 3, "three loud drops, each contained");
+    // `Eq` panics while duplicates are looked for.
+    let keys = vec![
+        loud(5),
+        Volatile {
+            eq_panics: true,
+            ..Volatile::new(6)
+        },
+    ];
+    let r = catch_unwind(AssertUnwindSafe(|| {
+        let _ = p.try_complete_else_watch(Plain, ms(10), keys);
+    }));
+    assert!(r.is_err(), "the eq's panic reaches the caller");
+    assert_eq!(p.metrics().panicked, 4);
+    // Past 16 keys, and at levels.
+    let mut many: Vec<Volatile> = (10..40).map(loud).collect();
+    many[20].hash_panics = true;
+    let r = catch_unwind(AssertUnwindSafe(|| {
+        let _ = p.try_complete_else_watch(Plain, ms(10), many);
+    }));
+    assert!(r.is_err());
+    assert_eq!(
+        p.metrics().panicked,
+        4 + 30,
+        "every loud key, the hostile one too"
+    );
+    let watches = vec![
+        Watch::level(loud(50), 1),
+        Watch::level(
+            Volatile {
+                hash_panics: true,
+                ..Volatile::new(51)
+            },
+            2,
+        ),
+        Watch::key(loud(52)),
+    ];
+    let r = catch_unwind(AssertUnwindSafe(|| {
+        let _ = p.try_complete_else_watch_levels(Plain, ms(10), watches);
+    }));
+    assert!(r.is_err());
+    assert_eq!(p.metrics().panicked, 4 + 30 + 2);
+    let m = p.metrics();
+    assert_eq!((m.delayed, m.watched, m.registered), (0, 0, 0), "{m:?}");
 }

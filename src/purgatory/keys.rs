@@ -1,10 +1,25 @@
 //! The distinct keys of one registration, each with its hash, without an
 //! allocation for the common case of a few keys.
 
+use std::any::Any;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
 use super::WatchKey;
 
 /// A key with its hash by the watcher map's hasher.
 type Hashed<K> = (u64, K);
+
+/// Key code (`Hash`, `Eq`) panicked while a registration took its keys in:
+/// the panic, and every key given, for the caller to drop (each drop
+/// contained) before the panic goes on.
+pub(crate) struct KeyPanic<K> {
+    pub(crate) panic: Box<dyn Any + Send>,
+    pub(crate) keys: Vec<K>,
+}
+
+/// What a registration takes its watches in as: the watches and the
+/// duplicates left out, or the panic of key code with every key.
+pub(crate) type Taken<K> = Result<(Watches<K>, Vec<K>), KeyPanic<K>>;
 
 /// Keys held inline before the list moves to the heap.
 const INLINE: usize = 4;
@@ -22,43 +37,65 @@ impl<K: WatchKey> KeyList<K> {
     /// The distinct keys of `keys`, in order, each hashed once by `hash`, and
     /// the duplicates (for the caller to drop with its drops contained). Up to
     /// 16 keys, duplicates are found with `Eq` and never hashed; past 16, every
-    /// key given is hashed once and duplicates are found by hash, then `Eq`. A
-    /// panic in `Hash` or `Eq` reaches the caller: nothing was kept.
+    /// key given is hashed once and duplicates are found by hash, then `Eq`.
+    ///
+    /// A panic in `Hash` or `Eq` is caught, and comes back with every key
+    /// given ([`KeyPanic`]): the keys are not dropped while the panic unwinds
+    /// (a key whose `Drop` panicked then would abort the process), but by the
+    /// caller, each drop contained, before it lets the panic go on.
     pub(crate) fn distinct(
         keys: impl IntoIterator<Item = K>,
         hash: impl Fn(&K) -> u64,
-    ) -> (KeyList<K>, Vec<K>) {
+    ) -> Result<(KeyList<K>, Vec<K>), KeyPanic<K>> {
         let mut list = KeyList::Inline([const { None }; INLINE], 0);
         let mut dups = Vec::new();
-        for k in keys {
-            let same = |(_, sk): &(u64, K)| *sk == k;
-            match &mut list {
-                KeyList::Inline(slots, len) => {
-                    if slots[..*len].iter().flatten().any(same) {
-                        dups.push(k);
-                    } else if *len < INLINE {
-                        slots[*len] = Some((hash(&k), k));
-                        *len += 1;
-                    } else {
-                        let mut v: Vec<(u64, K)> =
-                            slots.iter_mut().filter_map(Option::take).collect();
-                        v.push((hash(&k), k));
-                        list = KeyList::Heap(v);
-                    }
-                }
-                KeyList::Heap(v) => {
+        let mut keys = keys.into_iter();
+        while let Some(k) = keys.next() {
+            // Key code (`Eq`, `Hash`) decides; the list changes after it.
+            let decided = catch_unwind(AssertUnwindSafe(|| {
+                let same = |(_, sk): &(u64, K)| *sk == k;
+                let dup = match &list {
+                    KeyList::Inline(slots, len) => slots[..*len].iter().flatten().any(same),
                     // A scan while short; past 16, one pass by hash at the end.
-                    if v.len() < 16 && v.iter().any(same) {
-                        dups.push(k);
-                    } else {
-                        v.push((hash(&k), k));
-                    }
+                    KeyList::Heap(v) => v.len() < 16 && v.iter().any(same),
+                };
+                (!dup).then(|| hash(&k))
+            }));
+            let h = match decided {
+                Ok(None) => {
+                    dups.push(k);
+                    continue;
                 }
+                Ok(Some(h)) => h,
+                Err(panic) => {
+                    let mut all: Vec<K> = list.into_iter().chain(dups).collect();
+                    all.push(k);
+                    all.extend(keys);
+                    return Err(KeyPanic { panic, keys: all });
+                }
+            };
+            match &mut list {
+                KeyList::Inline(slots, len) if *len < INLINE => {
+                    slots[*len] = Some((h, k));
+                    *len += 1;
+                }
+                KeyList::Inline(slots, _) => {
+                    let mut v: Vec<(u64, K)> = slots.iter_mut().filter_map(Option::take).collect();
+                    v.push((h, k));
+                    list = KeyList::Heap(v);
+                }
+                KeyList::Heap(v) => v.push((h, k)),
             }
         }
         if let KeyList::Heap(v) = &mut list {
             if v.len() > 16 {
-                let keep = first_of_each(v);
+                let keep = match catch_unwind(AssertUnwindSafe(|| first_of_each(v))) {
+                    Ok(keep) => keep,
+                    Err(panic) => {
+                        let all = list.into_iter().chain(dups).collect();
+                        return Err(KeyPanic { panic, keys: all });
+                    }
+                };
                 let (kept, more): (Vec<_>, Vec<_>) = std::mem::take(v)
                     .into_iter()
                     .zip(keep)
@@ -67,7 +104,7 @@ impl<K: WatchKey> KeyList<K> {
                 dups.extend(more.into_iter().map(|((_, k), _)| k));
             }
         }
-        (list, dups)
+        Ok((list, dups))
     }
 
     pub(crate) fn len(&self) -> usize {
@@ -223,36 +260,55 @@ pub(crate) struct Watches<K> {
 impl<K: WatchKey> Watches<K> {
     /// Plain keys only (de-duplicated as [`KeyList::distinct`] does), each
     /// hashed once by `hash`.
-    pub(crate) fn plain(
-        keys: impl IntoIterator<Item = K>,
-        hash: impl Fn(&K) -> u64,
-    ) -> (Watches<K>, Vec<K>) {
-        let (keys, dups) = KeyList::distinct(keys, hash);
-        (
+    pub(crate) fn plain(keys: impl IntoIterator<Item = K>, hash: impl Fn(&K) -> u64) -> Taken<K> {
+        let (keys, dups) = KeyList::distinct(keys, hash)?;
+        Ok((
             Watches {
                 keys,
                 levels: Vec::new(),
             },
             dups,
-        )
+        ))
     }
 
     /// Plain keys and keys at levels: each watch given is hashed once by
-    /// `hash` (a plain duplicate as [`KeyList::distinct`] says).
+    /// `hash` (a plain duplicate as [`KeyList::distinct`] says). A panic in
+    /// key code comes back with every key, as from `distinct`.
     pub(crate) fn mixed(
         watches: impl IntoIterator<Item = Watch<K>>,
         hash: impl Fn(&K) -> u64,
-    ) -> (Watches<K>, Vec<K>) {
-        let mut levels = Vec::new();
+    ) -> Taken<K> {
+        let mut at_levels = Vec::new();
         let plain = watches.into_iter().filter_map(|w| match w.level {
             Some(l) => {
-                levels.push((hash(&w.key), w.key, l));
+                at_levels.push((w.key, l));
                 None
             }
             None => Some(w.key),
         });
-        let (keys, dups) = KeyList::distinct(plain, &hash);
-        (Watches { keys, levels }, dups)
+        let taken = KeyList::distinct(plain, &hash);
+        let (keys, dups) = match taken {
+            Ok(taken) => taken,
+            Err(mut p) => {
+                p.keys.extend(at_levels.into_iter().map(|(k, _)| k));
+                return Err(p);
+            }
+        };
+        let mut levels = Vec::with_capacity(at_levels.len());
+        let mut at_levels = at_levels.into_iter();
+        while let Some((k, l)) = at_levels.next() {
+            match catch_unwind(AssertUnwindSafe(|| hash(&k))) {
+                Ok(h) => levels.push((h, k, l)),
+                Err(panic) => {
+                    let mut all: Vec<K> = keys.into_iter().chain(dups).collect();
+                    all.extend(levels.into_iter().map(|(_, k, _)| k));
+                    all.push(k);
+                    all.extend(at_levels.map(|(k, _)| k));
+                    return Err(KeyPanic { panic, keys: all });
+                }
+            }
+        }
+        Ok((Watches { keys, levels }, dups))
     }
 
     pub(crate) fn len(&self) -> usize {
@@ -284,7 +340,9 @@ mod tests {
     use super::*;
 
     fn distinct(keys: Vec<u32>) -> (Vec<u32>, Vec<u32>, bool) {
-        let (list, dups) = KeyList::distinct(keys, |k| u64::from(*k % 8));
+        let Ok((list, dups)) = KeyList::distinct(keys, |k| u64::from(*k % 8)) else {
+            panic!("no key code panics here");
+        };
         let inline = matches!(list, KeyList::Inline(..));
         let seen: Vec<u32> = list.iter().map(|(_, k)| *k).collect();
         assert_eq!(seen.len(), list.len());

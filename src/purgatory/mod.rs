@@ -30,7 +30,7 @@ use self::cell::OpCell;
 pub use self::error::{OperationError, WatchError, WatchErrorKind};
 pub use self::handle::{OpRef, OperationHandle};
 pub use self::keys::Watch;
-use self::keys::Watches;
+use self::keys::{KeyPanic, Taken, Watches};
 pub use self::operation::{Completion, Operation, WatchKey};
 use self::shared::{closed_refusal, Shared};
 use crate::clock::deadline_after;
@@ -646,17 +646,25 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
         op: O,
         now: Instant,
         deadline: Instant,
-        make: impl FnOnce(I) -> (Watches<K>, Vec<K>),
+        make: impl FnOnce(I) -> Taken<K>,
         given: I,
     ) -> Result<OperationHandle<K, O>, WatchError<O>> {
         let shared = self.shared();
-        // Key code may panic: nothing is counted or registered until it has run.
+        // Key code may panic: nothing is counted or registered until it has
+        // run, and on a panic the keys are dropped (contained) before it goes
+        // on, never while it unwinds.
         let keys = match catch_unwind(AssertUnwindSafe(|| make(given))) {
-            Ok((keys, dups)) => {
+            Ok(Ok((keys, dups))) => {
                 shared.drop_keys(dups);
                 keys
             }
+            Ok(Err(KeyPanic { panic, keys })) => {
+                shared.drop_contained("drop of an operation", op);
+                shared.drop_keys(keys);
+                resume_unwind(panic);
+            }
             Err(panic) => {
+                // The caller's own iterator panicked.
                 shared.drop_contained("drop of an operation", op);
                 resume_unwind(panic);
             }

@@ -142,6 +142,8 @@ pub(crate) struct Repeating<F> {
 /// handle sets it, so a cancel sees the chain either running or ended.
 struct EndsChain {
     chain: Arc<Chain>,
+    /// Set when nothing is left for the guard to do: the chain was
+    /// rescheduled, or already marked ended under the lock.
     rescheduled: bool,
 }
 
@@ -192,10 +194,12 @@ impl<F: FnMut() -> Option<Duration> + Send + 'static> TaskFn for Repeating<F> {
                 end.rescheduled = true;
             }
             Err(job) => {
-                // The timer was shut down meanwhile: the chain ends (the guard
-                // marks it once the lock is gone, before the task is dropped).
+                // The timer was shut down meanwhile: the chain ends, marked
+                // under the lock still held (a cancel sees it ended, not
+                // running), and the task is dropped once the lock is gone.
+                end.chain.stopped.store(true, Ordering::Release);
+                end.rescheduled = true;
                 drop(key);
-                drop(end);
                 drop(job);
             }
         }
