@@ -88,9 +88,13 @@ impl TaskPeer {
 // completing a request by reference runs its check and completes it only if
 // the check says so; a walk runs the check of every live watcher of the key and
 // drops dead ids from that list; a purge sweeps every list once dead ids exceed
-// max(1,000, live ids) (Kafka's policy), so its memory stays flat; expiry is one
-// task awaiting the queue. Checks run under the one lock (there is no other
-// lock to run them under, and checking outside it would race events).
+// max(1,000, live ids) (this crate's threshold: Kafka's own purges once
+// completed operations still watched exceed `purgeInterval`), in slices of 128
+// entries per call as this crate's does, so no call stalls the others for a
+// pass over every list; its memory stays flat; expiry is one task awaiting the
+// queue, taking up to 64 due entries per hold of the lock. Checks run under the
+// one lock (there is no other lock to run them under, and checking outside it
+// would race events).
 
 /// A request's id: its slot, and the slot's generation when it was taken.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -121,6 +125,8 @@ pub(crate) struct FairState {
     /// Ids in the lists whose request is pending, and whose request finished.
     pub(crate) live: usize,
     pub(crate) dead: usize,
+    /// A purge under way: the keys it will visit, and the next one.
+    pub(crate) purge: Option<(Vec<u32>, usize)>,
 }
 
 impl FairState {
@@ -132,6 +138,7 @@ impl FairState {
             watchers: HashMap::new(),
             live: 0,
             dead: 0,
+            purge: None,
         }
     }
 
@@ -178,21 +185,44 @@ impl FairState {
         pending
     }
 
-    /// Kafka's purge: once dead ids outnumber max(1,000, live ids), sweep every
-    /// list, and give back the room of lists that shrank a lot.
+    /// The purge: once dead ids outnumber max(1,000, live ids), sweep every
+    /// list, at most 128 entries per call (a list is visited whole), and give
+    /// back the room of lists that shrank a lot.
     pub(crate) fn maybe_purge(&mut self) {
-        if self.dead <= self.live.max(1_000) {
-            return;
+        if self.purge.is_none() {
+            if self.dead <= self.live.max(1_000) {
+                return;
+            }
+            self.purge = Some((self.watchers.keys().copied().collect(), 0));
         }
-        let slots = &self.slots;
-        self.watchers.retain(|_, ids| {
+        let FairState {
+            slots,
+            watchers,
+            dead,
+            purge,
+            ..
+        } = self;
+        let (keys, next) = purge.as_mut().expect("a purge under way");
+        let mut budget = 128usize;
+        while budget > 0 && *next < keys.len() {
+            let key = keys[*next];
+            *next += 1;
+            let Some(ids) = watchers.get_mut(&key) else {
+                continue;
+            };
+            let before = ids.len();
             ids.retain(|id| Self::is_live(slots, *id));
-            if ids.capacity() > 16 && ids.len() * 4 < ids.capacity() {
+            *dead -= before - ids.len();
+            budget = budget.saturating_sub(before);
+            if ids.is_empty() {
+                watchers.remove(&key);
+            } else if ids.capacity() > 16 && ids.len() * 4 < ids.capacity() {
                 ids.shrink_to_fit();
             }
-            !ids.is_empty()
-        });
-        self.dead = 0;
+        }
+        if *next >= keys.len() {
+            *purge = None;
+        }
     }
 }
 
@@ -209,6 +239,14 @@ impl FairPeer {
         keys: &[u32],
         awaited: bool,
     ) -> (Option<Id>, Option<oneshot::Receiver<()>>) {
+        // Made before the lock is taken, and dropped after it if unused.
+        let (done, rx) = if awaited {
+            let (tx, rx) = oneshot::channel();
+            (Some(tx), Some(rx))
+        } else {
+            (None, None)
+        };
+        let distinct = |i: usize| !keys[..i].contains(&keys[i]);
         let mut s = self.state.lock().unwrap();
         if op.try_complete().is_some() {
             drop(s);
@@ -216,23 +254,20 @@ impl FairPeer {
         }
         let id = s.vacant();
         let timer = s.queue.insert_at(id, op.deadline);
-        let (done, rx) = if awaited {
-            let (tx, rx) = oneshot::channel();
-            (Some(tx), Some(rx))
-        } else {
-            (None, None)
-        };
+        let n = (0..keys.len()).filter(|&i| distinct(i)).count();
         s.fill(
             id,
             Pending {
                 op,
                 timer,
-                keys: keys.len() as u32,
+                keys: n as u32,
                 done,
             },
         );
-        for k in keys {
-            s.watchers.entry(*k).or_default().push(id);
+        for (i, k) in keys.iter().enumerate() {
+            if distinct(i) {
+                s.watchers.entry(*k).or_default().push(id);
+            }
         }
         s.maybe_purge();
         (Some(id), rx)
@@ -283,6 +318,7 @@ impl FairPeer {
                 watchers,
                 live,
                 dead,
+                ..
             } = &mut *s;
             let Some(ids) = watchers.get_mut(&key) else {
                 return;
@@ -319,35 +355,45 @@ impl FairPeer {
         use std::task::Poll;
         let stopped = stop.notified();
         tokio::pin!(stopped);
+        // Up to 64 due entries per hold of the lock, as this crate's reaper
+        // takes them; run with the lock released.
+        let mut due: Vec<Pending> = Vec::with_capacity(64);
         loop {
-            let expired = poll_fn(|cx| {
+            let stop = poll_fn(|cx| {
                 if stopped.as_mut().poll(cx).is_ready() {
-                    return Poll::Ready(None);
+                    return Poll::Ready(true);
                 }
                 let mut s = self.state.lock().unwrap();
-                match s.queue.poll_expired(cx) {
-                    Poll::Ready(Some(e)) => {
-                        let id = e.into_inner();
-                        let FairState {
-                            slots,
-                            free,
-                            live,
-                            dead,
-                            ..
-                        } = &mut *s;
-                        Poll::Ready(Some(FairState::take(slots, free, live, dead, id)))
+                while due.len() < 64 {
+                    match s.queue.poll_expired(cx) {
+                        Poll::Ready(Some(e)) => {
+                            let id = e.into_inner();
+                            let FairState {
+                                slots,
+                                free,
+                                live,
+                                dead,
+                                ..
+                            } = &mut *s;
+                            due.push(FairState::take(slots, free, live, dead, id));
+                        }
+                        Poll::Ready(None) | Poll::Pending => break,
                     }
-                    Poll::Ready(None) | Poll::Pending => Poll::Pending,
+                }
+                if due.is_empty() {
+                    Poll::Pending
+                } else {
+                    Poll::Ready(false)
                 }
             })
             .await;
-            match expired {
-                None => return,
-                Some(p) => {
-                    // An awaiting task sees the sender dropped: expired.
-                    drop(p.done);
-                    p.op.on_expiration();
-                }
+            if stop {
+                return;
+            }
+            for p in due.drain(..) {
+                // An awaiting task sees the sender dropped: expired.
+                drop(p.done);
+                p.op.on_expiration();
             }
         }
     }

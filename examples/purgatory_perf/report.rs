@@ -187,13 +187,15 @@ pub(crate) fn summary(o: &Opts, rows: &[Row]) {
     let med = |imp: Imp, f: fn(&Row) -> f64| col(&name(&imp), f).0;
     let best_low = |f: fn(&Row) -> f64| med(Imp::Task, f).min(med(Imp::Fair, f));
     println!();
-    println!(
-        "ratios, tokio-purgatory / best peer: CPU {:.2} (one-lock peer {:.2}), peak RSS {:.2}, lateness p99 {:.2}",
-        med(Imp::Purgatory, |r| r.cpu_ms) / best_low(|r| r.cpu_ms),
-        med(Imp::Purgatory, |r| r.cpu_ms) / med(Imp::Fair, |r| r.cpu_ms),
-        med(Imp::Purgatory, |r| r.rss_mb) / best_low(|r| r.rss_mb),
-        med(Imp::Purgatory, |r| r.p99) / best_low(|r| r.p99),
-    );
+    if med(Imp::Purgatory, |r| r.cpu_ms).is_finite() {
+        println!(
+            "ratios, tokio-purgatory / best peer: CPU {:.2} (one-lock peer {:.2}), peak RSS {:.2}, lateness p99 {:.2}",
+            med(Imp::Purgatory, |r| r.cpu_ms) / best_low(|r| r.cpu_ms),
+            med(Imp::Purgatory, |r| r.cpu_ms) / med(Imp::Fair, |r| r.cpu_ms),
+            med(Imp::Purgatory, |r| r.rss_mb) / best_low(|r| r.rss_mb),
+            med(Imp::Purgatory, |r| r.p99) / best_low(|r| r.p99),
+        );
+    }
     // The harness's own CPU is in every run; what each implementation adds is
     // its CPU above the floor's.
     let floor = med(Imp::Floor, |r| r.cpu_ms);
