@@ -237,7 +237,7 @@ where
                     return Checked::Completed;
                 }
                 Ok(None) => {}
-                Err(panic) => self.shared.panics.caught("try_complete", panic),
+                Err(panic) => self.shared.panics().caught("try_complete", panic),
             }
             match self.state.end_check(me) {
                 AfterNotYet::Recheck => continue,
@@ -285,7 +285,7 @@ where
         let out = match catch_unwind(AssertUnwindSafe(|| op.on_expiration())) {
             Ok(output) => Ok(Completion::Expired(output)),
             Err(panic) => {
-                self.shared.panics.caught("on_expiration", panic);
+                self.shared.panics().caught("on_expiration", panic);
                 Err(OperationError::Panicked)
             }
         };
@@ -315,7 +315,7 @@ where
         if cancel_timer {
             if let Some(key) = d.timer {
                 // The entry holds a clone of the cell, never the last one.
-                drop(self.shared.core.remove(key));
+                self.shared.remove_timer(key);
             }
         }
         if let Some(w) = d.waker {
@@ -329,16 +329,16 @@ where
         if self.is_finished() {
             return false;
         }
-        let core = &self.shared.core;
+        let shared = &self.shared;
         self.delivery
-            .move_timer(|key| core.reset(key, now, deadline))
+            .move_timer(|key| shared.reset_timer(key, now, deadline))
     }
 
     /// Records the timer entry, or removes it at once if the operation finished
     /// while it was being inserted.
     pub(crate) fn set_timer(&self, key: TimerKey) {
         if !self.delivery.set_timer(key, || self.is_finished()) {
-            drop(self.shared.core.remove(key));
+            self.shared.remove_timer(key);
         }
     }
 

@@ -18,7 +18,6 @@ use std::collections::hash_map::RandomState;
 use std::hash::{BuildHasher, Hash};
 use std::marker::PhantomData;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -36,7 +35,6 @@ use self::shared::{closed_refusal, Shared};
 use crate::clock::deadline_after;
 use crate::settings::Settings;
 use crate::sync::thread_index;
-use crate::watchers::Removed;
 
 /// Shuts the purgatory down when the last [`Purgatory`] clone is dropped.
 struct Owner<K: WatchKey, O: Operation> {
@@ -243,7 +241,7 @@ impl<K: WatchKey, O: Operation, S> std::fmt::Debug for WeakPurgatory<K, O, S> {
 impl<K: WatchKey, O: Operation, S> std::fmt::Debug for Purgatory<K, O, S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Purgatory")
-            .field("name", &&*self.shared().name)
+            .field("name", &self.shared().name())
             .field("delayed", &self.delayed())
             .field("watched", &self.watched())
             .finish()
@@ -443,7 +441,7 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
             op,
             now,
             deadline_after(now, timeout),
-            |k| Watches::plain(k, |k| self.shared().watchers.hash(k)),
+            |k| Watches::plain(k, |k| self.shared().hash_key(k)),
             keys,
         )
     }
@@ -500,7 +498,7 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
             op,
             Instant::now(),
             deadline,
-            |k| Watches::plain(k, |k| self.shared().watchers.hash(k)),
+            |k| Watches::plain(k, |k| self.shared().hash_key(k)),
             keys,
         )
     }
@@ -584,7 +582,7 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
             op,
             now,
             deadline_after(now, timeout),
-            |w| Watches::mixed(w, |k| self.shared().watchers.hash(k)),
+            |w| Watches::mixed(w, |k| self.shared().hash_key(k)),
             watches,
         )
     }
@@ -634,7 +632,7 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
             op,
             Instant::now(),
             deadline,
-            |w| Watches::mixed(w, |k| self.shared().watchers.hash(k)),
+            |w| Watches::mixed(w, |k| self.shared().hash_key(k)),
             watches,
         )
     }
@@ -670,7 +668,7 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
             }
         };
         let (mut op, keys) = shared.admit(op, keys)?;
-        tracing::trace!(purgatory = &*shared.name, keys = keys.len(), "register");
+        tracing::trace!(purgatory = shared.name(), keys = keys.len(), "register");
 
         // Check (Kafka's `tryComplete`): done at once, nothing is watched.
         if let Some(output) = shared.first_check(&mut op) {
@@ -705,27 +703,6 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
                 Err(closed_refusal(op, why))
             }
         }
-    }
-
-    /// Runs `collect` (which copies live cells out of the watcher map into its
-    /// first argument and takes finished entries into its second), drops what
-    /// it took out, checks every cell copied with no lock held, and drops the
-    /// copies. Returns how many were checked and how many of them completed.
-    fn check_collected(
-        &self,
-        collect: impl FnOnce(&mut Vec<Arc<OpCell<K, O>>>, &mut Removed<K, Arc<OpCell<K, O>>>),
-    ) -> (usize, usize) {
-        let shared = self.shared();
-        let mut buffers = shared.take_buffers();
-        collect(&mut buffers.live, &mut buffers.removed);
-        shared.drop_removed(&mut buffers.removed);
-        let checked = buffers.live.len();
-        let completed = buffers.live.iter().filter(|cell| cell.check()).count();
-        shared
-            .panics
-            .drop_each("drop of an operation's cell", buffers.live.drain(..));
-        shared.keep_buffers(buffers);
-        (checked, completed)
     }
 
     /// `key` reached `level` (a high watermark advanced, a log grew): checks the
@@ -801,15 +778,7 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
         K: Borrow<Q>,
         Q: Hash + Eq + ?Sized,
     {
-        let shared = self.shared();
-        let key = shared.watchers.probe(key);
-        let (_, completed) = self.check_collected(|live, removed| {
-            shared
-                .watchers
-                .collect_live(&key, Some(level), live, |c| c.is_finished(), removed)
-        });
-        shared.maybe_purge();
-        completed
+        self.shared().walk(key, Some(level))
     }
 
     /// Checks the operations watching `key` and completes those that can be (Kafka's
@@ -865,34 +834,7 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
         K: Borrow<Q>,
         Q: Hash + Eq + ?Sized,
     {
-        let shared = self.shared();
-        // Hashed once: the prune below finds the list by the same hash.
-        let key = shared.watchers.probe(key);
-        let (checked, completed) = self.check_collected(|live, removed| {
-            shared
-                .watchers
-                .collect_live(&key, None, live, |c| c.is_finished(), removed)
-        });
-        // Compact now only when much of the list finished: otherwise the finished
-        // entries are tombstones the key's next walk drops anyway, and a second
-        // full walk per event would double the cost of hot keys.
-        if completed > 0 && completed * 4 >= checked {
-            let mut buffers = shared.take_buffers();
-            // Room for every entry the walk completed, before the list is locked.
-            buffers.removed.entries.reserve(completed);
-            let pruned = catch_unwind(AssertUnwindSafe(|| {
-                shared
-                    .watchers
-                    .prune(&key, |c| c.is_finished(), &mut buffers.removed)
-            }));
-            if let Err(panic) = pruned {
-                shared.panics.caught("eq of a key", panic);
-            }
-            shared.drop_removed(&mut buffers.removed);
-            shared.keep_buffers(buffers);
-        }
-        shared.maybe_purge();
-        completed
+        self.shared().walk(key, None)
     }
 
     /// Removes every operation watching `key` from the purgatory without completing
@@ -944,17 +886,7 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
         K: Borrow<Q>,
         Q: Hash + Eq + ?Sized,
     {
-        let shared = self.shared();
-        let mut removed = Removed::default();
-        shared.watchers.take(key, &mut removed);
-        let ops = removed
-            .entries
-            .iter()
-            .filter_map(|cell| cell.cancel(OperationError::Cancelled, Fate::Cancelled))
-            .collect();
-        shared.drop_removed(&mut removed);
-        shared.maybe_purge();
-        ops
+        self.shared().cancel_for_key(key)
     }
 
     /// Number of watch-list entries, tombstones included (Kafka's `watched`).
@@ -980,7 +912,7 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
     /// # }
     /// ```
     pub fn watched(&self) -> usize {
-        self.shared().watchers.len()
+        self.shared().watched()
     }
 
     /// Number of operations registered and not finished (Kafka's `numDelayed`). O(1).
@@ -1031,21 +963,21 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
     /// # }
     /// ```
     pub fn metrics(&self) -> PurgatoryMetrics {
-        let s = self.shared();
-        let t = s.books.totals();
+        let c = self.shared().counts();
+        let t = c.totals;
         PurgatoryMetrics {
             watched: self.watched(),
-            tombstones: s.books.tombstones(),
+            tombstones: c.tombstones,
             delayed: t.delayed,
-            keys: s.watchers.keys(),
+            keys: c.keys,
             registered: t.registered,
             completed: t.completed,
             expired: t.expired,
             cancelled: t.cancelled,
             handed_back: t.handed_back,
-            purged: s.purge.0.purged.load(Ordering::Relaxed),
-            panicked: s.panics.count(),
-            reaper_wakeups: s.core.wakeups(),
+            purged: c.purged,
+            panicked: c.panicked,
+            reaper_wakeups: c.wakeups,
         }
     }
 
@@ -1147,7 +1079,7 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
     /// # }
     /// ```
     pub fn is_shutdown(&self) -> bool {
-        self.shared().core.closed().is_some()
+        self.shared().is_closed()
     }
 
     /// Stops taking operations and waits until every pending one has finished
@@ -1266,6 +1198,7 @@ pub struct PurgatoryMetrics {
 #[cfg(all(test, not(purgatory_loom)))]
 mod tests {
     use super::*;
+    use std::sync::atomic::Ordering;
 
     struct Op(Arc<std::sync::atomic::AtomicBool>);
 
@@ -1282,7 +1215,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn finishing_early_removes_the_timer_entry() {
         let p: Purgatory<u32, Op> = Purgatory::builder().name("t").build().unwrap();
-        let timers = || p.shared().core.len();
+        let timers = || p.shared().timers();
         let op = |ready: bool| Op(Arc::new(ready.into()));
         let long = Duration::from_secs(3600);
 

@@ -1,25 +1,27 @@
 //! What every purgatory handle and operation cell share: the timer core, the
 //! watcher map, the books, the purge, the kept buffers, and how closing works.
 
+use std::borrow::Borrow;
+use std::hash::Hash;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, TryLockError};
 
 use tokio::time::Instant;
 
-use super::books::{Books, Fate};
+use super::books::{Books, Fate, Totals};
 use super::cell::{Checked, OpCell};
 use super::error::{OperationError, WatchError};
 use super::keys::Watches;
 use super::operation::Operation;
 use super::WatchKey;
 use crate::contain::Panics;
-use crate::core::{Closed, Core, Job, Refused};
+use crate::core::{Closed, Core, Job, Refused, TimerKey};
 use crate::sync::{Padded, Striped};
 use crate::watchers::{KeyHasher, Removed, Sweep, Watchers};
 
 /// The most watch-list entries one call visits for the purge.
-pub(crate) const SWEEP_SLICE: usize = 128;
+const SWEEP_SLICE: usize = 128;
 
 /// The timer job of an operation: its cell.
 pub(crate) struct Expiry<K: WatchKey, O: Operation>(pub(crate) Arc<OpCell<K, O>>);
@@ -60,10 +62,21 @@ pub(crate) fn closed_refusal<O>(op: O, why: Closed) -> WatchError<O> {
 /// A purge under way (`maybe_purge`), a flag to skip its lock when none is,
 /// and the entries purged so far.
 #[derive(Debug)]
-pub(crate) struct Purge {
+struct Purge {
     sweep: Mutex<Option<Sweep>>,
     sweeping: AtomicBool,
-    pub(crate) purged: AtomicU64,
+    purged: AtomicU64,
+}
+
+/// What [`Shared::counts`] reads for the metrics.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Counts {
+    pub(crate) totals: Totals,
+    pub(crate) tombstones: usize,
+    pub(crate) keys: usize,
+    pub(crate) purged: u64,
+    pub(crate) panicked: u64,
+    pub(crate) wakeups: u64,
 }
 
 /// State shared by the purgatory handles and every operation cell. Aligned so
@@ -71,17 +84,17 @@ pub(crate) struct Purge {
 /// line to itself instead of sharing one with the fields every call reads.
 #[repr(align(128))]
 pub(crate) struct Shared<K: WatchKey, O: Operation> {
-    pub(crate) core: Arc<Core<Expiry<K, O>>>,
-    pub(crate) watchers: Watchers<K, Arc<OpCell<K, O>>>,
-    pub(crate) books: Books,
+    core: Arc<Core<Expiry<K, O>>>,
+    watchers: Watchers<K, Arc<OpCell<K, O>>>,
+    books: Books,
     /// The purge under way, on cache lines of its own: the thread purging
     /// writes it on every slice, and the threads completing operations read
     /// the fields around it on every finish.
-    pub(crate) purge: Padded<Purge>,
+    purge: Padded<Purge>,
     purge_interval: usize,
     /// Panics caught in the purgatory's user code.
-    pub(crate) panics: Panics,
-    pub(crate) name: Arc<str>,
+    panics: Panics,
+    name: Arc<str>,
     /// Buffers kept between walks and purge slices, one set per thread stripe.
     buffers: Striped<Mutex<Buffers<K, O>>>,
 }
@@ -92,9 +105,9 @@ pub(crate) struct Shared<K: WatchKey, O: Operation> {
 /// buffer under the lock: an allocation there could wait on the allocator's
 /// own lock (which another thread takes to free what this one allocated), and
 /// every thread wanting the list would wait behind it.
-pub(crate) struct Buffers<K: WatchKey, O: Operation> {
-    pub(crate) live: Vec<Arc<OpCell<K, O>>>,
-    pub(crate) removed: Removed<K, Arc<OpCell<K, O>>>,
+struct Buffers<K: WatchKey, O: Operation> {
+    live: Vec<Arc<OpCell<K, O>>>,
+    removed: Removed<K, Arc<OpCell<K, O>>>,
 }
 
 impl<K: WatchKey, O: Operation> Default for Buffers<K, O> {
@@ -149,7 +162,7 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
     /// Empty buffers for a walk or a purge slice: this thread stripe's kept
     /// ones, or new ones when they are in use (another thread of the stripe,
     /// or a walk re-entered from an operation's check).
-    pub(crate) fn take_buffers(&self) -> Buffers<K, O> {
+    fn take_buffers(&self) -> Buffers<K, O> {
         match self.buffer_slot().try_lock() {
             Ok(mut kept) => std::mem::take(&mut *kept),
             Err(_) => Buffers::default(),
@@ -160,7 +173,7 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
     /// thread stripe, each unless it grew past [`KEEP_BUFFER_BYTES`]. Whatever
     /// is not kept is freed after the lock is released (empty buffers: no user
     /// code).
-    pub(crate) fn keep_buffers(&self, mut buffers: Buffers<K, O>) {
+    fn keep_buffers(&self, mut buffers: Buffers<K, O>) {
         debug_assert!(buffers.live.is_empty() && buffers.removed.entries.is_empty());
         debug_assert!(buffers.removed.keys.is_empty());
         cap_kept(&mut buffers.live);
@@ -306,7 +319,7 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
     /// Drops what was taken out of the watcher map, with no lock held. The
     /// entries removed were tombstones, or are about to be (cancelled).
     /// Leaves `removed` empty, its buffers kept.
-    pub(crate) fn drop_removed(&self, removed: &mut Removed<K, Arc<OpCell<K, O>>>) {
+    fn drop_removed(&self, removed: &mut Removed<K, Arc<OpCell<K, O>>>) {
         let n = removed.entries.len();
         if n > 0 {
             self.books.tombstones_changed(-(n as i64));
@@ -324,6 +337,132 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         tracing::trace!(purgatory = &*self.name, ?fate, "operation finished");
         // No purge here: this runs on the reaper too, and a purge walks every
         // list. Registration and key walks purge instead (Kafka's places).
+    }
+
+    /// `key`'s hash by the watcher map's hasher (for a registration's keys).
+    pub(crate) fn hash_key(&self, key: &K) -> u64 {
+        self.watchers.hash(key)
+    }
+
+    /// The purgatory's name, for reports.
+    pub(crate) fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Where panics in this purgatory's user code are counted and reported.
+    pub(crate) fn panics(&self) -> &Panics {
+        &self.panics
+    }
+
+    /// Whether the timer core is closed (shut down, or its reaper gone).
+    pub(crate) fn is_closed(&self) -> bool {
+        self.core.closed().is_some()
+    }
+
+    /// Removes an operation's timer entry (its job, a reference to the cell,
+    /// is dropped here: never the last one, the caller holds another).
+    pub(crate) fn remove_timer(&self, key: TimerKey) {
+        drop(self.core.remove(key));
+    }
+
+    /// Moves an operation's timer entry to `deadline`; its new key, or `None`
+    /// when the entry already left the wheel.
+    pub(crate) fn reset_timer(
+        &self,
+        key: TimerKey,
+        now: Instant,
+        deadline: Instant,
+    ) -> Option<TimerKey> {
+        self.core.reset(key, now, deadline)
+    }
+
+    /// Watch-list entries, tombstones included.
+    pub(crate) fn watched(&self) -> usize {
+        self.watchers.len()
+    }
+
+    /// The counts the metrics show: the books' totals, tombstones, keys with a
+    /// list, entries purged, panics caught, and the reaper's wake-ups.
+    pub(crate) fn counts(&self) -> Counts {
+        Counts {
+            totals: self.books.totals(),
+            tombstones: self.books.tombstones(),
+            keys: self.watchers.keys(),
+            purged: self.purge.0.purged.load(Ordering::Relaxed),
+            panicked: self.panics.count(),
+            wakeups: self.core.wakeups(),
+        }
+    }
+
+    /// Timer entries held (for tests).
+    #[cfg(all(test, not(purgatory_loom)))]
+    pub(crate) fn timers(&self) -> usize {
+        self.core.len()
+    }
+
+    /// A walk of `key` (Kafka's `checkAndComplete`): checks the operations
+    /// watching it (plain watches, and with `reached` those at a level at most
+    /// `reached`) with no lock held, completes those that can be, and returns
+    /// how many this call completed. The key is hashed once: a plain walk that
+    /// completed at least a quarter of what it checked prunes the list at once,
+    /// finding it by the same hash (otherwise the finished entries are
+    /// tombstones the key's next walk drops anyway, and a second full walk per
+    /// event would double the cost of hot keys). A panic in the key's `Hash`
+    /// or `Eq` before the checks reaches the caller, nothing changed; one in
+    /// the prune after them is contained.
+    pub(crate) fn walk<Q>(&self, key: &Q, reached: Option<u64>) -> usize
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        let key = self.watchers.probe(key);
+        let mut buffers = self.take_buffers();
+        self.watchers.collect_live(
+            &key,
+            reached,
+            &mut buffers.live,
+            |c| c.is_finished(),
+            &mut buffers.removed,
+        );
+        self.drop_removed(&mut buffers.removed);
+        let checked = buffers.live.len();
+        let completed = buffers.live.iter().filter(|cell| cell.check()).count();
+        self.panics
+            .drop_each("drop of an operation's cell", buffers.live.drain(..));
+        if reached.is_none() && completed > 0 && completed * 4 >= checked {
+            // Room for every entry the walk completed, before the list is locked.
+            buffers.removed.entries.reserve(completed);
+            let pruned = catch_unwind(AssertUnwindSafe(|| {
+                self.watchers
+                    .prune(&key, |c| c.is_finished(), &mut buffers.removed)
+            }));
+            if let Err(panic) = pruned {
+                self.panics.caught("eq of a key", panic);
+            }
+            self.drop_removed(&mut buffers.removed);
+        }
+        self.keep_buffers(buffers);
+        self.maybe_purge();
+        completed
+    }
+
+    /// Takes `key` and its whole list out (Kafka's `cancelForKey`), cancels
+    /// every operation this call takes, and hands them back.
+    pub(crate) fn cancel_for_key<Q>(&self, key: &Q) -> Vec<O>
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        let mut removed = Removed::default();
+        self.watchers.take(key, &mut removed);
+        let ops = removed
+            .entries
+            .iter()
+            .filter_map(|cell| cell.cancel(OperationError::Cancelled, Fate::Cancelled))
+            .collect();
+        self.drop_removed(&mut removed);
+        self.maybe_purge();
+        ops
     }
 
     /// Kafka's `purgeInterval`, made amortised O(1) and incremental. A purge
