@@ -17,6 +17,20 @@ pub(crate) struct KeyPanic<K> {
     pub(crate) keys: Vec<K>,
 }
 
+impl<K> KeyPanic<K> {
+    /// The panic, with every key: those taken in so far (`list`, `dups`) and
+    /// the `rest` not yet looked at.
+    fn new(
+        panic: Box<dyn Any + Send>,
+        list: KeyList<K>,
+        dups: Vec<K>,
+        rest: impl IntoIterator<Item = K>,
+    ) -> KeyPanic<K> {
+        let keys = list.into_iter().chain(dups).chain(rest).collect();
+        KeyPanic { panic, keys }
+    }
+}
+
 /// What a registration takes its watches in as: the watches and the
 /// duplicates left out, or the panic of key code with every key.
 pub(crate) type Taken<K> = Result<(Watches<K>, Vec<K>), KeyPanic<K>>;
@@ -68,10 +82,8 @@ impl<K: WatchKey> KeyList<K> {
                 }
                 Ok(Some(h)) => h,
                 Err(panic) => {
-                    let mut all: Vec<K> = list.into_iter().chain(dups).collect();
-                    all.push(k);
-                    all.extend(keys);
-                    return Err(KeyPanic { panic, keys: all });
+                    let rest = std::iter::once(k).chain(keys);
+                    return Err(KeyPanic::new(panic, list, dups, rest));
                 }
             };
             match &mut list {
@@ -91,10 +103,7 @@ impl<K: WatchKey> KeyList<K> {
             if v.len() > 16 {
                 let keep = match catch_unwind(AssertUnwindSafe(|| first_of_each(v))) {
                     Ok(keep) => keep,
-                    Err(panic) => {
-                        let all = list.into_iter().chain(dups).collect();
-                        return Err(KeyPanic { panic, keys: all });
-                    }
+                    Err(panic) => return Err(KeyPanic::new(panic, list, dups, None)),
                 };
                 let (kept, more): (Vec<_>, Vec<_>) = std::mem::take(v)
                     .into_iter()
@@ -300,11 +309,10 @@ impl<K: WatchKey> Watches<K> {
             match catch_unwind(AssertUnwindSafe(|| hash(&k))) {
                 Ok(h) => levels.push((h, k, l)),
                 Err(panic) => {
-                    let mut all: Vec<K> = keys.into_iter().chain(dups).collect();
-                    all.extend(levels.into_iter().map(|(_, k, _)| k));
-                    all.push(k);
-                    all.extend(at_levels.map(|(k, _)| k));
-                    return Err(KeyPanic { panic, keys: all });
+                    let rest = (levels.into_iter().map(|(_, k, _)| k))
+                        .chain(std::iter::once(k))
+                        .chain(at_levels.map(|(k, _)| k));
+                    return Err(KeyPanic::new(panic, keys, dups, rest));
                 }
             }
         }

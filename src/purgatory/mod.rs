@@ -963,22 +963,7 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
     /// # }
     /// ```
     pub fn metrics(&self) -> PurgatoryMetrics {
-        let c = self.shared().counts();
-        let t = c.totals;
-        PurgatoryMetrics {
-            watched: self.watched(),
-            tombstones: c.tombstones,
-            delayed: t.delayed,
-            keys: c.keys,
-            registered: t.registered,
-            completed: t.completed,
-            expired: t.expired,
-            cancelled: t.cancelled,
-            handed_back: t.handed_back,
-            purged: c.purged,
-            panicked: c.panicked,
-            reaper_wakeups: c.wakeups,
-        }
+        self.shared().metrics()
     }
 
     /// The bytes an operation's cell occupies on the heap: what each finished

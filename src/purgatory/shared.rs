@@ -9,11 +9,12 @@ use std::sync::{Arc, Mutex, TryLockError};
 
 use tokio::time::Instant;
 
-use super::books::{Books, Fate, Totals};
+use super::books::{Books, Fate};
 use super::cell::{Checked, OpCell};
 use super::error::{OperationError, WatchError};
 use super::keys::Watches;
 use super::operation::Operation;
+use super::PurgatoryMetrics;
 use super::WatchKey;
 use crate::contain::Panics;
 use crate::core::{Closed, Core, Job, Refused, TimerKey};
@@ -66,17 +67,6 @@ struct Purge {
     sweep: Mutex<Option<Sweep>>,
     sweeping: AtomicBool,
     purged: AtomicU64,
-}
-
-/// What [`Shared::counts`] reads for the metrics.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Counts {
-    pub(crate) totals: Totals,
-    pub(crate) tombstones: usize,
-    pub(crate) keys: usize,
-    pub(crate) purged: u64,
-    pub(crate) panicked: u64,
-    pub(crate) wakeups: u64,
 }
 
 /// State shared by the purgatory handles and every operation cell. Aligned so
@@ -381,16 +371,22 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         self.watchers.len()
     }
 
-    /// The counts the metrics show: the books' totals, tombstones, keys with a
-    /// list, entries purged, panics caught, and the reaper's wake-ups.
-    pub(crate) fn counts(&self) -> Counts {
-        Counts {
-            totals: self.books.totals(),
+    /// A snapshot of the counters (see [`Purgatory::metrics`](super::Purgatory::metrics)).
+    pub(crate) fn metrics(&self) -> PurgatoryMetrics {
+        let t = self.books.totals();
+        PurgatoryMetrics {
+            watched: self.watched(),
             tombstones: self.books.tombstones(),
+            delayed: t.delayed,
             keys: self.watchers.keys(),
+            registered: t.registered,
+            completed: t.completed,
+            expired: t.expired,
+            cancelled: t.cancelled,
+            handed_back: t.handed_back,
             purged: self.purge.0.purged.load(Ordering::Relaxed),
             panicked: self.panics.count(),
-            wakeups: self.core.wakeups(),
+            reaper_wakeups: self.core.wakeups(),
         }
     }
 
