@@ -143,13 +143,13 @@ pub(crate) struct Repeating<F> {
 struct EndsChain {
     chain: Arc<Chain>,
     /// Set when nothing is left for the guard to do: the chain was
-    /// rescheduled, or already marked ended under the lock.
-    rescheduled: bool,
+    /// rescheduled, or is already marked ended.
+    settled: bool,
 }
 
 impl Drop for EndsChain {
     fn drop(&mut self) {
-        if !self.rescheduled {
+        if !self.settled {
             let _key = lock(&self.chain.key);
             self.chain.stopped.store(true, Ordering::Release);
         }
@@ -173,7 +173,7 @@ impl<F: FnMut() -> Option<Duration> + Send + 'static> TaskFn for Repeating<F> {
         // it too (the reaper contains and counts the panic).
         let mut end = EndsChain {
             chain: me.chain.clone(),
-            rescheduled: false,
+            settled: false,
         };
         let Some(delay) = (me.f)() else {
             return;
@@ -184,6 +184,7 @@ impl<F: FnMut() -> Option<Duration> + Send + 'static> TaskFn for Repeating<F> {
         let mut key = lock(&end.chain.key);
         if end.chain.stopped.load(Ordering::Acquire) {
             // Cancelled while it ran: `me` is dropped after the lock is gone.
+            end.settled = true;
             drop(key);
             return;
         }
@@ -191,14 +192,14 @@ impl<F: FnMut() -> Option<Duration> + Send + 'static> TaskFn for Repeating<F> {
         match core.reinsert(now, deadline_after(now, delay), TimerJob(me)) {
             Ok(moved) => {
                 *key = Some(moved);
-                end.rescheduled = true;
+                end.settled = true;
             }
             Err(job) => {
                 // The timer was shut down meanwhile: the chain ends, marked
                 // under the lock still held (a cancel sees it ended, not
                 // running), and the task is dropped once the lock is gone.
                 end.chain.stopped.store(true, Ordering::Release);
-                end.rescheduled = true;
+                end.settled = true;
                 drop(key);
                 drop(job);
             }
