@@ -314,10 +314,7 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
         K: Borrow<Q>,
         Q: Hash + Eq + ?Sized,
     {
-        let probe = Probe {
-            hash: self.hasher.hash_one(key),
-            key: Some(key),
-        };
+        let probe = self.probe(key);
         if let Some((k, list)) = self.lists.remove(&probe as &dyn Lookup<Q>) {
             self.counted(-(list.len() as isize));
             removed.keys.push(k.key);
@@ -714,13 +711,7 @@ mod tests {
             watch_one(&w, &2, &v);
         }
         let list = |k: u32| {
-            let l = w
-                .lists
-                .get(&Probe {
-                    hash: w.hasher.hash_one(&k),
-                    key: Some(&k),
-                } as &dyn Lookup<u32>)
-                .unwrap();
+            let l = w.lists.get(&w.probe(&k) as &dyn Lookup<u32>).unwrap();
             (l.items.len(), l.hole, l.len())
         };
         let mut sweep = w.start_sweep();
