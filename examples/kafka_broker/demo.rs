@@ -10,6 +10,7 @@ use rskafka::client::error::{Error as ClientError, ProtocolError};
 use rskafka::client::partition::{Compression, PartitionClient, UnknownTopicHandling};
 use rskafka::client::ClientBuilder;
 use rskafka::record::Record;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::time::Instant;
 
 use crate::broker::{BrokerHandle, Config};
@@ -198,7 +199,47 @@ pub async fn run() -> i32 {
         ms(t.elapsed())
     );
 
-    // 6. Shutdown answers what waits.
+    // 6. Hostile bytes: a 22-byte Metadata request claiming 2^31-1 topics
+    // (a decoder that reserves for the count first asks for 154 GB and aborts
+    // the process), and batches that lie.
+    let mut raw = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let hostile = [
+        0, 0, 0, 0x12, 0, 3, 0, 1, 0, 0, 0, 7, 0, 4, b'f', b'u', b'z', b'z', 0x7f, 0xff, 0xff, 0xff,
+    ];
+    raw.write_all(&hostile).await.expect("write");
+    let mut rest = Vec::new();
+    let closed = tokio::time::timeout(Duration::from_secs(5), raw.read_to_end(&mut rest))
+        .await
+        .is_ok_and(|r| r.is_ok());
+    let mut w = Wire::connect(addr).await.expect("connect");
+    let lying = wire::produce(
+        TOPIC,
+        0,
+        1,
+        Duration::from_secs(5),
+        wire::lying_batch(&[b"x"], i32::MAX),
+    );
+    let lying = wire::produce_error(&w.call(&lying, wire::PRODUCE_VERSION).await.expect("answer"));
+    let corrupt = wire::produce(
+        TOPIC,
+        0,
+        1,
+        Duration::from_secs(5),
+        wire::corrupt_batch(&[b"x"]),
+    );
+    let corrupt = wire::produce_error(
+        &w.call(&corrupt, wire::PRODUCE_VERSION)
+            .await
+            .expect("answer"),
+    );
+    println!(
+        "\n[hostile] a 22-byte Metadata request claiming 2^31-1 topics: {} (the broker lives on); a one-record batch claiming 2^31 records: error {lying} ({} = INVALID_RECORD); a batch failing its CRC: error {corrupt} ({} = CORRUPT_MESSAGE)",
+        if closed { "that connection closed" } else { "NOT CLOSED" },
+        ResponseError::InvalidRecord.code(),
+        ResponseError::CorruptMessage.code(),
+    );
+
+    // 7. Shutdown answers what waits.
     broker.set_stuck(0, true);
     let mut waiting = Vec::new();
     for i in 0..3 {
@@ -249,11 +290,14 @@ pub async fn run() -> i32 {
     );
     let s = &broker.stats;
     println!(
-        "\n{} requests served, {} fetches parked, {} produces timed out, {} connections hung up while waiting",
+        "\n{} requests served, {} fetches parked, {} produces timed out, {} connections hung up while waiting, {} closed for bad frames, {} batches refused, {} bytes of request memory held at the end",
         s.requests.load(std::sync::atomic::Ordering::Relaxed),
         s.fetches_parked.load(std::sync::atomic::Ordering::Relaxed),
         s.produces_timed_out.load(std::sync::atomic::Ordering::Relaxed),
         s.connections_dropped_while_waiting.load(std::sync::atomic::Ordering::Relaxed),
+        s.connections_refused.load(std::sync::atomic::Ordering::Relaxed),
+        s.batches_refused.load(std::sync::atomic::Ordering::Relaxed),
+        broker.budget.in_use(),
     );
     0
 }

@@ -84,6 +84,27 @@ pub struct ServeArgs {
     /// The sleep-poll interval, in ms, for `--fetch-wait poll`.
     #[arg(long, default_value_t = 10)]
     poll_ms: u64,
+    /// The largest request frame accepted, in bytes.
+    #[arg(long, default_value_t = 100 << 20)]
+    max_request_bytes: usize,
+    /// The most one request may allocate when decoded, in bytes.
+    #[arg(long, default_value_t = 16 << 20)]
+    max_decoded_bytes: usize,
+    /// The memory all requests in flight share, in bytes.
+    #[arg(long, default_value_t = 256 << 20)]
+    memory_budget: usize,
+    /// The longest a request frame may take to arrive, in ms.
+    #[arg(long, default_value_t = 30_000)]
+    frame_timeout_ms: u64,
+    /// Idle connections are closed after this long, in ms.
+    #[arg(long, default_value_t = 600_000)]
+    idle_ms: u64,
+    /// The most topics the broker creates.
+    #[arg(long, default_value_t = 10_000)]
+    max_topics: usize,
+    /// The most bytes one fetch answer carries.
+    #[arg(long, default_value_t = 55 << 20)]
+    fetch_max_bytes: usize,
 }
 
 impl ServeArgs {
@@ -105,6 +126,13 @@ impl ServeArgs {
             stuck_follower: self.stuck_follower,
             max_produce_wait: Duration::from_millis(self.max_produce_wait_ms),
             fetch_wait,
+            max_request_bytes: self.max_request_bytes,
+            max_decoded_bytes: self.max_decoded_bytes,
+            memory_budget: self.memory_budget,
+            frame_timeout: Duration::from_millis(self.frame_timeout_ms),
+            idle_timeout: Duration::from_millis(self.idle_ms),
+            max_topics: self.max_topics,
+            fetch_max_bytes: self.fetch_max_bytes,
         })
     }
 }

@@ -123,6 +123,26 @@ pub fn batch(values: &[&[u8]]) -> Bytes {
     out.freeze()
 }
 
+/// `batch(values)` with its last offset delta set to `delta` and its CRC
+/// made right again: a well-formed batch that lies about its size (Kafka
+/// refuses it with `INVALID_RECORD`).
+pub fn lying_batch(values: &[&[u8]], delta: i32) -> Bytes {
+    let mut b = BytesMut::from(&batch(values)[..]);
+    b[23..27].copy_from_slice(&delta.to_be_bytes());
+    let crc = crc32c::crc32c(&b[21..]);
+    b[17..21].copy_from_slice(&crc.to_be_bytes());
+    b.freeze()
+}
+
+/// `batch(values)` with its last byte flipped after the CRC was computed
+/// (Kafka refuses it with `CORRUPT_MESSAGE`).
+pub fn corrupt_batch(values: &[&[u8]]) -> Bytes {
+    let mut b = BytesMut::from(&batch(values)[..]);
+    let last = b.len() - 1;
+    b[last] ^= 0xff;
+    b.freeze()
+}
+
 /// Milliseconds since the Unix epoch (record timestamps).
 pub fn now_ms() -> i64 {
     std::time::SystemTime::now()

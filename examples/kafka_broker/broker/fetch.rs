@@ -148,7 +148,7 @@ pub async fn handle(broker: &Broker, request: FetchRequest) -> Result<FetchRespo
     let fetch = Fetch {
         topics,
         min_bytes: request.min_bytes.max(0) as u64,
-        max_bytes: request.max_bytes.max(0) as usize,
+        max_bytes: (request.max_bytes.max(0) as usize).min(broker.config.fetch_max_bytes),
         closing: broker.closing.clone(),
     };
     let max_wait = Duration::from_millis(request.max_wait_ms.max(0) as u64);

@@ -27,8 +27,13 @@ struct Batch {
 /// Why an append was refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AppendError {
-    /// Not record batches of format v2 (or cut short).
+    /// Not record batches of format v2, cut short, or failing their CRC
+    /// (Kafka's `CORRUPT_MESSAGE`).
     Corrupt,
+    /// Well-formed batches whose contents disagree: a record count that is
+    /// not the last offset delta + 1, or records out of order (Kafka's
+    /// `INVALID_RECORD`).
+    Invalid,
 }
 
 /// What a read found below the high watermark.
@@ -183,12 +188,9 @@ fn first_batch(log: &[Batch], offset: u64) -> usize {
     log.partition_point(|b| b.end <= offset)
 }
 
-/// Splits `records` into v2 batches: (bytes, record count, max timestamp).
+/// Splits `records` into v2 batches, each checked as Kafka's `LogValidator`
+/// checks what it stores: (bytes, record count, max timestamp).
 fn split_batches(records: &Bytes) -> Result<Vec<(Bytes, u64, i64)>, AppendError> {
-    // Base offset (8), length (4), leader epoch (4), magic (1), CRC (4),
-    // attributes (2), last offset delta (4), first timestamp (8), max
-    // timestamp (8): 43 bytes before the fields this broker reads no further.
-    const HEADER: usize = 61;
     let mut rest = records.clone();
     let mut out = Vec::new();
     while !rest.is_empty() {
@@ -204,17 +206,115 @@ fn split_batches(records: &Bytes) -> Result<Vec<(Bytes, u64, i64)>, AppendError>
         if rest.len() < size {
             return Err(AppendError::Corrupt);
         }
-        let last_delta = (&rest[23..27]).get_i32();
-        let max_timestamp = (&rest[35..43]).get_i64();
-        if last_delta < 0 {
-            return Err(AppendError::Corrupt);
-        }
-        out.push((rest.split_to(size), last_delta as u64 + 1, max_timestamp));
+        let batch = rest.split_to(size);
+        out.push(check_batch(&batch)?);
     }
     if out.is_empty() {
         return Err(AppendError::Corrupt);
     }
     Ok(out)
+}
+
+/// The v2 batch header: base offset (8), length (4), leader epoch (4), magic
+/// (1), CRC (4), attributes (2), last offset delta (4), first timestamp (8),
+/// max timestamp (8), producer id (8), producer epoch (2), base sequence (4),
+/// record count (4).
+const HEADER: usize = 61;
+
+/// Checks one whole v2 batch: its CRC-32C (over everything after the CRC),
+/// its record count against its last offset delta, and, when it is not
+/// compressed, each record's framing and offset delta. This broker has no
+/// codecs, so a compressed batch's records are not opened (Kafka decompresses
+/// and checks them too).
+fn check_batch(batch: &Bytes) -> Result<(Bytes, u64, i64), AppendError> {
+    let crc = (&batch[17..21]).get_u32();
+    if crc32c::crc32c(&batch[21..]) != crc {
+        return Err(AppendError::Corrupt);
+    }
+    let attributes = (&batch[21..23]).get_i16();
+    let last_delta = (&batch[23..27]).get_i32();
+    let max_timestamp = (&batch[35..43]).get_i64();
+    let count = (&batch[57..61]).get_i32();
+    // Kafka: "Header-level record count does not match the last offset".
+    if count <= 0 || last_delta.checked_add(1) != Some(count) {
+        return Err(AppendError::Invalid);
+    }
+    if attributes & 0x07 == 0 {
+        check_records(&batch[HEADER..], count)?;
+    }
+    Ok((batch.clone(), count as u64, max_timestamp))
+}
+
+/// Walks the records of an uncompressed batch: `count` records, each exactly
+/// the length it announces, with offset deltas 0, 1, ... in order, and nothing
+/// after the last.
+fn check_records(mut records: &[u8], count: i32) -> Result<(), AppendError> {
+    for expected in 0..count {
+        let length = varint(&mut records)?;
+        let length = usize::try_from(length).map_err(|_| AppendError::Corrupt)?;
+        if length > records.len() {
+            return Err(AppendError::Corrupt);
+        }
+        let (mut record, rest) = records.split_at(length);
+        records = rest;
+        take(&mut record, 1)?; // attributes
+        varint(&mut record)?; // timestamp delta
+        if varint(&mut record)? != i64::from(expected) {
+            return Err(AppendError::Invalid);
+        }
+        field(&mut record)?; // key
+        field(&mut record)?; // value
+        let headers = varint(&mut record)?;
+        if headers < 0 || headers as usize > record.len() {
+            return Err(AppendError::Corrupt);
+        }
+        for _ in 0..headers {
+            // A header's key may not be null; its value may.
+            let key = varint(&mut record)?;
+            let key = usize::try_from(key).map_err(|_| AppendError::Corrupt)?;
+            take(&mut record, key)?;
+            field(&mut record)?;
+        }
+        if !record.is_empty() {
+            return Err(AppendError::Corrupt);
+        }
+    }
+    if records.is_empty() {
+        Ok(())
+    } else {
+        Err(AppendError::Corrupt)
+    }
+}
+/// Takes `n` bytes off the front of `buf`.
+fn take<'a>(buf: &mut &'a [u8], n: usize) -> Result<&'a [u8], AppendError> {
+    if n > buf.len() {
+        return Err(AppendError::Corrupt);
+    }
+    let (head, rest) = buf.split_at(n);
+    *buf = rest;
+    Ok(head)
+}
+
+/// A zigzag varint (up to 64 bits, as Kafka's `ByteUtils.readVarlong`).
+fn varint(buf: &mut &[u8]) -> Result<i64, AppendError> {
+    let mut raw: u64 = 0;
+    for i in 0..10 {
+        let b = take(buf, 1)?[0];
+        raw |= u64::from(b & 0x7f) << (i * 7);
+        if b < 0x80 {
+            return Ok((raw >> 1) as i64 ^ -((raw & 1) as i64));
+        }
+    }
+    Err(AppendError::Corrupt)
+}
+
+/// A length-prefixed field that may be null (length -1).
+fn field(buf: &mut &[u8]) -> Result<(), AppendError> {
+    match varint(buf)? {
+        -1 => Ok(()),
+        n if n < 0 => Err(AppendError::Corrupt),
+        n => take(buf, usize::try_from(n).map_err(|_| AppendError::Corrupt)?).map(drop),
+    }
 }
 
 /// A topic: its name and partitions.
@@ -229,15 +329,17 @@ pub struct Topics {
     partitions: i32,
     followers: usize,
     auto_create: bool,
+    max_topics: usize,
 }
 
 impl Topics {
-    pub fn new(partitions: i32, followers: usize, auto_create: bool) -> Topics {
+    pub fn new(partitions: i32, followers: usize, auto_create: bool, max_topics: usize) -> Topics {
         Topics {
             by_name: RwLock::new(HashMap::new()),
             partitions,
             followers,
             auto_create,
+            max_topics,
         }
     }
 
@@ -252,22 +354,33 @@ impl Topics {
             .and_then(|i| topic.partitions.get(i).cloned())
     }
 
-    /// The topic, created if it is new and creation on first use is on.
-    pub fn get_or_create(&self, name: &str) -> Option<Arc<Topic>> {
+    /// The topic, created if it is new, `create` is set, creation on first
+    /// use is on, and the broker holds fewer than its most topics.
+    pub fn get_or_create(&self, name: &str, create: bool) -> Option<Arc<Topic>> {
         if let Some(t) = self.get(name) {
             return Some(t);
         }
-        if !self.auto_create || !valid_topic_name(name) {
+        if !(create && self.auto_create) || !valid_topic_name(name) {
             return None;
         }
-        Some(self.create(name, self.partitions))
+        self.create(name, self.partitions)
     }
 
-    /// Creates `name` with `partitions` partitions, or returns it if it exists.
-    pub fn create(&self, name: &str, partitions: i32) -> Arc<Topic> {
+    /// Creates `name` with `partitions` partitions, or returns it if it
+    /// exists; `None` if it is new and the broker holds its most topics.
+    pub fn create(&self, name: &str, partitions: i32) -> Option<Arc<Topic>> {
         let mut map = self.by_name.write().unwrap();
         let number = map.len() as u64;
-        map.entry(Arc::from(name))
+        if number as usize >= self.max_topics && !map.contains_key(name) {
+            tracing::warn!(
+                topic = name,
+                max = self.max_topics,
+                "topic not created: too many topics"
+            );
+            return None;
+        }
+        let topic = map
+            .entry(Arc::from(name))
             .or_insert_with(|| {
                 let name: Arc<str> = Arc::from(name);
                 Arc::new(Topic {
@@ -280,7 +393,8 @@ impl Topics {
                     name,
                 })
             })
-            .clone()
+            .clone();
+        Some(topic)
     }
 
     pub fn all(&self) -> Vec<Arc<Topic>> {

@@ -17,10 +17,12 @@
 //! `tokio::time::timeout` ([`FetchWait`]).
 
 mod fetch;
+mod frame;
 mod log;
 mod produce;
 mod replication;
 mod server;
+pub mod shape;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -33,6 +35,7 @@ use tokio_purgatory::{Purgatory, Reaper};
 use tokio_util::sync::CancellationToken;
 
 pub use self::fetch::DelayedFetch;
+pub use self::frame::Budget;
 pub use self::log::{Partition, PartitionKey, Topics};
 pub use self::produce::DelayedProduce;
 use self::replication::Followers;
@@ -75,6 +78,27 @@ pub struct Config {
     pub max_produce_wait: Duration,
     /// How fetches wait.
     pub fetch_wait: FetchWait,
+    /// The largest request frame accepted (Kafka's `socket.request.max.bytes`).
+    pub max_request_bytes: usize,
+    /// The most one request may allocate when decoded (its arrays and tagged
+    /// fields; strings and records are slices of the frame). A request over
+    /// it closes its connection.
+    pub max_decoded_bytes: usize,
+    /// The memory all connections' requests in flight share: their frames'
+    /// bytes and what decoding them allocates (Kafka's
+    /// `queued.max.request.bytes`). When it is spent, connections stop
+    /// reading until memory comes back.
+    pub memory_budget: usize,
+    /// The longest a frame may take to arrive, from its first byte.
+    pub frame_timeout: Duration,
+    /// A connection with no request for this long is closed (Kafka's
+    /// `connections.max.idle.ms`).
+    pub idle_timeout: Duration,
+    /// The most topics the broker holds; creation on first use stops there.
+    pub max_topics: usize,
+    /// The most bytes one fetch answer carries, whatever the request asks
+    /// (Kafka's broker `fetch.max.bytes`).
+    pub fetch_max_bytes: usize,
 }
 
 impl Default for Config {
@@ -90,6 +114,13 @@ impl Default for Config {
             stuck_follower: None,
             max_produce_wait: Duration::from_secs(30),
             fetch_wait: FetchWait::Purgatory,
+            max_request_bytes: 100 << 20,
+            max_decoded_bytes: 16 << 20,
+            memory_budget: 256 << 20,
+            frame_timeout: Duration::from_secs(30),
+            idle_timeout: Duration::from_secs(600),
+            max_topics: 10_000,
+            fetch_max_bytes: 55 << 20,
         }
     }
 }
@@ -101,6 +132,10 @@ pub struct Stats {
     pub produces_timed_out: AtomicU64,
     pub fetches_parked: AtomicU64,
     pub connections_dropped_while_waiting: AtomicU64,
+    /// Connections closed for a refused frame, a slow frame, or idleness.
+    pub connections_refused: AtomicU64,
+    /// Partitions of produce requests refused for a corrupt or invalid batch.
+    pub batches_refused: AtomicU64,
 }
 
 /// The broker stopped under a waiting request (its purgatory was shut down
@@ -115,6 +150,8 @@ pub struct Broker {
     pub produces: Purgatory<PartitionKey, DelayedProduce>,
     pub fetches: Purgatory<PartitionKey, DelayedFetch>,
     pub stats: Stats,
+    /// The memory requests in flight share.
+    pub budget: Budget,
     /// Set at shutdown: every waiting request's check answers at once.
     closing: Arc<AtomicBool>,
     followers: Followers,
@@ -178,12 +215,14 @@ impl BrokerHandle {
             config.partitions,
             config.followers,
             config.auto_create_topics,
+            config.max_topics,
         );
         for t in &config.topics {
             topics.create(t, config.partitions);
         }
         let broker = Arc::new_cyclic(|weak| Broker {
             followers: Followers::start(weak.clone(), &config),
+            budget: Budget::new(config.memory_budget),
             config,
             topics,
             produces,

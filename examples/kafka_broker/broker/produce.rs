@@ -105,7 +105,12 @@ pub async fn handle(
                             None
                         }
                         None | Some(Err(AppendError::Corrupt)) => {
+                            broker.stats.batches_refused.fetch_add(1, Ordering::Relaxed);
                             Some(ResponseError::CorruptMessage)
+                        }
+                        Some(Err(AppendError::Invalid)) => {
+                            broker.stats.batches_refused.fetch_add(1, Ordering::Relaxed);
+                            Some(ResponseError::InvalidRecord)
                         }
                     },
                 }

@@ -3,10 +3,11 @@
 //! does, and the answers that need no waiting (`ApiVersions`, `Metadata`,
 //! `ListOffsets`).
 
+use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use bytes::{Buf, BufMut, Bytes, BytesMut};
+use bytes::{BufMut, Bytes, BytesMut};
 use kafka_protocol::error::ResponseError;
 use kafka_protocol::messages::api_versions_response::ApiVersion;
 use kafka_protocol::messages::list_offsets_response::{
@@ -17,15 +18,16 @@ use kafka_protocol::messages::metadata_response::{
 };
 use kafka_protocol::messages::*;
 use kafka_protocol::protocol::{Decodable, Encodable, HeaderVersion, StrBytes};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
+use tokio::net::tcp::OwnedReadHalf;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use super::frame::{admit, Admitted, Close, Frame, Reader};
+use super::shape::Refused;
 use super::{fetch, produce, Broker, Gone};
-
-/// The largest request accepted (Kafka's `socket.request.max.bytes`).
-const MAX_REQUEST: usize = 100 * 1024 * 1024;
 
 /// The APIs and versions served: those without topic IDs.
 const SUPPORTED: &[(ApiKey, i16, i16)] = &[
@@ -36,7 +38,7 @@ const SUPPORTED: &[(ApiKey, i16, i16)] = &[
     (ApiKey::ApiVersions, 0, 3),
 ];
 
-fn supported(key: ApiKey, version: i16) -> bool {
+pub fn supported(key: ApiKey, version: i16) -> bool {
     SUPPORTED
         .iter()
         .any(|&(k, lo, hi)| k == key && (lo..=hi).contains(&version))
@@ -64,40 +66,53 @@ pub async fn accept(listener: TcpListener, broker: Arc<Broker>, stop: Cancellati
 }
 
 /// Serves one connection: reads a request, answers it, reads the next. While
-/// a request waits, the socket is still read, so a client that hangs up is
-/// seen at once: its waiting request is dropped, which cancels it.
+/// a request waits, the socket is still read (up to one whole pipelined
+/// frame), so a client that hangs up is seen at once: its waiting request is
+/// dropped, which cancels it.
+///
+/// A connection is closed, with a log line, when a frame is refused (its size
+/// or shape; see [`super::shape`]), when a frame takes longer than
+/// `frame_timeout` to arrive, or when no request comes for `idle_timeout`.
 async fn serve(stream: TcpStream, broker: Arc<Broker>, stop: CancellationToken) {
+    let peer = stream.peer_addr().ok();
     let (mut rd, mut wr) = stream.into_split();
-    let mut inbuf = BytesMut::with_capacity(64 * 1024);
+    let config = &broker.config;
+    let mut reader = Reader::new(broker.budget.clone(), config.max_request_bytes);
+    let mut pipelined: Option<Frame> = None;
     loop {
-        let frame = loop {
-            match take_frame(&mut inbuf) {
-                Ok(Some(frame)) => break frame,
-                Ok(None) => {}
-                Err(()) => return,
-            }
-            tokio::select! {
-                read = rd.read_buf(&mut inbuf) => match read {
-                    Ok(0) | Err(_) => return,
-                    Ok(_) => {}
-                },
-                _ = stop.cancelled() => return,
-            }
+        let frame = match pipelined.take() {
+            Some(f) => f,
+            None => match next_frame(&mut reader, &mut rd, &broker, &stop).await {
+                Ok(f) => f,
+                Err(close) => return closed(&broker, peer, close),
+            },
         };
-        let work = answer(&broker, frame);
+        let deadline = reader.started().unwrap_or_else(Instant::now) + config.frame_timeout;
+        let admitted = tokio::select! {
+            a = admit(frame, &broker.budget, config.max_decoded_bytes) => match a {
+                Ok(a) => a,
+                Err(close) => return closed(&broker, peer, close),
+            },
+            _ = tokio::time::sleep_until(deadline) => {
+                return closed(&broker, peer, Close::Refused(Refused("no memory for the request in time".into())));
+            }
+            _ = stop.cancelled() => return,
+        };
+        let work = answer(&broker, &admitted);
         tokio::pin!(work);
         let reply = loop {
             tokio::select! {
                 reply = &mut work => break reply,
-                read = rd.read_buf(&mut inbuf), if inbuf.len() < MAX_REQUEST => match read {
-                    Ok(0) | Err(_) => {
+                read = reader.step(&mut rd), if pipelined.is_none() => match read {
+                    Ok(frame) => pipelined = frame, // kept for its turn
+                    Err(Close::Gone) => {
                         broker
                             .stats
                             .connections_dropped_while_waiting
                             .fetch_add(1, Ordering::Relaxed);
                         return; // drops `work`: its waiting request is cancelled
                     }
-                    Ok(_) => {} // a pipelined request: kept for its turn
+                    Err(close) => return closed(&broker, peer, close),
                 },
             }
         };
@@ -110,36 +125,60 @@ async fn serve(stream: TcpStream, broker: Arc<Broker>, stop: CancellationToken) 
             Ok(None) => {}
             Err(_) => return,
         }
+        // `admitted` ends here: the frame's memory goes back once its answer
+        // is written.
     }
 }
 
-/// A whole frame's payload from the front of `buf`, if it has arrived.
-fn take_frame(buf: &mut BytesMut) -> Result<Option<Bytes>, ()> {
-    if buf.len() < 4 {
-        return Ok(None);
+/// Reads the next frame, closing an idle connection and one whose frame
+/// takes too long to arrive.
+async fn next_frame(
+    reader: &mut Reader,
+    rd: &mut OwnedReadHalf,
+    broker: &Broker,
+    stop: &CancellationToken,
+) -> Result<Frame, Close> {
+    let idle_since = Instant::now();
+    loop {
+        let deadline = match reader.started() {
+            Some(t) => t + broker.config.frame_timeout,
+            None => idle_since + broker.config.idle_timeout,
+        };
+        tokio::select! {
+            read = reader.step(rd) => {
+                if let Some(frame) = read? {
+                    return Ok(frame);
+                }
+            }
+            _ = tokio::time::sleep_until(deadline) => {
+                return Err(Close::Refused(Refused(if reader.started().is_some() {
+                    "the frame did not arrive in time".into()
+                } else {
+                    "idle".into()
+                })));
+            }
+            _ = stop.cancelled() => return Err(Close::Gone),
+        }
     }
-    let size = (&buf[..4]).get_i32();
-    if size < 0 || size as usize > MAX_REQUEST {
-        return Err(());
+}
+
+/// Logs why a connection is closed, and counts it.
+fn closed(broker: &Broker, peer: Option<SocketAddr>, close: Close) {
+    if let Close::Refused(why) = close {
+        broker
+            .stats
+            .connections_refused
+            .fetch_add(1, Ordering::Relaxed);
+        tracing::info!(?peer, reason = %why, "connection closed");
     }
-    if buf.len() < 4 + size as usize {
-        buf.reserve(4 + size as usize - buf.len());
-        return Ok(None);
-    }
-    buf.advance(4);
-    Ok(Some(buf.split_to(size as usize).freeze()))
 }
 
 /// Decodes a request and answers it: the encoded response frame, `None` when
 /// no answer is due (`acks=0`), `Err` to close the connection.
-async fn answer(broker: &Broker, mut frame: Bytes) -> Result<Option<BytesMut>, Gone> {
+async fn answer(broker: &Broker, admitted: &Admitted) -> Result<Option<BytesMut>, Gone> {
     broker.stats.requests.fetch_add(1, Ordering::Relaxed);
-    if frame.len() < 8 {
-        return Err(Gone);
-    }
-    let key = (&frame[..2]).get_i16();
-    let version = (&frame[2..4]).get_i16();
-    let Ok(key) = ApiKey::try_from(key) else {
+    let mut frame = admitted.bytes.clone();
+    let (Some(key), version) = (admitted.shape.key, admitted.shape.version) else {
         return Err(Gone);
     };
     let header =
@@ -158,7 +197,7 @@ async fn answer(broker: &Broker, mut frame: Bytes) -> Result<Option<BytesMut>, G
     match key {
         ApiKey::ApiVersions => encode(id, version, &api_versions()).map(Some),
         ApiKey::Metadata => {
-            let r = metadata(broker, &decode(&mut frame, version)?);
+            let r = metadata(broker, &decode(&mut frame, version)?, version);
             encode(id, version, &r).map(Some)
         }
         ApiKey::ListOffsets => {
@@ -221,15 +260,15 @@ fn api_versions() -> ApiVersionsResponse {
 
 /// The leader is node 0 (this broker); followers are nodes 1..=n, listed as
 /// replicas and in-sync replicas but not as brokers (nobody can reach them).
-fn metadata(broker: &Broker, request: &MetadataRequest) -> MetadataResponse {
-    let topics = match &request.topics {
-        // Version 0 asks for all with an empty list; later versions with null.
-        Some(ts) if !ts.is_empty() => ts
-            .iter()
-            .filter_map(|t| t.name.as_ref())
-            .map(|name| (name.clone(), broker.topics.get_or_create(name)))
-            .collect(),
-        _ => broker
+fn metadata(broker: &Broker, request: &MetadataRequest, version: i16) -> MetadataResponse {
+    // Every topic: null from version 1, an empty list in version 0. Kafka
+    // answers an empty list from version 1 with no topics.
+    let all = match &request.topics {
+        None => true,
+        Some(ts) => ts.is_empty() && version == 0,
+    };
+    let topics = if all {
+        broker
             .topics
             .all()
             .into_iter()
@@ -239,7 +278,19 @@ fn metadata(broker: &Broker, request: &MetadataRequest) -> MetadataResponse {
                     Some(t),
                 )
             })
-            .collect::<Vec<_>>(),
+            .collect::<Vec<_>>()
+    } else {
+        // A topic unknown here is created if the broker creates topics on
+        // first use and the request allows it (from version 4; before, it
+        // always does).
+        let create = request.allow_auto_topic_creation;
+        request
+            .topics
+            .iter()
+            .flatten()
+            .filter_map(|t| t.name.as_ref())
+            .map(|name| (name.clone(), broker.topics.get_or_create(name, create)))
+            .collect()
     };
     let replicas: Vec<BrokerId> = (0..=broker.config.followers as i32).map(BrokerId).collect();
     let (host, port) = &broker.advertised;

@@ -1,0 +1,202 @@
+//! Reading request frames under a memory budget.
+//!
+//! A frame is a 4-byte size and that many bytes. The size is a claim, not a
+//! fact: nothing is reserved for it up front. The frame's buffer grows as its
+//! bytes arrive (doubling, so copying stays linear), and every byte of it is
+//! first charged to one [`Budget`] shared by all connections. When the budget
+//! is spent, connections stop reading until memory comes back, as Kafka's
+//! `queued.max.request.bytes` makes them. A connection that claims 100 MiB
+//! and sends nothing so costs its 4 bytes; one that sends fast waits its turn.
+//!
+//! Once a frame is whole, [`admit`] walks it ([`super::shape`]) and charges
+//! what decoding it will allocate. The frame and both charges stay held until
+//! the connection has written the answer.
+
+use std::sync::Arc;
+
+use bytes::{BufMut, Bytes};
+use tokio::io::{AsyncRead, AsyncReadExt};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::Instant;
+
+use super::shape::{self, Refused, Shape};
+
+/// The smallest buffer a frame's body starts with.
+const FIRST_CHUNK: usize = 4096;
+
+/// The memory all connections' frames in flight share: the frames' bytes and
+/// what decoding them allocates.
+#[derive(Debug, Clone)]
+pub struct Budget {
+    permits: Arc<Semaphore>,
+    total: usize,
+}
+
+impl Budget {
+    pub fn new(bytes: usize) -> Budget {
+        let total = bytes.min(Semaphore::MAX_PERMITS);
+        Budget {
+            permits: Arc::new(Semaphore::new(total)),
+            total,
+        }
+    }
+
+    /// Bytes charged now.
+    pub fn in_use(&self) -> usize {
+        self.total - self.permits.available_permits()
+    }
+
+    /// Waits until `bytes` can be charged; `None` if they never can (more
+    /// than the whole budget).
+    async fn charge(&self, bytes: usize) -> Option<OwnedSemaphorePermit> {
+        let n = u32::try_from(bytes)
+            .ok()
+            .filter(|&n| n as usize <= self.total)?;
+        self.permits.clone().acquire_many_owned(n).await.ok()
+    }
+}
+
+/// Why a connection stops reading.
+#[derive(Debug)]
+pub enum Close {
+    /// The peer hung up (or the socket failed).
+    Gone,
+    /// The frame cannot be served; the reason is logged.
+    Refused(Refused),
+}
+
+/// A whole frame and the memory charged for it.
+#[derive(Debug)]
+pub struct Frame {
+    pub bytes: Bytes,
+    charge: Option<OwnedSemaphorePermit>,
+}
+
+/// A frame that passed its walk, with its decoding charged.
+#[derive(Debug)]
+pub struct Admitted {
+    pub bytes: Bytes,
+    pub shape: Shape,
+    /// Released when the answer has been written.
+    pub _charge: Option<OwnedSemaphorePermit>,
+}
+
+/// Reads one connection's frames, one at a time. Every method is
+/// cancel-safe: dropping its future loses no byte and no charge.
+#[derive(Debug)]
+pub struct Reader {
+    budget: Budget,
+    max_request: usize,
+    size: [u8; 4],
+    /// Bytes of `size` read so far.
+    have_size: usize,
+    /// The frame's announced size, once `size` is whole.
+    want: Option<usize>,
+    body: Vec<u8>,
+    /// What `body`'s capacity is charged with.
+    charge: Option<OwnedSemaphorePermit>,
+    started: Option<Instant>,
+}
+
+impl Reader {
+    pub fn new(budget: Budget, max_request: usize) -> Reader {
+        Reader {
+            budget,
+            max_request,
+            size: [0; 4],
+            have_size: 0,
+            want: None,
+            body: Vec::new(),
+            charge: None,
+            started: None,
+        }
+    }
+
+    /// When the first byte of the frame in progress arrived, if one has.
+    pub fn started(&self) -> Option<Instant> {
+        self.started
+    }
+
+    /// One read (after charging the budget for what it may bring); the frame
+    /// if that made one whole.
+    pub async fn step<R: AsyncRead + Unpin>(&mut self, rd: &mut R) -> Result<Option<Frame>, Close> {
+        let Some(want) = self.want else {
+            let n = rd
+                .read(&mut self.size[self.have_size..])
+                .await
+                .map_err(|_| Close::Gone)?;
+            if n == 0 {
+                return Err(Close::Gone);
+            }
+            if self.have_size == 0 {
+                self.started = Some(Instant::now());
+            }
+            self.have_size += n;
+            if self.have_size == 4 {
+                let size = i32::from_be_bytes(self.size);
+                // A header alone (key, version, correlation id, client id
+                // length) takes 10 bytes.
+                let most = self.max_request.min(self.budget.total);
+                if size < 10 || size as usize > most {
+                    return Err(Close::Refused(Refused(format!(
+                        "frame size {size} outside 10..={most}"
+                    ))));
+                }
+                self.want = Some(size as usize);
+            }
+            return Ok(None);
+        };
+        if self.body.len() == self.body.capacity() {
+            // Grow by doubling up to the announced size, charging first.
+            let cap = self.body.capacity();
+            let target = want.min((cap * 2).max(FIRST_CHUNK));
+            let more =
+                self.budget.charge(target - cap).await.ok_or_else(|| {
+                    Close::Refused(Refused("frame larger than the budget".into()))
+                })?;
+            match &mut self.charge {
+                Some(c) => c.merge(more),
+                None => self.charge = Some(more),
+            }
+            self.body.reserve_exact(target - self.body.len());
+        }
+        let room = want.min(self.body.capacity()) - self.body.len();
+        let n = rd
+            .read_buf(&mut (&mut self.body).limit(room))
+            .await
+            .map_err(|_| Close::Gone)?;
+        if n == 0 {
+            return Err(Close::Gone);
+        }
+        if self.body.len() < want {
+            return Ok(None);
+        }
+        self.have_size = 0;
+        self.want = None;
+        self.started = None;
+        Ok(Some(Frame {
+            bytes: Bytes::from(std::mem::take(&mut self.body)),
+            charge: self.charge.take(),
+        }))
+    }
+}
+
+/// Walks a whole frame and charges what decoding it allocates.
+pub async fn admit(frame: Frame, budget: &Budget, max_decoded: usize) -> Result<Admitted, Close> {
+    let shape = shape::check(&frame.bytes, max_decoded).map_err(Close::Refused)?;
+    let mut charge = frame.charge;
+    if shape.decoded > 0 {
+        let more = budget.charge(shape.decoded).await.ok_or_else(|| {
+            Close::Refused(Refused("decoded request larger than the budget".into()))
+        })?;
+        match &mut charge {
+            Some(c) => c.merge(more),
+            None => charge = Some(more),
+        }
+    }
+    Ok(Admitted {
+        bytes: frame.bytes,
+        shape,
+        _charge: charge,
+    })
+}

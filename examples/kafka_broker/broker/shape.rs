@@ -1,0 +1,394 @@
+//! A request frame's shape, checked before the decoder sees it.
+//!
+//! The wire decoder (`kafka-protocol`) reserves `Vec::with_capacity(n)` for
+//! an array count read from the wire before it knows whether `n` elements can
+//! follow: a 22-byte Metadata request claiming 2^31-1 topics asks for 154 GB,
+//! and a failed allocation aborts the process (no `catch_unwind` or task
+//! boundary contains it). So every frame is walked here first, field by field
+//! as the decoder will read it, for the versions this broker serves:
+//!
+//! - every string, byte array and tagged field must fit in the bytes left;
+//! - every array count must be at most the bytes left (each element takes at
+//!   least one byte);
+//! - what the decoder will allocate for it (each array's `count *
+//!   size_of::<Element>()`, each tagged field's map entry) is added up, and a
+//!   frame that would take more than the limit is refused before any of it
+//!   is allocated.
+//!
+//! The walk mirrors the decoder's reading of each version (the tests check
+//! that it consumes exactly what an encoded request holds, for every served
+//! version), and is stricter only where the decoder's reading is loose: a
+//! known tagged field must take exactly the size it announces.
+
+use std::mem::size_of;
+
+use kafka_protocol::messages::fetch_request::{FetchPartition, FetchTopic, ForgottenTopic};
+use kafka_protocol::messages::list_offsets_request::{ListOffsetsPartition, ListOffsetsTopic};
+use kafka_protocol::messages::metadata_request::MetadataRequestTopic;
+use kafka_protocol::messages::produce_request::{PartitionProduceData, TopicProduceData};
+use kafka_protocol::messages::ApiKey;
+
+use super::server::supported;
+
+/// What the decoder keeps per tagged field it does not know: a map entry (the
+/// key, a `Bytes`, and its share of a B-tree node, rounded up).
+const TAGGED_ENTRY: usize = 64;
+
+/// Why a frame was refused before decoding.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refused(pub String);
+
+impl std::fmt::Display for Refused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// A frame that may be decoded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shape {
+    /// The API key, if this broker knows it.
+    pub key: Option<ApiKey>,
+    pub version: i16,
+    /// Bytes the decoder will allocate for the header and the body (what it
+    /// slices out of the frame itself is not counted: that is the frame).
+    pub decoded: usize,
+    /// Bytes after what was walked (the decoder ignores them).
+    pub trailing: usize,
+}
+
+/// Walks `frame` (a request without its size prefix) as the decoder will, and
+/// refuses it if a length or count does not fit in the bytes left or the
+/// decoded request would take more than `max_decoded` bytes. The body is
+/// walked only for served versions: the broker decodes no other.
+pub fn check(frame: &[u8], max_decoded: usize) -> Result<Shape, Refused> {
+    let mut w = Walk {
+        rest: frame,
+        decoded: 0,
+        max_decoded,
+    };
+    let raw_key = w.int16()?;
+    let version = w.int16()?;
+    let Ok(key) = ApiKey::try_from(raw_key) else {
+        return Ok(Shape {
+            key: None,
+            version,
+            decoded: 0,
+            trailing: w.rest.len(),
+        });
+    };
+    // The header, as `RequestHeader::decode` reads it after the key and
+    // version: correlation id, client id, and tagged fields from version 2.
+    let header_version = key.request_header_version(version);
+    w.skip(4, "correlation id")?;
+    w.string(false, "client id")?;
+    w.tagged(header_version >= 2, |_, _| Ok(false))?;
+    if supported(key, version) {
+        match key {
+            ApiKey::Produce => produce(&mut w, version)?,
+            ApiKey::Fetch => fetch(&mut w, version)?,
+            ApiKey::ListOffsets => list_offsets(&mut w, version)?,
+            ApiKey::Metadata => metadata(&mut w, version)?,
+            ApiKey::ApiVersions => api_versions(&mut w, version)?,
+            _ => {}
+        }
+    }
+    Ok(Shape {
+        key: Some(key),
+        version,
+        decoded: w.decoded,
+        trailing: w.rest.len(),
+    })
+}
+
+type Step = Result<(), Refused>;
+
+fn refuse<T>(what: &str, why: &str) -> Result<T, Refused> {
+    Err(Refused(format!("{what}: {why}")))
+}
+
+/// A cursor over the frame, adding up what decoding it will allocate.
+struct Walk<'a> {
+    rest: &'a [u8],
+    decoded: usize,
+    max_decoded: usize,
+}
+
+impl<'a> Walk<'a> {
+    fn take(&mut self, n: usize, what: &str) -> Result<&'a [u8], Refused> {
+        if n > self.rest.len() {
+            return refuse(
+                what,
+                &format!("{n} bytes announced, {} left", self.rest.len()),
+            );
+        }
+        let (head, rest) = self.rest.split_at(n);
+        self.rest = rest;
+        Ok(head)
+    }
+
+    fn skip(&mut self, n: usize, what: &str) -> Step {
+        self.take(n, what).map(drop)
+    }
+
+    fn int16(&mut self) -> Result<i16, Refused> {
+        let b = self.take(2, "int16")?;
+        Ok(i16::from_be_bytes([b[0], b[1]]))
+    }
+
+    fn int32(&mut self, what: &str) -> Result<i32, Refused> {
+        let b = self.take(4, what)?;
+        Ok(i32::from_be_bytes([b[0], b[1], b[2], b[3]]))
+    }
+
+    /// An unsigned varint read exactly as the decoder reads one: at most five
+    /// bytes, the bits past 32 dropped.
+    fn uvarint(&mut self, what: &str) -> Result<u32, Refused> {
+        let mut value: u32 = 0;
+        for i in 0..5 {
+            let b = u32::from(self.take(1, what)?[0]);
+            value |= (b & 0x7f).wrapping_shl(i * 7);
+            if b < 0x80 {
+                break;
+            }
+        }
+        Ok(value)
+    }
+
+    /// Adds `bytes` to what decoding allocates, refusing past the limit.
+    fn charge(&mut self, bytes: usize, what: &str) -> Step {
+        self.decoded = self.decoded.saturating_add(bytes);
+        if self.decoded > self.max_decoded {
+            return refuse(
+                what,
+                &format!(
+                    "decoding would allocate over {} bytes (limit {})",
+                    self.decoded, self.max_decoded
+                ),
+            );
+        }
+        Ok(())
+    }
+
+    /// A string (`compact`: varint length + 1, else int16 length; null allowed).
+    fn string(&mut self, compact: bool, what: &str) -> Step {
+        if compact {
+            match self.uvarint(what)? {
+                0 => Ok(()),
+                n => self.skip(n as usize - 1, what),
+            }
+        } else {
+            match self.int16()? {
+                -1 => Ok(()),
+                n if n < 0 => refuse(what, &format!("negative length {n}")),
+                n => self.skip(n as usize, what),
+            }
+        }
+    }
+
+    /// Bytes (`compact`: varint length + 1, else int32 length; null allowed).
+    fn bytes(&mut self, compact: bool, what: &str) -> Step {
+        if compact {
+            match self.uvarint(what)? {
+                0 => Ok(()),
+                n => self.skip(n as usize - 1, what),
+            }
+        } else {
+            match self.int32(what)? {
+                -1 => Ok(()),
+                n if n < 0 => refuse(what, &format!("negative length {n}")),
+                n => self.skip(n as usize, what),
+            }
+        }
+    }
+
+    /// An array of `T` (`compact`: varint count + 1, else int32 count; null
+    /// allowed), each element walked by `each`.
+    fn array<T>(
+        &mut self,
+        compact: bool,
+        what: &str,
+        mut each: impl FnMut(&mut Self) -> Step,
+    ) -> Step {
+        let count = if compact {
+            match self.uvarint(what)? {
+                0 => return Ok(()),
+                n => n as usize - 1,
+            }
+        } else {
+            match self.int32(what)? {
+                -1 => return Ok(()),
+                n if n < 0 => return refuse(what, &format!("negative count {n}")),
+                n => n as usize,
+            }
+        };
+        if count > self.rest.len() {
+            return refuse(
+                what,
+                &format!("{count} elements announced, {} bytes left", self.rest.len()),
+            );
+        }
+        self.charge(count.saturating_mul(size_of::<T>()), what)?;
+        for _ in 0..count {
+            each(self)?;
+        }
+        Ok(())
+    }
+
+    /// Tagged fields (only in `flexible` versions). `known(walk, tag)` walks a
+    /// field the decoder reads itself and returns `true`, returns `false` for
+    /// one it keeps as bytes, or refuses one the decoder refuses.
+    fn tagged(
+        &mut self,
+        flexible: bool,
+        mut known: impl FnMut(&mut Self, u32) -> Result<bool, Refused>,
+    ) -> Step {
+        if !flexible {
+            return Ok(());
+        }
+        let count = self.uvarint("tagged fields")? as usize;
+        // A tag and a size: at least two bytes each.
+        if count > self.rest.len() / 2 {
+            return refuse(
+                "tagged fields",
+                &format!("{count} announced, {} bytes left", self.rest.len()),
+            );
+        }
+        self.charge(count.saturating_mul(TAGGED_ENTRY), "tagged fields")?;
+        for _ in 0..count {
+            let tag = self.uvarint("tag")?;
+            let size = self.uvarint("tag size")? as usize;
+            if size > self.rest.len() {
+                return refuse(
+                    "tagged field",
+                    &format!("{size} bytes announced, {} left", self.rest.len()),
+                );
+            }
+            let before = self.rest.len();
+            if known(self, tag)? {
+                if before - self.rest.len() != size {
+                    return refuse("tagged field", "its value does not fill its size");
+                }
+            } else {
+                self.skip(size, "tagged field")?;
+            }
+        }
+        Ok(())
+    }
+
+    fn no_known_tags(&mut self, flexible: bool) -> Step {
+        self.tagged(flexible, |_, _| Ok(false))
+    }
+}
+
+fn produce(w: &mut Walk, v: i16) -> Step {
+    let flex = v >= 9;
+    w.string(flex, "transactional id")?;
+    w.skip(2 + 4, "acks and timeout")?;
+    w.array::<TopicProduceData>(flex, "produce topics", |w| {
+        w.string(flex, "topic name")?;
+        w.array::<PartitionProduceData>(flex, "produce partitions", |w| {
+            w.skip(4, "partition")?;
+            w.bytes(flex, "records")?;
+            w.no_known_tags(flex)
+        })?;
+        w.no_known_tags(flex)
+    })?;
+    w.no_known_tags(flex)
+}
+
+fn fetch(w: &mut Walk, v: i16) -> Step {
+    let flex = v >= 12;
+    // Replica id, max wait, min bytes, max bytes, isolation level.
+    w.skip(4 + 4 + 4 + 4 + 1, "fetch limits")?;
+    if v >= 7 {
+        w.skip(4 + 4, "session")?;
+    }
+    w.array::<FetchTopic>(flex, "fetch topics", |w| {
+        w.string(flex, "topic name")?;
+        w.array::<FetchPartition>(flex, "fetch partitions", |w| {
+            let mut n = 4 + 8 + 4; // partition, fetch offset, partition max bytes
+            if v >= 9 {
+                n += 4; // current leader epoch
+            }
+            if v >= 12 {
+                n += 4; // last fetched epoch
+            }
+            if v >= 5 {
+                n += 8; // log start offset
+            }
+            w.skip(n, "fetch partition")?;
+            // Tags 0 and 1 are fields of versions 17 and 18: the decoder
+            // refuses them before.
+            w.tagged(flex, |_, tag| match tag {
+                0 | 1 => refuse("fetch partition", "a tag of a later version"),
+                _ => Ok(false),
+            })
+        })?;
+        w.no_known_tags(flex)
+    })?;
+    if v >= 7 {
+        w.array::<ForgottenTopic>(flex, "forgotten topics", |w| {
+            w.string(flex, "topic name")?;
+            w.array::<i32>(flex, "forgotten partitions", |w| w.skip(4, "partition"))?;
+            w.no_known_tags(flex)
+        })?;
+    }
+    if v >= 11 {
+        w.string(flex, "rack id")?;
+    }
+    // Tag 0 is the cluster id, read by the decoder; tag 1 is a field of
+    // version 15 on, refused before.
+    w.tagged(flex, |w, tag| match tag {
+        0 => w.string(true, "cluster id").map(|()| true),
+        1 => refuse("fetch", "a tag of a later version"),
+        _ => Ok(false),
+    })
+}
+
+fn list_offsets(w: &mut Walk, v: i16) -> Step {
+    let flex = v >= 6;
+    w.skip(4, "replica id")?;
+    if v >= 2 {
+        w.skip(1, "isolation level")?;
+    }
+    w.array::<ListOffsetsTopic>(flex, "list offsets topics", |w| {
+        w.string(flex, "topic name")?;
+        w.array::<ListOffsetsPartition>(flex, "list offsets partitions", |w| {
+            w.skip(if v >= 4 { 4 + 4 + 8 } else { 4 + 8 }, "partition")?;
+            w.no_known_tags(flex)
+        })?;
+        w.no_known_tags(flex)
+    })?;
+    w.no_known_tags(flex)
+}
+
+fn metadata(w: &mut Walk, v: i16) -> Step {
+    let flex = v >= 9;
+    w.array::<MetadataRequestTopic>(flex, "metadata topics", |w| {
+        if v >= 10 {
+            w.skip(16, "topic id")?;
+        }
+        w.string(flex, "topic name")?;
+        w.no_known_tags(flex)
+    })?;
+    if v >= 4 {
+        w.skip(1, "allow auto topic creation")?;
+    }
+    if (8..=10).contains(&v) {
+        w.skip(1, "include cluster authorized operations")?;
+    }
+    if v >= 8 {
+        w.skip(1, "include topic authorized operations")?;
+    }
+    w.no_known_tags(flex)
+}
+
+fn api_versions(w: &mut Walk, v: i16) -> Step {
+    let flex = v >= 3;
+    if flex {
+        w.string(true, "client software name")?;
+        w.string(true, "client software version")?;
+    }
+    w.no_known_tags(flex)
+}
