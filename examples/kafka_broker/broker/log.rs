@@ -360,7 +360,7 @@ impl Topics {
         if let Some(t) = self.get(name) {
             return Some(t);
         }
-        if !(create && self.auto_create) || !valid_topic_name(name) {
+        if !(create && self.auto_create && valid_topic_name(name)) {
             return None;
         }
         self.create(name, self.partitions)
