@@ -31,10 +31,39 @@ thread_local! {
     static MINE: Cell<u64> = const { Cell::new(0) };
 }
 
+thread_local! {
+    /// Bytes this thread allocated less those it freed, and the most that
+    /// has been since `reset_peak_here`.
+    static MINE_LIVE: Cell<isize> = const { Cell::new(0) };
+    static MINE_PEAK: Cell<isize> = const { Cell::new(0) };
+}
+
 fn count_mine() {
     // No destructor and a constant initialiser: never allocates, and still
     // usable while the thread is being torn down.
     let _ = MINE.try_with(|n| n.set(n.get() + 1));
+}
+
+fn grow_mine(bytes: isize) {
+    let _ = MINE_LIVE.try_with(|live| {
+        let now = live.get() + bytes;
+        live.set(now);
+        let _ = MINE_PEAK.try_with(|peak| peak.set(peak.get().max(now)));
+    });
+}
+
+/// Starts measuring the calling thread's peak heap use from now; returns
+/// what it holds now (by its own allocations and frees).
+pub fn reset_peak_here() -> isize {
+    let live = MINE_LIVE.try_with(Cell::get).unwrap_or(0);
+    let _ = MINE_PEAK.try_with(|peak| peak.set(live));
+    live
+}
+
+/// The most heap bytes the calling thread has held since `reset_peak_here`
+/// (subtract what that returned for the growth).
+pub fn peak_here() -> isize {
+    MINE_PEAK.try_with(Cell::get).unwrap_or(0)
 }
 
 /// Allocations and reallocations made so far by the calling thread, while
@@ -48,12 +77,14 @@ unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, l: Layout) -> *mut u8 {
         if counting() {
             count_mine();
+            grow_mine(l.size() as isize);
             LIVE.fetch_add(l.size() as isize, Ordering::Relaxed);
         }
         unsafe { System.alloc(l) }
     }
     unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
         if counting() {
+            grow_mine(-(l.size() as isize));
             LIVE.fetch_sub(l.size() as isize, Ordering::Relaxed);
         }
         unsafe { System.dealloc(p, l) }
@@ -61,6 +92,7 @@ unsafe impl GlobalAlloc for Counting {
     unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
         if counting() {
             count_mine();
+            grow_mine(new as isize - l.size() as isize);
             LIVE.fetch_add(new as isize - l.size() as isize, Ordering::Relaxed);
         }
         unsafe { System.realloc(p, l, new) }

@@ -30,9 +30,11 @@ use kafka_protocol::messages::ApiKey;
 
 use super::server::supported;
 
-/// What the decoder keeps per tagged field it does not know: a map entry (the
-/// key, a `Bytes`, and its share of a B-tree node, rounded up).
-const TAGGED_ENTRY: usize = 64;
+/// What the decoder keeps for the tagged fields it does not know: a B-tree
+/// map whose first node takes about 400 bytes (11 keys and `Bytes`), and
+/// whose nodes, at least half full, take under 128 bytes an entry after it.
+const TAGGED_MAP: usize = 512;
+const TAGGED_ENTRY: usize = 128;
 
 /// Why a frame was refused before decoding.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -254,7 +256,10 @@ impl<'a> Walk<'a> {
                 &format!("{count} announced, {} bytes left", self.rest.len()),
             );
         }
-        self.charge(count.saturating_mul(TAGGED_ENTRY), "tagged fields")?;
+        if count > 0 {
+            let map = TAGGED_MAP.saturating_add(count.saturating_mul(TAGGED_ENTRY));
+            self.charge(map, "tagged fields")?;
+        }
         for _ in 0..count {
             let tag = self.uvarint("tag")?;
             let size = self.uvarint("tag size")? as usize;

@@ -1,0 +1,566 @@
+//! Hostile bytes against the broker example (`examples/kafka_broker`):
+//! seeded random and mutated frames of every served API and version (valid
+//! frames with counts, lengths and sizes perturbed, truncations, insertions,
+//! garbage bodies).
+//!
+//! - In process, each frame goes through the walk that runs before decoding
+//!   and, if admitted, through the decoder the broker uses, with this
+//!   thread's heap measured: decoding never takes more than the walk charged.
+//! - Over sockets, against a running broker: after each batch of frames the
+//!   broker still answers a bystander connection, the memory it holds for
+//!   requests stays within its budget, and its logs hold only batches that
+//!   well-formed requests sent.
+//!
+//! The seed is printed; `PURGATORY_FUZZ_SEED=n cargo test --test
+//! kafka_broker_fuzz` replays a run. Real sockets on 127.0.0.1 and real time,
+//! each bounded by a timeout.
+
+#[path = "../examples/kafka_broker/broker/mod.rs"]
+#[allow(dead_code)]
+mod broker;
+#[path = "../examples/kafka_broker/wire.rs"]
+#[allow(dead_code)]
+mod wire;
+
+mod support;
+
+use std::collections::{BTreeMap, HashSet};
+use std::time::Duration;
+
+use broker::shape;
+use broker::{BrokerHandle, Config};
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use kafka_protocol::messages::api_versions_request::ApiVersionsRequest;
+use kafka_protocol::messages::fetch_request::{FetchPartition, FetchTopic, ForgottenTopic};
+use kafka_protocol::messages::list_offsets_request::{ListOffsetsPartition, ListOffsetsTopic};
+use kafka_protocol::messages::metadata_request::MetadataRequestTopic;
+use kafka_protocol::messages::produce_request::{PartitionProduceData, TopicProduceData};
+use kafka_protocol::messages::*;
+use kafka_protocol::protocol::{Decodable, Encodable, StrBytes};
+use support::alloc;
+use support::rng::Rng;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+#[global_allocator]
+static GLOBAL: alloc::Counting = alloc::Counting;
+
+/// The APIs and versions the broker serves.
+const SERVED: &[(ApiKey, i16, i16)] = &[
+    (ApiKey::Produce, 3, 11),
+    (ApiKey::Fetch, 4, 12),
+    (ApiKey::ListOffsets, 1, 7),
+    (ApiKey::Metadata, 0, 12),
+    (ApiKey::ApiVersions, 0, 3),
+];
+
+/// The decode limit the in-process runs walk with.
+const MAX_DECODED: usize = 4 << 20;
+
+/// What the decoder may allocate beyond what the walk charged: its error
+/// messages and the like.
+const SLACK: isize = 8 << 10;
+
+fn seed() -> u64 {
+    let seed = std::env::var("PURGATORY_FUZZ_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos() as u64
+        });
+    eprintln!("fuzz seed {seed} (replay: PURGATORY_FUZZ_SEED={seed})");
+    seed
+}
+
+fn name(rng: &mut Rng, topics: &[&str]) -> StrBytes {
+    StrBytes::from_string(topics[rng.below(topics.len() as u64) as usize].to_string())
+}
+
+fn tags(rng: &mut Rng, flexible: bool) -> BTreeMap<i32, Bytes> {
+    let mut m = BTreeMap::new();
+    if flexible && rng.below(3) == 0 {
+        for _ in 0..=rng.below(2) {
+            let len = rng.below(6) as usize;
+            m.insert(10 + rng.below(50) as i32, Bytes::from(vec![7u8; len]));
+        }
+    }
+    m
+}
+
+/// A well-formed request frame (header and body, no size prefix) of `key` at
+/// `version`, with random contents; the record batches it carries are added
+/// to `sent`.
+fn valid_frame(
+    rng: &mut Rng,
+    key: ApiKey,
+    version: i16,
+    topics: &[&str],
+    sent: &mut Vec<Bytes>,
+) -> Vec<u8> {
+    let header = RequestHeader::default()
+        .with_request_api_key(key as i16)
+        .with_request_api_version(version)
+        .with_correlation_id(rng.next() as i32)
+        .with_client_id(Some(StrBytes::from_static_str("fuzz")));
+    let mut out = BytesMut::new();
+    header
+        .encode(&mut out, key.request_header_version(version))
+        .unwrap();
+    let n = |rng: &mut Rng| rng.below(4) as usize;
+    match key {
+        ApiKey::Produce => {
+            let flex = version >= 9;
+            let r = ProduceRequest::default()
+                .with_acks([-1, 0, 1][rng.below(3) as usize])
+                .with_timeout_ms(rng.below(200) as i32)
+                .with_topic_data(
+                    (0..n(rng))
+                        .map(|_| {
+                            TopicProduceData::default()
+                                .with_name(TopicName(name(rng, topics)))
+                                .with_partition_data(
+                                    (0..n(rng))
+                                        .map(|_| {
+                                            let values: Vec<Vec<u8>> = (0..=rng.below(3))
+                                                .map(|i| vec![i as u8; rng.below(20) as usize])
+                                                .collect();
+                                            let refs: Vec<&[u8]> =
+                                                values.iter().map(|v| &v[..]).collect();
+                                            let b = wire::batch(&refs);
+                                            sent.push(b.clone());
+                                            PartitionProduceData::default()
+                                                .with_index(rng.below(5) as i32)
+                                                .with_records(Some(b))
+                                                .with_unknown_tagged_fields(tags(rng, flex))
+                                        })
+                                        .collect(),
+                                )
+                                .with_unknown_tagged_fields(tags(rng, flex))
+                        })
+                        .collect(),
+                )
+                .with_unknown_tagged_fields(tags(rng, flex));
+            r.encode(&mut out, version).unwrap();
+        }
+        ApiKey::Fetch => {
+            let flex = version >= 12;
+            let mut r = FetchRequest::default()
+                .with_replica_id(BrokerId(-1))
+                .with_max_wait_ms(rng.below(50) as i32)
+                .with_min_bytes(rng.below(100) as i32)
+                .with_max_bytes(rng.below(1 << 20) as i32)
+                .with_topics(
+                    (0..n(rng))
+                        .map(|_| {
+                            FetchTopic::default()
+                                .with_topic(TopicName(name(rng, topics)))
+                                .with_partitions(
+                                    (0..n(rng))
+                                        .map(|_| {
+                                            FetchPartition::default()
+                                                .with_partition(rng.below(5) as i32)
+                                                .with_fetch_offset(rng.below(10) as i64)
+                                                .with_partition_max_bytes(1 << 16)
+                                                .with_unknown_tagged_fields(tags(rng, flex))
+                                        })
+                                        .collect(),
+                                )
+                                .with_unknown_tagged_fields(tags(rng, flex))
+                        })
+                        .collect(),
+                )
+                .with_unknown_tagged_fields(tags(rng, flex));
+            if version >= 7 {
+                r = r.with_session_epoch(-1).with_forgotten_topics_data(
+                    (0..n(rng))
+                        .map(|_| {
+                            ForgottenTopic::default()
+                                .with_topic(TopicName(name(rng, topics)))
+                                .with_partitions((0..n(rng) as i32).collect())
+                                .with_unknown_tagged_fields(tags(rng, flex))
+                        })
+                        .collect(),
+                );
+            }
+            if version >= 11 {
+                r = r.with_rack_id(StrBytes::from_static_str("rack"));
+            }
+            if flex && rng.below(2) == 0 {
+                r = r.with_cluster_id(Some(StrBytes::from_static_str("cluster")));
+            }
+            r.encode(&mut out, version).unwrap();
+        }
+        ApiKey::ListOffsets => {
+            let flex = version >= 6;
+            let r = ListOffsetsRequest::default()
+                .with_replica_id(BrokerId(-1))
+                .with_topics(
+                    (0..n(rng))
+                        .map(|_| {
+                            ListOffsetsTopic::default()
+                                .with_name(TopicName(name(rng, topics)))
+                                .with_partitions(
+                                    (0..n(rng))
+                                        .map(|_| {
+                                            ListOffsetsPartition::default()
+                                                .with_partition_index(rng.below(5) as i32)
+                                                .with_timestamp(-1 - rng.below(2) as i64)
+                                                .with_unknown_tagged_fields(tags(rng, flex))
+                                        })
+                                        .collect(),
+                                )
+                                .with_unknown_tagged_fields(tags(rng, flex))
+                        })
+                        .collect(),
+                )
+                .with_unknown_tagged_fields(tags(rng, flex));
+            r.encode(&mut out, version).unwrap();
+        }
+        ApiKey::Metadata => {
+            let flex = version >= 9;
+            let list = (0..n(rng))
+                .map(|_| {
+                    MetadataRequestTopic::default()
+                        .with_name(Some(TopicName(name(rng, topics))))
+                        .with_unknown_tagged_fields(tags(rng, flex))
+                })
+                .collect();
+            let mut r = MetadataRequest::default()
+                .with_topics((version == 0 || rng.below(4) != 0).then_some(list))
+                .with_unknown_tagged_fields(tags(rng, flex));
+            if version >= 4 {
+                r = r.with_allow_auto_topic_creation(rng.below(2) == 0);
+            }
+            r.encode(&mut out, version).unwrap();
+        }
+        ApiKey::ApiVersions => {
+            let mut r = ApiVersionsRequest::default();
+            if version >= 3 {
+                r = r
+                    .with_client_software_name(StrBytes::from_static_str("fuzz"))
+                    .with_client_software_version(StrBytes::from_static_str("1"))
+                    .with_unknown_tagged_fields(tags(rng, true));
+            }
+            r.encode(&mut out, version).unwrap();
+        }
+        _ => unreachable!(),
+    }
+    out.to_vec()
+}
+
+fn any_served(rng: &mut Rng) -> (ApiKey, i16) {
+    let (key, lo, hi) = SERVED[rng.below(SERVED.len() as u64) as usize];
+    (key, lo + rng.below((hi - lo + 1) as u64) as i16)
+}
+
+/// The ways a frame is damaged.
+const CLASSES: [&str; 7] = [
+    "int32 overwritten",
+    "bytes overwritten",
+    "varint overwritten",
+    "truncated",
+    "bytes inserted",
+    "garbage body",
+    "unchanged",
+];
+
+/// A frame of a random served API and version, damaged in one of `CLASSES`
+/// ways (returned with it).
+fn mutated_frame(rng: &mut Rng, topics: &[&str], sent: &mut Vec<Bytes>) -> (usize, Vec<u8>) {
+    let (key, version) = any_served(rng);
+    let mut f = valid_frame(rng, key, version, topics, sent);
+    let class = rng.below(CLASSES.len() as u64) as usize;
+    // Past the API key and version, so the frame still names a served API.
+    let at = |rng: &mut Rng, f: &Vec<u8>| {
+        4 + rng.below(f.len().saturating_sub(4).max(1) as u64) as usize
+    };
+    match class {
+        0 => {
+            let big = [i32::MAX, -1, -2, 1 << 20, 1 << 30, rng.next() as i32];
+            let v = big[rng.below(big.len() as u64) as usize].to_be_bytes();
+            let i = at(rng, &f).min(f.len().saturating_sub(4));
+            for (k, b) in v.iter().enumerate() {
+                if let Some(x) = f.get_mut(i + k) {
+                    *x = *b;
+                }
+            }
+        }
+        1 => {
+            for _ in 0..=rng.below(3) {
+                let i = at(rng, &f);
+                if let Some(x) = f.get_mut(i) {
+                    *x = [0xff, 0x7f, 0x80, 0x00, rng.next() as u8][rng.below(5) as usize];
+                }
+            }
+        }
+        2 => {
+            // A varint of up to five bytes, as large as it gets.
+            let i = at(rng, &f);
+            for k in 0..5 {
+                if let Some(x) = f.get_mut(i + k) {
+                    *x = if k < 4 { 0xff } else { 0x0f };
+                }
+            }
+        }
+        3 => f.truncate(at(rng, &f)),
+        4 => {
+            let i = at(rng, &f).min(f.len());
+            let extra: Vec<u8> = (0..=rng.below(8)).map(|_| rng.next() as u8).collect();
+            f.splice(i..i, extra);
+        }
+        5 => {
+            // A v1 header (key, version, correlation id, client id "fuzz"),
+            // then random bytes.
+            f.truncate(14);
+            f.extend((0..rng.below(200)).map(|_| rng.next() as u8));
+        }
+        _ => {}
+    }
+    (class, f)
+}
+
+/// Decodes `frame` as the broker does after the walk admitted it.
+fn decode_like_the_broker(frame: &[u8], s: &shape::Shape) {
+    let Some(key) = s.key else { return };
+    let mut buf = Bytes::copy_from_slice(frame);
+    if RequestHeader::decode(&mut buf, key.request_header_version(s.version)).is_err() {
+        return;
+    }
+    if !SERVED
+        .iter()
+        .any(|&(k, lo, hi)| k == key && (lo..=hi).contains(&s.version))
+    {
+        return;
+    }
+    let v = s.version;
+    let _ = match key {
+        ApiKey::Produce => ProduceRequest::decode(&mut buf, v).map(drop),
+        ApiKey::Fetch => FetchRequest::decode(&mut buf, v).map(drop),
+        ApiKey::ListOffsets => ListOffsetsRequest::decode(&mut buf, v).map(drop),
+        ApiKey::Metadata => MetadataRequest::decode(&mut buf, v).map(drop),
+        ApiKey::ApiVersions => ApiVersionsRequest::decode(&mut buf, v).map(drop),
+        _ => Ok(()),
+    };
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// The frame that aborted the broker before the walk: Metadata v1 claiming
+/// 2^31-1 topics, in 22 bytes (with its size).
+const ABORTING: &str = "000000120003000100000007000466757a7a7fffffff";
+
+fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
+        .collect()
+}
+
+#[test]
+fn the_walk_reads_every_served_version_exactly_as_encoded() {
+    let mut rng = Rng(seed());
+    let mut sent = Vec::new();
+    for &(key, lo, hi) in SERVED {
+        for version in lo..=hi {
+            for _ in 0..30 {
+                let f = valid_frame(&mut rng, key, version, &["a", "bb"], &mut sent);
+                let s = shape::check(&f, MAX_DECODED)
+                    .unwrap_or_else(|e| panic!("{key:?} v{version} refused: {e}: {}", hex(&f)));
+                assert_eq!(s.key, Some(key));
+                assert_eq!(s.trailing, 0, "{key:?} v{version}: {}", hex(&f));
+            }
+        }
+    }
+}
+
+#[test]
+fn the_22_bytes_and_their_kin_are_refused_before_decoding() {
+    let frame = unhex(ABORTING);
+    assert_eq!(frame.len(), 22);
+    let refused = shape::check(&frame[4..], MAX_DECODED).unwrap_err();
+    assert!(refused.0.contains("metadata topics"), "{refused}");
+    // A compact (flexible) Metadata v9 claiming 2^32-2 topics.
+    let mut f = vec![0, 3, 0, 9, 0, 0, 0, 7, 0, 4];
+    f.extend_from_slice(b"fuzz");
+    f.push(0); // header tagged fields
+    f.extend_from_slice(&[0xff, 0xff, 0xff, 0xff, 0x0f]);
+    assert!(shape::check(&f, MAX_DECODED).is_err());
+    // A decoded size over the limit is refused even when the bytes are there:
+    // 100,000 topics of Metadata v1 with empty names (2 bytes each).
+    let mut f = vec![0, 3, 0, 1, 0, 0, 0, 7, 0, 4];
+    f.extend_from_slice(b"fuzz");
+    f.extend_from_slice(&100_000i32.to_be_bytes());
+    f.extend(std::iter::repeat_n(0u8, 200_000));
+    let e = shape::check(&f, 1 << 20).unwrap_err();
+    assert!(e.0.contains("decoding would allocate"), "{e}");
+    assert!(shape::check(&f, 64 << 20).is_ok());
+}
+
+#[test]
+fn mutated_frames_never_make_the_decoder_allocate_past_what_the_walk_charged() {
+    let seed = seed();
+    let mut rng = Rng(seed);
+    let started = std::time::Instant::now();
+    let frames = 200_000;
+    let mut per_class = [(0u32, 0u32); CLASSES.len()]; // (tried, refused by the walk)
+    let mut worst: isize = 0;
+    let mut sent = Vec::new();
+    for i in 0..frames {
+        let (class, f) = mutated_frame(&mut rng, &["a", "topic"], &mut sent);
+        sent.clear();
+        per_class[class].0 += 1;
+        match shape::check(&f, MAX_DECODED) {
+            Err(_) => per_class[class].1 += 1,
+            Ok(s) => {
+                let base = alloc::reset_peak_here();
+                decode_like_the_broker(&f, &s);
+                let grew = alloc::peak_here() - base;
+                worst = worst.max(grew - s.decoded as isize);
+                assert!(
+                    grew <= s.decoded as isize + SLACK,
+                    "seed {seed}, frame {i} ({}): decoding took {grew} bytes, the walk charged {}: {}",
+                    CLASSES[class],
+                    s.decoded,
+                    hex(&f)
+                );
+            }
+        }
+    }
+    eprintln!(
+        "{frames} frames in {:.1} s; worst decode over the charge: {worst} bytes",
+        started.elapsed().as_secs_f64()
+    );
+    for (c, (tried, refused)) in CLASSES.iter().zip(per_class) {
+        eprintln!("  {c}: {tried} tried, {refused} refused by the walk");
+    }
+}
+
+/// Splits a log read into its batches.
+fn batches(mut records: Bytes) -> Vec<Bytes> {
+    let mut out = Vec::new();
+    while records.len() >= 12 {
+        let size = 12 + (&records[8..12]).get_i32() as usize;
+        out.push(records.split_to(size));
+    }
+    assert!(records.is_empty());
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_frames_over_sockets_leave_the_broker_serving_and_its_logs_clean() {
+    let seed = seed();
+    let budget = 32 << 20;
+    let handle = BrokerHandle::start(Config {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        partitions: 4,
+        followers: 0,
+        topics: vec!["a".into(), "topic".into()],
+        max_produce_wait: Duration::from_millis(50),
+        max_decoded_bytes: 4 << 20,
+        memory_budget: budget,
+        max_topics: 20,
+        ..Config::default()
+    })
+    .await
+    .expect("the broker starts");
+    let addr = handle.addr;
+    let b = handle.broker.clone();
+    let mut bystander = wire::Wire::connect(addr).await.unwrap();
+    let mut rng = Rng(seed);
+    let mut sent = Vec::new();
+    let started = std::time::Instant::now();
+    let mut answers = 0;
+    let heap_at_start = alloc::live_bytes();
+    let rounds = 60;
+    let per_round = 50;
+    let topics = ["a", "topic", "new-1", "new-2"];
+    for round in 0..rounds {
+        // Each frame on a connection of its own, all at once: a bad frame
+        // closes only its own connection.
+        let mut conns = tokio::task::JoinSet::new();
+        for _ in 0..per_round {
+            let (_, f) = mutated_frame(&mut rng, &topics, &mut sent);
+            conns.spawn(async move {
+                let mut conn = TcpStream::connect(addr).await.unwrap();
+                let mut framed = BytesMut::new();
+                framed.put_i32(f.len() as i32);
+                framed.extend_from_slice(&f);
+                if conn.write_all(&framed).await.is_err() {
+                    return false;
+                }
+                // The answer, or the close; a request that waits (a fetch
+                // told to wait long) is dropped with its connection.
+                let read = async {
+                    let size = conn.read_i32().await?;
+                    let mut body = vec![0; size.clamp(0, 1 << 20) as usize];
+                    conn.read_exact(&mut body).await
+                };
+                matches!(
+                    tokio::time::timeout(Duration::from_millis(150), read).await,
+                    Ok(Ok(_))
+                )
+            });
+        }
+        while let Some(answered) = conns.join_next().await {
+            if answered.unwrap() {
+                answers += 1;
+            }
+        }
+        let answered = tokio::time::timeout(
+            Duration::from_secs(5),
+            bystander.call(&ApiVersionsRequest::default(), 0),
+        )
+        .await;
+        assert!(
+            matches!(answered, Ok(Ok(_))),
+            "seed {seed}, round {round}: the bystander got no answer"
+        );
+        assert!(b.budget.in_use() <= budget, "seed {seed}: over the budget");
+        // The whole process's heap: what it held at the start, the budget,
+        // and room for the logs and the test's own records.
+        assert!(
+            alloc::live_bytes() < heap_at_start + budget as isize + (32 << 20),
+            "seed {seed}, round {round}: {} heap bytes live",
+            alloc::live_bytes()
+        );
+    }
+    // Every batch in every log is one a well-formed request sent (compared
+    // from the magic byte on: the broker rewrites the base offset, and the
+    // length and leader epoch are not what a damaged frame can change
+    // without the CRC or the framing noticing).
+    // (A record set the encoder wrote may hold several batches.)
+    let sent: HashSet<Bytes> = sent
+        .iter()
+        .flat_map(|records| batches(records.clone()))
+        .map(|b| b.slice(16..))
+        .collect();
+    let mut stored = 0;
+    for part in b.topics.all_partitions() {
+        for batch in batches(part.read(0, usize::MAX, true).records) {
+            assert!(
+                sent.contains(&batch.slice(16..)),
+                "seed {seed}: a batch no well-formed request sent is in the log: {}",
+                hex(&batch)
+            );
+            stored += 1;
+        }
+    }
+    let s = &b.stats;
+    eprintln!(
+        "{} frames over sockets in {:.1} s: {answers} answered, {} requests decoded, {} connections closed for bad frames, {} batches refused, {stored} batches stored, {} topics",
+        rounds * per_round,
+        started.elapsed().as_secs_f64(),
+        s.requests.load(std::sync::atomic::Ordering::Relaxed),
+        s.connections_refused.load(std::sync::atomic::Ordering::Relaxed),
+        s.batches_refused.load(std::sync::atomic::Ordering::Relaxed),
+        b.topics.all().len(),
+    );
+    assert!(stored > 0, "some well-formed produces were stored");
+    assert!(b.topics.all().len() <= 20);
+    handle.shutdown().await;
+}
