@@ -413,3 +413,258 @@ async fn a_hang_up_cancels_and_shutdown_answers_what_waits() {
     })
     .await
 }
+
+/// Reads from `conn` until the broker closes it; `false` if it stays open
+/// past `within`.
+async fn closed_within(conn: &mut tokio::net::TcpStream, within: Duration) -> bool {
+    use tokio::io::AsyncReadExt;
+    let mut sink = Vec::new();
+    matches!(
+        tokio::time::timeout(within, conn.read_to_end(&mut sink)).await,
+        Ok(Ok(_)) | Ok(Err(_))
+    )
+}
+
+/// The broker still answers a new connection.
+async fn answers(b: &BrokerHandle) {
+    let mut w = Wire::connect(b.addr).await.unwrap();
+    let r = w
+        .call(&kafka_protocol::messages::ApiVersionsRequest::default(), 0)
+        .await
+        .expect("the broker answers");
+    assert_eq!(r.error_code, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_22_bytes_that_aborted_the_broker_close_only_their_connection() {
+    use tokio::io::AsyncWriteExt;
+    bounded(async {
+        let b = start(Config::default()).await;
+        let mut bystander = Wire::connect(b.addr).await.unwrap();
+        // Metadata v1 claiming 2^31-1 topics: the decoder would reserve
+        // 154 GB for them, and a failed allocation aborts the process.
+        let bytes = [
+            0, 0, 0, 0x12, 0, 3, 0, 1, 0, 0, 0, 7, 0, 4, b'f', b'u', b'z', b'z', 0x7f, 0xff, 0xff,
+            0xff,
+        ];
+        // The same claim in the compact (flexible) form, through Fetch v12's
+        // topics and Produce v9's topics.
+        let fetch_v12 = [
+            0, 0, 0, 0x1b, 0, 1, 0, 12, 0, 0, 0, 7, 0, 4, b'f', b'u', b'z', b'z', 0, 0xff, 0xff,
+            0xff, 0xff, 0, 0, 0, 0, 0, 0, 0, 0,
+        ];
+        let produce_v9 = [
+            0, 0, 0, 0x13, 0, 0, 0, 9, 0, 0, 0, 7, 0, 4, b'f', b'u', b'z', b'z', 0, 0, 0xff, 0xff,
+            0, 0, 0, 0,
+        ];
+        for frame in [&bytes[..], &fetch_v12[..], &produce_v9[..]] {
+            let mut raw = tokio::net::TcpStream::connect(b.addr).await.unwrap();
+            raw.write_all(frame).await.unwrap();
+            assert!(closed_within(&mut raw, Duration::from_secs(5)).await);
+        }
+        let r = bystander
+            .call(&kafka_protocol::messages::ApiVersionsRequest::default(), 0)
+            .await
+            .expect("a connection open before still answers");
+        assert_eq!(r.error_code, 0);
+        assert_eq!(
+            b.broker
+                .stats
+                .connections_refused
+                .load(std::sync::atomic::Ordering::Relaxed),
+            3
+        );
+        assert_eq!(b.broker.budget.in_use(), 0);
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_that_lie_are_refused_per_partition_and_never_stored() {
+    use kafka_protocol::messages::produce_request::{PartitionProduceData, TopicProduceData};
+    use kafka_protocol::messages::{ProduceRequest, TopicName};
+    use kafka_protocol::protocol::StrBytes;
+    bounded(async {
+        let b = start(Config {
+            followers: 0,
+            topics: vec![TOPIC.into()],
+            ..Config::default()
+        })
+        .await;
+        let mut w = Wire::connect(b.addr).await.unwrap();
+        let part = |i: i32, records: bytes::Bytes| {
+            PartitionProduceData::default()
+                .with_index(i)
+                .with_records(Some(records))
+        };
+        // One request: a one-record batch claiming 2^31 records, a batch
+        // failing its CRC, a batch cut short, and a good batch.
+        let mut short = wire::batch(&[b"short"]).to_vec();
+        short.truncate(short.len() - 3);
+        let request = ProduceRequest::default()
+            .with_acks(1)
+            .with_timeout_ms(5000)
+            .with_topic_data(vec![TopicProduceData::default()
+                .with_name(TopicName(StrBytes::from_static_str(TOPIC)))
+                .with_partition_data(vec![
+                    part(0, wire::lying_batch(&[b"x"], i32::MAX)),
+                    part(1, wire::corrupt_batch(&[b"y"])),
+                    part(2, short.into()),
+                    part(3, wire::batch(&[b"good"])),
+                ])]);
+        let r = w.call(&request, wire::PRODUCE_VERSION).await.unwrap();
+        let codes: Vec<i16> = r.responses[0]
+            .partition_responses
+            .iter()
+            .map(|p| p.error_code)
+            .collect();
+        assert_eq!(
+            codes,
+            [
+                ResponseError::InvalidRecord.code(),
+                ResponseError::CorruptMessage.code(),
+                ResponseError::CorruptMessage.code(),
+                0
+            ]
+        );
+        // A record count that disagrees with the records, and records whose
+        // offset deltas are out of order, both with a right CRC.
+        let mut two = wire::batch(&[b"a", b"b"]).to_vec();
+        two[57..61].copy_from_slice(&1i32.to_be_bytes());
+        two[23..27].copy_from_slice(&0i32.to_be_bytes());
+        let crc = crc32c::crc32c(&two[21..]);
+        two[17..21].copy_from_slice(&crc.to_be_bytes());
+        let r = w
+            .call(
+                &wire::produce(TOPIC, 0, 1, Duration::from_secs(5), two.into()),
+                wire::PRODUCE_VERSION,
+            )
+            .await
+            .unwrap();
+        assert_ne!(wire::produce_error(&r), 0);
+        let topic = b.broker.topics.get(TOPIC).unwrap();
+        let ends: Vec<u64> = topic.partitions.iter().map(|p| p.log_end()).collect();
+        assert_eq!(ends, [0, 0, 0, 1], "only the good batch was stored");
+        assert_eq!(topic.partitions[0].high_watermark(), 0);
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn announced_sizes_reserve_nothing_and_slow_frames_are_closed() {
+    use tokio::io::AsyncWriteExt;
+    bounded(async {
+        let b = start(Config {
+            frame_timeout: Duration::from_millis(500),
+            ..Config::default()
+        })
+        .await;
+        // 300 connections each announcing 100 MiB and sending a few bytes:
+        // what they hold is what arrived, rounded up to a first buffer.
+        let mut held = Vec::new();
+        for _ in 0..300 {
+            let mut c = tokio::net::TcpStream::connect(b.addr).await.unwrap();
+            c.write_all(&(100i32 << 20).to_be_bytes()).await.unwrap();
+            c.write_all(&[0, 18, 0, 0]).await.unwrap();
+            held.push(c);
+        }
+        until("all 300 frames have begun", || {
+            b.broker.budget.in_use() >= 300 * 4096
+        })
+        .await;
+        assert!(
+            b.broker.budget.in_use() <= 300 * 4096,
+            "{} bytes held",
+            b.broker.budget.in_use()
+        );
+        answers(&b).await;
+        // Frames that do not arrive within the frame timeout close their
+        // connection and give their memory back.
+        for c in &mut held {
+            assert!(closed_within(c, Duration::from_secs(5)).await);
+        }
+        until("the memory is back", || b.broker.budget.in_use() == 0).await;
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frame_larger_than_the_budget_is_refused_and_idle_connections_close() {
+    use tokio::io::AsyncWriteExt;
+    bounded(async {
+        let b = start(Config {
+            memory_budget: 1 << 20,
+            idle_timeout: Duration::from_millis(300),
+            ..Config::default()
+        })
+        .await;
+        let mut c = tokio::net::TcpStream::connect(b.addr).await.unwrap();
+        c.write_all(&(2i32 << 20).to_be_bytes()).await.unwrap();
+        assert!(closed_within(&mut c, Duration::from_secs(5)).await);
+        // An idle connection, and one that answered a request, then idled.
+        let mut idle = tokio::net::TcpStream::connect(b.addr).await.unwrap();
+        let mut w = Wire::connect(b.addr).await.unwrap();
+        w.call(&kafka_protocol::messages::ApiVersionsRequest::default(), 0)
+            .await
+            .unwrap();
+        let t = Instant::now();
+        assert!(closed_within(&mut idle, Duration::from_secs(5)).await);
+        assert!(t.elapsed() >= Duration::from_millis(250));
+        // The other one idles from its answer on, a little later.
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        assert!(w
+            .call(&kafka_protocol::messages::ApiVersionsRequest::default(), 0)
+            .await
+            .is_err());
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metadata_answers_an_empty_list_with_no_topics_and_creates_only_when_allowed() {
+    use kafka_protocol::messages::metadata_request::MetadataRequestTopic;
+    use kafka_protocol::messages::{MetadataRequest, TopicName};
+    use kafka_protocol::protocol::StrBytes;
+    bounded(async {
+        let b = start(Config {
+            topics: vec!["existing".into()],
+            ..Config::default()
+        })
+        .await;
+        let mut w = Wire::connect(b.addr).await.unwrap();
+        let ask = |names: Option<Vec<&'static str>>, allow: bool| {
+            MetadataRequest::default()
+                .with_topics(names.map(|ns| {
+                    ns.into_iter()
+                        .map(|n| {
+                            MetadataRequestTopic::default()
+                                .with_name(Some(TopicName(StrBytes::from_static_str(n))))
+                        })
+                        .collect()
+                }))
+                .with_allow_auto_topic_creation(allow)
+        };
+        // From version 1, an empty list asks for no topics; null for all.
+        let r = w.call(&ask(Some(vec![]), true), 12).await.unwrap();
+        assert!(r.topics.is_empty());
+        let r = w.call(&ask(None, true), 12).await.unwrap();
+        assert_eq!(r.topics.len(), 1);
+        // In version 0, an empty list asks for all.
+        let r = w
+            .call(&MetadataRequest::default().with_topics(Some(vec![])), 0)
+            .await
+            .unwrap();
+        assert_eq!(r.topics.len(), 1);
+        // Creation on first use only when the request allows it.
+        let r = w.call(&ask(Some(vec!["fresh"]), false), 12).await.unwrap();
+        assert_eq!(
+            r.topics[0].error_code,
+            ResponseError::UnknownTopicOrPartition.code()
+        );
+        assert!(b.broker.topics.get("fresh").is_none());
+        let r = w.call(&ask(Some(vec!["fresh"]), true), 12).await.unwrap();
+        assert_eq!(r.topics[0].error_code, 0);
+        assert!(b.broker.topics.get("fresh").is_some());
+    })
+    .await
+}
