@@ -449,14 +449,28 @@ async fn the_22_bytes_that_aborted_the_broker_close_only_their_connection() {
         ];
         // The same claim in the compact (flexible) form, through Fetch v12's
         // topics and Produce v9's topics.
-        let fetch_v12 = [
-            0, 0, 0, 0x1b, 0, 1, 0, 12, 0, 0, 0, 7, 0, 4, b'f', b'u', b'z', b'z', 0, 0xff, 0xff,
-            0xff, 0xff, 0, 0, 0, 0, 0, 0, 0, 0,
-        ];
-        let produce_v9 = [
-            0, 0, 0, 0x13, 0, 0, 0, 9, 0, 0, 0, 7, 0, 4, b'f', b'u', b'z', b'z', 0, 0, 0xff, 0xff,
-            0, 0, 0, 0,
-        ];
+        let header = |key: u8, version: u8| {
+            let mut f = vec![0, key, 0, version, 0, 0, 0, 7, 0, 4];
+            f.extend_from_slice(b"fuzz");
+            f.push(0); // no tagged fields
+            f
+        };
+        let framed = |body: Vec<u8>| {
+            let mut f = (body.len() as i32).to_be_bytes().to_vec();
+            f.extend(body);
+            f
+        };
+        let huge = [0xff, 0xff, 0xff, 0xff, 0x0f];
+        // Fetch v12: replica id, waits, sizes, isolation, session (25 bytes).
+        let mut fetch_v12 = header(1, 12);
+        fetch_v12.extend([0; 25]);
+        fetch_v12.extend(huge);
+        let fetch_v12 = framed(fetch_v12);
+        // Produce v9: no transactional id, acks, timeout.
+        let mut produce_v9 = header(0, 9);
+        produce_v9.extend([0; 7]);
+        produce_v9.extend(huge);
+        let produce_v9 = framed(produce_v9);
         for frame in [&bytes[..], &fetch_v12[..], &produce_v9[..]] {
             let mut raw = tokio::net::TcpStream::connect(b.addr).await.unwrap();
             raw.write_all(frame).await.unwrap();
