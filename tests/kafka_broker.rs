@@ -603,11 +603,21 @@ async fn announced_sizes_reserve_nothing_and_slow_frames_are_closed() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_frame_larger_than_the_budget_is_refused_and_idle_connections_close() {
+async fn a_frame_over_the_limit_is_refused_and_idle_connections_close() {
     use tokio::io::AsyncWriteExt;
     bounded(async {
+        // A budget smaller than one request and its decoding is refused.
+        let too_small = BrokerHandle::start(Config {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            memory_budget: 1 << 20,
+            ..Config::default()
+        })
+        .await;
+        assert!(too_small.is_err());
         let b = start(Config {
             memory_budget: 1 << 20,
+            max_request_bytes: 512 << 10,
+            max_decoded_bytes: 256 << 10,
             idle_timeout: Duration::from_millis(300),
             ..Config::default()
         })
@@ -679,6 +689,13 @@ async fn metadata_answers_an_empty_list_with_no_topics_and_creates_only_when_all
         let r = w.call(&ask(Some(vec!["fresh"]), true), 12).await.unwrap();
         assert_eq!(r.topics[0].error_code, 0);
         assert!(b.broker.topics.get("fresh").is_some());
+        // A name repeated is answered once: the answer grows with distinct
+        // topics, not with the request's repetitions.
+        let r = w
+            .call(&ask(Some(vec!["existing"; 1000]), true), 12)
+            .await
+            .unwrap();
+        assert_eq!(r.topics.len(), 1);
     })
     .await
 }

@@ -373,6 +373,10 @@ fn the_walk_reads_every_served_version_exactly_as_encoded() {
                     .unwrap_or_else(|e| panic!("{key:?} v{version} refused: {e}: {}", hex(&f)));
                 assert_eq!(s.key, Some(key));
                 assert_eq!(s.trailing, 0, "{key:?} v{version}: {}", hex(&f));
+                // One byte more is refused: the budget would hold it.
+                let mut longer = f.clone();
+                longer.push(0);
+                assert!(shape::check(&longer, MAX_DECODED).is_err());
             }
         }
     }
@@ -461,6 +465,7 @@ async fn hostile_frames_over_sockets_leave_the_broker_serving_and_its_logs_clean
         followers: 0,
         topics: vec!["a".into(), "topic".into()],
         max_produce_wait: Duration::from_millis(50),
+        max_request_bytes: 8 << 20,
         max_decoded_bytes: 4 << 20,
         memory_budget: budget,
         max_topics: 20,

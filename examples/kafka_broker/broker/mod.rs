@@ -186,6 +186,18 @@ pub struct BrokerHandle {
 impl BrokerHandle {
     /// Starts a broker on the current runtime.
     pub async fn start(config: Config) -> std::io::Result<BrokerHandle> {
+        // A request must fit in the budget with what decoding it takes, or
+        // its connection would wait on memory only its own release frees.
+        if config.memory_budget
+            < config
+                .max_request_bytes
+                .saturating_add(config.max_decoded_bytes)
+        {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "memory_budget must be at least max_request_bytes + max_decoded_bytes",
+            ));
+        }
         let listener = TcpListener::bind(config.listen).await?;
         let addr = listener.local_addr()?;
         let advertised = match &config.advertise {

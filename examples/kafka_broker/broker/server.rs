@@ -101,8 +101,17 @@ async fn serve(stream: TcpStream, broker: Arc<Broker>, stop: CancellationToken) 
         let work = answer(&broker, &admitted);
         tokio::pin!(work);
         let reply = loop {
+            // A pipelined frame that has begun must arrive in time too.
+            let late = reader
+                .started()
+                .filter(|_| pipelined.is_none())
+                .map(|t| t + config.frame_timeout);
             tokio::select! {
                 reply = &mut work => break reply,
+                _ = tokio::time::sleep_until(late.unwrap_or_else(Instant::now)), if late.is_some() => {
+                    let why = Refused("the frame did not arrive in time".into());
+                    return closed(&broker, peer, Close::Refused(why));
+                }
                 read = reader.step(&mut rd), if pipelined.is_none() => match read {
                     Ok(frame) => pipelined = frame, // kept for its turn
                     Err(Close::Gone) => {
@@ -118,8 +127,18 @@ async fn serve(stream: TcpStream, broker: Arc<Broker>, stop: CancellationToken) 
         };
         match reply {
             Ok(Some(bytes)) => {
-                if wr.write_all(&bytes).await.is_err() {
-                    return;
+                // A client that does not read its answers would keep this
+                // request's memory for ever: it gets `frame_timeout`. (Not
+                // cut short at shutdown: shutdown writes what it answered.)
+                let written =
+                    tokio::time::timeout(config.frame_timeout, wr.write_all(&bytes)).await;
+                match written {
+                    Ok(Ok(())) => {}
+                    Ok(Err(_)) => return,
+                    Err(_) => {
+                        let why = Refused("the answer was not read in time".into());
+                        return closed(&broker, peer, Close::Refused(why));
+                    }
                 }
             }
             Ok(None) => {}
@@ -283,12 +302,16 @@ fn metadata(broker: &Broker, request: &MetadataRequest, version: i16) -> Metadat
         // A topic unknown here is created if the broker creates topics on
         // first use and the request allows it (from version 4; before, it
         // always does).
+        // Each name once, as Kafka does: the answer grows with distinct
+        // topics, not with how often a request repeats one.
         let create = request.allow_auto_topic_creation;
+        let mut seen = std::collections::HashSet::new();
         request
             .topics
             .iter()
             .flatten()
             .filter_map(|t| t.name.as_ref())
+            .filter(|name| seen.insert(&***name))
             .map(|name| (name.clone(), broker.topics.get_or_create(name, create)))
             .collect()
     };

@@ -18,7 +18,8 @@
 //! The walk mirrors the decoder's reading of each version (the tests check
 //! that it consumes exactly what an encoded request holds, for every served
 //! version), and is stricter only where the decoder's reading is loose: a
-//! known tagged field must take exactly the size it announces.
+//! known tagged field must take exactly the size it announces, and a served
+//! request may not carry bytes after its end.
 
 use std::mem::size_of;
 
@@ -93,6 +94,11 @@ pub fn check(frame: &[u8], max_decoded: usize) -> Result<Shape, Refused> {
             ApiKey::Metadata => metadata(&mut w, version)?,
             ApiKey::ApiVersions => api_versions(&mut w, version)?,
             _ => {}
+        }
+        // The decoder would ignore bytes after the request; the budget would
+        // not. No client sends them.
+        if !w.rest.is_empty() {
+            return refuse("request", &format!("{} bytes after its end", w.rest.len()));
         }
     }
     Ok(Shape {
