@@ -72,7 +72,9 @@ pub async fn accept(listener: TcpListener, broker: Arc<Broker>, stop: Cancellati
 ///
 /// A connection is closed, with a log line, when a frame is refused (its size
 /// or shape; see [`super::shape`]), when a frame takes longer than
-/// `frame_timeout` to arrive, or when no request comes for `idle_timeout`.
+/// `frame_timeout` to arrive, when there is no memory to decode it within
+/// `frame_timeout`, when its answer is not read within `frame_timeout`, or
+/// when no request comes for `idle_timeout`.
 async fn serve(stream: TcpStream, broker: Arc<Broker>, stop: CancellationToken) {
     let peer = stream.peer_addr().ok();
     let (mut rd, mut wr) = stream.into_split();
@@ -87,7 +89,8 @@ async fn serve(stream: TcpStream, broker: Arc<Broker>, stop: CancellationToken) 
                 Err(close) => return closed(&broker, peer, close),
             },
         };
-        let deadline = reader.started().unwrap_or_else(Instant::now) + config.frame_timeout;
+        // Waiting for memory to decode it is bounded like the frame's arrival.
+        let deadline = Instant::now() + config.frame_timeout;
         let admitted = tokio::select! {
             a = admit(frame, &broker.budget, config.max_decoded_bytes) => match a {
                 Ok(a) => a,
