@@ -27,6 +27,7 @@ mod support;
 use std::collections::{BTreeMap, HashSet};
 use std::time::Duration;
 
+use broker::server::{supported, SUPPORTED};
 use broker::shape;
 use broker::{BrokerHandle, Config};
 use bytes::{Buf, BufMut, Bytes, BytesMut};
@@ -44,15 +45,6 @@ use tokio::net::TcpStream;
 
 #[global_allocator]
 static GLOBAL: alloc::Counting = alloc::Counting;
-
-/// The APIs and versions the broker serves.
-const SERVED: &[(ApiKey, i16, i16)] = &[
-    (ApiKey::Produce, 3, 11),
-    (ApiKey::Fetch, 4, 12),
-    (ApiKey::ListOffsets, 1, 7),
-    (ApiKey::Metadata, 0, 12),
-    (ApiKey::ApiVersions, 0, 3),
-];
 
 /// The decode limit the in-process runs walk with.
 const MAX_DECODED: usize = 4 << 20;
@@ -252,7 +244,7 @@ fn valid_frame(
 }
 
 fn any_served(rng: &mut Rng) -> (ApiKey, i16) {
-    let (key, lo, hi) = SERVED[rng.below(SERVED.len() as u64) as usize];
+    let (key, lo, hi) = SUPPORTED[rng.below(SUPPORTED.len() as u64) as usize];
     (key, lo + rng.below((hi - lo + 1) as u64) as i16)
 }
 
@@ -329,10 +321,7 @@ fn decode_like_the_broker(frame: &[u8], s: &shape::Shape) {
     if RequestHeader::decode(&mut buf, key.request_header_version(s.version)).is_err() {
         return;
     }
-    if !SERVED
-        .iter()
-        .any(|&(k, lo, hi)| k == key && (lo..=hi).contains(&s.version))
-    {
+    if !supported(key, s.version) {
         return;
     }
     let v = s.version;
@@ -365,7 +354,7 @@ fn unhex(s: &str) -> Vec<u8> {
 fn the_walk_reads_every_served_version_exactly_as_encoded() {
     let mut rng = Rng(seed());
     let mut sent = Vec::new();
-    for &(key, lo, hi) in SERVED {
+    for &(key, lo, hi) in SUPPORTED {
         for version in lo..=hi {
             for _ in 0..30 {
                 let f = valid_frame(&mut rng, key, version, &["a", "bb"], &mut sent);

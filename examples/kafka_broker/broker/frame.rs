@@ -154,10 +154,7 @@ impl Reader {
                 self.budget.charge(target - cap).await.ok_or_else(|| {
                     Close::Refused(Refused("frame larger than the budget".into()))
                 })?;
-            match &mut self.charge {
-                Some(c) => c.merge(more),
-                None => self.charge = Some(more),
-            }
+            add(&mut self.charge, more);
             self.body.reserve_exact(target - self.body.len());
         }
         let room = want.min(self.body.capacity()) - self.body.len();
@@ -189,14 +186,19 @@ pub async fn admit(frame: Frame, budget: &Budget, max_decoded: usize) -> Result<
         let more = budget.charge(shape.decoded).await.ok_or_else(|| {
             Close::Refused(Refused("decoded request larger than the budget".into()))
         })?;
-        match &mut charge {
-            Some(c) => c.merge(more),
-            None => charge = Some(more),
-        }
+        add(&mut charge, more);
     }
     Ok(Admitted {
         bytes: frame.bytes,
         shape,
         _charge: charge,
     })
+}
+
+/// Adds `more` to what `charge` holds.
+fn add(charge: &mut Option<OwnedSemaphorePermit>, more: OwnedSemaphorePermit) {
+    match charge {
+        Some(c) => c.merge(more),
+        None => *charge = Some(more),
+    }
 }

@@ -21,7 +21,7 @@ mod frame;
 mod log;
 mod produce;
 mod replication;
-mod server;
+pub mod server;
 pub mod shape;
 
 use std::net::SocketAddr;

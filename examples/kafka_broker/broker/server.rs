@@ -30,7 +30,7 @@ use super::shape::Refused;
 use super::{fetch, produce, Broker, Gone};
 
 /// The APIs and versions served: those without topic IDs.
-const SUPPORTED: &[(ApiKey, i16, i16)] = &[
+pub const SUPPORTED: &[(ApiKey, i16, i16)] = &[
     (ApiKey::Produce, 3, 11),
     (ApiKey::Fetch, 4, 12),
     (ApiKey::ListOffsets, 1, 7),

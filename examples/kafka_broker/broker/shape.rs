@@ -178,57 +178,50 @@ impl<'a> Walk<'a> {
         Ok(())
     }
 
-    /// A string (`compact`: varint length + 1, else int16 length; null allowed).
+    /// A length or count as the decoder reads one: `compact`, a varint of
+    /// the value + 1 (0 is null); else an int32 (`wide`) or an int16, -1
+    /// null, below that refused. `None` for null.
+    fn length(&mut self, compact: bool, wide: bool, what: &str) -> Result<Option<usize>, Refused> {
+        let n = if compact {
+            i64::from(self.uvarint(what)?) - 1
+        } else if wide {
+            i64::from(self.int32(what)?)
+        } else {
+            i64::from(self.int16()?)
+        };
+        match n {
+            -1 => Ok(None),
+            n if n < 0 => refuse(what, &format!("negative length {n}")),
+            n => Ok(Some(n as usize)),
+        }
+    }
+
+    /// A string (int16 length when not `compact`; null allowed).
     fn string(&mut self, compact: bool, what: &str) -> Step {
-        if compact {
-            match self.uvarint(what)? {
-                0 => Ok(()),
-                n => self.skip(n as usize - 1, what),
-            }
-        } else {
-            match self.int16()? {
-                -1 => Ok(()),
-                n if n < 0 => refuse(what, &format!("negative length {n}")),
-                n => self.skip(n as usize, what),
-            }
+        match self.length(compact, false, what)? {
+            None => Ok(()),
+            Some(n) => self.skip(n, what),
         }
     }
 
-    /// Bytes (`compact`: varint length + 1, else int32 length; null allowed).
+    /// Bytes (int32 length when not `compact`; null allowed).
     fn bytes(&mut self, compact: bool, what: &str) -> Step {
-        if compact {
-            match self.uvarint(what)? {
-                0 => Ok(()),
-                n => self.skip(n as usize - 1, what),
-            }
-        } else {
-            match self.int32(what)? {
-                -1 => Ok(()),
-                n if n < 0 => refuse(what, &format!("negative length {n}")),
-                n => self.skip(n as usize, what),
-            }
+        match self.length(compact, true, what)? {
+            None => Ok(()),
+            Some(n) => self.skip(n, what),
         }
     }
 
-    /// An array of `T` (`compact`: varint count + 1, else int32 count; null
-    /// allowed), each element walked by `each`.
+    /// An array of `T` (int32 count when not `compact`; null allowed), each
+    /// element walked by `each`.
     fn array<T>(
         &mut self,
         compact: bool,
         what: &str,
         mut each: impl FnMut(&mut Self) -> Step,
     ) -> Step {
-        let count = if compact {
-            match self.uvarint(what)? {
-                0 => return Ok(()),
-                n => n as usize - 1,
-            }
-        } else {
-            match self.int32(what)? {
-                -1 => return Ok(()),
-                n if n < 0 => return refuse(what, &format!("negative count {n}")),
-                n => n as usize,
-            }
+        let Some(count) = self.length(compact, true, what)? else {
+            return Ok(());
         };
         if count > self.rest.len() {
             return refuse(
