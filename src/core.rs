@@ -10,19 +10,22 @@
 //!   removing, polling and draining entries. Jobs are moved out of the wheel and
 //!   run, dropped or handed back after the lock is released, so no user code (a
 //!   task, a task's `Drop`, an operation's cell) ever runs under it.
-//! - **The clock.** The reaper reads Tokio's clock once per turn; inserts are given
+//! - **The clock.** The reaper reads Tokio's clock at the start of a turn (and
+//!   at its end, for the turn's duration); inserts are given
 //!   the caller's "now" (registration and `schedule` read it to compute the
 //!   deadline anyway), so that a deadline already past is due at once instead of
 //!   being rounded up to the next tick.
 
 use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::time::Instant;
 
 use crate::clock::Clock;
 use crate::contain::Panics;
-use crate::reaper::{Host, Hub, Next, Served};
+use crate::histogram::Recorder;
+use crate::reaper::{Host, Hub, Next, ReaperMetrics, Served};
 use crate::settings::{BuildError, Settings};
 use crate::sync::{lock, thread_index, Mutex, MutexGuard, Padded};
 use crate::wake::{WakeTarget, NEVER};
@@ -75,11 +78,31 @@ struct Shard<J> {
     closed: bool,
 }
 
-/// Counters kept by the core (all monotonic).
+/// Counters kept by the core (all monotonic), written by the reaper.
 #[derive(Debug, Default)]
 pub(crate) struct Counters {
     pub(crate) wakeups: AtomicU64,
     pub(crate) expired: AtomicU64,
+    /// How late each expiry was taken out, from its deadline tick.
+    pub(crate) lateness: Recorder,
+    /// Reaper turns, their summed and longest duration (ns), and the most
+    /// entries one turn expired.
+    pub(crate) turns: AtomicU64,
+    pub(crate) turn_nanos: AtomicU64,
+    pub(crate) longest_turn_nanos: AtomicU64,
+    pub(crate) largest_batch: AtomicU64,
+}
+
+impl Counters {
+    /// The reaper's work so far.
+    pub(crate) fn reaper(&self) -> ReaperMetrics {
+        ReaperMetrics {
+            turns: self.turns.load(Ordering::Relaxed),
+            busy: Duration::from_nanos(self.turn_nanos.load(Ordering::Relaxed)),
+            longest_turn: Duration::from_nanos(self.longest_turn_nanos.load(Ordering::Relaxed)),
+            largest_batch: self.largest_batch.load(Ordering::Relaxed),
+        }
+    }
 }
 
 /// Shards of wheels, the clock and the reaper's wake-up state.
@@ -90,8 +113,9 @@ pub(crate) struct Core<J> {
     wake: WakeTarget,
     /// The reaper that serves this core (its own, or one shared with others).
     hub: Arc<Hub>,
-    /// The reaper's buffer of due jobs, kept between turns for its capacity.
-    scratch: Mutex<Vec<J>>,
+    /// The reaper's buffer of due jobs (with their deadline ticks), kept
+    /// between turns for its capacity.
+    scratch: Mutex<Vec<(u64, J)>>,
     state: AtomicU8,
     /// Pending jobs, kept only when a limit is set (a shared counter is the one
     /// thing all producers would contend on).
@@ -308,10 +332,12 @@ impl<J: Job> Core<J> {
     /// One reaper turn: expires at most `batch` due jobs per shard. Returns whether
     /// more are due right now, the earliest tick anything is due otherwise, and the
     /// turn's tick.
-    fn turn(&self, scratch: &mut Vec<J>) -> (bool, u64, u64) {
-        let now = self.clock.now_tick(Instant::now());
+    fn turn(&self, scratch: &mut Vec<(u64, J)>) -> (bool, u64, u64) {
+        let started = Instant::now();
+        let now = self.clock.now_tick(started);
         let mut more = false;
         let mut next = u64::MAX;
+        let mut expired = 0;
         for i in 0..self.shards.len() {
             let mut taken = 0;
             let shard_next = loop {
@@ -321,7 +347,7 @@ impl<J: Job> Core<J> {
                 let run = LOCK_RUN.min(self.batch - taken);
                 while scratch.len() < run {
                     match s.wheel.poll(now) {
-                        Some((_, job)) => scratch.push(job),
+                        Some(due) => scratch.push(due),
                         None => break,
                     }
                 }
@@ -339,7 +365,11 @@ impl<J: Job> Core<J> {
                 self.counters
                     .expired
                     .fetch_add(scratch.len() as u64, Ordering::Relaxed);
-                for job in scratch.drain(..) {
+                for (deadline, job) in scratch.drain(..) {
+                    if let Some(due) = self.clock.instant_of(deadline) {
+                        let late = started.saturating_duration_since(due);
+                        self.counters.lateness.record(late);
+                    }
                     self.panics.run("an expiry", || job.expire());
                 }
                 if let Some(n) = shard_next {
@@ -352,8 +382,15 @@ impl<J: Job> Core<J> {
                     break None;
                 }
             };
+            expired += taken;
             next = next.min(shard_next.unwrap_or(u64::MAX));
         }
+        let c = &self.counters;
+        let nanos = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        c.turns.fetch_add(1, Ordering::Relaxed);
+        c.turn_nanos.fetch_add(nanos, Ordering::Relaxed);
+        c.longest_turn_nanos.fetch_max(nanos, Ordering::Relaxed);
+        c.largest_batch.fetch_max(expired as u64, Ordering::Relaxed);
         (more || next <= now, next, now)
     }
 

@@ -353,6 +353,7 @@
 mod clock;
 mod contain;
 mod core;
+mod histogram;
 pub mod purgatory;
 mod reaper;
 mod settings;
@@ -371,8 +372,9 @@ mod test_rng;
 // One rule for both public modules: the crate root re-exports every public
 // item of `purgatory` and `timer`, so either path names the same item.
 pub use purgatory::{
-    Completion, OpRef, Operation, OperationError, OperationHandle, Purgatory, PurgatoryBuilder,
-    PurgatoryMetrics, Watch, WatchError, WatchErrorKind, WatchKey, WeakPurgatory,
+    ChecksMetrics, Completion, Histogram, OpRef, Operation, OperationError, OperationHandle,
+    Purgatory, PurgatoryBuilder, PurgatoryMetrics, ReaperMetrics, WalkMetrics, Watch, WatchError,
+    WatchErrorKind, WatchKey, WeakPurgatory,
 };
 pub use reaper::Reaper;
 pub use settings::BuildError;

@@ -60,6 +60,38 @@ impl<'a> Host<'a> {
     }
 }
 
+/// What a reaper did for one purgatory or timer: its turns (each takes out
+/// and runs what is due, up to the batch size per shard), the time they took,
+/// and the most entries one turn expired. A turn's time includes the
+/// expiries' own code (`on_expiration`, timer tasks).
+///
+/// # Examples
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+/// use std::time::Duration;
+/// use tokio_purgatory::Timer;
+///
+/// let timer = Timer::new();
+/// timer.sleep(Duration::from_millis(5)).await.unwrap();
+/// let r = timer.metrics().reaper;
+/// assert!(r.turns >= 1);
+/// assert_eq!(r.largest_batch, 1);
+/// # }
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct ReaperMetrics {
+    /// Turns taken.
+    pub turns: u64,
+    /// The turns' time summed: how busy the reaper was.
+    pub busy: std::time::Duration,
+    /// The longest turn.
+    pub longest_turn: std::time::Duration,
+    /// The most entries one turn expired.
+    pub largest_batch: u64,
+}
+
 /// What one reaper task serves: its cores, the [`Reaper`] handles that keep it
 /// running, and the notification that wakes it.
 #[derive(Debug)]

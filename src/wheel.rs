@@ -256,17 +256,17 @@ impl<T> Wheel<T> {
         })
     }
 
-    /// Yields one entry whose deadline is `<= now`, advancing the wheel as needed,
-    /// or `None` when none is due (the wheel is then at `now`). `now` earlier than
-    /// `elapsed` is treated as `elapsed`.
-    pub(crate) fn poll(&mut self, now: u64) -> Option<(Key, T)> {
+    /// Yields one entry whose deadline is `<= now`, with its deadline tick,
+    /// advancing the wheel as needed, or `None` when none is due (the wheel is
+    /// then at `now`). `now` earlier than `elapsed` is treated as `elapsed`.
+    pub(crate) fn poll(&mut self, now: u64) -> Option<(u64, T)> {
         loop {
             if self.pending.head != NIL {
                 let index = self.pending.head;
                 self.unlink(index);
                 self.len -= 1;
-                let generation = self.entries[index].generation;
-                return Some((Key { index, generation }, self.release(index)));
+                let deadline = self.entries[index].deadline;
+                return Some((deadline, self.release(index)));
             }
             match self.next_bucket() {
                 Some((start, bucket)) if start <= now => {

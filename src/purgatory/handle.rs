@@ -13,6 +13,7 @@ use super::books::Fate;
 use super::cell::{OpCell, Outcome};
 use super::error::OperationError;
 use super::operation::{Completion, Operation};
+use super::shared::WalkKind;
 use super::WatchKey;
 use crate::clock::deadline_after;
 
@@ -441,7 +442,11 @@ where
     /// # }
     /// ```
     pub fn try_complete(&self) -> bool {
-        self.cell.check()
+        let completed = self.cell.check();
+        self.cell
+            .shared
+            .count_walk(WalkKind::Reference, 1, completed as usize);
+        completed
     }
 
     /// Whether the operation has finished (completed, expired, or cancelled).

@@ -33,6 +33,8 @@ use self::keys::{KeyPanic, Taken, Watches};
 pub use self::operation::{Completion, Operation, WatchKey};
 use self::shared::{closed_refusal, Shared};
 use crate::clock::deadline_after;
+pub use crate::histogram::Histogram;
+pub use crate::reaper::ReaperMetrics;
 use crate::settings::Settings;
 use crate::sync::thread_index;
 
@@ -966,6 +968,39 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
         self.shared().metrics()
     }
 
+    /// How late this purgatory's timeouts fired: for each expiry, the time
+    /// from its deadline (rounded up to the tick, as the wheel holds it) to
+    /// the reaper turn that took it out. Its tail says whether the reaper
+    /// keeps up. Recorded once per expiry by the reaper, never on the
+    /// registration or completion paths.
+    ///
+    /// A snapshot (about 2.5 KiB): take it when you export, not per request.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// # struct Op;
+    /// # impl tokio_purgatory::Operation for Op {
+    /// #     type Output = ();
+    /// #     fn try_complete(&mut self) -> Option<()> { None }
+    /// #     fn on_expiration(self) {}
+    /// # }
+    /// use std::time::Duration;
+    /// use tokio_purgatory::Purgatory;
+    ///
+    /// let p: Purgatory<u32, Op> = Purgatory::new();
+    /// let h = p.try_complete_else_watch(Op, Duration::from_millis(10), [1]).unwrap();
+    /// h.await.unwrap();
+    /// let late = p.lateness();
+    /// assert_eq!(late.count(), 1);
+    /// println!("p99 {:?}, max {:?}", late.quantile(0.99), late.max());
+    /// # }
+    /// ```
+    pub fn lateness(&self) -> Histogram {
+        self.shared().lateness()
+    }
+
     /// The bytes an operation's cell occupies on the heap: what each finished
     /// operation keeps allocated until its last tombstone is removed (see
     /// "Memory" on [`Purgatory`]). It grows with `size_of::<O>()` and
@@ -1178,6 +1213,44 @@ pub struct PurgatoryMetrics {
     /// Times the reaper woke from a sleep (a [`Reaper`](crate::Reaper) shared
     /// with others counts its wake-ups in each it serves).
     pub reaper_wakeups: u64,
+    /// Checks asked for by events, per kind of event: how much work an event
+    /// costs, and how much of it completed something.
+    pub checks: ChecksMetrics,
+    /// The reaper's turns on this purgatory's timeouts.
+    pub reaper: ReaperMetrics,
+}
+
+/// Checks asked for by events, per kind (see [`PurgatoryMetrics::checks`]).
+/// The checks a registration runs itself are not counted here.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct ChecksMetrics {
+    /// [`Purgatory::try_complete_watched`]: walks of a key's plain watches.
+    pub key_walks: WalkMetrics,
+    /// [`Purgatory::try_complete_reached`]: level advances, each checking the
+    /// watches its level reached.
+    pub level_advances: WalkMetrics,
+    /// [`OpRef::try_complete`]: one operation checked by reference (each call
+    /// is one walk of one check).
+    pub by_reference: WalkMetrics,
+}
+
+/// What the walks of one kind did.
+///
+/// `completed / checked` is the trigger-hit ratio: near 1, events reach the
+/// operations they finish; near 0, most checks are wasted (keys watched by
+/// many operations an event rarely finishes: watch at a level instead, see
+/// [`Watch::level`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct WalkMetrics {
+    /// Walks (calls).
+    pub walks: u64,
+    /// Operations asked to check. One already being checked by another
+    /// thread is asked to check again rather than checked twice at once.
+    pub checked: u64,
+    /// Operations those walks completed.
+    pub completed: u64,
 }
 
 #[cfg(all(test, not(purgatory_loom)))]

@@ -14,7 +14,8 @@ use super::cell::{Checked, OpCell};
 use super::error::{OperationError, WatchError};
 use super::keys::Watches;
 use super::operation::Operation;
-use super::PurgatoryMetrics;
+use super::{ChecksMetrics, PurgatoryMetrics, WalkMetrics};
+use crate::histogram::Histogram;
 use super::WatchKey;
 use crate::contain::Panics;
 use crate::core::{Closed, Core, Job, Refused, TimerKey};
@@ -87,6 +88,27 @@ pub(crate) struct Shared<K: WatchKey, O: Operation> {
     name: Arc<str>,
     /// Buffers kept between walks and purge slices, one set per thread stripe.
     buffers: Striped<Mutex<Buffers<K, O>>>,
+    /// Checks asked for by walks and by reference, per kind, per thread stripe.
+    walks: Striped<[WalkStripe; 3]>,
+}
+
+/// What walks of one kind did on one stripe (see [`WalkMetrics`]).
+#[derive(Debug, Default)]
+struct WalkStripe {
+    walks: AtomicU64,
+    checked: AtomicU64,
+    completed: AtomicU64,
+}
+
+/// The kinds of walk counted apart in [`ChecksMetrics`].
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum WalkKind {
+    /// `try_complete_watched`.
+    Key = 0,
+    /// `try_complete_reached`.
+    Level = 1,
+    /// `OpRef::try_complete`.
+    Reference = 2,
 }
 
 /// What a walk or a purge slice fills while it holds a list's lock: the live
@@ -142,7 +164,32 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
             panics: Panics::new("purgatory", name.clone()),
             name,
             buffers: Striped::default(),
+            walks: Striped::default(),
         }
+    }
+
+    /// Counts a walk of `kind` that asked `checked` operations to check and
+    /// completed `completed` of them.
+    pub(crate) fn count_walk(&self, kind: WalkKind, checked: usize, completed: usize) {
+        let w = &self.walks.mine()[kind as usize];
+        w.walks.fetch_add(1, Ordering::Relaxed);
+        if checked > 0 {
+            w.checked.fetch_add(checked as u64, Ordering::Relaxed);
+        }
+        if completed > 0 {
+            w.completed.fetch_add(completed as u64, Ordering::Relaxed);
+        }
+    }
+
+    fn walk_metrics(&self, kind: WalkKind) -> WalkMetrics {
+        let mut m = WalkMetrics::default();
+        for stripe in self.walks.iter() {
+            let w = &stripe[kind as usize];
+            m.walks += w.walks.load(Ordering::Relaxed);
+            m.checked += w.checked.load(Ordering::Relaxed);
+            m.completed += w.completed.load(Ordering::Relaxed);
+        }
+        m
     }
 
     fn buffer_slot(&self) -> &Mutex<Buffers<K, O>> {
@@ -387,7 +434,18 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
             purged: self.purge.0.purged.load(Ordering::Relaxed),
             panicked: self.panics.count(),
             reaper_wakeups: self.core.wakeups(),
+            checks: ChecksMetrics {
+                key_walks: self.walk_metrics(WalkKind::Key),
+                level_advances: self.walk_metrics(WalkKind::Level),
+                by_reference: self.walk_metrics(WalkKind::Reference),
+            },
+            reaper: self.core.counters.reaper(),
         }
+    }
+
+    /// How late expiries fired (see [`Purgatory::lateness`](super::Purgatory::lateness)).
+    pub(crate) fn lateness(&self) -> Histogram {
+        self.core.counters.lateness.snapshot()
     }
 
     /// Timer entries held (for tests).
@@ -423,6 +481,12 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         self.drop_removed(&mut buffers.removed);
         let checked = buffers.live.len();
         let completed = buffers.live.iter().filter(|cell| cell.check()).count();
+        let kind = if reached.is_some() {
+            WalkKind::Level
+        } else {
+            WalkKind::Key
+        };
+        self.count_walk(kind, checked, completed);
         self.panics
             .drop_each("drop of an operation's cell", buffers.live.drain(..));
         if reached.is_none() && completed > 0 && completed * 4 >= checked {

@@ -23,6 +23,8 @@ pub use self::error::{ScheduleError, TimeoutError, TimerError};
 pub use self::future::{Sleep, TimeoutFuture};
 pub use self::handle::{Timeout, TimeoutStatus};
 pub use self::task::UnrunTask;
+pub use crate::histogram::Histogram;
+pub use crate::reaper::ReaperMetrics;
 use self::task::{refused_task, Chain, Repeating, TimerJob};
 use crate::clock::deadline_after;
 use crate::core::{Closed, Core, Job};
@@ -562,7 +564,29 @@ impl Timer {
             expired: c.expired.load(Ordering::Relaxed),
             panicked: self.core().panics.count(),
             reaper_wakeups: self.core().wakeups(),
+            reaper: c.reaper(),
         }
+    }
+
+    /// How late this timer's entries fired (tasks run, sleeps and timeouts
+    /// woken): for each, the time from its deadline (rounded up to the tick)
+    /// to the reaper turn that took it out. Recorded once per expiry by the
+    /// reaper. A snapshot of about 2.5 KiB.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// use std::time::Duration;
+    /// use tokio_purgatory::Timer;
+    ///
+    /// let timer = Timer::new();
+    /// timer.sleep(Duration::from_millis(5)).await.unwrap();
+    /// assert_eq!(timer.lateness().count(), 1);
+    /// # }
+    /// ```
+    pub fn lateness(&self) -> Histogram {
+        self.core().counters.lateness.snapshot()
     }
 
     /// Stops the reaper and hands back every task that has not run, in no
@@ -617,4 +641,6 @@ pub struct TimerMetrics {
     /// (a [`Reaper`](crate::Reaper) shared with others counts its wake-ups in
     /// each it serves, and wakes for their deadlines too).
     pub reaper_wakeups: u64,
+    /// The reaper's turns on this timer's entries.
+    pub reaper: ReaperMetrics,
 }

@@ -1,0 +1,143 @@
+//! The metrics against the truth of scripted runs on paused time: checks per
+//! kind of walk, reaper turns and batches, and expiry lateness.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio_purgatory::{Operation, Purgatory, Timer, Watch};
+
+mod support;
+use support::{ms, settle};
+
+struct Op(Arc<AtomicBool>);
+
+impl Operation for Op {
+    type Output = ();
+    fn try_complete(&mut self) -> Option<()> {
+        self.0.load(Ordering::SeqCst).then_some(())
+    }
+    fn on_expiration(self) {}
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn checks_are_counted_per_kind_of_walk() {
+    let p: Purgatory<u32, Op> = Purgatory::new();
+    let ready = Arc::new(AtomicBool::new(false));
+    let mut handles = Vec::new();
+    // Four plain watchers of key 1, three level watchers of key 2 (levels 1,
+    // 2 and 3), and one more of key 3 checked by reference.
+    for _ in 0..4 {
+        handles.push(
+            p.try_complete_else_watch(Op(ready.clone()), ms(1000), [1])
+                .unwrap(),
+        );
+    }
+    for level in 1..=3 {
+        handles.push(
+            p.try_complete_else_watch_levels(Op(ready.clone()), ms(1000), [Watch::level(2, level)])
+                .unwrap(),
+        );
+    }
+    let by_ref = p
+        .try_complete_else_watch(Op(ready.clone()), ms(1000), [3])
+        .unwrap();
+    let op = by_ref.op_ref().unwrap();
+    assert_eq!(p.metrics().checks, Default::default(), "registrations are not counted");
+
+    // A walk that completes nothing, then one that completes all four.
+    assert_eq!(p.try_complete_watched(&1), 0);
+    // An advance to level 2 checks the two watches it reaches.
+    assert_eq!(p.try_complete_reached(&2, 2), 0);
+    assert!(!op.try_complete());
+    ready.store(true, Ordering::SeqCst);
+    assert_eq!(p.try_complete_watched(&1), 4);
+    assert_eq!(p.try_complete_watched(&1), 0, "nothing left to check");
+    assert_eq!(p.try_complete_reached(&2, 3), 3);
+    assert!(op.try_complete());
+
+    let c = p.metrics().checks;
+    assert_eq!(
+        (c.key_walks.walks, c.key_walks.checked, c.key_walks.completed),
+        (3, 8, 4)
+    );
+    assert_eq!(
+        (
+            c.level_advances.walks,
+            c.level_advances.checked,
+            c.level_advances.completed
+        ),
+        (2, 5, 3)
+    );
+    assert_eq!(
+        (
+            c.by_reference.walks,
+            c.by_reference.checked,
+            c.by_reference.completed
+        ),
+        (2, 2, 1)
+    );
+    drop(handles);
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn lateness_turns_and_batches_match_a_scripted_run() {
+    let p: Purgatory<u32, Op> = Purgatory::new();
+    let never = Arc::new(AtomicBool::new(false));
+    let handles: Vec<_> = (0..5)
+        .map(|i| {
+            p.try_complete_else_watch(Op(never.clone()), ms(10), [i])
+                .unwrap()
+        })
+        .collect();
+    assert!(p.lateness().is_empty());
+    // The clock jumps 17 ms: all five are taken out at once, 7 ms late.
+    tokio::time::advance(ms(17)).await;
+    settle().await;
+    for h in handles {
+        assert!(h.await.unwrap().is_expired());
+    }
+    let late = p.lateness();
+    assert_eq!(late.count(), 5);
+    assert_eq!(late.max(), ms(7));
+    assert_eq!(late.quantile(0.5), ms(7));
+    assert_eq!(late.mean(), ms(7));
+    let m = p.metrics();
+    assert_eq!(m.reaper.largest_batch, 5);
+    assert!(m.reaper.turns >= 1);
+    assert!(m.reaper.longest_turn <= m.reaper.busy);
+
+    // One more, fired on time (the reaper sleeps until its deadline).
+    let h = p
+        .try_complete_else_watch(Op(never.clone()), ms(30), [9])
+        .unwrap();
+    assert!(h.await.unwrap().is_expired());
+    let late = p.lateness();
+    assert_eq!(late.count(), 6);
+    assert_eq!(late.quantile(0.1), Duration::ZERO);
+    assert_eq!(p.metrics().reaper.largest_batch, 5);
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn the_timer_records_lateness_and_turns_too() {
+    let timer = Timer::new();
+    let ran = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    for _ in 0..3 {
+        let ran = ran.clone();
+        timer
+            .schedule(ms(4), move || {
+                ran.fetch_add(1, Ordering::SeqCst);
+            })
+            .unwrap();
+    }
+    tokio::time::advance(ms(9)).await;
+    settle().await;
+    assert_eq!(ran.load(Ordering::SeqCst), 3);
+    let late = timer.lateness();
+    assert_eq!(late.count(), 3);
+    assert_eq!(late.max(), ms(5));
+    let m = timer.metrics();
+    assert_eq!(m.reaper.largest_batch, 3);
+    assert!(m.reaper.turns >= 1);
+    assert!(m.reaper_wakeups >= 1);
+}
