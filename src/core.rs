@@ -123,6 +123,10 @@ pub(crate) struct Core<J> {
     max_pending: Option<usize>,
     batch: usize,
     pub(crate) counters: Counters,
+    /// The lateness histogram in the `metrics` facade, bound to the recorder
+    /// installed when the core was built.
+    #[cfg(feature = "metrics")]
+    lateness_export: metrics::Histogram,
     /// Panics caught in the jobs it runs or drops.
     pub(crate) panics: Panics,
     pub(crate) name: Arc<str>,
@@ -160,6 +164,12 @@ impl<J: Job> Core<J> {
             max_pending,
             batch: settings.batch.max(1),
             counters: Counters::default(),
+            #[cfg(feature = "metrics")]
+            lateness_export: crate::export::Labels {
+                kind: J::KIND,
+                name: &name,
+            }
+            .lateness(),
             panics: Panics::new(J::KIND, name.clone()),
             name,
         });
@@ -369,6 +379,8 @@ impl<J: Job> Core<J> {
                     if let Some(due) = self.clock.instant_of(deadline) {
                         let late = started.saturating_duration_since(due);
                         self.counters.lateness.record(late);
+                        #[cfg(feature = "metrics")]
+                        self.lateness_export.record(late.as_secs_f64());
                     }
                     self.panics.run("an expiry", || job.expire());
                 }
@@ -391,7 +403,17 @@ impl<J: Job> Core<J> {
         c.turn_nanos.fetch_add(nanos, Ordering::Relaxed);
         c.longest_turn_nanos.fetch_max(nanos, Ordering::Relaxed);
         c.largest_batch.fetch_max(expired as u64, Ordering::Relaxed);
+        tracing::Span::current().record("expired", expired);
         (more || next <= now, next, now)
+    }
+
+    /// This core's labels in the `metrics` facade.
+    #[cfg(feature = "metrics")]
+    pub(crate) fn labels(&self) -> crate::export::Labels<'_> {
+        crate::export::Labels {
+            kind: J::KIND,
+            name: &self.name,
+        }
     }
 
     /// How many times the reaper has woken from a sleep.
@@ -404,6 +426,13 @@ impl<J: Job> Served for Core<J> {
     fn serve(&self) -> Next {
         // The buffer is taken out of its lock: the jobs run with no lock held.
         let mut scratch = std::mem::take(&mut *lock(&self.scratch));
+        let span = tracing::debug_span!(
+            "reaper turn",
+            kind = J::KIND,
+            name = &*self.name,
+            expired = tracing::field::Empty
+        );
+        let _entered = span.enter();
         self.wake.begin_turn();
         let (more, next, now) = self.turn(&mut scratch);
         let target = self.wake.end_turn(next);

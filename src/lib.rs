@@ -337,9 +337,16 @@
 //!
 //! # Feature flags
 //!
-//! None. The crate uses `tokio` (`rt`, `time`, `sync`), `dashmap` (the watcher
-//! map), `futures` (for `AtomicWaker`), `pin-project-lite` and `tracing`, each with
-//! no more features than it needs.
+//! - `metrics` (off by default): reports every purgatory's and timer's figures
+//!   through the [`metrics`](https://docs.rs/metrics) facade, to whichever
+//!   exporter the service installs (Prometheus, StatsD, ...): expiry lateness
+//!   as a histogram recorded live, and the counters and gauges of
+//!   `Purgatory::record_metrics` and `Timer::record_metrics`, which list the
+//!   names.
+//!
+//! Without it the crate uses `tokio` (`rt`, `time`, `sync`), `dashmap` (the
+//! watcher map), `futures` (for `AtomicWaker`), `pin-project-lite` and
+//! `tracing`, each with no more features than it needs.
 
 #![forbid(unsafe_code)]
 #![warn(
@@ -353,6 +360,8 @@
 mod clock;
 mod contain;
 mod core;
+#[cfg(feature = "metrics")]
+mod export;
 mod histogram;
 pub mod purgatory;
 mod reaper;

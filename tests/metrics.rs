@@ -43,7 +43,11 @@ async fn checks_are_counted_per_kind_of_walk() {
         .try_complete_else_watch(Op(ready.clone()), ms(1000), [3])
         .unwrap();
     let op = by_ref.op_ref().unwrap();
-    assert_eq!(p.metrics().checks, Default::default(), "registrations are not counted");
+    assert_eq!(
+        p.metrics().checks,
+        Default::default(),
+        "registrations are not counted"
+    );
 
     // A walk that completes nothing, then one that completes all four.
     assert_eq!(p.try_complete_watched(&1), 0);
@@ -58,7 +62,11 @@ async fn checks_are_counted_per_kind_of_walk() {
 
     let c = p.metrics().checks;
     assert_eq!(
-        (c.key_walks.walks, c.key_walks.checked, c.key_walks.completed),
+        (
+            c.key_walks.walks,
+            c.key_walks.checked,
+            c.key_walks.completed
+        ),
         (3, 8, 4)
     );
     assert_eq!(

@@ -1001,6 +1001,64 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
         self.shared().lateness()
     }
 
+    /// Reports this purgatory's counters and gauges through the `metrics`
+    /// facade, to the recorder installed now. Call it where the exporter
+    /// collects (a scrape handler, or a task every few seconds): counters are
+    /// set to their totals, so calling it often costs nothing in accuracy.
+    /// Lateness needs no call: it is recorded live, one sample per expiry, by
+    /// the reaper (into the recorder installed when the purgatory was built:
+    /// install it first).
+    ///
+    /// Every metric has the labels `kind="purgatory"` and `name` (the
+    /// builder's [`name`](PurgatoryBuilder::name)); the walk counts also have
+    /// `walk` (`"key"`, `"level"` or `"reference"`).
+    ///
+    /// | metric | type | what |
+    /// |---|---|---|
+    /// | `tokio_purgatory_delayed` | gauge | operations pending (Kafka's `NumDelayedOperations`) |
+    /// | `tokio_purgatory_watched` | gauge | watch-list entries, tombstones included (Kafka's `PurgatorySize`) |
+    /// | `tokio_purgatory_tombstones` | gauge | entries of finished operations not yet removed |
+    /// | `tokio_purgatory_keys` | gauge | keys with a watch list |
+    /// | `tokio_purgatory_registered_total` | counter | operations registered |
+    /// | `tokio_purgatory_completed_total` | counter | completed by a check |
+    /// | `tokio_purgatory_expired_total` | counter | finished by their timeout |
+    /// | `tokio_purgatory_cancelled_total` | counter | cancelled |
+    /// | `tokio_purgatory_handed_back_total` | counter | handed back at shutdown |
+    /// | `tokio_purgatory_purged_total` | counter | tombstones removed by the purge |
+    /// | `tokio_purgatory_panicked_total` | counter | panics caught in user code |
+    /// | `tokio_purgatory_walks_total` | counter | walks, per `walk` |
+    /// | `tokio_purgatory_checks_total` | counter | checks asked for, per `walk` |
+    /// | `tokio_purgatory_checks_completed_total` | counter | checks that completed, per `walk` |
+    /// | `tokio_purgatory_reaper_wakeups_total` | counter | reaper wake-ups |
+    /// | `tokio_purgatory_reaper_turns_total` | counter | reaper turns |
+    /// | `tokio_purgatory_reaper_busy_seconds` | gauge | the turns' time, summed |
+    /// | `tokio_purgatory_reaper_longest_turn_seconds` | gauge | the longest turn |
+    /// | `tokio_purgatory_reaper_largest_batch` | gauge | the most expiries in one turn |
+    /// | `tokio_purgatory_lateness_seconds` | histogram | how late each expiry fired (recorded live) |
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// # struct Op;
+    /// # impl tokio_purgatory::Operation for Op {
+    /// #     type Output = ();
+    /// #     fn try_complete(&mut self) -> Option<()> { None }
+    /// #     fn on_expiration(self) {}
+    /// # }
+    /// use tokio_purgatory::Purgatory;
+    ///
+    /// // The service installs its exporter's recorder first
+    /// // (`metrics::set_global_recorder`); without one, this does nothing.
+    /// let p: Purgatory<u32, Op> = Purgatory::builder().name("produce").build().unwrap();
+    /// p.record_metrics();
+    /// # }
+    /// ```
+    #[cfg(feature = "metrics")]
+    pub fn record_metrics(&self) {
+        self.shared().record_metrics();
+    }
+
     /// The bytes an operation's cell occupies on the heap: what each finished
     /// operation keeps allocated until its last tombstone is removed (see
     /// "Memory" on [`Purgatory`]). It grows with `size_of::<O>()` and

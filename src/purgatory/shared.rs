@@ -14,11 +14,11 @@ use super::cell::{Checked, OpCell};
 use super::error::{OperationError, WatchError};
 use super::keys::Watches;
 use super::operation::Operation;
-use super::{ChecksMetrics, PurgatoryMetrics, WalkMetrics};
-use crate::histogram::Histogram;
 use super::WatchKey;
+use super::{ChecksMetrics, PurgatoryMetrics, WalkMetrics};
 use crate::contain::Panics;
 use crate::core::{Closed, Core, Job, Refused, TimerKey};
+use crate::histogram::Histogram;
 use crate::sync::{Padded, Striped};
 use crate::watchers::{KeyHasher, Removed, Sweep, Watchers};
 
@@ -441,6 +441,35 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
             },
             reaper: self.core.counters.reaper(),
         }
+    }
+
+    /// Reports the snapshot through the `metrics` facade (see
+    /// [`Purgatory::record_metrics`](super::Purgatory::record_metrics)).
+    #[cfg(feature = "metrics")]
+    pub(crate) fn record_metrics(&self) {
+        let m = self.metrics();
+        let l = self.core.labels();
+        l.gauge("tokio_purgatory_delayed", m.delayed as f64);
+        l.gauge("tokio_purgatory_watched", m.watched as f64);
+        l.gauge("tokio_purgatory_tombstones", m.tombstones as f64);
+        l.gauge("tokio_purgatory_keys", m.keys as f64);
+        l.counter("tokio_purgatory_registered_total", m.registered);
+        l.counter("tokio_purgatory_completed_total", m.completed);
+        l.counter("tokio_purgatory_expired_total", m.expired);
+        l.counter("tokio_purgatory_cancelled_total", m.cancelled);
+        l.counter("tokio_purgatory_handed_back_total", m.handed_back);
+        l.counter("tokio_purgatory_purged_total", m.purged);
+        l.counter("tokio_purgatory_panicked_total", m.panicked);
+        for (walk, w) in [
+            ("key", m.checks.key_walks),
+            ("level", m.checks.level_advances),
+            ("reference", m.checks.by_reference),
+        ] {
+            l.walk_counter("tokio_purgatory_walks_total", walk, w.walks);
+            l.walk_counter("tokio_purgatory_checks_total", walk, w.checked);
+            l.walk_counter("tokio_purgatory_checks_completed_total", walk, w.completed);
+        }
+        l.reaper(&m.reaper, m.reaper_wakeups);
     }
 
     /// How late expiries fired (see [`Purgatory::lateness`](super::Purgatory::lateness)).

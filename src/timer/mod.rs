@@ -23,11 +23,11 @@ pub use self::error::{ScheduleError, TimeoutError, TimerError};
 pub use self::future::{Sleep, TimeoutFuture};
 pub use self::handle::{Timeout, TimeoutStatus};
 pub use self::task::UnrunTask;
-pub use crate::histogram::Histogram;
-pub use crate::reaper::ReaperMetrics;
 use self::task::{refused_task, Chain, Repeating, TimerJob};
 use crate::clock::deadline_after;
 use crate::core::{Closed, Core, Job};
+pub use crate::histogram::Histogram;
+pub use crate::reaper::ReaperMetrics;
 use crate::settings::Settings;
 use crate::sync::lock;
 
@@ -587,6 +587,39 @@ impl Timer {
     /// ```
     pub fn lateness(&self) -> Histogram {
         self.core().counters.lateness.snapshot()
+    }
+
+    /// Reports this timer's counters and gauges through the `metrics` facade,
+    /// to the recorder installed now; call it where the exporter collects.
+    /// Lateness is recorded live (`tokio_purgatory_lateness_seconds`, into the
+    /// recorder installed when the timer was built). Labels: `kind="timer"`
+    /// and `name` (the builder's [`name`](TimerBuilder::name)).
+    ///
+    /// | metric | type | what |
+    /// |---|---|---|
+    /// | `tokio_purgatory_timer_pending` | gauge | timeouts and sleeps waiting |
+    /// | `tokio_purgatory_timer_expired_total` | counter | entries that reached their deadline |
+    /// | `tokio_purgatory_panicked_total` | counter | tasks that panicked |
+    /// | `tokio_purgatory_reaper_wakeups_total`, `_turns_total` | counter | as for a purgatory |
+    /// | `tokio_purgatory_reaper_busy_seconds`, `_longest_turn_seconds`, `_largest_batch` | gauge | as for a purgatory |
+    /// | `tokio_purgatory_lateness_seconds` | histogram | how late each entry fired (recorded live) |
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let timer = tokio_purgatory::Timer::builder().name("retries").build().unwrap();
+    /// timer.record_metrics(); // a no-op until a recorder is installed
+    /// # }
+    /// ```
+    #[cfg(feature = "metrics")]
+    pub fn record_metrics(&self) {
+        let m = self.metrics();
+        let l = self.core().labels();
+        l.gauge("tokio_purgatory_timer_pending", m.pending as f64);
+        l.counter("tokio_purgatory_timer_expired_total", m.expired);
+        l.counter("tokio_purgatory_panicked_total", m.panicked);
+        l.reaper(&m.reaper, m.reaper_wakeups);
     }
 
     /// Stops the reaper and hands back every task that has not run, in no
