@@ -699,3 +699,53 @@ async fn metadata_answers_an_empty_list_with_no_topics_and_creates_only_when_all
     })
     .await
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_metrics_page_is_prometheus_text_with_every_purgatory() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    bounded(async {
+        let b = start(Config {
+            followers: 0,
+            topics: vec![TOPIC.into()],
+            metrics_addr: Some("127.0.0.1:0".parse().unwrap()),
+            ..Config::default()
+        })
+        .await;
+        // One fetch that waits out its max_wait: one expiry in the fetch purgatory.
+        let mut w = Wire::connect(b.addr).await.unwrap();
+        w.call(
+            &wire::fetch(TOPIC, &[(0, 0)], Duration::from_millis(20), 1, 1 << 20),
+            wire::FETCH_VERSION,
+        )
+        .await
+        .unwrap();
+        let mut http = tokio::net::TcpStream::connect(b.metrics_addr.unwrap())
+            .await
+            .unwrap();
+        http.write_all(b"GET /metrics HTTP/1.1\r\nHost: t\r\n\r\n")
+            .await
+            .unwrap();
+        let mut page = String::new();
+        http.read_to_string(&mut page).await.unwrap();
+        let (head, body) = page.split_once("\r\n\r\n").unwrap();
+        assert!(head.starts_with("HTTP/1.1 200 OK"), "{head}");
+        let mut values = std::collections::HashMap::new();
+        for line in body.lines().filter(|l| !l.starts_with('#')) {
+            let (key, value) = line.rsplit_once(' ').unwrap();
+            let v: f64 = value.parse().unwrap_or_else(|_| panic!("{line}"));
+            values.insert(key.to_string(), v);
+        }
+        let count = values["tokio_purgatory_lateness_seconds_count{name=\"fetch\"}"];
+        assert_eq!(count, 1.0);
+        assert_eq!(
+            values["tokio_purgatory_lateness_seconds_bucket{name=\"fetch\",le=\"+Inf\"}"],
+            count
+        );
+        assert_eq!(values["tokio_purgatory_expired_total{name=\"fetch\"}"], 1.0);
+        assert_eq!(values["tokio_purgatory_delayed{name=\"produce\"}"], 0.0);
+        assert!(values.contains_key("tokio_purgatory_checks_total{name=\"fetch\",walk=\"level\"}"));
+        assert!(values["broker_requests_total"] >= 1.0);
+        b.shutdown().await;
+    })
+    .await
+}

@@ -63,6 +63,7 @@ pub async fn run() -> i32 {
         followers: 2,
         replica_lag: Duration::from_millis(2),
         max_produce_wait: Duration::from_millis(300),
+        metrics_addr: Some("127.0.0.1:0".parse().unwrap()),
         ..Config::default()
     };
     let handle = BrokerHandle::start(config).await.expect("broker starts");
@@ -239,7 +240,29 @@ pub async fn run() -> i32 {
         ResponseError::CorruptMessage.code(),
     );
 
-    // 7. Shutdown answers what waits.
+    // 7. The metrics page, as Prometheus scrapes it.
+    let at = handle.metrics_addr.expect("metrics served");
+    let mut http = tokio::net::TcpStream::connect(at).await.expect("connect");
+    http.write_all(b"GET /metrics HTTP/1.1\r\nHost: demo\r\n\r\n")
+        .await
+        .expect("write");
+    let mut page = String::new();
+    http.read_to_string(&mut page).await.expect("read");
+    let lines: Vec<&str> = page
+        .lines()
+        .filter(|l| {
+            l.starts_with("tokio_purgatory_lateness_seconds_count")
+                || l.starts_with("tokio_purgatory_checks_total{name=\"fetch\",walk=\"level\"")
+                || l.starts_with("tokio_purgatory_delayed")
+        })
+        .collect();
+    println!(
+        "\n[metrics] http://{at}/metrics serves {} lines of Prometheus text, among them:\n  {}",
+        page.lines().count(),
+        lines.join("\n  ")
+    );
+
+    // 8. Shutdown answers what waits.
     broker.set_stuck(0, true);
     let mut waiting = Vec::new();
     for i in 0..3 {
@@ -299,5 +322,20 @@ pub async fn run() -> i32 {
         s.batches_refused.load(std::sync::atomic::Ordering::Relaxed),
         broker.budget.in_use(),
     );
+    let produces = (broker.produces.lateness(), broker.produces.metrics());
+    let fetches = (broker.fetches.lateness(), broker.fetches.metrics());
+    for (name, (late, m)) in [("produce", produces), ("fetch", fetches)] {
+        let advances = m.checks.level_advances;
+        println!(
+            "{name} purgatory: {} expiries, lateness p50 {} p99 {} max {}; {} high-watermark advances checked {} requests and completed {}",
+            late.count(),
+            ms(late.quantile(0.5)),
+            ms(late.quantile(0.99)),
+            ms(late.max()),
+            advances.walks,
+            advances.checked,
+            advances.completed,
+        );
+    }
     0
 }

@@ -105,6 +105,10 @@ pub struct ServeArgs {
     /// The most bytes one fetch answer carries.
     #[arg(long, default_value_t = 55 << 20)]
     fetch_max_bytes: usize,
+    /// Serve the metrics in Prometheus' text format on this address
+    /// (`curl http://ADDR/metrics`).
+    #[arg(long)]
+    metrics_addr: Option<SocketAddr>,
 }
 
 impl ServeArgs {
@@ -133,6 +137,7 @@ impl ServeArgs {
             idle_timeout: Duration::from_millis(self.idle_ms),
             max_topics: self.max_topics,
             fetch_max_bytes: self.fetch_max_bytes,
+            metrics_addr: self.metrics_addr,
         })
     }
 }
@@ -167,6 +172,9 @@ async fn serve(args: ServeArgs) -> i32 {
     };
     // The first line says where it listens (the benchmark reads it).
     println!("listening on {}", handle.addr);
+    if let Some(at) = handle.metrics_addr {
+        println!("metrics on http://{at}/metrics");
+    }
     let _ = tokio::signal::ctrl_c().await;
     handle.shutdown().await;
     0

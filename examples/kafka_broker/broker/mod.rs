@@ -19,6 +19,7 @@
 mod fetch;
 mod frame;
 mod log;
+pub mod metrics;
 mod produce;
 mod replication;
 pub mod server;
@@ -99,6 +100,8 @@ pub struct Config {
     /// The most bytes one fetch answer carries, whatever the request asks
     /// (Kafka's broker `fetch.max.bytes`).
     pub fetch_max_bytes: usize,
+    /// Where to serve the metrics in Prometheus' text format, if anywhere.
+    pub metrics_addr: Option<SocketAddr>,
 }
 
 impl Default for Config {
@@ -121,6 +124,7 @@ impl Default for Config {
             idle_timeout: Duration::from_secs(600),
             max_topics: 10_000,
             fetch_max_bytes: 55 << 20,
+            metrics_addr: None,
         }
     }
 }
@@ -177,6 +181,8 @@ impl Broker {
 /// A running broker: its address, its state, and its shutdown.
 pub struct BrokerHandle {
     pub addr: SocketAddr,
+    /// Where the metrics are served, if they are.
+    pub metrics_addr: Option<SocketAddr>,
     pub broker: Arc<Broker>,
     stop: CancellationToken,
     server: JoinHandle<()>,
@@ -244,9 +250,19 @@ impl BrokerHandle {
             advertised,
         });
         let stop = CancellationToken::new();
+        let metrics_addr = match broker.config.metrics_addr {
+            Some(at) => {
+                let l = TcpListener::bind(at).await?;
+                let bound = l.local_addr()?;
+                tokio::spawn(metrics::serve(l, broker.clone(), stop.clone()));
+                Some(bound)
+            }
+            None => None,
+        };
         let server = tokio::spawn(server::accept(listener, broker.clone(), stop.clone()));
         Ok(BrokerHandle {
             addr,
+            metrics_addr,
             broker,
             stop,
             server,
