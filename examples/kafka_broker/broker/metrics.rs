@@ -16,6 +16,9 @@ use tokio_util::sync::CancellationToken;
 
 use super::Broker;
 
+/// A metric read off a snapshot: its name, its help text, and the reading.
+type Field<T> = (&'static str, &'static str, fn(&PurgatoryMetrics) -> T);
+
 /// The metrics page.
 pub fn render(broker: &Broker) -> String {
     let mut out = String::new();
@@ -27,7 +30,7 @@ pub fn render(broker: &Broker) -> String {
         ),
         ("fetch", broker.fetches.metrics(), broker.fetches.lateness()),
     ];
-    let gauges: [(&str, &str, fn(&PurgatoryMetrics) -> f64); 4] = [
+    let gauges: [Field<f64>; 4] = [
         (
             "delayed",
             "Operations pending (Kafka's NumDelayedOperations).",
@@ -51,7 +54,7 @@ pub fn render(broker: &Broker) -> String {
             let _ = writeln!(out, "tokio_purgatory_{name}{{name=\"{p}\"}} {}", get(m));
         }
     }
-    let counters: [(&str, &str, fn(&PurgatoryMetrics) -> u64); 9] = [
+    let counters: [Field<u64>; 9] = [
         ("registered", "Operations registered.", |m| m.registered),
         ("completed", "Operations completed by a check.", |m| {
             m.completed
