@@ -1,5 +1,5 @@
 //! A histogram of durations in fixed log-scaled buckets: recording is a few
-//! instructions and three relaxed atomic adds, nothing allocates after it is
+//! instructions, two relaxed atomic adds and a load, nothing allocates after it is
 //! built, and its memory is fixed (about 2.5 KiB).
 //!
 //! Buckets are microseconds: 0 to 7 µs exactly, then eight buckets per power of

@@ -7,23 +7,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio_purgatory::{Operation, Purgatory};
+use tokio_purgatory::Purgatory;
 
 mod support;
 use support::alloc;
+use support::FlagOp as Op;
 
 #[global_allocator]
 static GLOBAL: alloc::Counting = alloc::Counting;
-
-struct Op(Arc<AtomicBool>);
-
-impl Operation for Op {
-    type Output = ();
-    fn try_complete(&mut self) -> Option<()> {
-        self.0.load(Ordering::SeqCst).then_some(())
-    }
-    fn on_expiration(self) {}
-}
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn walks_reuse_their_buffers() {

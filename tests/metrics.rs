@@ -5,20 +5,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio_purgatory::{Operation, Purgatory, Timer, Watch};
+use tokio_purgatory::{Purgatory, Timer, Watch};
 
 mod support;
-use support::{ms, settle};
-
-struct Op(Arc<AtomicBool>);
-
-impl Operation for Op {
-    type Output = ();
-    fn try_complete(&mut self) -> Option<()> {
-        self.0.load(Ordering::SeqCst).then_some(())
-    }
-    fn on_expiration(self) {}
-}
+use support::{ms, settle, FlagOp as Op};
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn checks_are_counted_per_kind_of_walk() {

@@ -136,18 +136,18 @@ async fn every_metric_reaches_the_recorder_with_its_labels() {
     // Lateness: one sample per expiry, recorded live, 4 ms each for the
     // purgatory's three (deadline 10 ms, taken out at 14 ms) and 9 ms for
     // the timer's task.
-    match got.get(&format!("tokio_purgatory_lateness_seconds{{{pl}}}")) {
+    let samples = |k: String| match got.get(&k) {
         Some(DebugValue::Histogram(samples)) => {
-            let s: Vec<f64> = samples.iter().map(|x| x.into_inner()).collect();
-            assert_eq!(s, [0.004; 3]);
+            samples.iter().map(|x| x.into_inner()).collect::<Vec<f64>>()
         }
-        other => panic!("purgatory lateness: {other:?}"),
-    }
-    match got.get(&format!("tokio_purgatory_lateness_seconds{{{tl}}}")) {
-        Some(DebugValue::Histogram(samples)) => {
-            let s: Vec<f64> = samples.iter().map(|x| x.into_inner()).collect();
-            assert_eq!(s, [0.009]);
-        }
-        other => panic!("timer lateness: {other:?}"),
-    }
+        other => panic!("{k}: {other:?}"),
+    };
+    assert_eq!(
+        samples(format!("tokio_purgatory_lateness_seconds{{{pl}}}")),
+        [0.004; 3]
+    );
+    assert_eq!(
+        samples(format!("tokio_purgatory_lateness_seconds{{{tl}}}")),
+        [0.009]
+    );
 }

@@ -21,5 +21,19 @@ pub fn balanced(m: &tokio_purgatory::PurgatoryMetrics) -> bool {
     m.registered == m.completed + m.expired + m.cancelled + m.handed_back
 }
 
+/// An operation whose check completes it once its flag is set; it expires
+/// to `()`.
+pub struct FlagOp(pub std::sync::Arc<std::sync::atomic::AtomicBool>);
+
+impl tokio_purgatory::Operation for FlagOp {
+    type Output = ();
+    fn try_complete(&mut self) -> Option<()> {
+        self.0
+            .load(std::sync::atomic::Ordering::SeqCst)
+            .then_some(())
+    }
+    fn on_expiration(self) {}
+}
+
 pub mod alloc;
 pub mod rng;
