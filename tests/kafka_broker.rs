@@ -749,3 +749,102 @@ async fn the_metrics_page_is_prometheus_text_with_every_purgatory() {
     })
     .await
 }
+
+/// The partition's ISR as Metadata shows it (node ids; the leader is 0).
+async fn isr(w: &mut Wire, p: usize) -> Vec<i32> {
+    use kafka_protocol::messages::metadata_request::MetadataRequestTopic;
+    use kafka_protocol::messages::{MetadataRequest, TopicName};
+    use kafka_protocol::protocol::StrBytes;
+    let r = w
+        .call(
+            &MetadataRequest::default().with_topics(Some(vec![MetadataRequestTopic::default()
+                .with_name(Some(TopicName(StrBytes::from_static_str(TOPIC))))])),
+            9,
+        )
+        .await
+        .unwrap();
+    r.topics[0].partitions[p]
+        .isr_nodes
+        .iter()
+        .map(|n| n.0)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stuck_follower_leaves_the_isr_and_the_parked_produce_completes() {
+    bounded(async {
+        let b = start(Config {
+            topics: vec![TOPIC.into()],
+            stuck_follower: Some(1),
+            replica_lag_max: Duration::from_millis(300),
+            max_produce_wait: Duration::from_secs(10),
+            ..Config::default()
+        })
+        .await;
+        let mut w = Wire::connect(b.addr).await.unwrap();
+        assert_eq!(isr(&mut w, 0).await, [0, 1, 2]);
+        // acks=all waits for the stuck follower until it leaves the ISR
+        // (300 ms without catching up, checked every 150 ms); then the high
+        // watermark goes on without it and the produce completes.
+        let t = Instant::now();
+        let r = w
+            .call(
+                &wire::produce(TOPIC, 0, -1, Duration::from_secs(10), wire::batch(&[b"x"])),
+                wire::PRODUCE_VERSION,
+            )
+            .await
+            .unwrap();
+        let took = t.elapsed();
+        assert_eq!(wire::produce_error(&r), 0);
+        assert!(
+            took >= Duration::from_millis(300) && took < Duration::from_secs(2),
+            "{took:?}"
+        );
+        assert_eq!(isr(&mut w, 0).await, [0, 1]);
+        let part = b.broker.topics.partition(TOPIC, 0).unwrap();
+        assert_eq!(part.high_watermark(), 1);
+        // acks=1 records are readable at once now.
+        w.append(TOPIC, 0, &[b"y"]).await.unwrap();
+        until("the watermark covers acks=1", || part.high_watermark() == 2).await;
+        // The follower comes back, catches up, and joins the ISR again.
+        b.broker.set_stuck(1, false);
+        until("back in the ISR", || part.in_sync_followers() == [0, 1]).await;
+        assert_eq!(isr(&mut w, 0).await, [0, 1, 2]);
+        b.shutdown().await;
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn min_insync_replicas_refuses_acks_all_once_the_isr_is_too_small() {
+    bounded(async {
+        let b = start(Config {
+            topics: vec![TOPIC.into()],
+            stuck_follower: Some(0),
+            replica_lag_max: Duration::from_millis(200),
+            min_insync_replicas: 3,
+            max_produce_wait: Duration::from_secs(10),
+            ..Config::default()
+        })
+        .await;
+        let mut w = Wire::connect(b.addr).await.unwrap();
+        // Taken (three in sync), then covered once follower 0 leaves the ISR:
+        // too few in sync by then, so Kafka's NOT_ENOUGH_REPLICAS_AFTER_APPEND.
+        let produce = || wire::produce(TOPIC, 0, -1, Duration::from_secs(10), wire::batch(&[b"x"]));
+        let r = w.call(&produce(), wire::PRODUCE_VERSION).await.unwrap();
+        assert_eq!(
+            wire::produce_error(&r),
+            ResponseError::NotEnoughReplicasAfterAppend.code()
+        );
+        // Now refused before appending.
+        let end = b.broker.topics.partition(TOPIC, 0).unwrap().log_end();
+        let r = w.call(&produce(), wire::PRODUCE_VERSION).await.unwrap();
+        assert_eq!(
+            wire::produce_error(&r),
+            ResponseError::NotEnoughReplicas.code()
+        );
+        assert_eq!(b.broker.topics.partition(TOPIC, 0).unwrap().log_end(), end);
+        b.shutdown().await;
+    })
+    .await
+}

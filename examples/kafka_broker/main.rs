@@ -74,6 +74,12 @@ pub struct ServeArgs {
     /// A follower (0-based) that copies nothing: `acks=-1` produces time out.
     #[arg(long)]
     stuck_follower: Option<usize>,
+    /// A follower that has not caught up for this long, in ms, leaves the ISR.
+    #[arg(long, default_value_t = 30_000)]
+    replica_lag_max_ms: u64,
+    /// The fewest in-sync replicas (leader included) an acks=-1 produce needs.
+    #[arg(long, default_value_t = 1)]
+    min_insync_replicas: usize,
     /// The longest a produce waits for replication, in ms (Kafka waits the
     /// request's `timeout_ms`; this caps it).
     #[arg(long, default_value_t = 30_000)]
@@ -128,6 +134,8 @@ impl ServeArgs {
             followers: self.followers,
             replica_lag: Duration::from_millis(self.replica_lag_ms),
             stuck_follower: self.stuck_follower,
+            replica_lag_max: Duration::from_millis(self.replica_lag_max_ms),
+            min_insync_replicas: self.min_insync_replicas,
             max_produce_wait: Duration::from_millis(self.max_produce_wait_ms),
             fetch_wait,
             max_request_bytes: self.max_request_bytes,

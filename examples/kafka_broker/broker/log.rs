@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
 use bytes::{Buf, Bytes, BytesMut};
+use tokio::time::Instant;
 
 /// A partition's watch key in the purgatories: topic number and partition,
 /// packed so hashing it is one `u64`.
@@ -52,8 +53,20 @@ pub struct Partition {
     high_watermark: AtomicU64,
     /// Each follower's copied offset (its log end).
     copied: Vec<AtomicU64>,
+    /// Each follower's place in the in-sync replica set.
+    isr: Mutex<Vec<Replica>>,
     /// Woken at each high watermark move, for the `Notify` way of waiting.
     pub notify: tokio::sync::Notify,
+}
+
+/// A follower as the leader tracks it for the ISR (Kafka's `Replica`).
+#[derive(Clone, Copy)]
+struct Replica {
+    in_sync: bool,
+    /// The latest time at which the follower had all the leader had then:
+    /// the append time of the newest copy it made (Kafka's
+    /// `lastCaughtUpTimeMs`).
+    caught_up: Instant,
 }
 
 impl Partition {
@@ -65,6 +78,13 @@ impl Partition {
             log_end: AtomicU64::new(0),
             high_watermark: AtomicU64::new(0),
             copied: (0..followers).map(|_| AtomicU64::new(0)).collect(),
+            isr: Mutex::new(vec![
+                Replica {
+                    in_sync: true,
+                    caught_up: Instant::now(),
+                };
+                followers
+            ]),
             notify: tokio::sync::Notify::new(),
         }
     }
@@ -105,21 +125,83 @@ impl Partition {
         Ok((first, next))
     }
 
-    /// Records follower `f` as having copied up to `offset`; returns the new
-    /// high watermark if it moved (the least of the leader's log end and what
-    /// every follower copied).
-    pub fn copied(&self, f: usize, offset: u64) -> Option<u64> {
+    /// Records follower `f` as having copied up to `offset`, which was the
+    /// leader's log end at `appended`; returns the new high watermark if it
+    /// moved. A follower out of the ISR that has reached the high watermark
+    /// joins it again (Kafka's `maybeExpandIsr`).
+    pub fn copied(&self, f: usize, offset: u64, appended: Instant) -> Option<u64> {
         self.copied[f].fetch_max(offset, Ordering::AcqRel);
+        {
+            let mut isr = self.isr.lock().unwrap();
+            let r = &mut isr[f];
+            r.caught_up = r.caught_up.max(appended);
+            if !r.in_sync && offset >= self.high_watermark() {
+                r.in_sync = true;
+                tracing::info!(
+                    partition = self.key,
+                    follower = f,
+                    "follower back in the ISR"
+                );
+            }
+        }
         self.advance_high_watermark()
     }
 
-    /// Recomputes the high watermark; `Some(new)` when it moved.
+    /// Takes out of the ISR every follower that is behind the log end and
+    /// has not caught up for `max_lag` (Kafka's `maybeShrinkIsr` with
+    /// `replica.lag.time.max.ms`); returns the new high watermark if that
+    /// moved it.
+    pub fn shrink_isr(&self, now: Instant, max_lag: std::time::Duration) -> Option<u64> {
+        let log_end = self.log_end();
+        let mut shrunk = false;
+        for (f, r) in self.isr.lock().unwrap().iter_mut().enumerate() {
+            let behind = self.copied[f].load(Ordering::Acquire) < log_end;
+            if r.in_sync && behind && now.saturating_duration_since(r.caught_up) > max_lag {
+                r.in_sync = false;
+                shrunk = true;
+                tracing::info!(
+                    partition = self.key,
+                    follower = f,
+                    "follower out of the ISR"
+                );
+            }
+        }
+        if shrunk {
+            self.advance_high_watermark()
+        } else {
+            None
+        }
+    }
+
+    /// Replicas in the ISR, the leader included.
+    pub fn isr_size(&self) -> usize {
+        1 + self
+            .isr
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|r| r.in_sync)
+            .count()
+    }
+
+    /// The followers in the ISR (0-based).
+    pub fn in_sync_followers(&self) -> Vec<usize> {
+        let isr = self.isr.lock().unwrap();
+        (0..isr.len()).filter(|&f| isr[f].in_sync).collect()
+    }
+
+    /// Recomputes the high watermark (the least of the leader's log end and
+    /// what each in-sync follower copied); `Some(new)` when it moved.
     pub fn advance_high_watermark(&self) -> Option<u64> {
+        let isr = self.isr.lock().unwrap();
         let hw = self
             .copied
             .iter()
-            .map(|c| c.load(Ordering::Acquire))
+            .zip(isr.iter())
+            .filter(|(_, r)| r.in_sync)
+            .map(|(c, _)| c.load(Ordering::Acquire))
             .fold(self.log_end(), u64::min);
+        drop(isr);
         let before = self.high_watermark.fetch_max(hw, Ordering::AcqRel);
         (hw > before).then_some(hw)
     }

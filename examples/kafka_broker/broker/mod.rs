@@ -74,6 +74,12 @@ pub struct Config {
     pub replica_lag: Duration,
     /// A follower (0-based) that copies nothing until told otherwise.
     pub stuck_follower: Option<usize>,
+    /// A follower that has not caught up for this long leaves the ISR
+    /// (Kafka's `replica.lag.time.max.ms`, 30 s).
+    pub replica_lag_max: Duration,
+    /// The fewest replicas (the leader included) in the ISR for an
+    /// `acks=-1` produce to be taken (Kafka's `min.insync.replicas`).
+    pub min_insync_replicas: usize,
     /// The longest a produce waits for replication, whatever its own
     /// `timeout_ms` asks (Kafka waits `timeout_ms`; clients often send 30 s).
     pub max_produce_wait: Duration,
@@ -115,6 +121,8 @@ impl Default for Config {
             followers: 2,
             replica_lag: Duration::from_millis(2),
             stuck_follower: None,
+            replica_lag_max: Duration::from_secs(30),
+            min_insync_replicas: 1,
             max_produce_wait: Duration::from_secs(30),
             fetch_wait: FetchWait::Purgatory,
             max_request_bytes: 100 << 20,

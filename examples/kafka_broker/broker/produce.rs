@@ -28,6 +28,9 @@ pub struct DelayedProduce {
     writes: Vec<Write>,
     response: ProduceResponse,
     closing: Arc<AtomicBool>,
+    /// `min.insync.replicas`: a partition covered while its ISR is smaller
+    /// is answered `NOT_ENOUGH_REPLICAS_AFTER_APPEND`, as Kafka does.
+    min_insync: usize,
 }
 
 impl DelayedProduce {
@@ -35,14 +38,20 @@ impl DelayedProduce {
         self.writes.iter().all(|w| w.part.high_watermark() >= w.end)
     }
 
-    /// The response: partitions not yet covered get `error`.
+    /// The response: partitions not yet covered get `error`; covered ones
+    /// whose ISR shrank below `min_insync` get `NOT_ENOUGH_REPLICAS_AFTER_APPEND`.
     fn answer(&self, error: ResponseError) -> ProduceResponse {
         let mut response = self.response.clone();
         for w in &self.writes {
-            if w.part.high_watermark() < w.end {
-                let p = &mut response.responses[w.slot.0].partition_responses[w.slot.1];
-                p.error_code = error.code();
-            }
+            let code = if w.part.high_watermark() < w.end {
+                error
+            } else if w.part.isr_size() < self.min_insync {
+                ResponseError::NotEnoughReplicasAfterAppend
+            } else {
+                continue;
+            };
+            let p = &mut response.responses[w.slot.0].partition_responses[w.slot.1];
+            p.error_code = code.code();
         }
         response
     }
@@ -93,6 +102,13 @@ pub async fn handle(
             } else {
                 match broker.topics.partition(&topic.name, data.index) {
                     None => Some(ResponseError::UnknownTopicOrPartition),
+                    // Kafka refuses an acks=all produce before appending when
+                    // the ISR is smaller than min.insync.replicas.
+                    Some(part)
+                        if acks == -1 && part.isr_size() < broker.config.min_insync_replicas =>
+                    {
+                        Some(ResponseError::NotEnoughReplicas)
+                    }
                     Some(part) => match data.records.as_ref().map(|r| part.append(r, now)) {
                         Some(Ok((base, end))) => {
                             broker.followers.appended(broker, &part, end);
@@ -133,6 +149,7 @@ pub async fn handle(
         writes,
         response,
         closing: broker.closing.clone(),
+        min_insync: broker.config.min_insync_replicas,
     };
     let timeout =
         Duration::from_millis(request.timeout_ms.max(0) as u64).min(broker.config.max_produce_wait);

@@ -343,7 +343,7 @@ fn metadata(broker: &Broker, request: &MetadataRequest, version: i16) -> Metadat
                                         .with_partition_index(p.index)
                                         .with_leader_id(BrokerId(0))
                                         .with_replica_nodes(replicas.clone())
-                                        .with_isr_nodes(replicas.clone())
+                                        .with_isr_nodes(isr_nodes(p))
                                 })
                                 .collect(),
                         ),
@@ -351,6 +351,14 @@ fn metadata(broker: &Broker, request: &MetadataRequest, version: i16) -> Metadat
                 })
                 .collect(),
         )
+}
+
+/// The leader (node 0) and the followers (nodes 1..) in the partition's ISR.
+fn isr_nodes(p: &super::Partition) -> Vec<BrokerId> {
+    std::iter::once(0)
+        .chain(p.in_sync_followers().into_iter().map(|f| f as i32 + 1))
+        .map(BrokerId)
+        .collect()
 }
 
 /// Latest (-1) is the high watermark, earliest (-2) is 0; a timestamp finds
