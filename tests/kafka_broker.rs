@@ -848,3 +848,98 @@ async fn min_insync_replicas_refuses_acks_all_once_the_isr_is_too_small() {
     })
     .await
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_consumers_split_four_partitions_and_the_survivor_takes_all() {
+    use wire::GroupMember as Member;
+    const G: &str = "g";
+    bounded(async {
+        let b = start(Config {
+            topics: vec![TOPIC.into()],
+            groups: broker::groups::GroupLimits {
+                min_session: Duration::from_millis(50),
+                ..Default::default()
+            },
+            ..Config::default()
+        })
+        .await;
+        // A alone: generation 1, all four partitions.
+        let mut a = Member::connect(b.addr).await.unwrap();
+        assert_eq!(a.rejoin(G, 10_000).await.unwrap(), [0, 1, 2, 3]);
+        assert_eq!(a.generation, 1);
+        // B joins: its join waits until A, told by its heartbeat that a
+        // rebalance is under way, joins again; then two each.
+        let mut bee = Member::connect(b.addr).await.unwrap();
+        let b_joined = tokio::spawn(async move {
+            let mine = bee.rejoin(G, 300).await.unwrap();
+            (bee, mine)
+        });
+        until("B's join waits", || b.broker.groups.joins.delayed() == 1).await;
+        assert_eq!(
+            a.heartbeat(G).await.unwrap(),
+            ResponseError::RebalanceInProgress.code()
+        );
+        let a_mine = a.rejoin(G, 10_000).await.unwrap();
+        let (mut bee, b_mine) = b_joined.await.unwrap();
+        assert_eq!(a.generation, 2);
+        let mut all: Vec<i32> = a_mine.iter().chain(&b_mine).copied().collect();
+        all.sort();
+        assert_eq!(all, [0, 1, 2, 3]);
+        assert_eq!((a_mine.len(), b_mine.len()), (2, 2));
+        assert_eq!(bee.heartbeat(G).await.unwrap(), 0);
+        // Errors as Kafka's: an old generation, an unknown member.
+        bee.generation -= 1;
+        assert_eq!(
+            bee.heartbeat(G).await.unwrap(),
+            ResponseError::IllegalGeneration.code()
+        );
+        bee.generation += 1;
+        // Commits, read back by anyone.
+        assert_eq!(
+            bee.commit(G, TOPIC, &[(1, 17), (3, 4)]).await.unwrap(),
+            [0, 0]
+        );
+        // A leaves: B, told by its heartbeat, takes all four.
+        assert_eq!(a.leave(G).await.unwrap(), 0);
+        assert_eq!(
+            bee.heartbeat(G).await.unwrap(),
+            ResponseError::RebalanceInProgress.code()
+        );
+        assert_eq!(bee.rejoin(G, 300).await.unwrap(), [0, 1, 2, 3]);
+        assert_eq!(bee.generation, 3);
+        // B dies (no more heartbeats): its session (300 ms) expires and the
+        // group is empty; a new consumer finds the commits and all four.
+        let t = Instant::now();
+        drop(bee);
+        until("B's session expired", || {
+            b.broker
+                .groups
+                .describe(G)
+                .is_some_and(|(_, m)| m.is_empty())
+        })
+        .await;
+        let expired_after = t.elapsed();
+        assert!(
+            expired_after >= Duration::from_millis(250),
+            "{expired_after:?}"
+        );
+        let mut c = Member::connect(b.addr).await.unwrap();
+        assert_eq!(
+            c.committed(G, TOPIC).await.unwrap(),
+            [(0, -1), (1, 17), (2, -1), (3, 4)]
+        );
+        assert_eq!(c.rejoin(G, 10_000).await.unwrap(), [0, 1, 2, 3]);
+        assert_eq!(c.heartbeat(G).await.unwrap(), 0);
+        let mut stranger = Member::connect(b.addr).await.unwrap();
+        stranger.id = "nobody".into();
+        stranger.generation = c.generation;
+        assert_eq!(
+            stranger.heartbeat(G).await.unwrap(),
+            ResponseError::UnknownMemberId.code()
+        );
+        let joins = b.broker.groups.joins.metrics();
+        assert!(joins.completed >= 4, "{joins:?}");
+        b.shutdown().await;
+    })
+    .await
+}

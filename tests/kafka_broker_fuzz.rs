@@ -238,6 +238,143 @@ fn valid_frame(
             }
             r.encode(&mut out, version).unwrap();
         }
+        ApiKey::FindCoordinator => {
+            let mut r = FindCoordinatorRequest::default();
+            if version <= 3 {
+                r = r.with_key(name(rng, topics));
+            }
+            if version >= 4 {
+                r = r.with_coordinator_keys((0..n(rng)).map(|_| name(rng, topics)).collect());
+            }
+            r = r.with_unknown_tagged_fields(tags(rng, version >= 3));
+            r.encode(&mut out, version).unwrap();
+        }
+        ApiKey::JoinGroup => {
+            use kafka_protocol::messages::join_group_request::JoinGroupRequestProtocol;
+            let flex = version >= 6;
+            let mut r = JoinGroupRequest::default()
+                .with_group_id(GroupId(name(rng, topics)))
+                .with_session_timeout_ms(10_000)
+                .with_member_id(name(rng, topics))
+                .with_protocol_type(StrBytes::from_static_str("consumer"))
+                .with_protocols(
+                    (0..n(rng))
+                        .map(|_| {
+                            JoinGroupRequestProtocol::default()
+                                .with_name(name(rng, topics))
+                                .with_metadata(Bytes::from(vec![1u8; rng.below(9) as usize]))
+                                .with_unknown_tagged_fields(tags(rng, flex))
+                        })
+                        .collect(),
+                )
+                .with_unknown_tagged_fields(tags(rng, flex));
+            if version >= 1 {
+                r = r.with_rebalance_timeout_ms(5000);
+            }
+            if version >= 5 && rng.below(2) == 0 {
+                r = r.with_group_instance_id(Some(name(rng, topics)));
+            }
+            r.encode(&mut out, version).unwrap();
+        }
+        ApiKey::SyncGroup => {
+            use kafka_protocol::messages::sync_group_request::SyncGroupRequestAssignment;
+            let flex = version >= 4;
+            let mut r = SyncGroupRequest::default()
+                .with_group_id(GroupId(name(rng, topics)))
+                .with_generation_id(rng.below(3) as i32)
+                .with_member_id(name(rng, topics))
+                .with_assignments(
+                    (0..n(rng))
+                        .map(|_| {
+                            SyncGroupRequestAssignment::default()
+                                .with_member_id(name(rng, topics))
+                                .with_assignment(Bytes::from(vec![2u8; rng.below(9) as usize]))
+                                .with_unknown_tagged_fields(tags(rng, flex))
+                        })
+                        .collect(),
+                )
+                .with_unknown_tagged_fields(tags(rng, flex));
+            if version >= 5 {
+                r = r
+                    .with_protocol_type(Some(StrBytes::from_static_str("consumer")))
+                    .with_protocol_name(Some(StrBytes::from_static_str("range")));
+            }
+            r.encode(&mut out, version).unwrap();
+        }
+        ApiKey::Heartbeat => {
+            let r = HeartbeatRequest::default()
+                .with_group_id(GroupId(name(rng, topics)))
+                .with_generation_id(rng.below(3) as i32)
+                .with_member_id(name(rng, topics))
+                .with_unknown_tagged_fields(tags(rng, version >= 4));
+            r.encode(&mut out, version).unwrap();
+        }
+        ApiKey::LeaveGroup => {
+            use kafka_protocol::messages::leave_group_request::MemberIdentity;
+            let flex = version >= 4;
+            let mut r = LeaveGroupRequest::default()
+                .with_group_id(GroupId(name(rng, topics)))
+                .with_unknown_tagged_fields(tags(rng, flex));
+            if version <= 2 {
+                r = r.with_member_id(name(rng, topics));
+            } else {
+                r = r.with_members(
+                    (0..n(rng))
+                        .map(|_| {
+                            MemberIdentity::default()
+                                .with_member_id(name(rng, topics))
+                                .with_unknown_tagged_fields(tags(rng, flex))
+                        })
+                        .collect(),
+                );
+            }
+            r.encode(&mut out, version).unwrap();
+        }
+        ApiKey::OffsetCommit => {
+            use kafka_protocol::messages::offset_commit_request::*;
+            let flex = version >= 8;
+            let r = OffsetCommitRequest::default()
+                .with_group_id(GroupId(name(rng, topics)))
+                .with_generation_id_or_member_epoch(-1)
+                .with_topics(
+                    (0..n(rng))
+                        .map(|_| {
+                            OffsetCommitRequestTopic::default()
+                                .with_name(TopicName(name(rng, topics)))
+                                .with_partitions(
+                                    (0..n(rng))
+                                        .map(|_| {
+                                            OffsetCommitRequestPartition::default()
+                                                .with_partition_index(rng.below(5) as i32)
+                                                .with_committed_offset(rng.below(100) as i64)
+                                                .with_unknown_tagged_fields(tags(rng, flex))
+                                        })
+                                        .collect(),
+                                )
+                                .with_unknown_tagged_fields(tags(rng, flex))
+                        })
+                        .collect(),
+                )
+                .with_unknown_tagged_fields(tags(rng, flex));
+            r.encode(&mut out, version).unwrap();
+        }
+        ApiKey::OffsetFetch => {
+            use kafka_protocol::messages::offset_fetch_request::*;
+            let flex = version >= 6;
+            let list = (0..n(rng))
+                .map(|_| {
+                    OffsetFetchRequestTopic::default()
+                        .with_name(TopicName(name(rng, topics)))
+                        .with_partition_indexes((0..n(rng) as i32).collect())
+                        .with_unknown_tagged_fields(tags(rng, flex))
+                })
+                .collect();
+            let r = OffsetFetchRequest::default()
+                .with_group_id(GroupId(name(rng, topics)))
+                .with_topics((version < 2 || rng.below(4) != 0).then_some(list))
+                .with_unknown_tagged_fields(tags(rng, flex));
+            r.encode(&mut out, version).unwrap();
+        }
         _ => unreachable!(),
     }
     out.to_vec()
@@ -331,6 +468,13 @@ fn decode_like_the_broker(frame: &[u8], s: &shape::Shape) {
         ApiKey::ListOffsets => ListOffsetsRequest::decode(&mut buf, v).map(drop),
         ApiKey::Metadata => MetadataRequest::decode(&mut buf, v).map(drop),
         ApiKey::ApiVersions => ApiVersionsRequest::decode(&mut buf, v).map(drop),
+        ApiKey::FindCoordinator => FindCoordinatorRequest::decode(&mut buf, v).map(drop),
+        ApiKey::JoinGroup => JoinGroupRequest::decode(&mut buf, v).map(drop),
+        ApiKey::SyncGroup => SyncGroupRequest::decode(&mut buf, v).map(drop),
+        ApiKey::Heartbeat => HeartbeatRequest::decode(&mut buf, v).map(drop),
+        ApiKey::LeaveGroup => LeaveGroupRequest::decode(&mut buf, v).map(drop),
+        ApiKey::OffsetCommit => OffsetCommitRequest::decode(&mut buf, v).map(drop),
+        ApiKey::OffsetFetch => OffsetFetchRequest::decode(&mut buf, v).map(drop),
         _ => Ok(()),
     };
 }

@@ -64,6 +64,10 @@ pub async fn run() -> i32 {
         replica_lag: Duration::from_millis(2),
         max_produce_wait: Duration::from_millis(300),
         metrics_addr: Some("127.0.0.1:0".parse().unwrap()),
+        groups: crate::broker::groups::GroupLimits {
+            min_session: Duration::from_millis(100),
+            ..Default::default()
+        },
         ..Config::default()
     };
     let handle = BrokerHandle::start(config).await.expect("broker starts");
@@ -240,7 +244,62 @@ pub async fn run() -> i32 {
         ResponseError::CorruptMessage.code(),
     );
 
-    // 7. The metrics page, as Prometheus scrapes it.
+    // 7. A consumer group: joins wait in the join purgatory for the group's
+    // members, sessions live in the timer and move with each heartbeat.
+    const GROUP: &str = "demo-group";
+    let mut a = wire::GroupMember::connect(addr).await.expect("connect");
+    let alone = a.rejoin(GROUP, 500).await.expect("A joins");
+    let mut b = wire::GroupMember::connect(addr).await.expect("connect");
+    let t = Instant::now();
+    let b_joins = tokio::spawn(async move {
+        let mine = b.rejoin(GROUP, 500).await.expect("B joins");
+        (b, mine)
+    });
+    until("B's join waits", || broker.groups.joins.delayed() == 1).await;
+    let told = a.heartbeat(GROUP).await.expect("heartbeat");
+    let a_mine = a.rejoin(GROUP, 500).await.expect("A joins again");
+    let (b, b_mine) = b_joins.await.expect("B's task");
+    let rebalance = t.elapsed();
+    println!(
+        "\n[group] A alone holds partitions {alone:?}; B joins, A's heartbeat says {told} (REBALANCE_IN_PROGRESS), both join again: generation {}, A {a_mine:?}, B {b_mine:?}, in {}",
+        a.generation,
+        ms(rebalance)
+    );
+    // B dies: no more heartbeats. Its session (500 ms) expires in the timer,
+    // A hears of the rebalance from its next heartbeat and takes all four.
+    let t = Instant::now();
+    drop(b);
+    loop {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        if a.heartbeat(GROUP).await.expect("heartbeat") != 0 {
+            break;
+        }
+    }
+    let all = a.rejoin(GROUP, 500).await.expect("A joins again");
+    let (generation, members) = broker.groups.describe(GROUP).expect("the group");
+    let joins = broker.groups.joins.metrics();
+    let sessions = broker.groups.sessions.metrics();
+    println!(
+        "[group] B killed: A holds {all:?} after {} (generation {generation}, members {}); join purgatory: {} joins waited, {} completed by a walk of the group, {} at the deadline; session timer: {} expired",
+        ms(t.elapsed()),
+        members.len(),
+        joins.registered,
+        joins.completed,
+        joins.expired,
+        sessions.expired,
+    );
+    // Commits outlive the consumer that made them.
+    let codes = a
+        .commit(GROUP, TOPIC, &[(0, 1), (1, 5)])
+        .await
+        .expect("commit");
+    let _ = a.leave(GROUP).await;
+    drop(a);
+    let mut restarted = wire::GroupMember::connect(addr).await.expect("connect");
+    let committed = restarted.committed(GROUP, TOPIC).await.expect("offsets");
+    println!("[group] A committed (errors {codes:?}) and left; a restarted consumer reads the commits back: {committed:?}");
+
+    // 8. The metrics page, as Prometheus scrapes it.
     let at = handle.metrics_addr.expect("metrics served");
     let mut http = tokio::net::TcpStream::connect(at).await.expect("connect");
     http.write_all(b"GET /metrics HTTP/1.1\r\nHost: demo\r\n\r\n")
@@ -262,7 +321,7 @@ pub async fn run() -> i32 {
         lines.join("\n  ")
     );
 
-    // 8. Shutdown answers what waits.
+    // 9. Shutdown answers what waits.
     broker.set_stuck(0, true);
     let mut waiting = Vec::new();
     for i in 0..3 {

@@ -111,6 +111,10 @@ pub struct ServeArgs {
     /// The most bytes one fetch answer carries.
     #[arg(long, default_value_t = 55 << 20)]
     fetch_max_bytes: usize,
+    /// The shortest session timeout a group member may ask for, in ms
+    /// (Kafka's `group.min.session.timeout.ms`).
+    #[arg(long, default_value_t = 6_000)]
+    group_min_session_ms: u64,
     /// Serve the metrics in Prometheus' text format on this address
     /// (`curl http://ADDR/metrics`).
     #[arg(long)]
@@ -146,6 +150,10 @@ impl ServeArgs {
             max_topics: self.max_topics,
             fetch_max_bytes: self.fetch_max_bytes,
             metrics_addr: self.metrics_addr,
+            groups: broker::groups::GroupLimits {
+                min_session: Duration::from_millis(self.group_min_session_ms),
+                ..Default::default()
+            },
         })
     }
 }

@@ -201,3 +201,209 @@ pub fn fetch(
 pub fn produce_error(r: &ProduceResponse) -> i16 {
     r.responses[0].partition_responses[0].error_code
 }
+
+/// A consumer group member on its own connection, assigning partitions
+/// round-robin when it leads (client-side assignment, as Kafka clients do).
+pub struct GroupMember {
+    pub w: Wire,
+    pub id: String,
+    pub generation: i32,
+    pub leader: bool,
+    /// The members, when this one leads.
+    pub members: Vec<String>,
+}
+
+impl GroupMember {
+    pub const JOIN_VERSION: i16 = 5;
+    pub const SYNC_VERSION: i16 = 3;
+    pub const HEARTBEAT_VERSION: i16 = 3;
+
+    pub async fn connect(addr: std::net::SocketAddr) -> std::io::Result<GroupMember> {
+        Ok(GroupMember {
+            w: Wire::connect(addr).await?,
+            id: String::new(),
+            generation: -1,
+            leader: false,
+            members: Vec::new(),
+        })
+    }
+
+    /// Joins (both steps of a first join); the error code.
+    pub async fn join(&mut self, group: &str, session_ms: i32) -> std::io::Result<i16> {
+        use kafka_protocol::messages::join_group_request::JoinGroupRequestProtocol;
+        loop {
+            let r = self
+                .w
+                .call(
+                    &JoinGroupRequest::default()
+                        .with_group_id(GroupId(s(group)))
+                        .with_session_timeout_ms(session_ms)
+                        .with_rebalance_timeout_ms(5000)
+                        .with_member_id(s(&self.id))
+                        .with_protocol_type(s("consumer"))
+                        .with_protocols(vec![JoinGroupRequestProtocol::default()
+                            .with_name(s("roundrobin"))
+                            .with_metadata(Bytes::from_static(b"meta"))]),
+                    Self::JOIN_VERSION,
+                )
+                .await?;
+            self.id = r.member_id.to_string();
+            if r.error_code == kafka_protocol::error::ResponseError::MemberIdRequired.code() {
+                continue;
+            }
+            self.generation = r.generation_id;
+            self.leader = r.leader == r.member_id;
+            self.members = r.members.iter().map(|m| m.member_id.to_string()).collect();
+            return Ok(r.error_code);
+        }
+    }
+
+    /// Syncs; a leader assigns `partitions` round-robin over its members
+    /// sorted. The error code and the partitions assigned here.
+    pub async fn sync(&mut self, group: &str, partitions: i32) -> std::io::Result<(i16, Vec<i32>)> {
+        use kafka_protocol::messages::sync_group_request::SyncGroupRequestAssignment;
+        let mut assignments = Vec::new();
+        if self.leader {
+            let mut members = self.members.clone();
+            members.sort();
+            for (i, m) in members.iter().enumerate() {
+                let mine: Vec<u8> = (0..partitions)
+                    .filter(|p| *p as usize % members.len() == i)
+                    .map(|p| p as u8)
+                    .collect();
+                assignments.push(
+                    SyncGroupRequestAssignment::default()
+                        .with_member_id(s(m))
+                        .with_assignment(mine.into()),
+                );
+            }
+        }
+        let r = self
+            .w
+            .call(
+                &SyncGroupRequest::default()
+                    .with_group_id(GroupId(s(group)))
+                    .with_generation_id(self.generation)
+                    .with_member_id(s(&self.id))
+                    .with_assignments(assignments),
+                Self::SYNC_VERSION,
+            )
+            .await?;
+        Ok((
+            r.error_code,
+            r.assignment.iter().map(|&p| p as i32).collect(),
+        ))
+    }
+
+    pub async fn heartbeat(&mut self, group: &str) -> std::io::Result<i16> {
+        let r = self
+            .w
+            .call(
+                &HeartbeatRequest::default()
+                    .with_group_id(GroupId(s(group)))
+                    .with_generation_id(self.generation)
+                    .with_member_id(s(&self.id)),
+                Self::HEARTBEAT_VERSION,
+            )
+            .await?;
+        Ok(r.error_code)
+    }
+
+    pub async fn leave(&mut self, group: &str) -> std::io::Result<i16> {
+        let r = self
+            .w
+            .call(
+                &LeaveGroupRequest::default()
+                    .with_group_id(GroupId(s(group)))
+                    .with_member_id(s(&self.id)),
+                1,
+            )
+            .await?;
+        Ok(r.error_code)
+    }
+
+    /// Joins and syncs until a generation is stable; the partitions of a
+    /// 4-partition topic assigned here.
+    pub async fn rejoin(&mut self, group: &str, session_ms: i32) -> std::io::Result<Vec<i32>> {
+        use kafka_protocol::error::ResponseError;
+        loop {
+            let code = self.join(group, session_ms).await?;
+            if code != 0 {
+                return Err(std::io::Error::other(format!("join: error {code}")));
+            }
+            let (code, mine) = self.sync(group, 4).await?;
+            if code == 0 {
+                return Ok(mine);
+            }
+            if code != ResponseError::RebalanceInProgress.code() {
+                return Err(std::io::Error::other(format!("sync: error {code}")));
+            }
+        }
+    }
+
+    /// Commits `offsets` of `topic`; each partition's error code.
+    pub async fn commit(
+        &mut self,
+        group: &str,
+        topic: &str,
+        offsets: &[(i32, i64)],
+    ) -> std::io::Result<Vec<i16>> {
+        use kafka_protocol::messages::offset_commit_request::*;
+        let r = self
+            .w
+            .call(
+                &OffsetCommitRequest::default()
+                    .with_group_id(GroupId(s(group)))
+                    .with_generation_id_or_member_epoch(self.generation)
+                    .with_member_id(s(&self.id))
+                    .with_topics(vec![OffsetCommitRequestTopic::default()
+                        .with_name(TopicName(s(topic)))
+                        .with_partitions(
+                            offsets
+                                .iter()
+                                .map(|&(p, o)| {
+                                    OffsetCommitRequestPartition::default()
+                                        .with_partition_index(p)
+                                        .with_committed_offset(o)
+                                })
+                                .collect(),
+                        )]),
+                7,
+            )
+            .await?;
+        Ok(r.topics[0]
+            .partitions
+            .iter()
+            .map(|p| p.error_code)
+            .collect())
+    }
+
+    /// The committed offsets of partitions 0-3 of `topic` (-1: none).
+    pub async fn committed(
+        &mut self,
+        group: &str,
+        topic: &str,
+    ) -> std::io::Result<Vec<(i32, i64)>> {
+        use kafka_protocol::messages::offset_fetch_request::*;
+        let r = self
+            .w
+            .call(
+                &OffsetFetchRequest::default()
+                    .with_group_id(GroupId(s(group)))
+                    .with_topics(Some(vec![OffsetFetchRequestTopic::default()
+                        .with_name(TopicName(s(topic)))
+                        .with_partition_indexes((0..4).collect())])),
+                6,
+            )
+            .await?;
+        Ok(r.topics[0]
+            .partitions
+            .iter()
+            .map(|p| (p.partition_index, p.committed_offset))
+            .collect())
+    }
+}
+
+fn s(v: &str) -> StrBytes {
+    StrBytes::from_string(v.to_string())
+}

@@ -18,6 +18,7 @@
 
 mod fetch;
 mod frame;
+pub mod groups;
 mod log;
 pub mod metrics;
 mod produce;
@@ -108,6 +109,8 @@ pub struct Config {
     pub fetch_max_bytes: usize,
     /// Where to serve the metrics in Prometheus' text format, if anywhere.
     pub metrics_addr: Option<SocketAddr>,
+    /// The group coordinator's limits.
+    pub groups: groups::GroupLimits,
 }
 
 impl Default for Config {
@@ -133,6 +136,7 @@ impl Default for Config {
             max_topics: 10_000,
             fetch_max_bytes: 55 << 20,
             metrics_addr: None,
+            groups: groups::GroupLimits::default(),
         }
     }
 }
@@ -161,6 +165,8 @@ pub struct Broker {
     pub topics: Topics,
     pub produces: Purgatory<PartitionKey, DelayedProduce>,
     pub fetches: Purgatory<PartitionKey, DelayedFetch>,
+    /// Consumer groups: joins and syncs in purgatories, sessions in a timer.
+    pub groups: Arc<groups::Coordinator>,
     pub stats: Stats,
     /// The memory requests in flight share.
     pub budget: Budget,
@@ -237,6 +243,26 @@ impl BrokerHandle {
             .reaper(&reaper)
             .build()
             .map_err(std::io::Error::other)?;
+        let closing = Arc::new(AtomicBool::new(false));
+        let coordinator = groups::Coordinator::new(
+            Purgatory::builder()
+                .name("join")
+                .reaper(&reaper)
+                .build()
+                .map_err(std::io::Error::other)?,
+            Purgatory::builder()
+                .name("sync")
+                .reaper(&reaper)
+                .build()
+                .map_err(std::io::Error::other)?,
+            tokio_purgatory::Timer::builder()
+                .name("sessions")
+                .reaper(&reaper)
+                .build()
+                .map_err(std::io::Error::other)?,
+            closing.clone(),
+            config.groups.clone(),
+        );
         let topics = Topics::new(
             config.partitions,
             config.followers,
@@ -253,8 +279,9 @@ impl BrokerHandle {
             topics,
             produces,
             fetches,
+            groups: coordinator,
             stats: Stats::default(),
-            closing: Arc::new(AtomicBool::new(false)),
+            closing,
             advertised,
         });
         let stop = CancellationToken::new();
@@ -293,13 +320,22 @@ impl BrokerHandle {
             broker.fetches.try_complete_reached(&part.key, u64::MAX);
             part.notify.notify_waiters();
         }
+        // Waiting joins and syncs answer NOT_COORDINATOR.
+        broker.groups.wake_all();
         self.stop.cancel();
         let _ = self.server.await;
         // Anything still registered would be a request that slipped past both:
         // none can, and the counts say so.
         debug_assert_eq!(broker.produces.delayed() + broker.fetches.delayed(), 0);
+        debug_assert_eq!(
+            broker.groups.joins.delayed() + broker.groups.syncs.delayed(),
+            0
+        );
         drop(broker.produces.shutdown());
         drop(broker.fetches.shutdown());
+        drop(broker.groups.joins.shutdown());
+        drop(broker.groups.syncs.shutdown());
+        drop(broker.groups.sessions.shutdown());
         broker.followers.stop();
     }
 }

@@ -36,6 +36,13 @@ pub const SUPPORTED: &[(ApiKey, i16, i16)] = &[
     (ApiKey::ListOffsets, 1, 7),
     (ApiKey::Metadata, 0, 12),
     (ApiKey::ApiVersions, 0, 3),
+    (ApiKey::FindCoordinator, 0, 4),
+    (ApiKey::JoinGroup, 0, 7),
+    (ApiKey::SyncGroup, 0, 5),
+    (ApiKey::Heartbeat, 0, 4),
+    (ApiKey::LeaveGroup, 0, 5),
+    (ApiKey::OffsetCommit, 2, 8),
+    (ApiKey::OffsetFetch, 1, 7),
 ];
 
 pub fn supported(key: ApiKey, version: i16) -> bool {
@@ -234,6 +241,47 @@ async fn answer(broker: &Broker, admitted: &Admitted) -> Result<Option<BytesMut>
             let r = fetch::handle(broker, decode(&mut frame, version)?).await?;
             encode(id, version, &r).map(Some)
         }
+        ApiKey::FindCoordinator => {
+            let r = find_coordinator(broker, &decode(&mut frame, version)?, version);
+            encode(id, version, &r).map(Some)
+        }
+        ApiKey::JoinGroup => {
+            // Member ids begin with the client id, as Kafka's do (cut short
+            // and kept to plain characters).
+            let client: String = header
+                .client_id
+                .as_deref()
+                .unwrap_or("member")
+                .chars()
+                .filter(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+                .take(64)
+                .collect();
+            let r = broker
+                .groups
+                .join(decode(&mut frame, version)?, version, &client)
+                .await?;
+            encode(id, version, &r).map(Some)
+        }
+        ApiKey::SyncGroup => {
+            let r = broker.groups.sync(decode(&mut frame, version)?).await?;
+            encode(id, version, &r).map(Some)
+        }
+        ApiKey::Heartbeat => {
+            let r = broker.groups.heartbeat(&decode(&mut frame, version)?);
+            encode(id, version, &r).map(Some)
+        }
+        ApiKey::LeaveGroup => {
+            let r = broker.groups.leave(&decode(&mut frame, version)?, version);
+            encode(id, version, &r).map(Some)
+        }
+        ApiKey::OffsetCommit => {
+            let r = broker.groups.commit(&decode(&mut frame, version)?);
+            encode(id, version, &r).map(Some)
+        }
+        ApiKey::OffsetFetch => {
+            let r = broker.groups.fetch_offsets(&decode(&mut frame, version)?);
+            encode(id, version, &r).map(Some)
+        }
         _ => Err(Gone),
     }
 }
@@ -351,6 +399,43 @@ fn metadata(broker: &Broker, request: &MetadataRequest, version: i16) -> Metadat
                 })
                 .collect(),
         )
+}
+
+/// This broker (node 0) coordinates every group; it has no transaction
+/// coordinator.
+fn find_coordinator(
+    broker: &Broker,
+    request: &FindCoordinatorRequest,
+    version: i16,
+) -> FindCoordinatorResponse {
+    use kafka_protocol::messages::find_coordinator_response::Coordinator;
+    let (host, port) = &broker.advertised;
+    let host = StrBytes::from_string(host.clone());
+    let error = (request.key_type != 0).then_some(ResponseError::CoordinatorNotAvailable);
+    let code = error.map_or(0, |e| e.code());
+    let node = BrokerId(if error.is_some() { -1 } else { 0 });
+    if version >= 4 {
+        FindCoordinatorResponse::default().with_coordinators(
+            request
+                .coordinator_keys
+                .iter()
+                .map(|k| {
+                    Coordinator::default()
+                        .with_key(k.clone())
+                        .with_node_id(node)
+                        .with_host(host.clone())
+                        .with_port(*port)
+                        .with_error_code(code)
+                })
+                .collect(),
+        )
+    } else {
+        FindCoordinatorResponse::default()
+            .with_error_code(code)
+            .with_node_id(node)
+            .with_host(host)
+            .with_port(*port)
+    }
 }
 
 /// The leader (node 0) and the followers (nodes 1..) in the partition's ISR.

@@ -24,10 +24,18 @@
 use std::mem::size_of;
 
 use kafka_protocol::messages::fetch_request::{FetchPartition, FetchTopic, ForgottenTopic};
+use kafka_protocol::messages::join_group_request::JoinGroupRequestProtocol;
+use kafka_protocol::messages::leave_group_request::MemberIdentity;
 use kafka_protocol::messages::list_offsets_request::{ListOffsetsPartition, ListOffsetsTopic};
 use kafka_protocol::messages::metadata_request::MetadataRequestTopic;
+use kafka_protocol::messages::offset_commit_request::{
+    OffsetCommitRequestPartition, OffsetCommitRequestTopic,
+};
+use kafka_protocol::messages::offset_fetch_request::OffsetFetchRequestTopic;
 use kafka_protocol::messages::produce_request::{PartitionProduceData, TopicProduceData};
+use kafka_protocol::messages::sync_group_request::SyncGroupRequestAssignment;
 use kafka_protocol::messages::ApiKey;
+use kafka_protocol::protocol::StrBytes;
 
 use super::server::supported;
 
@@ -93,6 +101,13 @@ pub fn check(frame: &[u8], max_decoded: usize) -> Result<Shape, Refused> {
             ApiKey::ListOffsets => list_offsets(&mut w, version)?,
             ApiKey::Metadata => metadata(&mut w, version)?,
             ApiKey::ApiVersions => api_versions(&mut w, version)?,
+            ApiKey::FindCoordinator => find_coordinator(&mut w, version)?,
+            ApiKey::JoinGroup => join_group(&mut w, version)?,
+            ApiKey::SyncGroup => sync_group(&mut w, version)?,
+            ApiKey::Heartbeat => heartbeat(&mut w, version)?,
+            ApiKey::LeaveGroup => leave_group(&mut w, version)?,
+            ApiKey::OffsetCommit => offset_commit(&mut w, version)?,
+            ApiKey::OffsetFetch => offset_fetch(&mut w, version)?,
             _ => {}
         }
         // The decoder would ignore bytes after the request; the budget would
@@ -393,6 +408,126 @@ fn api_versions(w: &mut Walk, v: i16) -> Step {
     if flex {
         w.string(true, "client software name")?;
         w.string(true, "client software version")?;
+    }
+    w.no_known_tags(flex)
+}
+
+fn find_coordinator(w: &mut Walk, v: i16) -> Step {
+    let flex = v >= 3;
+    if v <= 3 {
+        w.string(flex, "key")?;
+    }
+    if v >= 1 {
+        w.skip(1, "key type")?;
+    }
+    if v >= 4 {
+        w.array::<StrBytes>(true, "coordinator keys", |w| w.string(true, "key"))?;
+    }
+    w.no_known_tags(flex)
+}
+
+fn join_group(w: &mut Walk, v: i16) -> Step {
+    let flex = v >= 6;
+    w.string(flex, "group id")?;
+    w.skip(if v >= 1 { 8 } else { 4 }, "timeouts")?;
+    w.string(flex, "member id")?;
+    if v >= 5 {
+        w.string(flex, "group instance id")?;
+    }
+    w.string(flex, "protocol type")?;
+    w.array::<JoinGroupRequestProtocol>(flex, "protocols", |w| {
+        w.string(flex, "protocol name")?;
+        w.bytes(flex, "protocol metadata")?;
+        w.no_known_tags(flex)
+    })?;
+    if v >= 8 {
+        w.string(true, "reason")?;
+    }
+    w.no_known_tags(flex)
+}
+
+fn sync_group(w: &mut Walk, v: i16) -> Step {
+    let flex = v >= 4;
+    w.string(flex, "group id")?;
+    w.skip(4, "generation")?;
+    w.string(flex, "member id")?;
+    if v >= 3 {
+        w.string(flex, "group instance id")?;
+    }
+    if v >= 5 {
+        w.string(true, "protocol type")?;
+        w.string(true, "protocol name")?;
+    }
+    w.array::<SyncGroupRequestAssignment>(flex, "assignments", |w| {
+        w.string(flex, "member id")?;
+        w.bytes(flex, "assignment")?;
+        w.no_known_tags(flex)
+    })?;
+    w.no_known_tags(flex)
+}
+
+fn heartbeat(w: &mut Walk, v: i16) -> Step {
+    let flex = v >= 4;
+    w.string(flex, "group id")?;
+    w.skip(4, "generation")?;
+    w.string(flex, "member id")?;
+    if v >= 3 {
+        w.string(flex, "group instance id")?;
+    }
+    w.no_known_tags(flex)
+}
+
+fn leave_group(w: &mut Walk, v: i16) -> Step {
+    let flex = v >= 4;
+    w.string(flex, "group id")?;
+    if v <= 2 {
+        w.string(false, "member id")?;
+    } else {
+        w.array::<MemberIdentity>(flex, "members", |w| {
+            w.string(flex, "member id")?;
+            w.string(flex, "group instance id")?;
+            if v >= 5 {
+                w.string(true, "reason")?;
+            }
+            w.no_known_tags(flex)
+        })?;
+    }
+    w.no_known_tags(flex)
+}
+
+fn offset_commit(w: &mut Walk, v: i16) -> Step {
+    let flex = v >= 8;
+    w.string(flex, "group id")?;
+    w.skip(4, "generation")?;
+    w.string(flex, "member id")?;
+    if v >= 7 {
+        w.string(flex, "group instance id")?;
+    }
+    if v <= 4 {
+        w.skip(8, "retention time")?;
+    }
+    w.array::<OffsetCommitRequestTopic>(flex, "commit topics", |w| {
+        w.string(flex, "topic name")?;
+        w.array::<OffsetCommitRequestPartition>(flex, "commit partitions", |w| {
+            w.skip(if v >= 6 { 4 + 8 + 4 } else { 4 + 8 }, "partition")?;
+            w.string(flex, "committed metadata")?;
+            w.no_known_tags(flex)
+        })?;
+        w.no_known_tags(flex)
+    })?;
+    w.no_known_tags(flex)
+}
+
+fn offset_fetch(w: &mut Walk, v: i16) -> Step {
+    let flex = v >= 6;
+    w.string(flex, "group id")?;
+    w.array::<OffsetFetchRequestTopic>(flex, "fetch offsets topics", |w| {
+        w.string(flex, "topic name")?;
+        w.array::<i32>(flex, "partition indexes", |w| w.skip(4, "partition"))?;
+        w.no_known_tags(flex)
+    })?;
+    if v >= 7 {
+        w.skip(1, "require stable")?;
     }
     w.no_known_tags(flex)
 }

@@ -1,0 +1,843 @@
+//! The group coordinator: consumer groups on two purgatories and a timer, as
+//! Kafka's `GroupCoordinator` keeps them on its join purgatory and heartbeats.
+//!
+//! - **Joins** wait in the join purgatory, watching the group's id, until
+//!   every member the group knows has joined this round (the join that makes
+//!   it so completes the round and walks the key) or the round's rebalance
+//!   deadline (the longest rebalance timeout of its members) passes; then the
+//!   members that did not join are dropped and the round ends with those that
+//!   did. Each waiting join completes with its own answer: the leader gets the
+//!   members and their metadata, and assigns partitions itself (client-side
+//!   assignment, as in Kafka).
+//! - **Syncs** of followers wait in the sync purgatory until the leader's sync
+//!   brings the assignments (or a new rebalance begins: they then answer
+//!   `REBALANCE_IN_PROGRESS`).
+//! - **Sessions**: each member has a timer entry for its session timeout,
+//!   moved by every heartbeat, join and sync (`Timeout::reset`); when it
+//!   fires, the member is dropped and the group rebalances.
+//! - **Offsets** committed per group, fetched back by consumers.
+//!
+//! Generations, `MEMBER_ID_REQUIRED`, `REBALANCE_IN_PROGRESS`,
+//! `UNKNOWN_MEMBER_ID` and `ILLEGAL_GENERATION` as in Kafka. Static
+//! membership (`group.instance.id`) is not served: such members are treated
+//! as dynamic ones.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use bytes::Bytes;
+use kafka_protocol::error::ResponseError;
+use kafka_protocol::messages::join_group_response::JoinGroupResponseMember;
+use kafka_protocol::messages::leave_group_response::MemberResponse;
+use kafka_protocol::messages::offset_commit_response::{
+    OffsetCommitResponsePartition, OffsetCommitResponseTopic,
+};
+use kafka_protocol::messages::offset_fetch_response::{
+    OffsetFetchResponsePartition, OffsetFetchResponseTopic,
+};
+use kafka_protocol::messages::*;
+use kafka_protocol::protocol::StrBytes;
+use tokio::time::Instant;
+use tokio_purgatory::{Completion, Operation, Purgatory, Timeout, Timer};
+
+use super::Gone;
+
+/// The coordinator's limits (bounded memory whatever clients send).
+#[derive(Debug, Clone)]
+pub struct GroupLimits {
+    /// Groups held at most.
+    pub max_groups: usize,
+    /// Members (joined or given an id) per group at most (Kafka's
+    /// `group.max.size`).
+    pub max_members: usize,
+    /// Committed offsets per group at most.
+    pub max_offsets: usize,
+    /// The session timeouts accepted (Kafka's `group.min.session.timeout.ms`
+    /// and `group.max.session.timeout.ms`: 6 s and 30 min).
+    pub min_session: Duration,
+    pub max_session: Duration,
+}
+
+impl Default for GroupLimits {
+    fn default() -> Self {
+        GroupLimits {
+            max_groups: 1000,
+            max_members: 1000,
+            max_offsets: 100_000,
+            min_session: Duration::from_secs(6),
+            max_session: Duration::from_secs(1800),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Empty,
+    /// Waiting for members to join.
+    Preparing,
+    /// Joined; waiting for the leader's assignments.
+    Completing,
+    Stable,
+}
+
+struct Member {
+    session: Duration,
+    rebalance: Duration,
+    protocol_type: StrBytes,
+    protocols: Vec<(StrBytes, Bytes)>,
+    /// Joined in the round under way.
+    joined: bool,
+    /// Its session timeout in the timer.
+    session_timer: Option<Timeout>,
+}
+
+struct Group {
+    phase: Phase,
+    generation: i32,
+    /// Join rounds completed; a join waits for the round after the one it
+    /// joined in.
+    rounds: u64,
+    /// When the round under way ends, joined or not.
+    deadline: Instant,
+    protocol_type: Option<StrBytes>,
+    protocol: Option<StrBytes>,
+    leader: Option<StrBytes>,
+    members: BTreeMap<StrBytes, Member>,
+    /// Ids handed out with `MEMBER_ID_REQUIRED`, not joined yet, with their
+    /// expiry in the timer.
+    pending: HashMap<StrBytes, Timeout>,
+    assignments: HashMap<StrBytes, Bytes>,
+    offsets: HashMap<(StrBytes, i32), (i64, Option<StrBytes>)>,
+}
+
+impl Group {
+    fn new() -> Group {
+        Group {
+            phase: Phase::Empty,
+            generation: 0,
+            rounds: 0,
+            deadline: Instant::now(),
+            protocol_type: None,
+            protocol: None,
+            leader: None,
+            members: BTreeMap::new(),
+            pending: HashMap::new(),
+            assignments: HashMap::new(),
+            offsets: HashMap::new(),
+        }
+    }
+
+    /// Starts a rebalance round, if none is under way: every member must
+    /// join again before the deadline.
+    fn prepare(&mut self) {
+        if self.phase == Phase::Preparing {
+            return;
+        }
+        self.phase = Phase::Preparing;
+        let longest = self
+            .members
+            .values()
+            .map(|m| m.rebalance)
+            .max()
+            .unwrap_or(Duration::ZERO);
+        self.deadline = Instant::now() + longest;
+        self.assignments.clear();
+        for m in self.members.values_mut() {
+            m.joined = false;
+        }
+    }
+
+    fn all_joined(&self) -> bool {
+        !self.members.is_empty() && self.members.values().all(|m| m.joined)
+    }
+
+    /// Ends the round: members that did not join are dropped, a new
+    /// generation begins with the rest (or the group is empty).
+    fn complete_join(&mut self) {
+        let gone: Vec<StrBytes> = self
+            .members
+            .iter()
+            .filter(|(_, m)| !m.joined)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in gone {
+            self.remove(&id);
+        }
+        self.generation += 1;
+        self.rounds += 1;
+        if self.members.is_empty() {
+            self.phase = Phase::Empty;
+            self.protocol = None;
+            self.protocol_type = None;
+            self.leader = None;
+            return;
+        }
+        if !self
+            .leader
+            .as_ref()
+            .is_some_and(|l| self.members.contains_key(l))
+        {
+            self.leader = self.members.keys().next().cloned();
+        }
+        let leader = &self.members[self.leader.as_ref().unwrap()];
+        // The leader's most preferred protocol that every member speaks.
+        self.protocol = leader
+            .protocols
+            .iter()
+            .map(|(name, _)| name)
+            .find(|name| {
+                self.members
+                    .values()
+                    .all(|m| m.protocols.iter().any(|(n, _)| n == *name))
+            })
+            .cloned();
+        self.protocol_type = Some(leader.protocol_type.clone());
+        self.phase = Phase::Completing;
+    }
+
+    /// Drops a member (its session timer with it).
+    fn remove(&mut self, id: &StrBytes) -> bool {
+        match self.members.remove(id) {
+            Some(m) => {
+                if let Some(t) = m.session_timer {
+                    t.cancel();
+                }
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// What a member that left or expired leaves behind: a rebalance of the
+    /// others, or an empty group.
+    fn after_removal(&mut self) {
+        if self.members.is_empty() {
+            if self.phase != Phase::Empty {
+                self.generation += 1;
+                self.rounds += 1;
+            }
+            self.phase = Phase::Empty;
+            self.leader = None;
+            self.protocol = None;
+            self.assignments.clear();
+        } else if self.phase == Phase::Preparing {
+            if self.all_joined() {
+                self.complete_join();
+            }
+        } else {
+            self.prepare();
+        }
+    }
+
+    /// The answer to `member`'s join of the round that has completed.
+    fn join_answer(&self, member: &StrBytes) -> JoinGroupResponse {
+        if !self.members.contains_key(member) {
+            return JoinGroupResponse::default()
+                .with_error_code(ResponseError::UnknownMemberId.code())
+                .with_member_id(member.clone())
+                .with_generation_id(-1);
+        }
+        let leader = self.leader.clone().unwrap_or_default();
+        let mut r = JoinGroupResponse::default()
+            .with_generation_id(self.generation)
+            .with_protocol_type(self.protocol_type.clone())
+            .with_protocol_name(self.protocol.clone())
+            .with_leader(leader.clone())
+            .with_member_id(member.clone());
+        if *member == leader {
+            let protocol = self.protocol.clone().unwrap_or_default();
+            r.members = self
+                .members
+                .iter()
+                .map(|(id, m)| {
+                    let metadata = m
+                        .protocols
+                        .iter()
+                        .find(|(n, _)| *n == protocol)
+                        .map(|(_, md)| md.clone())
+                        .unwrap_or_default();
+                    JoinGroupResponseMember::default()
+                        .with_member_id(id.clone())
+                        .with_metadata(metadata)
+                })
+                .collect();
+        }
+        r
+    }
+
+    /// Checks a member's generation: `Ok` when it is current.
+    fn check_member(&self, member: &StrBytes, generation: i32) -> Result<(), ResponseError> {
+        if !self.members.contains_key(member) {
+            return Err(ResponseError::UnknownMemberId);
+        }
+        if generation != self.generation {
+            return Err(ResponseError::IllegalGeneration);
+        }
+        Ok(())
+    }
+}
+
+type Groups = Mutex<HashMap<StrBytes, Group>>;
+
+/// A join waiting for its round to end (Kafka's `DelayedJoin`, one per
+/// member here: each completes with its own answer).
+pub struct DelayedJoin {
+    groups: Arc<Groups>,
+    closing: Arc<AtomicBool>,
+    group: StrBytes,
+    member: StrBytes,
+    /// The rounds completed when it joined.
+    round: u64,
+}
+
+impl Operation for DelayedJoin {
+    type Output = JoinGroupResponse;
+
+    fn try_complete(&mut self) -> Option<JoinGroupResponse> {
+        if self.closing.load(Ordering::SeqCst) {
+            return Some(error_join(ResponseError::NotCoordinator, &self.member));
+        }
+        let groups = self.groups.lock().unwrap();
+        let Some(g) = groups.get(&self.group) else {
+            return Some(error_join(ResponseError::UnknownMemberId, &self.member));
+        };
+        (g.rounds > self.round).then(|| g.join_answer(&self.member))
+    }
+
+    fn on_expiration(self) -> JoinGroupResponse {
+        // The round's deadline: it ends with the members that joined (the
+        // first of its joins to expire ends it; the others find it ended).
+        let mut groups = self.groups.lock().unwrap();
+        let Some(g) = groups.get_mut(&self.group) else {
+            return error_join(ResponseError::UnknownMemberId, &self.member);
+        };
+        if g.rounds == self.round && g.phase == Phase::Preparing {
+            g.complete_join();
+        }
+        g.join_answer(&self.member)
+    }
+}
+
+fn error_join(e: ResponseError, member: &StrBytes) -> JoinGroupResponse {
+    JoinGroupResponse::default()
+        .with_error_code(e.code())
+        .with_generation_id(-1)
+        .with_member_id(member.clone())
+}
+
+/// A follower's sync waiting for the leader's assignments.
+pub struct DelayedSync {
+    groups: Arc<Groups>,
+    closing: Arc<AtomicBool>,
+    group: StrBytes,
+    member: StrBytes,
+    generation: i32,
+}
+
+impl Operation for DelayedSync {
+    type Output = SyncGroupResponse;
+
+    fn try_complete(&mut self) -> Option<SyncGroupResponse> {
+        if self.closing.load(Ordering::SeqCst) {
+            return Some(error_sync(ResponseError::NotCoordinator));
+        }
+        let groups = self.groups.lock().unwrap();
+        let Some(g) = groups.get(&self.group) else {
+            return Some(error_sync(ResponseError::UnknownMemberId));
+        };
+        if g.generation != self.generation || g.phase == Phase::Preparing {
+            return Some(error_sync(ResponseError::RebalanceInProgress));
+        }
+        match g.phase {
+            Phase::Stable => Some(sync_answer(g, &self.member)),
+            Phase::Empty => Some(error_sync(ResponseError::UnknownMemberId)),
+            _ => None,
+        }
+    }
+
+    fn on_expiration(self) -> SyncGroupResponse {
+        error_sync(ResponseError::RebalanceInProgress)
+    }
+}
+
+fn error_sync(e: ResponseError) -> SyncGroupResponse {
+    SyncGroupResponse::default().with_error_code(e.code())
+}
+
+fn sync_answer(g: &Group, member: &StrBytes) -> SyncGroupResponse {
+    SyncGroupResponse::default()
+        .with_protocol_type(g.protocol_type.clone())
+        .with_protocol_name(g.protocol.clone())
+        .with_assignment(g.assignments.get(member).cloned().unwrap_or_default())
+}
+
+/// The coordinator.
+pub struct Coordinator {
+    groups: Arc<Groups>,
+    pub joins: Purgatory<StrBytes, DelayedJoin>,
+    pub syncs: Purgatory<StrBytes, DelayedSync>,
+    /// Session timeouts and pending member ids' expiry.
+    pub sessions: Timer,
+    closing: Arc<AtomicBool>,
+    limits: GroupLimits,
+    next_id: AtomicU64,
+    me: Weak<Coordinator>,
+}
+
+impl Coordinator {
+    pub fn new(
+        joins: Purgatory<StrBytes, DelayedJoin>,
+        syncs: Purgatory<StrBytes, DelayedSync>,
+        sessions: Timer,
+        closing: Arc<AtomicBool>,
+        limits: GroupLimits,
+    ) -> Arc<Coordinator> {
+        Arc::new_cyclic(|me| Coordinator {
+            groups: Arc::new(Mutex::new(HashMap::new())),
+            joins,
+            syncs,
+            sessions,
+            closing,
+            limits,
+            next_id: AtomicU64::new(1),
+            me: me.clone(),
+        })
+    }
+
+    /// Checks every waiting join and sync of `group` (after a change made
+    /// with the groups' lock released).
+    fn wake(&self, group: &StrBytes) {
+        self.syncs.try_complete_watched(group);
+        self.joins.try_complete_watched(group);
+    }
+
+    /// Answers every waiting join and sync (at shutdown, with `closing` set).
+    pub fn wake_all(&self) {
+        let ids: Vec<StrBytes> = self.groups.lock().unwrap().keys().cloned().collect();
+        for id in ids {
+            self.wake(&id);
+        }
+    }
+
+    /// (Re)starts `member`'s session countdown, under the groups' lock.
+    fn touch(&self, group: &StrBytes, member: &StrBytes, m: &mut Member) {
+        if let Some(t) = &m.session_timer {
+            if t.reset(m.session) {
+                return;
+            }
+        }
+        let (me, g, id) = (self.me.clone(), group.clone(), member.clone());
+        m.session_timer = self
+            .sessions
+            .schedule(m.session, move || {
+                if let Some(c) = me.upgrade() {
+                    c.session_expired(&g, &id);
+                }
+            })
+            .ok();
+    }
+
+    fn session_expired(&self, group: &StrBytes, member: &StrBytes) {
+        {
+            let mut groups = self.groups.lock().unwrap();
+            let Some(g) = groups.get_mut(group) else {
+                return;
+            };
+            if !g.remove(member) {
+                return;
+            }
+            tracing::info!(group = %group.as_str(), member = %member.as_str(), "session expired");
+            g.after_removal();
+        }
+        self.wake(group);
+    }
+
+    fn pending_expired(&self, group: &StrBytes, member: &StrBytes) {
+        if let Some(g) = self.groups.lock().unwrap().get_mut(group) {
+            g.pending.remove(member);
+        }
+    }
+
+    /// Handles a join from client `client` (its member id's prefix, as in
+    /// Kafka).
+    pub async fn join(
+        &self,
+        r: JoinGroupRequest,
+        version: i16,
+        client: &str,
+    ) -> Result<JoinGroupResponse, Gone> {
+        let group = r.group_id.0.clone();
+        let session = Duration::from_millis(r.session_timeout_ms.max(0) as u64);
+        // Before version 1 the rebalance timeout is the session timeout.
+        let rebalance = if version >= 1 {
+            Duration::from_millis(r.rebalance_timeout_ms.max(0) as u64)
+        } else {
+            session
+        };
+        let (member, round, deadline, changed) = {
+            let mut groups = self.groups.lock().unwrap();
+            if group.is_empty() {
+                return Ok(error_join(ResponseError::InvalidGroupId, &r.member_id));
+            }
+            if session < self.limits.min_session || session > self.limits.max_session {
+                return Ok(error_join(
+                    ResponseError::InvalidSessionTimeout,
+                    &r.member_id,
+                ));
+            }
+            if !groups.contains_key(&group) && groups.len() >= self.limits.max_groups {
+                return Ok(error_join(
+                    ResponseError::CoordinatorNotAvailable,
+                    &r.member_id,
+                ));
+            }
+            let g = groups.entry(group.clone()).or_insert_with(Group::new);
+            let speaks =
+                |m: &Vec<(StrBytes, Bytes)>, name: &StrBytes| m.iter().any(|(n, _)| n == name);
+            let protocols: Vec<(StrBytes, Bytes)> = r
+                .protocols
+                .iter()
+                .map(|p| (p.name.clone(), p.metadata.clone()))
+                .collect();
+            let consistent = !protocols.is_empty()
+                && (g.members.is_empty()
+                    || (g
+                        .protocol_type
+                        .as_ref()
+                        .is_none_or(|t| *t == r.protocol_type)
+                        && protocols
+                            .iter()
+                            .any(|(n, _)| g.members.values().all(|m| speaks(&m.protocols, n)))));
+            if !consistent {
+                return Ok(error_join(
+                    ResponseError::InconsistentGroupProtocol,
+                    &r.member_id,
+                ));
+            }
+            let known = g.members.len() + g.pending.len();
+            let member = if r.member_id.is_empty() {
+                if known >= self.limits.max_members {
+                    return Ok(error_join(ResponseError::GroupMaxSizeReached, &r.member_id));
+                }
+                let id = StrBytes::from_string(format!(
+                    "{client}-{}",
+                    self.next_id.fetch_add(1, Ordering::Relaxed)
+                ));
+                if version >= 4 {
+                    // Kafka's two-step join: the member comes back with its id.
+                    let (me, gid, mid) = (self.me.clone(), group.clone(), id.clone());
+                    if let Ok(t) = self.sessions.schedule(session, move || {
+                        if let Some(c) = me.upgrade() {
+                            c.pending_expired(&gid, &mid);
+                        }
+                    }) {
+                        g.pending.insert(id.clone(), t);
+                    }
+                    return Ok(error_join(ResponseError::MemberIdRequired, &id));
+                }
+                id
+            } else {
+                r.member_id.clone()
+            };
+            if let Some(t) = g.pending.remove(&member) {
+                t.cancel();
+            } else if !g.members.contains_key(&member) && !r.member_id.is_empty() {
+                return Ok(error_join(ResponseError::UnknownMemberId, &r.member_id));
+            }
+            let m = g.members.entry(member.clone()).or_insert_with(|| Member {
+                session,
+                rebalance,
+                protocol_type: r.protocol_type.clone(),
+                protocols: Vec::new(),
+                joined: false,
+                session_timer: None,
+            });
+            m.session = session;
+            m.rebalance = rebalance;
+            m.protocol_type = r.protocol_type.clone();
+            m.protocols = protocols;
+            // Any join begins a round (the other members learn it from
+            // their heartbeats and join again), unless one is under way.
+            let started = g.phase != Phase::Preparing;
+            g.prepare();
+            let m = g.members.get_mut(&member).unwrap();
+            m.joined = true;
+            self.touch(&group, &member, m);
+            let round = g.rounds;
+            let completed = g.all_joined();
+            if completed {
+                g.complete_join();
+            }
+            (member, round, g.deadline, started || completed)
+        };
+        if changed {
+            // Syncs waiting on the old generation answer, and joins waiting
+            // on the round that just ended complete.
+            self.wake(&group);
+        }
+        let op = DelayedJoin {
+            groups: self.groups.clone(),
+            closing: self.closing.clone(),
+            group: group.clone(),
+            member,
+            round,
+        };
+        match self.joins.try_complete_else_watch_at(op, deadline, [group]) {
+            Ok(handle) => match handle.await {
+                Ok(Completion::Completed(r) | Completion::Expired(r)) => Ok(r),
+                Err(_) => Err(Gone),
+            },
+            Err(refused) => Ok(error_join(
+                ResponseError::NotCoordinator,
+                &refused.into_inner().member,
+            )),
+        }
+    }
+
+    pub async fn sync(&self, r: SyncGroupRequest) -> Result<SyncGroupResponse, Gone> {
+        let group = r.group_id.0.clone();
+        let (wait, led) = {
+            let mut groups = self.groups.lock().unwrap();
+            let Some(g) = groups.get_mut(&group) else {
+                return Ok(error_sync(ResponseError::UnknownMemberId));
+            };
+            if let Err(e) = g.check_member(&r.member_id, r.generation_id) {
+                return Ok(error_sync(e));
+            }
+            if g.phase == Phase::Preparing {
+                return Ok(error_sync(ResponseError::RebalanceInProgress));
+            }
+            let mut m = g.members.remove(&r.member_id).unwrap();
+            self.touch(&group, &r.member_id, &mut m);
+            let rebalance = m.rebalance;
+            g.members.insert(r.member_id.clone(), m);
+            let mut led = false;
+            if g.phase == Phase::Completing && g.leader.as_ref() == Some(&r.member_id) {
+                g.assignments = r
+                    .assignments
+                    .iter()
+                    .filter(|a| g.members.contains_key(&a.member_id))
+                    .map(|a| (a.member_id.clone(), a.assignment.clone()))
+                    .collect();
+                g.phase = Phase::Stable;
+                led = true;
+            }
+            if g.phase == Phase::Stable {
+                let answer = sync_answer(g, &r.member_id);
+                drop(groups);
+                if led {
+                    self.wake(&group);
+                }
+                return Ok(answer);
+            }
+            (rebalance, led)
+        };
+        debug_assert!(!led);
+        let op = DelayedSync {
+            groups: self.groups.clone(),
+            closing: self.closing.clone(),
+            group: group.clone(),
+            member: r.member_id.clone(),
+            generation: r.generation_id,
+        };
+        match self.syncs.try_complete_else_watch(op, wait, [group]) {
+            Ok(handle) => match handle.await {
+                Ok(Completion::Completed(r) | Completion::Expired(r)) => Ok(r),
+                Err(_) => Err(Gone),
+            },
+            Err(_) => Ok(error_sync(ResponseError::NotCoordinator)),
+        }
+    }
+
+    pub fn heartbeat(&self, r: &HeartbeatRequest) -> HeartbeatResponse {
+        let error = (|| {
+            let mut groups = self.groups.lock().unwrap();
+            let g = groups
+                .get_mut(&r.group_id.0)
+                .ok_or(ResponseError::UnknownMemberId)?;
+            if !g.members.contains_key(&r.member_id) {
+                return Err(ResponseError::UnknownMemberId);
+            }
+            let phase = g.phase;
+            let generation = g.generation;
+            let m = g.members.get_mut(&r.member_id).unwrap();
+            self.touch(&r.group_id.0, &r.member_id, m);
+            if phase == Phase::Preparing {
+                return Err(ResponseError::RebalanceInProgress);
+            }
+            if r.generation_id != generation {
+                return Err(ResponseError::IllegalGeneration);
+            }
+            Ok(())
+        })()
+        .err();
+        HeartbeatResponse::default().with_error_code(error.map_or(0, |e| e.code()))
+    }
+
+    pub fn leave(&self, r: &LeaveGroupRequest, version: i16) -> LeaveGroupResponse {
+        let group = r.group_id.0.clone();
+        let ids: Vec<StrBytes> = if version <= 2 {
+            vec![r.member_id.clone()]
+        } else {
+            r.members.iter().map(|m| m.member_id.clone()).collect()
+        };
+        let mut results = Vec::new();
+        {
+            let mut groups = self.groups.lock().unwrap();
+            let Some(g) = groups.get_mut(&group) else {
+                return LeaveGroupResponse::default()
+                    .with_error_code(ResponseError::UnknownMemberId.code());
+            };
+            let mut any = false;
+            for id in &ids {
+                let gone = g.remove(id);
+                any |= gone;
+                results.push((id.clone(), gone));
+            }
+            if any {
+                g.after_removal();
+            }
+        }
+        self.wake(&group);
+        let mut response = LeaveGroupResponse::default();
+        if version <= 2 {
+            if !results[0].1 {
+                response.error_code = ResponseError::UnknownMemberId.code();
+            }
+        } else {
+            response.members = results
+                .into_iter()
+                .map(|(id, gone)| {
+                    MemberResponse::default()
+                        .with_member_id(id)
+                        .with_error_code(if gone {
+                            0
+                        } else {
+                            ResponseError::UnknownMemberId.code()
+                        })
+                })
+                .collect();
+        }
+        response
+    }
+
+    pub fn commit(&self, r: &OffsetCommitRequest) -> OffsetCommitResponse {
+        let group = r.group_id.0.clone();
+        let mut groups = self.groups.lock().unwrap();
+        let error = if group.is_empty() {
+            Some(ResponseError::InvalidGroupId)
+        } else if !groups.contains_key(&group) && groups.len() >= self.limits.max_groups {
+            Some(ResponseError::CoordinatorNotAvailable)
+        } else {
+            let g = groups.entry(group.clone()).or_insert_with(Group::new);
+            if r.generation_id_or_member_epoch < 0 && r.member_id.is_empty() {
+                // A commit from outside any generation: only to a group with
+                // no members (Kafka's "simple" consumers).
+                (!g.members.is_empty()).then_some(ResponseError::UnknownMemberId)
+            } else if let Err(e) = g.check_member(&r.member_id, r.generation_id_or_member_epoch) {
+                Some(e)
+            } else if g.phase == Phase::Preparing {
+                Some(ResponseError::RebalanceInProgress)
+            } else {
+                None
+            }
+        };
+        let mut response = OffsetCommitResponse::default();
+        for t in &r.topics {
+            let mut rt = OffsetCommitResponseTopic::default().with_name(t.name.clone());
+            for p in &t.partitions {
+                let code = match error {
+                    Some(e) => e.code(),
+                    None => {
+                        let g = groups.get_mut(&group).unwrap();
+                        let key = (t.name.0.clone(), p.partition_index);
+                        let metadata_ok = p
+                            .committed_metadata
+                            .as_ref()
+                            .is_none_or(|m| m.len() <= 4096);
+                        if !metadata_ok {
+                            ResponseError::OffsetMetadataTooLarge.code()
+                        } else if !g.offsets.contains_key(&key)
+                            && g.offsets.len() >= self.limits.max_offsets
+                        {
+                            ResponseError::InvalidCommitOffsetSize.code()
+                        } else {
+                            g.offsets
+                                .insert(key, (p.committed_offset, p.committed_metadata.clone()));
+                            0
+                        }
+                    }
+                };
+                rt.partitions.push(
+                    OffsetCommitResponsePartition::default()
+                        .with_partition_index(p.partition_index)
+                        .with_error_code(code),
+                );
+            }
+            response.topics.push(rt);
+        }
+        response
+    }
+
+    pub fn fetch_offsets(&self, r: &OffsetFetchRequest) -> OffsetFetchResponse {
+        let groups = self.groups.lock().unwrap();
+        let g = groups.get(&r.group_id.0);
+        let offset = |topic: &StrBytes, p: i32| {
+            g.and_then(|g| g.offsets.get(&(topic.clone(), p)))
+                .cloned()
+                .unwrap_or((-1, Some(StrBytes::default())))
+        };
+        let partition = |topic: &StrBytes, p: i32| {
+            let (o, md) = offset(topic, p);
+            OffsetFetchResponsePartition::default()
+                .with_partition_index(p)
+                .with_committed_offset(o)
+                .with_committed_leader_epoch(-1)
+                .with_metadata(md.or(Some(StrBytes::default())))
+        };
+        let topics = match &r.topics {
+            Some(ts) => ts
+                .iter()
+                .map(|t| {
+                    OffsetFetchResponseTopic::default()
+                        .with_name(t.name.clone())
+                        .with_partitions(
+                            t.partition_indexes
+                                .iter()
+                                .map(|&p| partition(&t.name.0, p))
+                                .collect(),
+                        )
+                })
+                .collect(),
+            None => {
+                // Every partition the group committed.
+                let mut by_topic: BTreeMap<StrBytes, Vec<i32>> = BTreeMap::new();
+                for (t, p) in g.map(|g| g.offsets.keys()).into_iter().flatten() {
+                    by_topic.entry(t.clone()).or_default().push(*p);
+                }
+                by_topic
+                    .into_iter()
+                    .map(|(t, mut ps)| {
+                        ps.sort_unstable();
+                        OffsetFetchResponseTopic::default()
+                            .with_name(TopicName(t.clone()))
+                            .with_partitions(ps.iter().map(|&p| partition(&t, p)).collect())
+                    })
+                    .collect()
+            }
+        };
+        OffsetFetchResponse::default().with_topics(topics)
+    }
+
+    /// Members and generation of a group, for the demonstration and tests.
+    pub fn describe(&self, group: &str) -> Option<(i32, Vec<String>)> {
+        let groups = self.groups.lock().unwrap();
+        let g = groups.get(&StrBytes::from_string(group.to_string()))?;
+        Some((
+            g.generation,
+            g.members.keys().map(|k| k.to_string()).collect(),
+        ))
+    }
+}
