@@ -546,6 +546,30 @@ impl Coordinator {
             } else if !g.members.contains_key(&member) && !r.member_id.is_empty() {
                 return Ok(error_join(ResponseError::UnknownMemberId, &r.member_id));
             }
+            // Kafka's rule for a member already in a generation that joins
+            // again with the same metadata (it may have missed the answer,
+            // or its client rejoins out of caution): in Stable, a follower
+            // gets the current generation back and nothing rebalances; in
+            // CompletingRebalance, any member does (the leader with the
+            // members again). Only a leader in Stable, or a change of
+            // metadata, begins a round.
+            if let Some(m) = g.members.get_mut(&member) {
+                let same = m.protocols == protocols && m.protocol_type == r.protocol_type;
+                let leads = g.leader.as_ref() == Some(&member);
+                let current = match g.phase {
+                    Phase::Stable => same && !leads,
+                    Phase::Completing => same,
+                    _ => false,
+                };
+                if current {
+                    self.touch(&group, &member, m);
+                    let mut answer = g.join_answer(&member);
+                    if g.phase == Phase::Stable {
+                        answer.members.clear();
+                    }
+                    return Ok(answer);
+                }
+            }
             let m = g.members.entry(member.clone()).or_insert_with(|| Member {
                 session,
                 rebalance,
@@ -558,7 +582,7 @@ impl Coordinator {
             m.rebalance = rebalance;
             m.protocol_type = r.protocol_type.clone();
             m.protocols = protocols;
-            // Any join begins a round (the other members learn it from
+            // This join begins a round (the other members learn it from
             // their heartbeats and join again), unless one is under way.
             let started = g.phase != Phase::Preparing;
             g.prepare();

@@ -1,5 +1,5 @@
 //! The broker's metrics in Prometheus' text format, served over HTTP on
-//! `--metrics-addr`: both purgatories' snapshots (gauges, counters, checks per
+//! `--metrics-addr`: the produce, fetch, join and sync purgatories' snapshots (gauges, counters, checks per
 //! kind of walk, the reaper's turns) and their expiry lateness as Prometheus
 //! histograms, with the broker's own counts. Built from the crate's snapshots,
 //! so it needs no exporter crate.
@@ -29,6 +29,16 @@ pub fn render(broker: &Broker) -> String {
             broker.produces.lateness(),
         ),
         ("fetch", broker.fetches.metrics(), broker.fetches.lateness()),
+        (
+            "join",
+            broker.groups.joins.metrics(),
+            broker.groups.joins.lateness(),
+        ),
+        (
+            "sync",
+            broker.groups.syncs.metrics(),
+            broker.groups.syncs.lateness(),
+        ),
     ];
     let gauges: [Field<f64>; 4] = [
         (
@@ -141,6 +151,18 @@ pub fn render(broker: &Broker) -> String {
     for (p, _, lateness) in &purgatories {
         histogram(&mut out, "tokio_purgatory_lateness_seconds", p, lateness);
     }
+    let sessions = broker.groups.sessions.metrics();
+    family(
+        &mut out,
+        "broker_group_sessions_expired_total",
+        "counter",
+        "Group members whose session timed out.",
+    );
+    let _ = writeln!(
+        out,
+        "broker_group_sessions_expired_total {}",
+        sessions.expired
+    );
     let s = &broker.stats;
     for (name, help, v) in [
         ("requests", "Requests decoded.", &s.requests),
