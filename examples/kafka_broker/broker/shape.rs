@@ -448,12 +448,7 @@ fn join_group(w: &mut Walk, v: i16) -> Step {
 
 fn sync_group(w: &mut Walk, v: i16) -> Step {
     let flex = v >= 4;
-    w.string(flex, "group id")?;
-    w.skip(4, "generation")?;
-    w.string(flex, "member id")?;
-    if v >= 3 {
-        w.string(flex, "group instance id")?;
-    }
+    group_member(w, flex, v >= 3)?;
     if v >= 5 {
         w.string(true, "protocol type")?;
         w.string(true, "protocol name")?;
@@ -468,13 +463,21 @@ fn sync_group(w: &mut Walk, v: i16) -> Step {
 
 fn heartbeat(w: &mut Walk, v: i16) -> Step {
     let flex = v >= 4;
+    group_member(w, flex, v >= 3)?;
+    w.no_known_tags(flex)
+}
+
+/// The fields that open a member's request in a generation (SyncGroup,
+/// Heartbeat, OffsetCommit): group id, generation, member id, and from
+/// some version the group instance id.
+fn group_member(w: &mut Walk, flex: bool, instance_id: bool) -> Step {
     w.string(flex, "group id")?;
     w.skip(4, "generation")?;
     w.string(flex, "member id")?;
-    if v >= 3 {
+    if instance_id {
         w.string(flex, "group instance id")?;
     }
-    w.no_known_tags(flex)
+    Ok(())
 }
 
 fn leave_group(w: &mut Walk, v: i16) -> Step {
@@ -497,12 +500,7 @@ fn leave_group(w: &mut Walk, v: i16) -> Step {
 
 fn offset_commit(w: &mut Walk, v: i16) -> Step {
     let flex = v >= 8;
-    w.string(flex, "group id")?;
-    w.skip(4, "generation")?;
-    w.string(flex, "member id")?;
-    if v >= 7 {
-        w.string(flex, "group instance id")?;
-    }
+    group_member(w, flex, v >= 7)?;
     if v <= 4 {
         w.skip(8, "retention time")?;
     }
