@@ -382,3 +382,55 @@ async fn a_reset_to_duration_max_saturates() {
     assert!(!h.is_finished());
     assert!(t.is_pending());
 }
+
+/// Every `_at` method takes a `std::time::Instant` too. On the real clock
+/// (a std instant is not paused), with deadlines already past, so nothing
+/// waits.
+#[tokio::test(flavor = "current_thread")]
+async fn deadlines_may_be_std_instants() {
+    let past = std::time::Instant::now() - Duration::from_millis(5);
+    let p: Purgatory<u32, Session> = Purgatory::new();
+    let h = p
+        .try_complete_else_watch_at(Session::default(), past, [1])
+        .unwrap();
+    assert!(h.await.unwrap().is_expired());
+    let h = p
+        .try_complete_else_watch_levels_at(
+            Session::default(),
+            past,
+            [tokio_purgatory::Watch::level(1, 3)],
+        )
+        .unwrap();
+    assert!(h.await.unwrap().is_expired());
+    let h = p
+        .try_complete_else_watch(Session::default(), Duration::from_secs(60), [2])
+        .unwrap();
+    assert!(h.op_ref().unwrap().reset_at(past));
+    assert!(h.await.unwrap().is_expired());
+    let h = p
+        .try_complete_else_watch(Session::default(), Duration::from_secs(60), [2])
+        .unwrap();
+    assert!(h.reset_at(past));
+    assert!(h.await.unwrap().is_expired());
+
+    let timer = Timer::new();
+    timer.sleep_until(past).await.unwrap();
+    assert_eq!(
+        timer
+            .timeout_at(past, std::future::pending::<()>())
+            .await
+            .ok(),
+        None
+    );
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    timer
+        .schedule_at(past, move || {
+            let _ = tx.send(());
+        })
+        .unwrap();
+    rx.await.unwrap();
+    let t = timer.schedule(Duration::from_secs(60), || {}).unwrap();
+    assert!(t.reset_at(past));
+    settle().await;
+    assert!(!t.is_pending());
+}

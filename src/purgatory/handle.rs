@@ -240,6 +240,10 @@ where
     /// Moves the operation's timeout to `deadline`, in O(1); see
     /// [`OpRef::reset_at`].
     ///
+    /// `deadline` may be a `tokio::time::Instant` or a `std::time::Instant`
+    /// (converted with `From`). Under Tokio's paused time only Tokio's clock
+    /// is paused: take deadlines from `tokio::time::Instant::now()` there.
+    ///
     /// # Examples
     ///
     /// ```
@@ -262,8 +266,8 @@ where
     /// assert_eq!(join.await, Ok(Completion::Expired(())));
     /// # }
     /// ```
-    pub fn reset_at(&self, deadline: Instant) -> bool {
-        self.reset_from(Instant::now(), deadline)
+    pub fn reset_at(&self, deadline: impl Into<Instant>) -> bool {
+        self.reset_from(Instant::now(), deadline.into())
     }
 
     fn reset_from(&self, now: Instant, deadline: Instant) -> bool {
@@ -528,6 +532,10 @@ where
     /// Moves the operation's timeout to `deadline`, in O(1); as
     /// [`reset`](Self::reset), with an instant instead of a duration from now.
     ///
+    /// `deadline` may be a `tokio::time::Instant` or a `std::time::Instant`
+    /// (converted with `From`). Under Tokio's paused time only Tokio's clock
+    /// is paused: take deadlines from `tokio::time::Instant::now()` there.
+    ///
     /// # Examples
     ///
     /// ```
@@ -551,8 +559,8 @@ where
     /// handle.await.unwrap();
     /// # }
     /// ```
-    pub fn reset_at(&self, deadline: Instant) -> bool {
-        self.cell.reset(Instant::now(), deadline)
+    pub fn reset_at(&self, deadline: impl Into<Instant>) -> bool {
+        self.cell.reset(Instant::now(), deadline.into())
     }
 
     /// Cancels the operation and hands it back; its handle resolves to

@@ -461,6 +461,10 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
     ///
     /// As [`try_complete_else_watch`](Purgatory::try_complete_else_watch).
     ///
+    /// `deadline` may be a `tokio::time::Instant` or a `std::time::Instant`
+    /// (converted with `From`). Under Tokio's paused time only Tokio's clock
+    /// is paused: take deadlines from `tokio::time::Instant::now()` there.
+    ///
     /// # Examples
     ///
     /// ```
@@ -487,15 +491,17 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
     /// assert_eq!(arrived.elapsed(), Duration::from_millis(100));
     /// # }
     /// ```
-    pub fn try_complete_else_watch_at<I>(
+    pub fn try_complete_else_watch_at<I, D>(
         &self,
         op: O,
-        deadline: Instant,
+        deadline: D,
         keys: I,
     ) -> Result<OperationHandle<K, O>, WatchError<O>>
     where
         I: IntoIterator<Item = K>,
+        D: Into<Instant>,
     {
+        let deadline = deadline.into();
         self.register(
             op,
             Instant::now(),
@@ -600,6 +606,10 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
     ///
     /// As [`try_complete_else_watch`](Purgatory::try_complete_else_watch).
     ///
+    /// `deadline` may be a `tokio::time::Instant` or a `std::time::Instant`
+    /// (converted with `From`). Under Tokio's paused time only Tokio's clock
+    /// is paused: take deadlines from `tokio::time::Instant::now()` there.
+    ///
     /// # Examples
     ///
     /// ```
@@ -621,15 +631,17 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
     /// assert_eq!(h.await, Ok(Completion::Expired(false)));
     /// # }
     /// ```
-    pub fn try_complete_else_watch_levels_at<I>(
+    pub fn try_complete_else_watch_levels_at<I, D>(
         &self,
         op: O,
-        deadline: Instant,
+        deadline: D,
         watches: I,
     ) -> Result<OperationHandle<K, O>, WatchError<O>>
     where
         I: IntoIterator<Item = Watch<K>>,
+        D: Into<Instant>,
     {
+        let deadline = deadline.into();
         self.register(
             op,
             Instant::now(),

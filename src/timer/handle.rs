@@ -179,6 +179,10 @@ impl Timeout {
     /// Moves the task's deadline to `deadline`, in O(1); as
     /// [`reset`](Self::reset), with an instant.
     ///
+    /// `deadline` may be a `tokio::time::Instant` or a `std::time::Instant`
+    /// (converted with `From`). Under Tokio's paused time only Tokio's clock
+    /// is paused: take deadlines from `tokio::time::Instant::now()` there.
+    ///
     /// # Examples
     ///
     /// ```
@@ -194,7 +198,8 @@ impl Timeout {
     /// assert!(retry.is_pending());
     /// # }
     /// ```
-    pub fn reset_at(&self, deadline: Instant) -> bool {
+    pub fn reset_at(&self, deadline: impl Into<Instant>) -> bool {
+        let deadline = deadline.into();
         self.reset_from(Instant::now(), deadline)
     }
 

@@ -278,6 +278,10 @@ impl Timer {
     ///
     /// As [`schedule`](Timer::schedule).
     ///
+    /// `deadline` may be a `tokio::time::Instant` or a `std::time::Instant`
+    /// (converted with `From`). Under Tokio's paused time only Tokio's clock
+    /// is paused: take deadlines from `tokio::time::Instant::now()` there.
+    ///
     /// # Examples
     ///
     /// ```
@@ -293,11 +297,15 @@ impl Timer {
     /// assert!(retry.is_pending());
     /// # }
     /// ```
-    pub fn schedule_at<F>(&self, deadline: Instant, task: F) -> Result<Timeout, ScheduleError<F>>
+    pub fn schedule_at<F>(
+        &self,
+        deadline: impl Into<Instant>,
+        task: F,
+    ) -> Result<Timeout, ScheduleError<F>>
     where
         F: FnOnce() + Send + 'static,
     {
-        self.insert(Instant::now(), deadline, task)
+        self.insert(Instant::now(), deadline.into(), task)
     }
 
     /// Runs `task` on the reaper once `delay` has passed, and again after each
@@ -436,6 +444,10 @@ impl Timer {
 
     /// A future that resolves once `deadline` has passed (see [`Sleep`]).
     ///
+    /// `deadline` may be a `tokio::time::Instant` or a `std::time::Instant`
+    /// (converted with `From`). Under Tokio's paused time only Tokio's clock
+    /// is paused: take deadlines from `tokio::time::Instant::now()` there.
+    ///
     /// # Examples
     ///
     /// ```
@@ -449,7 +461,8 @@ impl Timer {
     /// assert!(Instant::now() >= deadline);
     /// # }
     /// ```
-    pub fn sleep_until(&self, deadline: Instant) -> Sleep {
+    pub fn sleep_until(&self, deadline: impl Into<Instant>) -> Sleep {
+        let deadline = deadline.into();
         Sleep::new(self.core(), Instant::now(), deadline)
     }
 
@@ -478,6 +491,10 @@ impl Timer {
 
     /// Requires `future` to finish by `deadline`: see [`TimeoutFuture`].
     ///
+    /// `deadline` may be a `tokio::time::Instant` or a `std::time::Instant`
+    /// (converted with `From`). Under Tokio's paused time only Tokio's clock
+    /// is paused: take deadlines from `tokio::time::Instant::now()` there.
+    ///
     /// # Examples
     ///
     /// ```
@@ -493,7 +510,12 @@ impl Timer {
     /// assert!(fut.await.is_ok());
     /// # }
     /// ```
-    pub fn timeout_at<F: Future>(&self, deadline: Instant, future: F) -> TimeoutFuture<F> {
+    pub fn timeout_at<F: Future>(
+        &self,
+        deadline: impl Into<Instant>,
+        future: F,
+    ) -> TimeoutFuture<F> {
+        let deadline = deadline.into();
         TimeoutFuture::new(future, self.sleep_until(deadline))
     }
 
