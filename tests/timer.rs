@@ -916,3 +916,50 @@ async fn shutdown_hands_a_repeating_task_back_and_a_dropped_timer_drops_it() {
     );
     assert!(!t.is_pending());
 }
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn cancel_and_take_hands_the_task_back_exactly_once() {
+    let timer = Timer::new();
+    let ran = Arc::new(AtomicUsize::new(0));
+    let r = ran.clone();
+    let t = timer
+        .schedule(Duration::from_millis(10), move || {
+            r.fetch_add(1, Ordering::SeqCst);
+        })
+        .unwrap();
+    let task = t.cancel_and_take().expect("not run yet");
+    assert!(t.cancel_and_take().is_none());
+    assert!(!t.cancel());
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert_eq!(
+        ran.load(Ordering::SeqCst),
+        0,
+        "cancelled: the timer never ran it"
+    );
+    task.run();
+    assert_eq!(ran.load(Ordering::SeqCst), 1);
+    // Once it ran, nothing comes back.
+    let r = ran.clone();
+    let t = timer
+        .schedule(Duration::from_millis(10), move || {
+            r.fetch_add(1, Ordering::SeqCst);
+        })
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert!(t.cancel_and_take().is_none());
+    assert_eq!(ran.load(Ordering::SeqCst), 2);
+    // A repeating task stops and is not handed back.
+    let r = ran.clone();
+    let t = timer
+        .schedule_repeating(Duration::from_millis(5), move || {
+            r.fetch_add(1, Ordering::SeqCst);
+            Some(Duration::from_millis(5))
+        })
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(12)).await;
+    assert!(t.cancel_and_take().is_none());
+    let runs = ran.load(Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(ran.load(Ordering::SeqCst), runs, "stopped");
+    assert_eq!(timer.metrics().pending, 0);
+}

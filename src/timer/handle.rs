@@ -6,9 +6,9 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::task::{Chain, TimerJob};
+use super::task::{Chain, TimerJob, UnrunTask};
 use crate::clock::deadline_after;
-use crate::core::{Core, TimerKey};
+use crate::core::{Closed, Core, TimerKey};
 use crate::sync::{lock, Mutex};
 
 /// What became of a scheduled task, as seen by its [`Timeout`] handle.
@@ -98,6 +98,52 @@ impl Timeout {
     /// # }
     /// ```
     pub fn cancel(&self) -> bool {
+        let (cancelled, removed) = self.stop();
+        if let Some(job) = removed {
+            self.core.panics.drop_value("drop of a task", job);
+        }
+        cancelled
+    }
+
+    /// Cancels the task if it has not run, as [`cancel`](Timeout::cancel)
+    /// does, and hands it back instead of dropping it: a retry cancelled
+    /// because its answer came can still run its cleanup, or be scheduled
+    /// again. `None` when the task ran, was cancelled before, or is a
+    /// repeating task (that stops, as with `cancel`, and is dropped).
+    ///
+    /// # Concurrent calls
+    ///
+    /// As `cancel`: racing the reaper, either the task runs and this returns
+    /// `None`, or it returns the task and the task never runs.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// use std::time::Duration;
+    ///
+    /// let timer = tokio_purgatory::Timer::new();
+    /// let t = timer.schedule(Duration::from_secs(1), || println!("retry")).unwrap();
+    /// let task = t.cancel_and_take().expect("not run yet");
+    /// assert!(t.cancel_and_take().is_none(), "once");
+    /// task.run(); // here, now
+    /// # }
+    /// ```
+    pub fn cancel_and_take(&self) -> Option<UnrunTask> {
+        let (_, removed) = self.stop();
+        let job = removed?;
+        if matches!(self.entry, Entry::Repeating(_)) {
+            self.core.panics.drop_value("drop of a task", job);
+            return None;
+        }
+        job.0
+            .stopped(Closed::Shutdown)
+            .map(|task| UnrunTask { task })
+    }
+
+    /// Takes the task's entry out of the timer (stopping a repeating chain):
+    /// whether this call cancelled it, and the entry it removed.
+    fn stop(&self) -> (bool, Option<TimerJob>) {
         let (cancelled, removed) = match &self.entry {
             Entry::Once(key) => {
                 let removed = lock(key).and_then(|key| self.core.remove(key));
@@ -107,7 +153,7 @@ impl Timeout {
                 let key = {
                     let mut key = lock(&chain.key);
                     if chain.stopped.swap(true, Ordering::AcqRel) {
-                        return false;
+                        return (false, None);
                     }
                     key.take()
                 };
@@ -117,10 +163,7 @@ impl Timeout {
         if cancelled {
             self.cancelled.store(true, Ordering::Release);
         }
-        if let Some(job) = removed {
-            self.core.panics.drop_value("drop of a task", job);
-        }
-        cancelled
+        (cancelled, removed)
     }
 
     /// Where the task's current entry is recorded.
