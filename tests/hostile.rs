@@ -1094,3 +1094,75 @@ async fn key_code_panicking_beside_keys_whose_drop_panics_is_contained() {
     let m = p.metrics();
     assert_eq!((m.delayed, m.watched, m.registered), (0, 0, 0), "{m:?}");
 }
+
+/// `OpRef::update` from several threads racing checks loses no change, and a
+/// panic in the closure reaches its caller and leaves the operation
+/// registered with what it changed.
+#[test]
+fn updates_racing_checks_lose_nothing_and_a_panicking_update_leaves_it_pending() {
+    struct Sum {
+        total: u64,
+        due: u64,
+    }
+    impl tokio_purgatory::Operation for Sum {
+        type Output = u64;
+        fn try_complete(&mut self) -> Option<u64> {
+            (self.total >= self.due).then_some(self.total)
+        }
+        fn on_expiration(self) -> u64 {
+            self.total
+        }
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_time()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let p: tokio_purgatory::Purgatory<u32, Sum> = tokio_purgatory::Purgatory::new();
+        let h = p
+            .try_complete_else_watch(
+                Sum {
+                    total: 0,
+                    due: 4000,
+                },
+                std::time::Duration::from_secs(60),
+                [1],
+            )
+            .unwrap();
+        let op = h.op_ref().unwrap();
+        let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            op.update(|s| {
+                s.total += 1;
+                panic!("in the update");
+            })
+        }));
+        assert!(panicked.is_err());
+        assert!(!op.is_finished());
+        let threads: Vec<_> = (0..4)
+            .map(|_| {
+                let op = op.clone();
+                let p = p.clone();
+                std::thread::spawn(move || {
+                    for _ in 0..1000 {
+                        if op.update(|s| s.total += 1).is_none() {
+                            break;
+                        }
+                        p.try_complete_watched(&1);
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        // 4000 updates are needed past the one from the panicking update:
+        // the last one makes the check say done, whichever thread ran it.
+        let out = h.await.unwrap();
+        assert!(
+            matches!(out, tokio_purgatory::Completion::Completed(n) if n >= 4000),
+            "{out:?}"
+        );
+        assert_eq!(op.update(|s| s.total), None);
+    });
+}

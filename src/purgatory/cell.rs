@@ -202,6 +202,15 @@ where
         self.state.is_finished()
     }
 
+    /// Runs `f` on the pending operation under its lock (the lock its checks
+    /// hold: `f` never overlaps a check); `None` once it has finished.
+    pub(crate) fn update<R>(&self, f: impl FnOnce(&mut O) -> R) -> Option<R> {
+        if self.state.is_finished() {
+            return None;
+        }
+        lock(&self.op).as_mut().map(f)
+    }
+
     /// Runs the operation's check, or asks the running checker to check again.
     /// Returns whether this call completed the operation.
     pub(crate) fn check(&self) -> bool {

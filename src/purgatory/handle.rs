@@ -453,6 +453,52 @@ where
         completed
     }
 
+    /// Changes the pending operation: `f` gets it by `&mut` and its result is
+    /// returned, or `None` (and `f` does not run) once the operation has
+    /// finished. What the check reads can so live in the operation itself,
+    /// with no side table: a payment that waits until enough has been paid
+    /// adds each part, then asks for a check with
+    /// [`try_complete`](OpRef::try_complete).
+    ///
+    /// `f` runs on the calling thread under the operation's own lock, the
+    /// one its checks hold, so it never overlaps a check, the expiry, or
+    /// the moment the operation is taken out to finish. So `f` must not call
+    /// back into this same operation (its `try_complete`, `update` or
+    /// `cancel`): that would wait on itself. Other operations and
+    /// purgatories are fine. A panic in `f` reaches the caller; the
+    /// operation stays registered with whatever `f` changed.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// use std::time::Duration;
+    /// use tokio_purgatory::{Completion, Operation, Purgatory};
+    ///
+    /// struct Payment { paid: u64, due: u64 }
+    /// impl Operation for Payment {
+    ///     type Output = u64;
+    ///     fn try_complete(&mut self) -> Option<u64> { (self.paid >= self.due).then_some(self.paid) }
+    ///     fn on_expiration(self) -> u64 { self.paid }
+    /// }
+    ///
+    /// let orders: Purgatory<u64, Payment> = Purgatory::new();
+    /// let h = orders
+    ///     .try_complete_else_watch(Payment { paid: 0, due: 100 }, Duration::from_secs(1800), [7])
+    ///     .unwrap();
+    /// let order = h.op_ref().unwrap();
+    /// for part in [30, 30, 40] {
+    ///     order.update(|p| p.paid += part);
+    ///     order.try_complete();
+    /// }
+    /// assert_eq!(h.await, Ok(Completion::Completed(100)));
+    /// assert_eq!(order.update(|p| p.paid), None, "finished");
+    /// # }
+    /// ```
+    pub fn update<R>(&self, f: impl FnOnce(&mut O) -> R) -> Option<R> {
+        self.cell.update(f)
+    }
+
     /// Whether the operation has finished (completed, expired, or cancelled).
     ///
     /// # Examples
