@@ -191,8 +191,9 @@
 //! is the check at registration and on every append, with no wake-up lost
 //! between them. If the client disconnects, axum drops the handler's future,
 //! and with it the handle: the operation is cancelled and leaves the watch
-//! lists. Serve `app` with `axum::serve(listener, app)` as usual; here it is
-//! driven without a socket.
+//! lists. Serve `app` with `axum::serve(listener, app)` as usual (`serve`
+//! below, with a graceful shutdown that does not wait out parked polls); here
+//! it is driven without a socket.
 //!
 //! ```
 //! # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
@@ -269,9 +270,35 @@
 //!
 //! // Nothing past position 1 arrives: the answer is empty, after 500 ms.
 //! let start = tokio::time::Instant::now();
-//! let empty = app.oneshot(get_req("/fetch?topic=t&from=1")).await.unwrap();
+//! let empty = app.clone().oneshot(get_req("/fetch?topic=t&from=1")).await.unwrap();
 //! assert_eq!(start.elapsed(), Duration::from_millis(500));
 //! assert!(axum::body::to_bytes(empty.into_body(), 1 << 20).await.unwrap().is_empty());
+//!
+//! /// Serves until Ctrl-C. A graceful shutdown waits for requests in
+//! /// flight, parked long-polls included: shutting the purgatory down first
+//! /// answers them at once (503 here) instead of after their max_wait.
+//! async fn serve(
+//!     listener: tokio::net::TcpListener,
+//!     app: Router,
+//!     polls: Purgatory<String, LongPoll>,
+//! ) -> std::io::Result<()> {
+//!     axum::serve(listener, app)
+//!         .with_graceful_shutdown(async move {
+//!             let _ = tokio::signal::ctrl_c().await;
+//!             drop(polls.shutdown()); // parked polls answer now
+//!         })
+//!         .await
+//! }
+//! # let _ = serve;
+//!
+//! // What that shutdown does to a parked poll: it answers at once.
+//! let parked = tokio::spawn(app.oneshot(get_req("/fetch?topic=t&from=1")));
+//! tokio::task::yield_now().await;
+//! let start = tokio::time::Instant::now();
+//! drop(state.polls.shutdown());
+//! let answer = parked.await.unwrap().unwrap();
+//! assert_eq!(answer.status(), StatusCode::SERVICE_UNAVAILABLE);
+//! assert_eq!(start.elapsed(), Duration::ZERO);
 //! # }
 //! ```
 //!
