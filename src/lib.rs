@@ -359,7 +359,7 @@
 //!   back with their operation; without a limit, memory is linear in pending
 //!   operations and returns once they finish.
 //!
-//! The README's reliability section and `tests/README.md` say which test checks
+//! The repository's `docs/design.md` (reliability) and `tests/README.md` say which test checks
 //! each of these.
 //!
 //! # Feature flags
@@ -415,8 +415,8 @@ pub use purgatory::{
 pub use reaper::Reaper;
 pub use settings::BuildError;
 pub use timer::{
-    ScheduleError, Sleep, Timeout, TimeoutError, TimeoutFuture, TimeoutStatus, Timer, TimerBuilder,
-    TimerError, TimerMetrics, UnrunTask, WeakTimer,
+    AsyncTimeout, ScheduleError, Sleep, Timeout, TimeoutError, TimeoutFuture, TimeoutStatus, Timer,
+    TimerBuilder, TimerError, TimerMetrics, UnrunTask, WeakTimer,
 };
 
 /// The README's Rust examples, compiled and run as doc tests.

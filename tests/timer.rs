@@ -963,3 +963,65 @@ async fn cancel_and_take_hands_the_task_back_exactly_once() {
     assert_eq!(ran.load(Ordering::SeqCst), runs, "stopped");
     assert_eq!(timer.metrics().pending, 0);
 }
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn async_tasks_await_on_their_own_task_and_cancel_before_or_during() {
+    use tokio_purgatory::timer::ScheduleError;
+    let timer = Timer::new();
+    // Runs at its deadline as a task of its own, and may await.
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let start = Instant::now();
+    let t = timer
+        .schedule_async(ms(100), async move {
+            tokio::time::sleep(ms(50)).await;
+            let _ = tx.send(Instant::now());
+        })
+        .unwrap();
+    assert!(t.is_pending() && !t.is_finished());
+    let done = rx.await.unwrap();
+    assert_eq!(done - start, ms(150));
+    settle().await;
+    assert!(t.is_finished());
+    assert!(!t.cancel(), "finished: nothing to cancel");
+
+    // Cancelled before its deadline: never polled, dropped at once.
+    let dropped = Arc::new(AtomicUsize::new(0));
+    struct Flag(Arc<AtomicUsize>);
+    impl Drop for Flag {
+        fn drop(&mut self) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+    let flag = Flag(dropped.clone());
+    let t = timer
+        .schedule_async(ms(100), async move {
+            let _flag = flag;
+            unreachable!("cancelled before its deadline");
+        })
+        .unwrap();
+    assert!(t.cancel());
+    assert_eq!(dropped.load(Ordering::SeqCst), 1);
+    assert!(!t.cancel());
+    assert!(!t.reset(ms(10)));
+    tokio::time::sleep(ms(200)).await;
+
+    // Cancelled while running: aborted at its next await.
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let t = timer
+        .schedule_async(ms(10), async move {
+            tokio::time::sleep(ms(1000)).await;
+            let _ = tx.send(());
+        })
+        .unwrap();
+    tokio::time::sleep(ms(20)).await;
+    assert!(!t.is_pending() && !t.is_finished(), "running");
+    assert!(t.cancel());
+    assert!(rx.await.is_err(), "aborted: it never sent");
+
+    // Refused: the future comes back.
+    drop(timer.shutdown());
+    match timer.schedule_async(ms(10), async {}) {
+        Err(ScheduleError::Shutdown(_future)) => {}
+        other => panic!("{:?}", other.err().map(|e| e.to_string())),
+    }
+}

@@ -305,3 +305,177 @@ impl Timeout {
         }
     }
 }
+
+/// Where a future scheduled with
+/// [`Timer::schedule_async`](super::Timer::schedule_async) stands.
+#[derive(Debug)]
+pub(super) enum Start {
+    /// In the wheel.
+    Waiting,
+    /// Spawned as a Tokio task.
+    Running(tokio::task::AbortHandle),
+    /// Cancelled, before or after it started.
+    Cancelled,
+}
+
+/// The handle of a future scheduled with
+/// [`Timer::schedule_async`](super::Timer::schedule_async): it waits in the
+/// timer's wheel until its deadline, then runs as a Tokio task of its own on
+/// the timer's runtime, where it may `.await` (a retry that writes to a
+/// socket, a heartbeat that waits for its answer) with backpressure, instead
+/// of running on the reaper task as [`Timer::schedule`](super::Timer::schedule)'s
+/// closures do.
+///
+/// Dropping the handle neither cancels the future nor stops it once running.
+///
+/// # Examples
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+/// use std::time::Duration;
+///
+/// let timer = tokio_purgatory::Timer::new();
+/// let (tx, rx) = tokio::sync::oneshot::channel();
+/// let retry = timer
+///     .schedule_async(Duration::from_millis(100), async move {
+///         tokio::time::sleep(Duration::from_millis(10)).await; // the retry's own I/O
+///         let _ = tx.send("retried");
+///     })
+///     .unwrap();
+/// assert!(retry.is_pending());
+/// assert_eq!(rx.await, Ok("retried"));
+/// # }
+/// ```
+#[derive(Debug)]
+pub struct AsyncTimeout {
+    timeout: Timeout,
+    start: Arc<Mutex<Start>>,
+}
+
+impl AsyncTimeout {
+    pub(super) fn new(timeout: Timeout, start: Arc<Mutex<Start>>) -> AsyncTimeout {
+        AsyncTimeout { timeout, start }
+    }
+
+    pub(super) fn waiting() -> Arc<Mutex<Start>> {
+        Arc::new(Mutex::new(Start::Waiting))
+    }
+
+    /// Spawns `future` unless it was cancelled first: what the wheel's task
+    /// does at the deadline, on the reaper task (inside the runtime).
+    pub(super) fn start<Fut>(start: &Mutex<Start>, future: Fut)
+    where
+        Fut: std::future::Future<Output = ()> + Send + 'static,
+    {
+        let mut s = lock(start);
+        if matches!(*s, Start::Cancelled) {
+            drop(s);
+            drop(future); // the user's value, with no lock of ours held
+            return;
+        }
+        *s = Start::Running(tokio::spawn(future).abort_handle());
+    }
+
+    /// Cancels the future: before its deadline it is taken out of the wheel
+    /// and dropped unpolled (on this thread, with no lock of ours held);
+    /// once running, its task is aborted (dropped at its next `.await`, on
+    /// the runtime). Returns whether this call cancelled it: `false` once it
+    /// has run to completion or was cancelled before.
+    ///
+    /// # Concurrent calls
+    ///
+    /// Racing the deadline, the future either never starts (`true`) or
+    /// starts and is aborted (`true` unless it had already finished).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// use std::time::Duration;
+    /// let timer = tokio_purgatory::Timer::new();
+    /// let t = timer.schedule_async(Duration::from_secs(1), async { unreachable!() }).unwrap();
+    /// assert!(t.cancel());
+    /// assert!(!t.cancel(), "once");
+    /// tokio::time::sleep(Duration::from_secs(2)).await; // never runs
+    /// # }
+    /// ```
+    pub fn cancel(&self) -> bool {
+        let mut s = lock(&self.start);
+        match std::mem::replace(&mut *s, Start::Cancelled) {
+            Start::Waiting => {
+                // Out of the wheel if still there (it never starts); if the
+                // reaper is running its task right now, that task finds the
+                // state cancelled and does not spawn it.
+                let taken = self.timeout.cancel_and_take();
+                drop(s);
+                drop(taken);
+                true
+            }
+            Start::Running(abort) => {
+                drop(s);
+                let running = !abort.is_finished();
+                abort.abort();
+                running
+            }
+            Start::Cancelled => false,
+        }
+    }
+
+    /// Moves the deadline to `delay` from now, if the future has not started
+    /// (see [`Timeout::reset`]). Returns whether it moved.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// use std::time::Duration;
+    /// let timer = tokio_purgatory::Timer::new();
+    /// let heartbeat = timer.schedule_async(Duration::from_secs(3), async {}).unwrap();
+    /// assert!(heartbeat.reset(Duration::from_secs(3)), "pushed back");
+    /// # }
+    /// ```
+    pub fn reset(&self, delay: Duration) -> bool {
+        matches!(*lock(&self.start), Start::Waiting) && self.timeout.reset(delay)
+    }
+
+    /// Whether the future is still waiting for its deadline.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// use std::time::Duration;
+    /// let timer = tokio_purgatory::Timer::new();
+    /// let t = timer.schedule_async(Duration::from_millis(5), async {}).unwrap();
+    /// assert!(t.is_pending());
+    /// tokio::time::sleep(Duration::from_millis(10)).await;
+    /// assert!(!t.is_pending());
+    /// # }
+    /// ```
+    pub fn is_pending(&self) -> bool {
+        matches!(*lock(&self.start), Start::Waiting) && self.timeout.is_pending()
+    }
+
+    /// Whether the future has finished: run to completion, or cancelled.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// use std::time::Duration;
+    /// let timer = tokio_purgatory::Timer::new();
+    /// let t = timer.schedule_async(Duration::from_millis(5), async {}).unwrap();
+    /// assert!(!t.is_finished());
+    /// tokio::time::sleep(Duration::from_millis(10)).await;
+    /// tokio::task::yield_now().await; // its task runs
+    /// assert!(t.is_finished());
+    /// # }
+    /// ```
+    pub fn is_finished(&self) -> bool {
+        match &*lock(&self.start) {
+            Start::Waiting => false,
+            Start::Running(abort) => abort.is_finished(),
+            Start::Cancelled => true,
+        }
+    }
+}

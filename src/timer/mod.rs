@@ -21,7 +21,7 @@ use tokio::time::Instant;
 pub use self::builder::TimerBuilder;
 pub use self::error::{ScheduleError, TimeoutError, TimerError};
 pub use self::future::{Sleep, TimeoutFuture};
-pub use self::handle::{Timeout, TimeoutStatus};
+pub use self::handle::{AsyncTimeout, Timeout, TimeoutStatus};
 pub use self::task::UnrunTask;
 use self::task::{refused_task, Chain, Repeating, TimerJob};
 use crate::clock::deadline_after;
@@ -29,7 +29,7 @@ use crate::core::{Closed, Core, Job};
 pub use crate::histogram::Histogram;
 pub use crate::reaper::ReaperMetrics;
 use crate::settings::Settings;
-use crate::sync::lock;
+use crate::sync::{lock, Mutex};
 
 /// Stops the reaper when the last [`Timer`] clone is dropped.
 #[derive(Debug)]
@@ -269,6 +269,67 @@ impl Timer {
     {
         let now = Instant::now();
         self.insert(now, deadline_after(now, delay), task)
+    }
+
+    /// Runs `future` as a Tokio task of its own once `delay` has passed: it
+    /// waits in the wheel like any entry (O(1) to schedule, cancel and
+    /// reset), then is spawned on the timer's runtime, where it may `.await`.
+    /// For retries and heartbeats that do I/O: the closures of
+    /// [`schedule`](Timer::schedule) run on the reaper task and must not
+    /// block.
+    ///
+    /// A panic in the future ends its own task only (Tokio contains it).
+    ///
+    /// # Errors
+    ///
+    /// As [`schedule`](Timer::schedule), with the future handed back.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// use std::time::Duration;
+    ///
+    /// let timer = tokio_purgatory::Timer::new();
+    /// let (tx, mut rx) = tokio::sync::mpsc::channel(1);
+    /// timer
+    ///     .schedule_async(Duration::from_millis(100), async move {
+    ///         // A bounded send: the retry waits for room instead of piling up.
+    ///         tx.send("retry").await.unwrap();
+    ///     })
+    ///     .unwrap();
+    /// assert_eq!(rx.recv().await, Some("retry"));
+    /// # }
+    /// ```
+    pub fn schedule_async<Fut>(
+        &self,
+        delay: Duration,
+        future: Fut,
+    ) -> Result<AsyncTimeout, ScheduleError<Fut>>
+    where
+        Fut: std::future::Future<Output = ()> + Send + 'static,
+    {
+        let start = AsyncTimeout::waiting();
+        // Kept where a refusal can take it back.
+        let slot = Arc::new(Mutex::new(Some(future)));
+        let (s, f) = (start.clone(), slot.clone());
+        let task = move || {
+            let future = lock(&f).take();
+            if let Some(future) = future {
+                AsyncTimeout::start(&s, future);
+            }
+        };
+        match self.schedule(delay, task) {
+            Ok(timeout) => Ok(AsyncTimeout::new(timeout, start)),
+            Err(refused) => {
+                let future = lock(&slot).take().expect("a refused task never ran");
+                Err(match refused {
+                    ScheduleError::AtCapacity(_) => ScheduleError::AtCapacity(future),
+                    ScheduleError::Shutdown(_) => ScheduleError::Shutdown(future),
+                    ScheduleError::ReaperGone(_) => ScheduleError::ReaperGone(future),
+                })
+            }
+        }
     }
 
     /// Runs `task` on the reaper task once `deadline` has passed. A deadline in
