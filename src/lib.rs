@@ -409,8 +409,8 @@ mod test_rng;
 // item of `purgatory` and `timer`, so either path names the same item.
 pub use purgatory::{
     ChecksMetrics, Completion, Histogram, OpRef, Operation, OperationError, OperationHandle,
-    Purgatory, PurgatoryBuilder, PurgatoryMetrics, ReaperMetrics, WalkMetrics, Watch, WatchError,
-    WatchErrorKind, WatchKey, WeakPurgatory,
+    OperationStatus, Purgatory, PurgatoryBuilder, PurgatoryMetrics, ReaperMetrics, WalkMetrics,
+    Watch, WatchError, WatchErrorKind, WatchKey, WeakPurgatory,
 };
 pub use reaper::Reaper;
 pub use settings::BuildError;

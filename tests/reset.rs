@@ -434,3 +434,56 @@ async fn deadlines_may_be_std_instants() {
     settle().await;
     assert!(!t.is_pending());
 }
+
+/// `OpRef::status` says why a `reset` (or a check) came to nothing.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn status_says_how_an_operation_finished() {
+    use tokio_purgatory::OperationStatus as S;
+    let p = sessions();
+    let register = |t| {
+        p.try_complete_else_watch(Session::default(), ms(t), [1])
+            .unwrap()
+    };
+    // Expired.
+    let h = register(10);
+    let op = h.op_ref().unwrap();
+    assert_eq!(op.status(), S::Pending);
+    advance(ms(20)).await;
+    settle().await;
+    assert!(!op.reset(ms(100)));
+    assert_eq!(op.status(), S::Expired);
+    drop(h);
+    // Completed, through a check by reference.
+    let ready = Arc::new(AtomicBool::new(false));
+    let h = p
+        .try_complete_else_watch(
+            Session {
+                ready: ready.clone(),
+            },
+            ms(1000),
+            [2],
+        )
+        .unwrap();
+    let op = h.op_ref().unwrap();
+    ready.store(true, Ordering::SeqCst);
+    assert!(op.try_complete());
+    assert_eq!(op.status(), S::Completed);
+    assert!(!op.reset(ms(5)));
+    drop(h);
+    // Cancelled by dropping the handle; by key.
+    let h = register(1000);
+    let op = h.op_ref().unwrap();
+    drop(h);
+    assert_eq!(op.status(), S::Cancelled);
+    let h = register(1000);
+    let op = h.op_ref().unwrap();
+    assert_eq!(p.cancel_for_key(&1).len(), 1);
+    assert_eq!(op.status(), S::Cancelled);
+    drop(h);
+    // Handed back by shutdown.
+    let h = register(1000);
+    let op = h.op_ref().unwrap();
+    assert_eq!(p.shutdown().len(), 1);
+    assert_eq!(op.status(), S::HandedBack);
+    drop(h);
+}

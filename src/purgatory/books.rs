@@ -19,6 +19,25 @@ pub(crate) enum Fate {
     HandedBack,
 }
 
+impl Fate {
+    /// Its code in the operation's state (never 0).
+    pub(crate) fn code(self) -> u8 {
+        self as u8 + 1
+    }
+
+    /// The fate of a code recorded by [`code`](Fate::code).
+    pub(crate) fn from_code(code: u8) -> Option<Fate> {
+        [
+            Fate::Completed,
+            Fate::Expired,
+            Fate::Cancelled,
+            Fate::HandedBack,
+        ]
+        .get(usize::from(code).checked_sub(1)?)
+        .copied()
+    }
+}
+
 /// One thread stripe's share of the per-operation counts.
 ///
 /// Each fact is counted once: an admission, a turning back, and each fate. What

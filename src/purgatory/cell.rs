@@ -202,6 +202,21 @@ where
         self.state.is_finished()
     }
 
+    /// How the operation stands: `None` while pending, else its fate.
+    pub(crate) fn fate(&self) -> Option<Fate> {
+        if !self.state.is_finished() {
+            return None;
+        }
+        loop {
+            // Recorded right after `FINISHED` is set, before any user code
+            // runs: a few instructions at most to wait here.
+            if let Some(fate) = Fate::from_code(self.state.fate()) {
+                return Some(fate);
+            }
+            std::hint::spin_loop();
+        }
+    }
+
     /// Runs `f` on the pending operation under its lock (the lock its checks
     /// hold: `f` never overlaps a check); `None` once it has finished.
     pub(crate) fn update<R>(&self, f: impl FnOnce(&mut O) -> R) -> Option<R> {
@@ -240,6 +255,7 @@ where
             match out {
                 Ok(Some(output)) => {
                     self.state.complete();
+                    self.state.record_fate(Fate::Completed.code());
                     let op = lock(&self.op).take();
                     self.shared.drop_contained("drop of an operation", op);
                     self.finish(Ok(Completion::Completed(output)), Fate::Completed, true);
@@ -251,8 +267,12 @@ where
             match self.state.end_check(me) {
                 AfterNotYet::Recheck => continue,
                 AfterNotYet::Release => return Checked::Pending,
-                AfterNotYet::Cancel => return Checked::Cancelled(self.take_op()),
+                AfterNotYet::Cancel => {
+                    self.state.record_fate(Fate::Cancelled.code());
+                    return Checked::Cancelled(self.take_op());
+                }
                 AfterNotYet::Expire => {
+                    self.state.record_fate(Fate::Expired.code());
                     self.run_expiry(self.take_op());
                     return Checked::Expired;
                 }
@@ -270,22 +290,26 @@ where
     /// operation finished without counting it, and returns it.
     pub(crate) fn abandon_registration(&self) -> O {
         self.state.abandon();
+        self.state.record_fate(Fate::HandedBack.code());
         drop(self.delivery.detach());
         self.take_op()
     }
 
     /// Claims the operation (expiry or cancellation), taking it out, unless a
     /// check is running: then the request is left for the checker.
-    fn claim(&self, request: u8) -> Option<O> {
+    fn claim(&self, request: u8, fate: Fate) -> Option<O> {
         match self.state.claim(request) {
-            Claim::Won => Some(self.take_op()),
+            Claim::Won => {
+                self.state.record_fate(fate.code());
+                Some(self.take_op())
+            }
             Claim::Deferred | Claim::Finished => None,
         }
     }
 
     /// The timeout fired (on the reaper task, with no lock held).
     pub(crate) fn expire(&self) {
-        if let Some(op) = self.claim(EXPIRE) {
+        if let Some(op) = self.claim(EXPIRE, Fate::Expired) {
             self.run_expiry(op);
         }
     }
@@ -307,7 +331,7 @@ where
     /// this call took it (`why` is then delivered to the handle); `None` when it
     /// had finished, or a running check will finish it.
     pub(crate) fn cancel(&self, why: OperationError, fate: Fate) -> Option<O> {
-        let op = self.claim(CANCEL)?;
+        let op = self.claim(CANCEL, fate)?;
         self.finish(Err(why), fate, true);
         Some(op)
     }
@@ -316,6 +340,9 @@ where
     /// and removes its timer entry when `cancel_timer`; then, with no lock held,
     /// drops an outcome nobody will read and wakes the handle.
     pub(crate) fn finish(&self, result: Outcome<O::Output>, fate: Fate, cancel_timer: bool) {
+        // The final word (a cancel deferred to a check was recorded as a plain
+        // cancel; shutdown's hand-back is told here).
+        self.state.record_fate(fate.code());
         self.shared.on_finished(fate, self.keys);
         let d = self.delivery.deliver(result);
         if let Some(unread) = d.unread {

@@ -17,6 +17,28 @@ use super::shared::WalkKind;
 use super::WatchKey;
 use crate::clock::deadline_after;
 
+/// How an operation stands ([`OpRef::status`]).
+///
+/// ```
+/// use tokio_purgatory::OperationStatus;
+/// assert_ne!(OperationStatus::Pending, OperationStatus::Expired);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum OperationStatus {
+    /// Registered, not finished.
+    Pending,
+    /// A check completed it.
+    Completed,
+    /// Its timeout fired.
+    Expired,
+    /// Cancelled: by key, by reference, by dropping its handle, or dropped
+    /// with its purgatory or reaper.
+    Cancelled,
+    /// Handed back by `shutdown()`, or by a registration refused part-way.
+    HandedBack,
+}
+
 /// The future of a registered operation: resolves to how it finished.
 ///
 /// Returned by [`Purgatory::try_complete_else_watch`](crate::Purgatory::try_complete_else_watch).
@@ -453,6 +475,48 @@ where
         completed
     }
 
+    /// How the operation stands: pending, or how it finished. What a
+    /// `reset` or `try_complete` that returned `false` leaves to ask.
+    ///
+    /// # Concurrent calls
+    ///
+    /// A snapshot: a pending operation may finish right after. Once it says
+    /// finished, the answer never changes, except that a cancel handed back
+    /// by a shutdown racing a check may first read `Cancelled`, then
+    /// `HandedBack`.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// # struct Op;
+    /// # impl tokio_purgatory::Operation for Op {
+    /// #     type Output = ();
+    /// #     fn try_complete(&mut self) -> Option<()> { None }
+    /// #     fn on_expiration(self) {}
+    /// # }
+    /// use std::time::Duration;
+    /// use tokio_purgatory::{OperationStatus, Purgatory};
+    ///
+    /// let p: Purgatory<u32, Op> = Purgatory::new();
+    /// let h = p.try_complete_else_watch(Op, Duration::from_millis(10), [1]).unwrap();
+    /// let op = h.op_ref().unwrap();
+    /// assert_eq!(op.status(), OperationStatus::Pending);
+    /// tokio::time::sleep(Duration::from_millis(20)).await;
+    /// assert!(!op.reset(Duration::from_secs(1)));
+    /// assert_eq!(op.status(), OperationStatus::Expired, "why the reset failed");
+    /// # }
+    /// ```
+    pub fn status(&self) -> OperationStatus {
+        match self.cell.fate() {
+            None => OperationStatus::Pending,
+            Some(Fate::Completed) => OperationStatus::Completed,
+            Some(Fate::Expired) => OperationStatus::Expired,
+            Some(Fate::Cancelled) => OperationStatus::Cancelled,
+            Some(Fate::HandedBack) => OperationStatus::HandedBack,
+        }
+    }
+
     /// Changes the pending operation: `f` gets it by `&mut` and its result is
     /// returned, or `None` (and `f` does not run) once the operation has
     /// finished. What the check reads can so live in the operation itself,
@@ -463,8 +527,10 @@ where
     /// `f` runs on the calling thread under the operation's own lock, the
     /// one its checks hold, so it never overlaps a check, the expiry, or
     /// the moment the operation is taken out to finish. So `f` must not call
-    /// back into this same operation (its `try_complete`, `update` or
-    /// `cancel`): that would wait on itself. Other operations and
+    /// back into this same operation: not its `try_complete`, `update` or
+    /// `cancel`, nor a walk of one of its keys (`try_complete_watched`,
+    /// `try_complete_reached`), which would check it: each would wait on the
+    /// lock `f` holds. Call those after `update` returns. Other operations and
     /// purgatories are fine. A panic in `f` reaches the caller; the
     /// operation stays registered with whatever `f` changed.
     ///
@@ -527,7 +593,9 @@ where
     /// moves from one bucket of the timing wheel to another): a session kept
     /// alive by heartbeats, a long-poll extended. The new deadline may be
     /// earlier or later than the old one; one already past makes the operation
-    /// due at once. Returns whether the timeout was moved.
+    /// due at once. Returns whether the timeout was moved; after a `false`,
+    /// [`status`](OpRef::status) says whether the operation completed,
+    /// expired or was cancelled.
     ///
     /// # Concurrent calls
     ///

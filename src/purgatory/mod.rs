@@ -27,7 +27,7 @@ use self::books::Fate;
 pub use self::builder::PurgatoryBuilder;
 use self::cell::OpCell;
 pub use self::error::{OperationError, WatchError, WatchErrorKind};
-pub use self::handle::{OpRef, OperationHandle};
+pub use self::handle::{OpRef, OperationHandle, OperationStatus};
 pub use self::keys::Watch;
 use self::keys::{KeyPanic, Taken, Watches};
 pub use self::operation::{Completion, Operation, WatchKey};
@@ -858,6 +858,11 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
     ///
     /// An unknown key returns an empty list. `key` may be any borrowed form of the
     /// key type, as for `HashMap::remove`.
+    ///
+    /// With keys that one operation at most watches (a session per member),
+    /// `cancel_for_key(&key).pop()` is the single-key form: the list holds at
+    /// most one and allocates only when it does. To cancel one operation you
+    /// hold a handle or an [`OpRef`] for, [`OpRef::cancel`] touches no list.
     ///
     /// # Panics
     ///

@@ -58,6 +58,10 @@ pub(crate) enum Claim {
 #[derive(Debug)]
 pub(crate) struct State {
     bits: AtomicU8,
+    /// How it finished (a `Fate` code, 0 until recorded), recorded by whoever
+    /// set `FINISHED` before any user code runs after it. Outside the protocol
+    /// above: only read for status reports.
+    fate: AtomicU8,
     /// The checking thread's id while `CHECKING` is set, else 0.
     checker: AtomicU64,
 }
@@ -67,6 +71,7 @@ impl State {
     pub(crate) fn new() -> State {
         State {
             bits: AtomicU8::new(0),
+            fate: AtomicU8::new(0),
             checker: AtomicU64::new(0),
         }
     }
@@ -76,8 +81,20 @@ impl State {
     pub(crate) fn checked_by(me: u64) -> State {
         State {
             bits: AtomicU8::new(CHECKING),
+            fate: AtomicU8::new(0),
             checker: AtomicU64::new(me),
         }
+    }
+
+    /// Records how the operation finished (`code` > 0), by whoever set
+    /// `FINISHED`.
+    pub(crate) fn record_fate(&self, code: u8) {
+        self.fate.store(code, Ordering::Release);
+    }
+
+    /// The recorded fate code, 0 while none is.
+    pub(crate) fn fate(&self) -> u8 {
+        self.fate.load(Ordering::Acquire)
     }
 
     pub(crate) fn is_finished(&self) -> bool {
