@@ -1,5 +1,5 @@
 //! A histogram of durations in fixed log-scaled buckets: recording is a few
-//! instructions, two relaxed atomic adds and a load, nothing allocates after it is
+//! instructions, a relaxed atomic add, a compare-and-swap and a load, nothing allocates after it is
 //! built, and its memory is fixed (about 2.5 KiB).
 //!
 //! Buckets are microseconds: 0 to 7 µs exactly, then eight buckets per power of
@@ -19,7 +19,7 @@ const TOP: u64 = 40;
 const BUCKETS: usize = (SUB + (TOP - 3) * SUB + 1) as usize;
 
 /// The largest duration recorded, in µs (about 35 years): longer ones are
-/// recorded as this, so the sum cannot wrap.
+/// recorded as this.
 const CAP: u64 = 1 << 50;
 
 /// The bucket of `us` microseconds.
@@ -72,7 +72,12 @@ impl Recorder {
     pub(crate) fn record(&self, d: Duration) {
         let us = u64::try_from(d.as_micros()).unwrap_or(CAP).min(CAP);
         self.buckets[bucket_of(us)].fetch_add(1, Ordering::Relaxed);
-        self.sum_us.fetch_add(us, Ordering::Relaxed);
+        // Saturating: a sum past u64::MAX µs (585,000 years) stays there.
+        let _ = self
+            .sum_us
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |s| {
+                Some(s.saturating_add(us))
+            });
         if us > self.max_us.load(Ordering::Relaxed) {
             self.max_us.fetch_max(us, Ordering::Relaxed);
         }

@@ -937,8 +937,45 @@ async fn two_consumers_split_four_partitions_and_the_survivor_takes_all() {
             stranger.heartbeat(G).await.unwrap(),
             ResponseError::UnknownMemberId.code()
         );
+        // Refused requests for made-up groups leave nothing behind.
+        assert_eq!(
+            stranger.commit("made-up", TOPIC, &[(0, 1)]).await.unwrap(),
+            [ResponseError::UnknownMemberId.code()]
+        );
+        assert!(b.broker.groups.describe("made-up").is_none());
         let joins = b.broker.groups.joins.metrics();
         assert!(joins.completed >= 4, "{joins:?}");
+        b.shutdown().await;
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn caught_up_followers_stay_in_the_isr_after_an_idle_spell() {
+    bounded(async {
+        // Copies take 200 ms; the ISR check runs every 100 ms with a 200 ms
+        // limit. After 400 ms idle, an append must not make the caught-up
+        // followers look 400 ms stale while its copy is in flight (the high
+        // watermark would jump past what they hold).
+        let b = start(Config {
+            topics: vec![TOPIC.into()],
+            replica_lag: Duration::from_millis(200),
+            replica_lag_max: Duration::from_millis(200),
+            ..Config::default()
+        })
+        .await;
+        let mut w = Wire::connect(b.addr).await.unwrap();
+        w.append(TOPIC, 0, &[b"first"]).await.unwrap();
+        let part = b.broker.topics.partition(TOPIC, 0).unwrap();
+        until("replicated", || part.high_watermark() == 1).await;
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        w.append(TOPIC, 0, &[b"second"]).await.unwrap();
+        // At least one check has run, and the copies have not landed.
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        assert_eq!(part.in_sync_followers(), [0, 1]);
+        assert_eq!(part.high_watermark(), 1, "not covered before it is copied");
+        until("replicated", || part.high_watermark() == 2).await;
+        assert_eq!(isr(&mut w, 0).await, [0, 1, 2]);
         b.shutdown().await;
     })
     .await

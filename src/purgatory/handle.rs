@@ -529,7 +529,8 @@ where
     /// the moment the operation is taken out to finish. So `f` must not call
     /// back into this same operation: not its `try_complete`, `update` or
     /// `cancel`, nor a walk of one of its keys (`try_complete_watched`,
-    /// `try_complete_reached`), which would check it: each would wait on the
+    /// `try_complete_reached`) or `cancel_for_key` on one, nor `shutdown` of
+    /// its purgatory: each would check it or take it out, and wait on the
     /// lock `f` holds. Call those after `update` returns. Other operations and
     /// purgatories are fine. A panic in `f` reaches the caller; the
     /// operation stays registered with whatever `f` changed.

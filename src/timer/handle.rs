@@ -367,13 +367,21 @@ impl AsyncTimeout {
     where
         Fut: std::future::Future<Output = ()> + Send + 'static,
     {
-        let mut s = lock(start);
-        if matches!(*s, Start::Cancelled) {
-            drop(s);
+        if matches!(*lock(start), Start::Cancelled) {
             drop(future); // the user's value, with no lock of ours held
             return;
         }
-        *s = Start::Running(tokio::spawn(future).abort_handle());
+        // Spawned with no lock held (a runtime shutting down drops the
+        // future inside `spawn`); a cancel that lands meanwhile finds it
+        // `Waiting`, marks it cancelled, and the task is aborted here.
+        let abort = tokio::spawn(future).abort_handle();
+        let mut s = lock(start);
+        if matches!(*s, Start::Cancelled) {
+            drop(s);
+            abort.abort();
+        } else {
+            *s = Start::Running(abort);
+        }
     }
 
     /// Cancels the future: before its deadline it is taken out of the wheel

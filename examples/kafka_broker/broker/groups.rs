@@ -23,7 +23,7 @@
 //! as dynamic ones.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
@@ -52,7 +52,9 @@ pub struct GroupLimits {
     /// Members (joined or given an id) per group at most (Kafka's
     /// `group.max.size`).
     pub max_members: usize,
-    /// Committed offsets per group at most.
+    /// Committed offsets held at most, across every group (each with at
+    /// most 4 KiB of metadata, as Kafka's `offset.metadata.max.bytes`, and a
+    /// topic name of at most 249 bytes).
     pub max_offsets: usize,
     /// The session timeouts accepted (Kafka's `group.min.session.timeout.ms`
     /// and `group.max.session.timeout.ms`: 6 s and 30 min).
@@ -281,6 +283,20 @@ impl Group {
 
 type Groups = Mutex<HashMap<StrBytes, Group>>;
 
+/// Forgets `id` if nothing is left of it (no member, no id handed out, no
+/// committed offset): a group exists only while it holds something, so
+/// requests for made-up groups leave nothing behind.
+fn tidy(groups: &mut HashMap<StrBytes, Group>, id: &StrBytes) {
+    if groups.get(id).is_some_and(|g| {
+        g.phase == Phase::Empty
+            && g.members.is_empty()
+            && g.pending.is_empty()
+            && g.offsets.is_empty()
+    }) {
+        groups.remove(id);
+    }
+}
+
 /// A join waiting for its round to end (Kafka's `DelayedJoin`, one per
 /// member here: each completes with its own answer).
 pub struct DelayedJoin {
@@ -316,7 +332,9 @@ impl Operation for DelayedJoin {
         if g.rounds == self.round && g.phase == Phase::Preparing {
             g.complete_join();
         }
-        g.join_answer(&self.member)
+        let answer = g.join_answer(&self.member);
+        tidy(&mut groups, &self.group);
+        answer
     }
 }
 
@@ -382,6 +400,8 @@ pub struct Coordinator {
     pub sessions: Timer,
     closing: Arc<AtomicBool>,
     limits: GroupLimits,
+    /// Committed offsets held, across groups.
+    offsets: AtomicUsize,
     next_id: AtomicU64,
     me: Weak<Coordinator>,
 }
@@ -401,6 +421,7 @@ impl Coordinator {
             sessions,
             closing,
             limits,
+            offsets: AtomicUsize::new(0),
             next_id: AtomicU64::new(1),
             me: me.clone(),
         })
@@ -445,19 +466,34 @@ impl Coordinator {
             let Some(g) = groups.get_mut(group) else {
                 return;
             };
+            // A member whose join or sync is waiting sends no heartbeats
+            // meanwhile (clients stop them during a rebalance): kept alive
+            // until the round ends, as Kafka keeps members awaiting a join.
+            let awaiting = g.phase == Phase::Completing
+                || (g.phase == Phase::Preparing && g.members.get(member).is_some_and(|m| m.joined));
+            if awaiting {
+                if let Some(m) = g.members.get_mut(member) {
+                    m.session_timer = None; // this entry has fired
+                    self.touch(group, member, m);
+                }
+                return;
+            }
             if !g.remove(member) {
                 return;
             }
             tracing::info!(group = %group.as_str(), member = %member.as_str(), "session expired");
             g.after_removal();
+            tidy(&mut groups, group);
         }
         self.wake(group);
     }
 
     fn pending_expired(&self, group: &StrBytes, member: &StrBytes) {
-        if let Some(g) = self.groups.lock().unwrap().get_mut(group) {
+        let mut groups = self.groups.lock().unwrap();
+        if let Some(g) = groups.get_mut(group) {
             g.pending.remove(member);
         }
+        tidy(&mut groups, group);
     }
 
     /// Handles a join from client `client` (its member id's prefix, as in
@@ -476,125 +512,134 @@ impl Coordinator {
         } else {
             session
         };
-        let (member, round, deadline, changed) = {
+        let joined = {
             let mut groups = self.groups.lock().unwrap();
-            if group.is_empty() {
-                return Ok(error_join(ResponseError::InvalidGroupId, &r.member_id));
-            }
-            if session < self.limits.min_session || session > self.limits.max_session {
-                return Ok(error_join(
-                    ResponseError::InvalidSessionTimeout,
-                    &r.member_id,
-                ));
-            }
-            if !groups.contains_key(&group) && groups.len() >= self.limits.max_groups {
-                return Ok(error_join(
-                    ResponseError::CoordinatorNotAvailable,
-                    &r.member_id,
-                ));
-            }
-            let g = groups.entry(group.clone()).or_insert_with(Group::new);
-            let speaks =
-                |m: &Vec<(StrBytes, Bytes)>, name: &StrBytes| m.iter().any(|(n, _)| n == name);
-            let protocols: Vec<(StrBytes, Bytes)> = r
-                .protocols
-                .iter()
-                .map(|p| (p.name.clone(), p.metadata.clone()))
-                .collect();
-            let consistent = !protocols.is_empty()
-                && (g.members.is_empty()
-                    || (g
-                        .protocol_type
-                        .as_ref()
-                        .is_none_or(|t| *t == r.protocol_type)
-                        && protocols
-                            .iter()
-                            .any(|(n, _)| g.members.values().all(|m| speaks(&m.protocols, n)))));
-            if !consistent {
-                return Ok(error_join(
-                    ResponseError::InconsistentGroupProtocol,
-                    &r.member_id,
-                ));
-            }
-            let known = g.members.len() + g.pending.len();
-            let member = if r.member_id.is_empty() {
-                if known >= self.limits.max_members {
-                    return Ok(error_join(ResponseError::GroupMaxSizeReached, &r.member_id));
+            let joined = (|| {
+                if group.is_empty() {
+                    return Err(error_join(ResponseError::InvalidGroupId, &r.member_id));
                 }
-                let id = StrBytes::from_string(format!(
-                    "{client}-{}",
-                    self.next_id.fetch_add(1, Ordering::Relaxed)
-                ));
-                if version >= 4 {
-                    // Kafka's two-step join: the member comes back with its id.
-                    let (me, gid, mid) = (self.me.clone(), group.clone(), id.clone());
-                    if let Ok(t) = self.sessions.schedule(session, move || {
-                        if let Some(c) = me.upgrade() {
-                            c.pending_expired(&gid, &mid);
+                if session < self.limits.min_session || session > self.limits.max_session {
+                    return Err(error_join(
+                        ResponseError::InvalidSessionTimeout,
+                        &r.member_id,
+                    ));
+                }
+                if !groups.contains_key(&group) && groups.len() >= self.limits.max_groups {
+                    return Err(error_join(
+                        ResponseError::CoordinatorNotAvailable,
+                        &r.member_id,
+                    ));
+                }
+                let g = groups.entry(group.clone()).or_insert_with(Group::new);
+                let speaks =
+                    |m: &Vec<(StrBytes, Bytes)>, name: &StrBytes| m.iter().any(|(n, _)| n == name);
+                let protocols: Vec<(StrBytes, Bytes)> = r
+                    .protocols
+                    .iter()
+                    .map(|p| (p.name.clone(), p.metadata.clone()))
+                    .collect();
+                let consistent = !protocols.is_empty()
+                    && (g.members.is_empty()
+                        || (g
+                            .protocol_type
+                            .as_ref()
+                            .is_none_or(|t| *t == r.protocol_type)
+                            && protocols.iter().any(|(n, _)| {
+                                g.members.values().all(|m| speaks(&m.protocols, n))
+                            })));
+                if !consistent {
+                    return Err(error_join(
+                        ResponseError::InconsistentGroupProtocol,
+                        &r.member_id,
+                    ));
+                }
+                let known = g.members.len() + g.pending.len();
+                let member = if r.member_id.is_empty() {
+                    if known >= self.limits.max_members {
+                        return Err(error_join(ResponseError::GroupMaxSizeReached, &r.member_id));
+                    }
+                    let id = StrBytes::from_string(format!(
+                        "{client}-{}",
+                        self.next_id.fetch_add(1, Ordering::Relaxed)
+                    ));
+                    if version >= 4 {
+                        // Kafka's two-step join: the member comes back with its id.
+                        let (me, gid, mid) = (self.me.clone(), group.clone(), id.clone());
+                        if let Ok(t) = self.sessions.schedule(session, move || {
+                            if let Some(c) = me.upgrade() {
+                                c.pending_expired(&gid, &mid);
+                            }
+                        }) {
+                            g.pending.insert(id.clone(), t);
                         }
-                    }) {
-                        g.pending.insert(id.clone(), t);
+                        return Err(error_join(ResponseError::MemberIdRequired, &id));
                     }
-                    return Ok(error_join(ResponseError::MemberIdRequired, &id));
-                }
-                id
-            } else {
-                r.member_id.clone()
-            };
-            if let Some(t) = g.pending.remove(&member) {
-                t.cancel();
-            } else if !g.members.contains_key(&member) && !r.member_id.is_empty() {
-                return Ok(error_join(ResponseError::UnknownMemberId, &r.member_id));
-            }
-            // Kafka's rule for a member already in a generation that joins
-            // again with the same metadata (it may have missed the answer,
-            // or its client rejoins out of caution): in Stable, a follower
-            // gets the current generation back and nothing rebalances; in
-            // CompletingRebalance, any member does (the leader with the
-            // members again). Only a leader in Stable, or a change of
-            // metadata, begins a round.
-            if let Some(m) = g.members.get_mut(&member) {
-                let same = m.protocols == protocols && m.protocol_type == r.protocol_type;
-                let leads = g.leader.as_ref() == Some(&member);
-                let current = match g.phase {
-                    Phase::Stable => same && !leads,
-                    Phase::Completing => same,
-                    _ => false,
+                    id
+                } else {
+                    r.member_id.clone()
                 };
-                if current {
-                    self.touch(&group, &member, m);
-                    let mut answer = g.join_answer(&member);
-                    if g.phase == Phase::Stable {
-                        answer.members.clear();
-                    }
-                    return Ok(answer);
+                if let Some(t) = g.pending.remove(&member) {
+                    t.cancel();
+                } else if !g.members.contains_key(&member) && !r.member_id.is_empty() {
+                    return Err(error_join(ResponseError::UnknownMemberId, &r.member_id));
                 }
-            }
-            let m = g.members.entry(member.clone()).or_insert_with(|| Member {
-                session,
-                rebalance,
-                protocol_type: r.protocol_type.clone(),
-                protocols: Vec::new(),
-                joined: false,
-                session_timer: None,
-            });
-            m.session = session;
-            m.rebalance = rebalance;
-            m.protocol_type = r.protocol_type.clone();
-            m.protocols = protocols;
-            // This join begins a round (the other members learn it from
-            // their heartbeats and join again), unless one is under way.
-            let started = g.phase != Phase::Preparing;
-            g.prepare();
-            let m = g.members.get_mut(&member).unwrap();
-            m.joined = true;
-            self.touch(&group, &member, m);
-            let round = g.rounds;
-            let completed = g.all_joined();
-            if completed {
-                g.complete_join();
-            }
-            (member, round, g.deadline, started || completed)
+                // Kafka's rule for a member already in a generation that joins
+                // again with the same metadata (it may have missed the answer,
+                // or its client rejoins out of caution): in Stable, a follower
+                // gets the current generation back and nothing rebalances; in
+                // CompletingRebalance, any member does (the leader with the
+                // members again). Only a leader in Stable, or a change of
+                // metadata, begins a round.
+                if let Some(m) = g.members.get_mut(&member) {
+                    let same = m.protocols == protocols && m.protocol_type == r.protocol_type;
+                    let leads = g.leader.as_ref() == Some(&member);
+                    let current = match g.phase {
+                        Phase::Stable => same && !leads,
+                        Phase::Completing => same,
+                        _ => false,
+                    };
+                    if current {
+                        self.touch(&group, &member, m);
+                        let mut answer = g.join_answer(&member);
+                        if g.phase == Phase::Stable {
+                            answer.members.clear();
+                        }
+                        return Err(answer);
+                    }
+                }
+                let m = g.members.entry(member.clone()).or_insert_with(|| Member {
+                    session,
+                    rebalance,
+                    protocol_type: r.protocol_type.clone(),
+                    protocols: Vec::new(),
+                    joined: false,
+                    session_timer: None,
+                });
+                m.session = session;
+                m.rebalance = rebalance;
+                m.protocol_type = r.protocol_type.clone();
+                m.protocols = protocols;
+                // This join begins a round (the other members learn it from
+                // their heartbeats and join again), unless one is under way.
+                let started = g.phase != Phase::Preparing;
+                g.prepare();
+                let m = g.members.get_mut(&member).unwrap();
+                m.joined = true;
+                self.touch(&group, &member, m);
+                let round = g.rounds;
+                let completed = g.all_joined();
+                if completed {
+                    g.complete_join();
+                }
+                Ok((member, round, g.deadline, started || completed))
+            })();
+            // A refused join leaves no group behind.
+            tidy(&mut groups, &group);
+            joined
+        };
+        let (member, round, deadline, changed) = match joined {
+            Ok(j) => j,
+            Err(answer) => return Ok(answer),
         };
         if changed {
             // Syncs waiting on the old generation answer, and joins waiting
@@ -723,6 +768,7 @@ impl Coordinator {
             if any {
                 g.after_removal();
             }
+            tidy(&mut groups, &group);
         }
         self.wake(&group);
         let mut response = LeaveGroupResponse::default();
@@ -781,13 +827,19 @@ impl Coordinator {
                             .committed_metadata
                             .as_ref()
                             .is_none_or(|m| m.len() <= 4096);
+                        let is_new = !g.offsets.contains_key(&key);
                         if !metadata_ok {
                             ResponseError::OffsetMetadataTooLarge.code()
-                        } else if !g.offsets.contains_key(&key)
-                            && g.offsets.len() >= self.limits.max_offsets
+                        } else if t.name.0.len() > 249 {
+                            ResponseError::InvalidTopicException.code()
+                        } else if is_new
+                            && self.offsets.load(Ordering::Relaxed) >= self.limits.max_offsets
                         {
                             ResponseError::InvalidCommitOffsetSize.code()
                         } else {
+                            if is_new {
+                                self.offsets.fetch_add(1, Ordering::Relaxed);
+                            }
                             g.offsets
                                 .insert(key, (p.committed_offset, p.committed_metadata.clone()));
                             0
@@ -802,6 +854,8 @@ impl Coordinator {
             }
             response.topics.push(rt);
         }
+        // A refused commit leaves no group behind.
+        tidy(&mut groups, &group);
         response
     }
 

@@ -156,7 +156,15 @@ impl Partition {
         let mut shrunk = false;
         for (f, r) in self.isr.lock().unwrap().iter_mut().enumerate() {
             let behind = self.copied[f].load(Ordering::Acquire) < log_end;
-            if r.in_sync && behind && now.saturating_duration_since(r.caught_up) > max_lag {
+            if !behind {
+                // Has all the leader has: caught up now (Kafka moves
+                // lastCaughtUpTime on every fetch that reaches the log end),
+                // so an idle spell does not make it look stale at the next
+                // append.
+                r.caught_up = now;
+                continue;
+            }
+            if r.in_sync && now.saturating_duration_since(r.caught_up) > max_lag {
                 r.in_sync = false;
                 shrunk = true;
                 tracing::info!(
@@ -193,6 +201,8 @@ impl Partition {
     /// Recomputes the high watermark (the least of the leader's log end and
     /// what each in-sync follower copied); `Some(new)` when it moved.
     pub fn advance_high_watermark(&self) -> Option<u64> {
+        // Under the ISR lock, so a follower rejoining (checked against the
+        // high watermark) cannot slip in between the reading and the move.
         let isr = self.isr.lock().unwrap();
         let hw = self
             .copied
@@ -201,8 +211,8 @@ impl Partition {
             .filter(|(_, r)| r.in_sync)
             .map(|(c, _)| c.load(Ordering::Acquire))
             .fold(self.log_end(), u64::min);
-        drop(isr);
         let before = self.high_watermark.fetch_max(hw, Ordering::AcqRel);
+        drop(isr);
         (hw > before).then_some(hw)
     }
 
