@@ -516,19 +516,22 @@ impl Coordinator {
             let mut groups = self.groups.lock().unwrap();
             let joined = (|| {
                 if group.is_empty() {
-                    return Err(error_join(ResponseError::InvalidGroupId, &r.member_id));
+                    return Err(Box::new(error_join(
+                        ResponseError::InvalidGroupId,
+                        &r.member_id,
+                    )));
                 }
                 if session < self.limits.min_session || session > self.limits.max_session {
-                    return Err(error_join(
+                    return Err(Box::new(error_join(
                         ResponseError::InvalidSessionTimeout,
                         &r.member_id,
-                    ));
+                    )));
                 }
                 if !groups.contains_key(&group) && groups.len() >= self.limits.max_groups {
-                    return Err(error_join(
+                    return Err(Box::new(error_join(
                         ResponseError::CoordinatorNotAvailable,
                         &r.member_id,
-                    ));
+                    )));
                 }
                 let g = groups.entry(group.clone()).or_insert_with(Group::new);
                 let speaks =
@@ -548,15 +551,18 @@ impl Coordinator {
                                 g.members.values().all(|m| speaks(&m.protocols, n))
                             })));
                 if !consistent {
-                    return Err(error_join(
+                    return Err(Box::new(error_join(
                         ResponseError::InconsistentGroupProtocol,
                         &r.member_id,
-                    ));
+                    )));
                 }
                 let known = g.members.len() + g.pending.len();
                 let member = if r.member_id.is_empty() {
                     if known >= self.limits.max_members {
-                        return Err(error_join(ResponseError::GroupMaxSizeReached, &r.member_id));
+                        return Err(Box::new(error_join(
+                            ResponseError::GroupMaxSizeReached,
+                            &r.member_id,
+                        )));
                     }
                     let id = StrBytes::from_string(format!(
                         "{client}-{}",
@@ -572,7 +578,7 @@ impl Coordinator {
                         }) {
                             g.pending.insert(id.clone(), t);
                         }
-                        return Err(error_join(ResponseError::MemberIdRequired, &id));
+                        return Err(Box::new(error_join(ResponseError::MemberIdRequired, &id)));
                     }
                     id
                 } else {
@@ -581,7 +587,10 @@ impl Coordinator {
                 if let Some(t) = g.pending.remove(&member) {
                     t.cancel();
                 } else if !g.members.contains_key(&member) && !r.member_id.is_empty() {
-                    return Err(error_join(ResponseError::UnknownMemberId, &r.member_id));
+                    return Err(Box::new(error_join(
+                        ResponseError::UnknownMemberId,
+                        &r.member_id,
+                    )));
                 }
                 // Kafka's rule for a member already in a generation that joins
                 // again with the same metadata (it may have missed the answer,
@@ -604,7 +613,7 @@ impl Coordinator {
                         if g.phase == Phase::Stable {
                             answer.members.clear();
                         }
-                        return Err(answer);
+                        return Err(Box::new(answer));
                     }
                 }
                 let m = g.members.entry(member.clone()).or_insert_with(|| Member {
@@ -639,7 +648,7 @@ impl Coordinator {
         };
         let (member, round, deadline, changed) = match joined {
             Ok(j) => j,
-            Err(answer) => return Ok(answer),
+            Err(answer) => return Ok(*answer),
         };
         if changed {
             // Syncs waiting on the old generation answer, and joins waiting
