@@ -36,10 +36,13 @@ use crate::wheel::{Key, Wheel};
 pub(crate) trait Job: Send + 'static {
     /// What the core serves, for reports: `"purgatory"` or `"timer"`.
     const KIND: &'static str;
+    /// What the core keeps for its jobs and lends each of them when it runs
+    /// (the purgatory's jobs name operations in a table they reach through it).
+    type Ctx: Send + Sync + 'static;
     /// The deadline passed; runs on the reaper task with no lock held.
-    fn expire(self);
+    fn expire(self, ctx: &Self::Ctx);
     /// The timer stopped before the deadline (`why` says how); runs with no lock held.
-    fn abandon(self, why: Closed);
+    fn abandon(self, ctx: &Self::Ctx, why: Closed);
 }
 
 /// Why a timer stopped accepting work.
@@ -107,7 +110,7 @@ impl Counters {
 
 /// Shards of wheels, the clock and the reaper's wake-up state.
 #[derive(Debug)]
-pub(crate) struct Core<J> {
+pub(crate) struct Core<J, C = ()> {
     shards: Box<[Padded<Mutex<Shard<J>>>]>,
     clock: Clock,
     wake: WakeTarget,
@@ -130,9 +133,12 @@ pub(crate) struct Core<J> {
     /// Panics caught in the jobs it runs or drops.
     pub(crate) panics: Panics,
     pub(crate) name: Arc<str>,
+    /// What the jobs are lent when they run (`J::Ctx`; a parameter of its
+    /// own so that the core's auto traits do not go through `J`'s impl).
+    pub(crate) ctx: C,
 }
 
-impl<J: Job> Core<J> {
+impl<J: Job<Ctx = C>, C: Send + Sync + 'static> Core<J, C> {
     /// Builds the core and puts it in the care of a reaper: its own, spawned on
     /// the runtime given, or a shared one. `settings` were validated by the
     /// builder. Fails only when a shared reaper has stopped.
@@ -141,7 +147,8 @@ impl<J: Job> Core<J> {
         name: Arc<str>,
         max_pending: Option<usize>,
         host: Host<'_>,
-    ) -> Result<Arc<Core<J>>, BuildError> {
+        ctx: C,
+    ) -> Result<Arc<Core<J, C>>, BuildError> {
         let shards = (0..settings.shards.max(1))
             .map(|_| {
                 let wheel = Wheel::new(settings.slots, settings.levels)
@@ -172,6 +179,7 @@ impl<J: Job> Core<J> {
             .lateness(),
             panics: Panics::new(J::KIND, name.clone()),
             name,
+            ctx,
         });
         hub.serve(core.clone(), host)?;
         Ok(core)
@@ -382,7 +390,7 @@ impl<J: Job> Core<J> {
                         #[cfg(feature = "metrics")]
                         self.lateness_export.record(late.as_secs_f64());
                     }
-                    self.panics.run("an expiry", || job.expire());
+                    self.panics.run("an expiry", || job.expire(&self.ctx));
                 }
                 if let Some(n) = shard_next {
                     break n;
@@ -422,7 +430,7 @@ impl<J: Job> Core<J> {
     }
 }
 
-impl<J: Job> Served for Core<J> {
+impl<J: Job<Ctx = C>, C: Send + Sync + 'static> Served for Core<J, C> {
     fn serve(&self) -> Next {
         // The buffer is taken out of its lock: the jobs run with no lock held.
         let mut scratch = std::mem::take(&mut *lock(&self.scratch));
@@ -466,8 +474,9 @@ impl<J: Job> Served for Core<J> {
                 "timer reaper stopped without a shutdown"
             );
             for job in jobs {
-                self.panics
-                    .run("an abandoned job", || job.abandon(Closed::ReaperGone));
+                self.panics.run("an abandoned job", || {
+                    job.abandon(&self.ctx, Closed::ReaperGone)
+                });
             }
         }
     }

@@ -346,10 +346,12 @@
 //!   shard lock around a key's `Eq` and `Clone`, which must not call back in (its
 //!   `Hash` runs before any lock).
 //! - **Finished operations free their memory at once**: the operation at once, an
-//!   output as soon as its handle reads it or is dropped. What stays in other
-//!   keys' lists is a tombstone keeping the operation's cell
-//!   ([`Purgatory::cell_bytes`]), removed by the next walk of that key or an
-//!   amortised purge, and counted in [`PurgatoryMetrics::tombstones`].
+//!   output as soon as its handle reads it or is dropped. Its cell
+//!   ([`Purgatory::cell_bytes`]) is reused by the next registration; the
+//!   purgatory keeps cells for the most operations it has had pending at once,
+//!   so registering allocates nothing in the steady state. What stays in other
+//!   keys' lists is an 8-byte tombstone, removed by the next walk of that key or
+//!   an amortised purge, and counted in [`PurgatoryMetrics::tombstones`].
 //! - **Handles are safe to share and to keep.** Polling from several tasks wakes
 //!   the latest; a timer handle whose slot was reused can never touch the newer
 //!   entry.
@@ -357,7 +359,9 @@
 //!   whose `Hash` and `Eq` disagree at worst leave an operation to its timeout.
 //! - **Overload is refused, not queued.** At the pending limit, registrations come
 //!   back with their operation; without a limit, memory is linear in pending
-//!   operations and returns once they finish.
+//!   operations: what they own returns once they finish, and their cells are
+//!   kept for the operations that follow (at most the peak pending, each
+//!   [`Purgatory::cell_bytes`]).
 //!
 //! The repository's `docs/design.md` (reliability) and `tests/README.md` say which test checks
 //! each of these.

@@ -70,6 +70,16 @@ impl<T> Striped<T> {
         &self.0[(thread_index() % STRIPES as u64) as usize].0
     }
 
+    /// The calling thread's stripe number.
+    pub(crate) fn my_index() -> usize {
+        (thread_index() % STRIPES as u64) as usize
+    }
+
+    /// Stripe `i` (below [`STRIPES`]).
+    pub(crate) fn nth(&self, i: usize) -> &T {
+        &self.0[i].0
+    }
+
     /// Every stripe.
     pub(crate) fn iter(&self) -> impl Iterator<Item = &T> {
         self.0.iter().map(|p| &p.0)

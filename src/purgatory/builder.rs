@@ -320,7 +320,13 @@ impl<K: WatchKey, O: Operation, S: BuildHasher + Send + Sync + 'static> Purgator
             return Err(BuildError::invalid("max_pending must be at least 1"));
         }
         let host = Host::new(self.reaper.as_ref(), handle)?;
-        let core = Core::start(&self.wheel, self.name.clone(), None, host)?;
+        let core = Core::start(
+            &self.wheel,
+            self.name.clone(),
+            None,
+            host,
+            std::sync::OnceLock::new(),
+        )?;
         let shared = Arc::new(Shared::new(
             core,
             self.watcher_shards,
@@ -329,6 +335,7 @@ impl<K: WatchKey, O: Operation, S: BuildHasher + Send + Sync + 'static> Purgator
             self.name,
             KeyHasher::new(self.hasher),
         ));
+        shared.lend_to_core();
         Ok(Purgatory::from_shared(shared))
     }
 }

@@ -22,13 +22,14 @@
 //!   still delivered.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::task::Waker;
 
 use super::books::Fate;
 use super::error::OperationError;
 use super::operation::{Completion, Operation};
 use super::shared::Shared;
+use super::slab::Id;
 use super::state::{AfterNotYet, Claim, State, CANCEL, EXPIRE};
 use super::WatchKey;
 use crate::core::TimerKey;
@@ -74,6 +75,14 @@ impl<T> Delivery<T> {
                 detached: false,
             }),
         }
+    }
+
+    /// Empties the slot for a new use of its cell (nothing else reaches it).
+    pub(crate) fn restart(&self) {
+        let mut s = lock(&self.slot);
+        debug_assert!(s.result.is_none() && s.waker.is_none());
+        s.timer = None;
+        s.detached = false;
     }
 
     /// Stores the outcome for the handle, or hands it back when the handle is gone.
@@ -160,17 +169,30 @@ pub(crate) enum Checked<O> {
     Cancelled(O),
 }
 
-/// One registered operation: its state, the operation, and where its outcome goes.
-pub(crate) struct OpCell<K: WatchKey, O: Operation> {
+/// One registered operation: its state, the operation, and where its outcome
+/// goes. Cells live in the purgatory's slab ([`Slab`](super::slab::Slab)) and
+/// are reused; [`Op`] is a cell together with the purgatory and the [`Id`] of
+/// its current use, held while a reference to it is.
+pub(crate) struct OpCell<O: Operation> {
     state: State,
     op: Mutex<Option<O>>,
     delivery: Delivery<Outcome<O::Output>>,
     /// Number of watch lists holding this cell (tombstone accounting).
-    keys: u32,
-    pub(crate) shared: Arc<Shared<K, O>>,
+    keys: AtomicU32,
 }
 
-impl<K: WatchKey, O: Operation> std::fmt::Debug for OpCell<K, O> {
+impl<O: Operation> Default for OpCell<O> {
+    fn default() -> Self {
+        OpCell {
+            state: State::unused(),
+            op: Mutex::new(None),
+            delivery: Delivery::new(),
+            keys: AtomicU32::new(0),
+        }
+    }
+}
+
+impl<O: Operation> std::fmt::Debug for OpCell<O> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("OpCell")
             .field("finished", &self.state.is_finished())
@@ -179,38 +201,62 @@ impl<K: WatchKey, O: Operation> std::fmt::Debug for OpCell<K, O> {
     }
 }
 
-impl<K, O> OpCell<K, O>
+impl<O: Operation> OpCell<O> {
+    /// Sets up a free cell for a registration whose check thread `me` owns
+    /// from the start: registration watches it under its keys, then runs its
+    /// second check as that owner, so an event meanwhile only asks for that
+    /// check to run again, and nothing can finish the operation before it is
+    /// fully registered. Nothing else can reach the cell yet.
+    pub(crate) fn start(&self, op: O, keys: u32, me: u64) {
+        self.keys.store(keys, Ordering::Relaxed);
+        *lock(&self.op) = Some(op);
+        self.delivery.restart();
+        self.state.restart(me);
+    }
+
+    /// Takes out what a freed cell still holds (nothing, unless a path let
+    /// something stay), to be dropped by the caller with no lock held.
+    pub(crate) fn clear(&self) -> (Option<O>, Option<Outcome<O::Output>>, Option<Waker>) {
+        let op = lock(&self.op).take();
+        let (result, waker) = self.delivery.detach();
+        (op, result, waker)
+    }
+}
+
+/// A referenced cell, with the purgatory it belongs to and the [`Id`] of its
+/// use: what the cell's methods need to count, deliver and free.
+pub(crate) struct Op<'a, K: WatchKey, O: Operation> {
+    pub(crate) shared: &'a Shared<K, O>,
+    pub(crate) id: Id,
+    pub(crate) cell: &'a OpCell<O>,
+}
+
+impl<K: WatchKey, O: Operation> Clone for Op<'_, K, O> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<K: WatchKey, O: Operation> Copy for Op<'_, K, O> {}
+
+impl<K, O> Op<'_, K, O>
 where
     K: WatchKey,
     O: Operation,
 {
-    /// A cell whose check is owned by thread `me` from the start: registration
-    /// watches it under its keys, then runs its second check as that owner, so an
-    /// event meanwhile only asks for that check to run again, and nothing can
-    /// finish the operation before it is fully registered.
-    pub(crate) fn registering(op: O, keys: u32, shared: Arc<Shared<K, O>>, me: u64) -> Self {
-        OpCell {
-            state: State::checked_by(me),
-            op: Mutex::new(Some(op)),
-            delivery: Delivery::new(),
-            keys,
-            shared,
-        }
-    }
-
     pub(crate) fn is_finished(&self) -> bool {
-        self.state.is_finished()
+        self.cell.state.is_finished()
     }
 
     /// How the operation stands: `None` while pending, else its fate.
     pub(crate) fn fate(&self) -> Option<Fate> {
-        if !self.state.is_finished() {
+        if !self.cell.state.is_finished() {
             return None;
         }
         loop {
             // Recorded right after `FINISHED` is set, before any user code
             // runs: a few instructions at most to wait here.
-            if let Some(fate) = Fate::from_code(self.state.fate()) {
+            if let Some(fate) = Fate::from_code(self.cell.state.fate()) {
                 return Some(fate);
             }
             std::hint::spin_loop();
@@ -220,17 +266,17 @@ where
     /// Runs `f` on the pending operation under its lock (the lock its checks
     /// hold: `f` never overlaps a check); `None` once it has finished.
     pub(crate) fn update<R>(&self, f: impl FnOnce(&mut O) -> R) -> Option<R> {
-        if self.state.is_finished() {
+        if self.cell.state.is_finished() {
             return None;
         }
-        lock(&self.op).as_mut().map(f)
+        lock(&self.cell.op).as_mut().map(f)
     }
 
     /// Runs the operation's check, or asks the running checker to check again.
     /// Returns whether this call completed the operation.
     pub(crate) fn check(&self) -> bool {
         let me = thread_index();
-        if !self.state.begin_check(me) {
+        if !self.cell.state.begin_check(me) {
             return false;
         }
         match self.run_checks(me) {
@@ -246,17 +292,18 @@ where
 
     /// The check loop of `me`, the owner of `CHECKING`.
     pub(crate) fn run_checks(&self, me: u64) -> Checked<O> {
+        let cell = self.cell;
         loop {
             let out = {
-                let mut op = lock(&self.op);
+                let mut op = lock(&cell.op);
                 let op = op.as_mut().expect("a checked operation is present");
                 catch_unwind(AssertUnwindSafe(|| op.try_complete()))
             };
             match out {
                 Ok(Some(output)) => {
-                    self.state.complete();
-                    self.state.record_fate(Fate::Completed.code());
-                    let op = lock(&self.op).take();
+                    cell.state.complete();
+                    cell.state.record_fate(Fate::Completed.code());
+                    let op = lock(&cell.op).take();
                     self.shared.drop_contained("drop of an operation", op);
                     self.finish(Ok(Completion::Completed(output)), Fate::Completed, true);
                     return Checked::Completed;
@@ -264,15 +311,15 @@ where
                 Ok(None) => {}
                 Err(panic) => self.shared.panics().caught("try_complete", panic),
             }
-            match self.state.end_check(me) {
+            match cell.state.end_check(me) {
                 AfterNotYet::Recheck => continue,
                 AfterNotYet::Release => return Checked::Pending,
                 AfterNotYet::Cancel => {
-                    self.state.record_fate(Fate::Cancelled.code());
+                    cell.state.record_fate(Fate::Cancelled.code());
                     return Checked::Cancelled(self.take_op());
                 }
                 AfterNotYet::Expire => {
-                    self.state.record_fate(Fate::Expired.code());
+                    cell.state.record_fate(Fate::Expired.code());
                     self.run_expiry(self.take_op());
                     return Checked::Expired;
                 }
@@ -281,7 +328,7 @@ where
     }
 
     fn take_op(&self) -> O {
-        lock(&self.op)
+        lock(&self.cell.op)
             .take()
             .expect("the owner of a finished operation takes it once")
     }
@@ -289,18 +336,19 @@ where
     /// Abandons a registration whose key code panicked, as its owner: marks the
     /// operation finished without counting it, and returns it.
     pub(crate) fn abandon_registration(&self) -> O {
-        self.state.abandon();
-        self.state.record_fate(Fate::HandedBack.code());
-        drop(self.delivery.detach());
+        self.cell.state.abandon();
+        self.cell.state.record_fate(Fate::HandedBack.code());
+        self.shared.cells().retire(self.id);
+        drop(self.cell.delivery.detach());
         self.take_op()
     }
 
     /// Claims the operation (expiry or cancellation), taking it out, unless a
     /// check is running: then the request is left for the checker.
     fn claim(&self, request: u8, fate: Fate) -> Option<O> {
-        match self.state.claim(request) {
+        match self.cell.state.claim(request) {
             Claim::Won => {
-                self.state.record_fate(fate.code());
+                self.cell.state.record_fate(fate.code());
                 Some(self.take_op())
             }
             Claim::Deferred | Claim::Finished => None,
@@ -336,21 +384,23 @@ where
         Some(op)
     }
 
-    /// Counts the finished operation, delivers its outcome (once `FINISHED` is set)
-    /// and removes its timer entry when `cancel_timer`; then, with no lock held,
-    /// drops an outcome nobody will read and wakes the handle.
+    /// Counts the finished operation, retires its cell (its list entries are
+    /// tombstones from now on), delivers its outcome (once `FINISHED` is set)
+    /// and removes its timer entry when `cancel_timer`; then, with no lock
+    /// held, drops an outcome nobody will read and wakes the handle.
     pub(crate) fn finish(&self, result: Outcome<O::Output>, fate: Fate, cancel_timer: bool) {
         // The final word (a cancel deferred to a check was recorded as a plain
         // cancel; shutdown's hand-back is told here).
-        self.state.record_fate(fate.code());
-        self.shared.on_finished(fate, self.keys);
-        let d = self.delivery.deliver(result);
+        self.cell.state.record_fate(fate.code());
+        self.shared.cells().retire(self.id);
+        self.shared
+            .on_finished(fate, self.cell.keys.load(Ordering::Relaxed));
+        let d = self.cell.delivery.deliver(result);
         if let Some(unread) = d.unread {
             self.shared.drop_contained("drop of an output", unread);
         }
         if cancel_timer {
             if let Some(key) = d.timer {
-                // The entry holds a clone of the cell, never the last one.
                 self.shared.remove_timer(key);
             }
         }
@@ -365,27 +415,28 @@ where
         if self.is_finished() {
             return false;
         }
-        let shared = &self.shared;
-        self.delivery
+        let shared = self.shared;
+        self.cell
+            .delivery
             .move_timer(|key| shared.reset_timer(key, now, deadline))
     }
 
     /// Records the timer entry, or removes it at once if the operation finished
     /// while it was being inserted.
     pub(crate) fn set_timer(&self, key: TimerKey) {
-        if !self.delivery.set_timer(key, || self.is_finished()) {
+        if !self.cell.delivery.set_timer(key, || self.is_finished()) {
             self.shared.remove_timer(key);
         }
     }
 
     /// Takes the outcome, or registers `waker` to be woken when there is one.
     pub(crate) fn poll_outcome(&self, waker: &Waker) -> Option<Outcome<O::Output>> {
-        self.delivery.poll(waker)
+        self.cell.delivery.poll(waker)
     }
 
     /// Nobody will read the outcome: drop any stored and don't store one later.
     pub(crate) fn detach(&self) {
-        let (stale, waker) = self.delivery.detach();
+        let (stale, waker) = self.cell.delivery.detach();
         drop(waker);
         if let Some(stale) = stale {
             self.shared.drop_contained("drop of an output", stale);
@@ -426,6 +477,7 @@ mod loom_delivery {
     use super::*;
     use loom::sync::atomic::{AtomicUsize, Ordering};
     use loom::thread;
+    use std::sync::Arc;
     use std::task::Wake;
 
     struct Counter(AtomicUsize);

@@ -10,10 +10,12 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::books::Fate;
-use super::cell::{OpCell, Outcome};
+use super::cell::{Op, Outcome};
 use super::error::OperationError;
 use super::operation::{Completion, Operation};
+use super::shared::Shared;
 use super::shared::WalkKind;
+use super::slab::Id;
 use super::WatchKey;
 use crate::clock::deadline_after;
 
@@ -126,7 +128,7 @@ pub struct OperationHandle<K: WatchKey, O: Operation> {
 enum Inner<K: WatchKey, O: Operation> {
     /// Completed by the first check, before anything was registered.
     Ready(Completion<O::Output>),
-    Waiting(Arc<OpCell<K, O>>),
+    Waiting(CellRef<K, O>),
     Taken,
 }
 
@@ -154,7 +156,7 @@ where
         }
     }
 
-    pub(crate) fn waiting(cell: Arc<OpCell<K, O>>) -> Self {
+    pub(crate) fn waiting(cell: CellRef<K, O>) -> Self {
         OperationHandle {
             inner: Inner::Waiting(cell),
         }
@@ -182,7 +184,7 @@ where
     /// ```
     pub fn is_finished(&self) -> bool {
         match &self.inner {
-            Inner::Waiting(cell) => cell.is_finished(),
+            Inner::Waiting(cell) => cell.op().is_finished(),
             Inner::Ready(_) | Inner::Taken => true,
         }
     }
@@ -294,7 +296,7 @@ where
 
     fn reset_from(&self, now: Instant, deadline: Instant) -> bool {
         match &self.inner {
-            Inner::Waiting(cell) => cell.reset(now, deadline),
+            Inner::Waiting(cell) => cell.op().reset(now, deadline),
             Inner::Ready(_) | Inner::Taken => false,
         }
     }
@@ -330,8 +332,9 @@ where
     pub fn cancel(mut self) -> Option<O> {
         match std::mem::replace(&mut self.inner, Inner::Taken) {
             Inner::Waiting(cell) => {
-                cell.detach();
-                cell.cancel(OperationError::Cancelled, Fate::Cancelled)
+                let op = cell.op();
+                op.detach();
+                op.cancel(OperationError::Cancelled, Fate::Cancelled)
             }
             Inner::Ready(_) | Inner::Taken => None,
         }
@@ -365,7 +368,7 @@ where
     /// ```
     pub fn detach(mut self) {
         if let Inner::Waiting(cell) = std::mem::replace(&mut self.inner, Inner::Taken) {
-            cell.detach();
+            cell.op().detach();
         }
     }
 }
@@ -383,7 +386,7 @@ where
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = &mut *self;
         let out = match &this.inner {
-            Inner::Waiting(cell) => match cell.poll_outcome(cx.waker()) {
+            Inner::Waiting(cell) => match cell.op().poll_outcome(cx.waker()) {
                 Some(out) => out,
                 None => return Poll::Pending,
             },
@@ -403,9 +406,10 @@ impl<K: WatchKey, O: Operation> Drop for OperationHandle<K, O> {
         if let Inner::Waiting(cell) = &self.inner {
             // Nobody awaits it any more. Detach first, so an outcome delivered by a
             // check that races this cancel is dropped at once rather than kept.
-            cell.detach();
-            if let Some(op) = cell.cancel(OperationError::Cancelled, Fate::Cancelled) {
-                cell.shared.drop_contained("drop of an operation", op);
+            let op = cell.op();
+            op.detach();
+            if let Some(taken) = op.cancel(OperationError::Cancelled, Fate::Cancelled) {
+                cell.shared.drop_contained("drop of an operation", taken);
             }
         }
     }
@@ -417,7 +421,41 @@ impl<K: WatchKey, O: Operation> Drop for OperationHandle<K, O> {
 /// bookkeeping cell alive, not the operation itself: that is dropped as soon as it
 /// finishes.
 pub struct OpRef<K: WatchKey, O: Operation> {
-    cell: Arc<OpCell<K, O>>,
+    cell: CellRef<K, O>,
+}
+
+/// A counted reference to an operation's cell: its cell is not reused while
+/// one exists (the handle holds one, each [`OpRef`] another).
+pub(crate) struct CellRef<K: WatchKey, O: Operation> {
+    shared: Arc<Shared<K, O>>,
+    id: Id,
+}
+
+impl<K: WatchKey, O: Operation> CellRef<K, O> {
+    /// Takes over the reference a registration holds to `id`'s cell.
+    pub(crate) fn new(shared: Arc<Shared<K, O>>, id: Id) -> Self {
+        CellRef { shared, id }
+    }
+
+    pub(crate) fn op(&self) -> Op<'_, K, O> {
+        self.shared.op(self.id)
+    }
+}
+
+impl<K: WatchKey, O: Operation> Clone for CellRef<K, O> {
+    fn clone(&self) -> Self {
+        self.shared.cells().add_ref(self.id);
+        CellRef {
+            shared: self.shared.clone(),
+            id: self.id,
+        }
+    }
+}
+
+impl<K: WatchKey, O: Operation> Drop for CellRef<K, O> {
+    fn drop(&mut self) {
+        self.shared.release(self.id);
+    }
 }
 
 impl<K: WatchKey, O: Operation> Clone for OpRef<K, O> {
@@ -468,7 +506,7 @@ where
     /// # }
     /// ```
     pub fn try_complete(&self) -> bool {
-        let completed = self.cell.check();
+        let completed = self.cell.op().check();
         self.cell
             .shared
             .count_walk(WalkKind::Reference, 1, completed as usize);
@@ -508,7 +546,7 @@ where
     /// # }
     /// ```
     pub fn status(&self) -> OperationStatus {
-        match self.cell.fate() {
+        match self.cell.op().fate() {
             None => OperationStatus::Pending,
             Some(Fate::Completed) => OperationStatus::Completed,
             Some(Fate::Expired) => OperationStatus::Expired,
@@ -563,7 +601,7 @@ where
     /// # }
     /// ```
     pub fn update<R>(&self, f: impl FnOnce(&mut O) -> R) -> Option<R> {
-        self.cell.update(f)
+        self.cell.op().update(f)
     }
 
     /// Whether the operation has finished (completed, expired, or cancelled).
@@ -587,7 +625,7 @@ where
     /// # }
     /// ```
     pub fn is_finished(&self) -> bool {
-        self.cell.is_finished()
+        self.cell.op().is_finished()
     }
 
     /// Moves the operation's timeout to `timeout` from now, in O(1) (the entry
@@ -641,7 +679,7 @@ where
     /// ```
     pub fn reset(&self, timeout: Duration) -> bool {
         let now = Instant::now();
-        self.cell.reset(now, deadline_after(now, timeout))
+        self.cell.op().reset(now, deadline_after(now, timeout))
     }
 
     /// Moves the operation's timeout to `deadline`, in O(1); as
@@ -675,7 +713,7 @@ where
     /// # }
     /// ```
     pub fn reset_at(&self, deadline: impl Into<Instant>) -> bool {
-        self.cell.reset(Instant::now(), deadline.into())
+        self.cell.op().reset(Instant::now(), deadline.into())
     }
 
     /// Cancels the operation and hands it back; its handle resolves to
@@ -705,6 +743,8 @@ where
     /// # }
     /// ```
     pub fn cancel(&self) -> Option<O> {
-        self.cell.cancel(OperationError::Cancelled, Fate::Cancelled)
+        self.cell
+            .op()
+            .cancel(OperationError::Cancelled, Fate::Cancelled)
     }
 }

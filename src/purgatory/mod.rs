@@ -11,6 +11,7 @@ mod handle;
 mod keys;
 mod operation;
 mod shared;
+mod slab;
 mod state;
 
 use std::borrow::Borrow;
@@ -27,6 +28,7 @@ use self::books::Fate;
 pub use self::builder::PurgatoryBuilder;
 use self::cell::OpCell;
 pub use self::error::{OperationError, WatchError, WatchErrorKind};
+use self::handle::CellRef;
 pub use self::handle::{OpRef, OperationHandle, OperationStatus};
 pub use self::keys::Watch;
 use self::keys::{KeyPanic, Taken, Watches};
@@ -96,18 +98,23 @@ impl<K: WatchKey, O: Operation> Drop for Owner<K, O> {
 /// # Memory
 ///
 /// A finished operation is dropped at once, and an output is dropped as soon as
-/// its handle reads it or is dropped. The operation's entries in the watch lists
-/// of its other keys become **tombstones** until that key is next walked (an
-/// entry at a level: until an advance reaches its level) or the amortised
-/// purge, which runs in bounded slices, reaches them (see
-/// [`PurgatoryBuilder::purge_interval`]); keys whose
-/// lists empty are removed. A tombstone holds a pointer to the operation's cell,
-/// and the cell stays allocated until its last tombstone goes: it is
-/// [`Purgatory::cell_bytes`] bytes, which includes room for the operation
-/// (`size_of::<Op>()`) and for its outcome (`size_of::<Op::Output>()`, plus a
-/// word), both empty by then. Box a large operation or output
-/// (`Box<LargeState>`) to keep tombstones small. [`PurgatoryMetrics::tombstones`]
-/// counts them, apart from live watch entries.
+/// its handle reads it or is dropped. Each operation lives in a **cell** of
+/// [`Purgatory::cell_bytes`] bytes (room for the operation, `size_of::<Op>()`,
+/// and for its outcome, `size_of::<Op::Output>()` plus a word). A cell is
+/// free again once the operation has finished and its handle and every
+/// [`OpRef`] to it are gone, and the next registration reuses it: the
+/// purgatory keeps cells for the most operations it has had pending at once
+/// (in pages, as a `Vec` keeps its capacity), and a registration allocates
+/// nothing once it has grown to that. Box a large operation or output
+/// (`Box<LargeState>`) to keep cells small; only the box stays then.
+///
+/// The operation's entries in the watch lists of its other keys become
+/// **tombstones** (8 bytes each: they name the cell's use, which has ended,
+/// and keep nothing alive) until that key is next walked (an entry at a level:
+/// until an advance reaches its level) or the amortised purge, which runs in
+/// bounded slices, reaches them (see [`PurgatoryBuilder::purge_interval`]);
+/// keys whose lists empty are removed. [`PurgatoryMetrics::tombstones`] counts
+/// them, apart from live watch entries.
 ///
 /// # Shutdown
 ///
@@ -695,25 +702,29 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
         // Watch. The cell starts owned by this thread's check: until the
         // second check, events only ask for it, and nothing can finish it.
         let me = thread_index();
-        let cell = Arc::new(OpCell::registering(
-            op,
-            keys.len() as u32,
-            shared.clone(),
-            me,
-        ));
-        let keys = shared.watch(&cell, keys);
+        let id = match shared.insert(op, keys.len() as u32, me) {
+            Ok(id) => id,
+            Err(op) => {
+                // As many operations pending as the slab holds.
+                shared.refuse_admitted();
+                shared.drop_keys(keys);
+                return Err(WatchError::AtCapacity(op));
+            }
+        };
+        let keys = shared.watch(id, keys);
 
         // Check again (an event during the watch is not lost), and arm the
         // timeout of an operation still pending.
-        let settled = shared.settle(&cell, me, now, deadline);
+        let settled = shared.settle(id, me, now, deadline);
         shared.drop_keys(keys);
         match settled {
             Ok(()) => {
                 shared.maybe_purge();
-                Ok(OperationHandle::waiting(cell))
+                Ok(OperationHandle::waiting(CellRef::new(shared.clone(), id)))
             }
             Err((op, why)) => {
-                cell.detach();
+                shared.op(id).detach();
+                shared.release(id);
                 Err(closed_refusal(op, why))
             }
         }
@@ -1076,9 +1087,9 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
         self.shared().record_metrics();
     }
 
-    /// The bytes an operation's cell occupies on the heap: what each finished
-    /// operation keeps allocated until its last tombstone is removed (see
-    /// "Memory" on [`Purgatory`]). It grows with `size_of::<O>()` and
+    /// The bytes an operation's cell occupies on the heap (see "Memory" on
+    /// [`Purgatory`]): the purgatory keeps this many bytes for each operation it
+    /// has had pending at once, for reuse. It grows with `size_of::<O>()` and
     /// `size_of::<O::Output>()`.
     ///
     /// # Examples
@@ -1111,8 +1122,8 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
     /// assert!(Purgatory::<u32, Boxed>::cell_bytes() < small + 64);
     /// ```
     pub fn cell_bytes() -> usize {
-        // The `Arc`'s two counts, then the cell.
-        2 * std::mem::size_of::<usize>() + std::mem::size_of::<OpCell<K, O>>()
+        // The cell's life word, then the cell.
+        slab::Slab::<OpCell<O>>::slot_bytes()
     }
 
     /// Stops the reaper and hands back every pending operation, in no particular
@@ -1387,5 +1398,72 @@ mod tests {
         assert_eq!(timers(), 1);
         assert_eq!(p.shutdown().len(), 1);
         assert_eq!(timers(), 0, "shut down");
+    }
+
+    /// However an operation finishes, its cell is freed once the last handle
+    /// or reference to it goes, and the next registration reuses it: the slab
+    /// does not grow with operations that have come and gone.
+    #[tokio::test(start_paused = true)]
+    async fn every_way_of_finishing_frees_the_cell() {
+        let p: Purgatory<u32, Op> = Purgatory::builder().name("t").build().unwrap();
+        let cells = || p.shared().cells().in_use();
+        let op = |ready: bool| Op(Arc::new(ready.into()));
+        let long = Duration::from_secs(3600);
+        for round in 0..3 {
+            // Completed by a walk, handle detached.
+            let a = op(false);
+            let flag = a.0.clone();
+            p.try_complete_else_watch(a, long, [1, 2]).unwrap().detach();
+            flag.store(true, Ordering::SeqCst);
+            assert_eq!(p.try_complete_watched(&1), 1);
+            // Completed at a level.
+            let a = op(false);
+            let flag = a.0.clone();
+            let h = p
+                .try_complete_else_watch_levels(a, long, [Watch::level(9, 5)])
+                .unwrap();
+            flag.store(true, Ordering::SeqCst);
+            assert_eq!(p.try_complete_reached(&9, 5), 1);
+            assert!(h.await.is_ok());
+            // Completed through a reference kept past the handle.
+            let a = op(false);
+            let flag = a.0.clone();
+            let h = p.try_complete_else_watch(a, long, [1]).unwrap();
+            let r = h.op_ref().unwrap();
+            let r2 = r.clone();
+            h.detach();
+            flag.store(true, Ordering::SeqCst);
+            assert!(r.try_complete());
+            drop(r);
+            assert_eq!(r2.status(), OperationStatus::Completed);
+            drop(r2);
+            // Expired, awaited and not.
+            let h = p
+                .try_complete_else_watch(op(false), Duration::from_millis(5), [3])
+                .unwrap();
+            p.try_complete_else_watch(op(false), Duration::from_millis(5), [3])
+                .unwrap()
+                .detach();
+            assert!(h.await.is_ok());
+            // Cancelled by key, by its handle, by cancel().
+            let h = p.try_complete_else_watch(op(false), long, [4]).unwrap();
+            assert_eq!(p.cancel_for_key(&4).len(), 1);
+            drop(h);
+            drop(p.try_complete_else_watch(op(false), long, [5]).unwrap());
+            let h = p.try_complete_else_watch(op(false), long, [6]).unwrap();
+            assert!(h.cancel().is_some());
+            // Completed at registration: no cell.
+            drop(p.try_complete_else_watch(op(true), long, [7]).unwrap());
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            assert_eq!(p.delayed(), 0);
+            assert_eq!(cells(), 0, "round {round}: every cell is free");
+        }
+        let grown = p.shared().cells().grown();
+        assert!(grown <= 3, "cells are reused: grown to {grown}");
+        // Pending at shutdown: handed back, its cell freed with its handle.
+        let h = p.try_complete_else_watch(op(false), long, [8]).unwrap();
+        assert_eq!(p.shutdown().len(), 1);
+        assert!(h.await.is_err());
+        assert_eq!(cells(), 0);
     }
 }

@@ -3,17 +3,19 @@
 
 use std::borrow::Borrow;
 use std::hash::Hash;
+use std::marker::PhantomData;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, TryLockError};
+use std::sync::{Arc, Mutex, OnceLock, TryLockError, Weak};
 
 use tokio::time::Instant;
 
 use super::books::{Books, Fate};
-use super::cell::{Checked, OpCell};
+use super::cell::{Checked, Op, OpCell};
 use super::error::{OperationError, WatchError};
 use super::keys::Watches;
 use super::operation::Operation;
+use super::slab::{Id, Slab};
 use super::WatchKey;
 use super::{ChecksMetrics, PurgatoryMetrics, WalkMetrics};
 use crate::contain::Panics;
@@ -25,21 +27,41 @@ use crate::watchers::{KeyHasher, Removed, Sweep, Watchers};
 /// The most watch-list entries one call visits for the purge.
 const SWEEP_SLICE: usize = 128;
 
-/// The timer job of an operation: its cell.
-pub(crate) struct Expiry<K: WatchKey, O: Operation>(pub(crate) Arc<OpCell<K, O>>);
+/// What the purgatory lends its timer core: itself, once built.
+pub(crate) type Lent<K, O> = OnceLock<Weak<Shared<K, O>>>;
+
+/// The purgatory's timer core.
+pub(crate) type PurgatoryCore<K, O> = Core<Expiry<K, O>, Lent<K, O>>;
+
+/// The timer job of an operation: the id of its cell (not a reference: a
+/// finished operation's entry acquires nothing).
+pub(crate) struct Expiry<K: WatchKey, O: Operation>(pub(crate) Id, PhantomData<fn() -> (K, O)>);
+
+impl<K: WatchKey, O: Operation> Expiry<K, O> {
+    pub(crate) fn new(id: Id) -> Self {
+        Expiry(id, PhantomData)
+    }
+}
 
 impl<K: WatchKey, O: Operation> Job for Expiry<K, O> {
     const KIND: &'static str = "purgatory";
+    /// The purgatory, lent to the core once it is built.
+    type Ctx = Lent<K, O>;
 
-    fn expire(self) {
-        self.0.expire();
+    fn expire(self, ctx: &Self::Ctx) {
+        if let Some(shared) = ctx.get().and_then(Weak::upgrade) {
+            shared.with_op(self.0, |op| op.expire());
+        }
     }
 
-    fn abandon(self, why: Closed) {
+    fn abandon(self, ctx: &Self::Ctx, why: Closed) {
         // Dropped unrun: the purgatory itself is gone, or its reaper is.
-        let cell = self.0;
-        if let Some(op) = cell.cancel(why.into(), Fate::Cancelled) {
-            cell.shared.panics.drop_value("drop of an operation", op);
+        if let Some(shared) = ctx.get().and_then(Weak::upgrade) {
+            if let Some(Some(op)) =
+                shared.with_op(self.0, |op| op.cancel(why.into(), Fate::Cancelled))
+            {
+                shared.drop_contained("drop of an operation", op);
+            }
         }
     }
 }
@@ -75,8 +97,10 @@ struct Purge {
 /// line to itself instead of sharing one with the fields every call reads.
 #[repr(align(128))]
 pub(crate) struct Shared<K: WatchKey, O: Operation> {
-    core: Arc<Core<Expiry<K, O>>>,
-    watchers: Watchers<K, Arc<OpCell<K, O>>>,
+    core: Arc<PurgatoryCore<K, O>>,
+    /// The operations' cells.
+    cells: Slab<OpCell<O>>,
+    watchers: Watchers<K, Id>,
     books: Books,
     /// The purge under way, on cache lines of its own: the thread purging
     /// writes it on every slice, and the threads completing operations read
@@ -118,8 +142,9 @@ pub(crate) enum WalkKind {
 /// own lock (which another thread takes to free what this one allocated), and
 /// every thread wanting the list would wait behind it.
 struct Buffers<K: WatchKey, O: Operation> {
-    live: Vec<Arc<OpCell<K, O>>>,
-    removed: Removed<K, Arc<OpCell<K, O>>>,
+    live: Vec<Id>,
+    removed: Removed<K, Id>,
+    _ops: PhantomData<fn() -> O>,
 }
 
 impl<K: WatchKey, O: Operation> Default for Buffers<K, O> {
@@ -127,11 +152,12 @@ impl<K: WatchKey, O: Operation> Default for Buffers<K, O> {
         Buffers {
             live: Vec::new(),
             removed: Removed::default(),
+            _ops: PhantomData,
         }
     }
 }
 
-/// The most bytes a kept buffer may hold room for (1,024 cell references): a
+/// The most bytes a kept buffer may hold room for (1,024 cell ids): a
 /// buffer grown past it by one long walk is freed rather than kept.
 const KEEP_BUFFER_BYTES: usize = 8 * 1024;
 
@@ -144,7 +170,7 @@ fn cap_kept<T>(v: &mut Vec<T>) {
 
 impl<K: WatchKey, O: Operation> Shared<K, O> {
     pub(crate) fn new(
-        core: Arc<Core<Expiry<K, O>>>,
+        core: Arc<PurgatoryCore<K, O>>,
         watcher_shards: usize,
         purge_interval: usize,
         max_pending: Option<usize>,
@@ -153,6 +179,7 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
     ) -> Self {
         Shared {
             core,
+            cells: Slab::new(),
             watchers: Watchers::new(watcher_shards, hasher),
             books: Books::new(max_pending),
             purge: Padded(Purge {
@@ -165,6 +192,66 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
             name,
             buffers: Striped::default(),
             walks: Striped::default(),
+        }
+    }
+
+    /// Lends the purgatory to its timer core, for the expiries it runs.
+    pub(crate) fn lend_to_core(self: &Arc<Self>) {
+        let set = self.core.ctx.set(Arc::downgrade(self));
+        debug_assert!(set.is_ok(), "lent once");
+    }
+
+    /// The operations' cells.
+    pub(crate) fn cells(&self) -> &Slab<OpCell<O>> {
+        &self.cells
+    }
+
+    /// The operation `id` names, for a caller holding a reference to it.
+    pub(crate) fn op(&self, id: Id) -> Op<'_, K, O> {
+        Op {
+            shared: self,
+            id,
+            cell: self.cells.get(id),
+        }
+    }
+
+    /// Runs `f` on the operation `id` names, holding a reference to it for the
+    /// while; `None` when it has finished (or its cell moved on).
+    pub(crate) fn with_op<R>(&self, id: Id, f: impl FnOnce(Op<'_, K, O>) -> R) -> Option<R> {
+        let cell = self.cells.acquire(id)?;
+        let out = f(Op {
+            shared: self,
+            id,
+            cell,
+        });
+        self.release(id);
+        Some(out)
+    }
+
+    /// Drops a reference to `id`'s cell; the last one to a finished
+    /// operation's cell frees it (anything it still held is dropped here, with
+    /// no lock held, contained).
+    pub(crate) fn release(&self, id: Id) {
+        self.cells.release(id, |cell| {
+            let (op, out, waker) = cell.clear();
+            self.drop_contained("drop of an operation", op);
+            self.drop_contained("drop of an output", out);
+            drop(waker);
+        });
+    }
+
+    /// A cell for a registration of `op` under `keys` keys, its check owned by
+    /// thread `me`, with one reference (the caller's); `op` back when the slab
+    /// is full.
+    pub(crate) fn insert(&self, op: O, keys: u32, me: u64) -> Result<Id, O> {
+        let mut op = Some(op);
+        let id = self.cells.insert(|cell| {
+            cell.start(op.take().expect("set up once"), keys, me);
+        });
+        match (id, op) {
+            (Some(id), _) => Ok(id),
+            (None, Some(op)) => Err(op),
+            (None, None) => unreachable!("a full slab sets up no cell"),
         }
     }
 
@@ -242,6 +329,11 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         Err(refusal)
     }
 
+    /// Turns back a registration admitted and then refused (the slab is full).
+    pub(crate) fn refuse_admitted(&self) {
+        self.books.unadmit();
+    }
+
     /// A registration's first check, before anything is watched; a panic in
     /// it is contained (and counts as "not yet").
     pub(crate) fn first_check(&self, op: &mut O) -> Option<O::Output> {
@@ -258,22 +350,22 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
     /// panics part-way, undoes the registration before the panic goes on: the
     /// entries made are tombstones, the operation is turned back (not counted
     /// as registered) and dropped, and the keys are dropped.
-    pub(crate) fn watch(&self, cell: &Arc<OpCell<K, O>>, keys: Watches<K>) -> Watches<K> {
+    pub(crate) fn watch(&self, id: Id, keys: Watches<K>) -> Watches<K> {
         let mut added = 0;
         let mut spare = Vec::new();
         let watched = catch_unwind(AssertUnwindSafe(|| {
             self.watchers
-                .watch(keys.keys.iter(), cell, &mut added, &mut spare);
+                .watch(keys.keys.iter(), &id, &mut added, &mut spare);
             self.watchers.watch_levels(
                 keys.levels.iter().map(|(h, k, l)| (*h, k, *l)),
-                cell,
+                &id,
                 &mut added,
                 &mut spare,
             );
         }));
         self.drop_keys(spare);
         if let Err(panic) = watched {
-            let op = cell.abandon_registration();
+            let op = self.op(id).abandon_registration();
             self.books.tombstones_changed(added as i64);
             self.books.unadmit();
             self.drop_contained("drop of an operation", op);
@@ -288,11 +380,12 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
     /// Hands the operation back when a shutdown took it meanwhile.
     pub(crate) fn settle(
         &self,
-        cell: &Arc<OpCell<K, O>>,
+        id: Id,
         me: u64,
         now: Instant,
         deadline: Instant,
     ) -> Result<(), (O, Closed)> {
+        let cell = self.op(id);
         match cell.run_checks(me) {
             Checked::Completed | Checked::Expired => Ok(()),
             Checked::Cancelled(op) => match self.core.closed() {
@@ -308,13 +401,12 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
                     Ok(())
                 }
             },
-            Checked::Pending => match self.core.insert(now, deadline, Expiry(cell.clone())) {
+            Checked::Pending => match self.core.insert(now, deadline, Expiry::new(id)) {
                 Ok(key) => {
                     cell.set_timer(key);
                     Ok(())
                 }
-                Err(Refused::Closed(job, why)) => {
-                    drop(job);
+                Err(Refused::Closed(_, why)) => {
                     // A shutdown ran during registration. If it did not take the
                     // operation, hand it back here.
                     match cell.cancel(why.into(), Fate::HandedBack) {
@@ -356,15 +448,12 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
     /// Drops what was taken out of the watcher map, with no lock held. The
     /// entries removed were tombstones, or are about to be (cancelled).
     /// Leaves `removed` empty, its buffers kept.
-    fn drop_removed(&self, removed: &mut Removed<K, Arc<OpCell<K, O>>>) {
+    fn drop_removed(&self, removed: &mut Removed<K, Id>) {
         let n = removed.entries.len();
         if n > 0 {
             self.books.tombstones_changed(-(n as i64));
         }
-        self.panics.drop_each(
-            "drop of a finished operation's cell",
-            removed.entries.drain(..),
-        );
+        removed.entries.clear();
         self.drop_keys(removed.keys.drain(..));
     }
 
@@ -396,10 +485,9 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         self.core.closed().is_some()
     }
 
-    /// Removes an operation's timer entry (its job, a reference to the cell,
-    /// is dropped here: never the last one, the caller holds another).
+    /// Removes an operation's timer entry (its job, an id, is dropped here).
     pub(crate) fn remove_timer(&self, key: TimerKey) {
-        drop(self.core.remove(key));
+        let _ = self.core.remove(key);
     }
 
     /// Moves an operation's timer entry to `deadline`; its new key, or `None`
@@ -500,30 +588,34 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
     {
         let key = self.watchers.probe(key);
         let mut buffers = self.take_buffers();
+        let cells = &self.cells;
         self.watchers.collect_live(
             &key,
             reached,
             &mut buffers.live,
-            |c| c.is_finished(),
+            |id| cells.is_over(*id),
             &mut buffers.removed,
         );
         self.drop_removed(&mut buffers.removed);
         let checked = buffers.live.len();
-        let completed = buffers.live.iter().filter(|cell| cell.check()).count();
+        let completed = buffers
+            .live
+            .iter()
+            .filter(|id| self.with_op(**id, |op| op.check()) == Some(true))
+            .count();
         let kind = if reached.is_some() {
             WalkKind::Level
         } else {
             WalkKind::Key
         };
         self.count_walk(kind, checked, completed);
-        self.panics
-            .drop_each("drop of an operation's cell", buffers.live.drain(..));
+        buffers.live.clear();
         if reached.is_none() && completed > 0 && completed * 4 >= checked {
             // Room for every entry the walk completed, before the list is locked.
             buffers.removed.entries.reserve(completed);
             let pruned = catch_unwind(AssertUnwindSafe(|| {
                 self.watchers
-                    .prune(&key, |c| c.is_finished(), &mut buffers.removed)
+                    .prune(&key, |id| cells.is_over(*id), &mut buffers.removed)
             }));
             if let Err(panic) = pruned {
                 self.panics.caught("eq of a key", panic);
@@ -547,7 +639,12 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         let ops = removed
             .entries
             .iter()
-            .filter_map(|cell| cell.cancel(OperationError::Cancelled, Fate::Cancelled))
+            .filter_map(|id| {
+                self.with_op(*id, |op| {
+                    op.cancel(OperationError::Cancelled, Fate::Cancelled)
+                })
+                .flatten()
+            })
             .collect();
         self.drop_removed(&mut removed);
         self.maybe_purge();
@@ -589,8 +686,9 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         let removed = &mut buffers.removed;
         removed.entries.reserve(SWEEP_SLICE);
         let state = sweep.get_or_insert_with(|| self.watchers.start_sweep());
+        let cells = &self.cells;
         self.watchers
-            .sweep(state, SWEEP_SLICE, |c| c.is_finished(), removed);
+            .sweep(state, SWEEP_SLICE, |id| cells.is_over(*id), removed);
         let done = state.is_done();
         if done {
             *sweep = None;
@@ -615,14 +713,20 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
     pub(crate) fn close(&self, fate: Fate) -> Vec<O> {
         let jobs = self.core.close(Closed::Shutdown).unwrap_or_default();
         let mut ops = Vec::with_capacity(jobs.len());
-        for Expiry(cell) in jobs {
-            ops.extend(cell.cancel(OperationError::Shutdown, fate));
+        let mut cancel = |id: Id| {
+            if let Some(Some(op)) = self.with_op(id, |op| op.cancel(OperationError::Shutdown, fate))
+            {
+                ops.push(op);
+            }
+        };
+        for Expiry(id, _) in jobs {
+            cancel(id);
         }
         // Operations still registering are in lists but not yet in the timer.
         let mut removed = Removed::default();
         self.watchers.drain(&mut removed);
-        for cell in &removed.entries {
-            ops.extend(cell.cancel(OperationError::Shutdown, fate));
+        for id in &removed.entries {
+            cancel(*id);
         }
         self.drop_removed(&mut removed);
         ops

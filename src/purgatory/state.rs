@@ -76,14 +76,33 @@ impl State {
         }
     }
 
+    /// The state of a cell never used: finished, as a freed one is.
+    pub(crate) fn unused() -> State {
+        State {
+            bits: AtomicU8::new(FINISHED),
+            fate: AtomicU8::new(0),
+            checker: AtomicU64::new(0),
+        }
+    }
+
     /// A state whose check is already owned by thread `me` (a registration, which
     /// runs the operation's second check itself once it is watched).
+    #[cfg(all(test, purgatory_loom))]
     pub(crate) fn checked_by(me: u64) -> State {
         State {
             bits: AtomicU8::new(CHECKING),
             fate: AtomicU8::new(0),
             checker: AtomicU64::new(me),
         }
+    }
+
+    /// Makes this state that of a new registration whose check thread `me`
+    /// owns (as [`checked_by`](Self::checked_by)), for a cell nothing else can
+    /// reach yet (a slab cell being reused).
+    pub(crate) fn restart(&self, me: u64) {
+        self.fate.store(0, Ordering::Relaxed);
+        self.checker.store(me, Ordering::Relaxed);
+        self.bits.store(CHECKING, Ordering::Release);
     }
 
     /// Records how the operation finished (`code` > 0), by whoever set

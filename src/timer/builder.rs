@@ -134,7 +134,7 @@ impl TimerBuilder {
             return Err(BuildError::invalid("max_pending must be at least 1"));
         }
         let host = Host::new(self.reaper.as_ref(), handle)?;
-        let core = Core::start(&self.wheel, self.name, self.max_pending, host)?;
+        let core = Core::start(&self.wheel, self.name, self.max_pending, host, ())?;
         Ok(Timer {
             owner: Arc::new(Owner { core }),
         })

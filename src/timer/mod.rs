@@ -45,7 +45,7 @@ impl Drop for Owner {
                 // does not stop the others.
                 self.core
                     .panics
-                    .run("drop of a task", || job.abandon(Closed::Shutdown));
+                    .run("drop of a task", || job.abandon(&(), Closed::Shutdown));
             }
         }
     }

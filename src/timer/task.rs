@@ -234,12 +234,13 @@ impl fmt::Debug for TimerJob {
 
 impl Job for TimerJob {
     const KIND: &'static str = "timer";
+    type Ctx = ();
 
-    fn expire(self) {
+    fn expire(self, _: &()) {
         self.0.call();
     }
 
-    fn abandon(self, why: Closed) {
+    fn abandon(self, _: &(), why: Closed) {
         // A user's task is dropped unrun (`Timer::shutdown` hands them back
         // instead); a sleep resolves with the reason.
         drop(self.0.stopped(why));

@@ -1,0 +1,520 @@
+//! Where the operations live: a slab of cells, each named by an [`Id`] (its
+//! index and the generation of its current use), so that watch lists and the
+//! timer name an operation without owning it.
+//!
+//! # Ground rules
+//!
+//! - **A cell's life** is one word ([`Life`], loom-checked): its generation, a
+//!   `RETIRED` bit (the operation finished) and a count of the references that
+//!   keep the cell (the handle, each [`OpRef`](super::OpRef), and each call
+//!   using it for a moment). An [`Id`] kept in a watch list or a timer entry is
+//!   not counted: whoever uses one first [`acquire`](Slab::acquire)s it, which
+//!   fails once the cell is retired or reused. So a finished operation's list
+//!   entries hold no memory, and recognising one as a tombstone reads one word.
+//! - **Freeing.** The last release of a retired cell frees it: the generation
+//!   moves on (every [`Id`] of the old use fails from then on) and its index
+//!   goes on a free list. Nothing can acquire a retired cell, so nothing races
+//!   the free. The cell is re-initialised by whoever allocates it next, before
+//!   its new [`Id`] is handed to anyone.
+//! - **Memory.** Cells come in pages of [`PAGE`] that are allocated as the slab
+//!   first grows and then kept for reuse, as a `Vec` keeps its capacity: a
+//!   freed cell is reused by the next registration (on the same thread, most
+//!   recently freed first, while its memory is still in cache), and nothing is
+//!   allocated per operation once the slab has grown to the most operations
+//!   pending at once. A cell's operation and outcome are dropped at the finish
+//!   and when read, as before; only the cell's own bytes stay.
+//! - **Free lists** are per thread stripe (the thread that frees pushes to its
+//!   own); a thread whose list is empty takes half of another's at once.
+
+use std::num::NonZeroU32;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::OnceLock;
+
+use crate::sync::{lock, AtomicU64, Mutex, Striped, STRIPES};
+
+/// Cells in the first page; each of the next [`SMALL`]` - 1` pages holds as
+/// many as all pages before it, so a slab that stays small stays small.
+const FIRST: usize = 32;
+/// Pages that grow (32, 32, 64, ... 4,096 cells: 8,192 in all).
+const SMALL: usize = 9;
+/// Cells in the small pages together.
+const SMALL_CELLS: usize = FIRST << (SMALL - 1);
+/// Cells in each page past the small ones.
+pub(crate) const PAGE: usize = 4096;
+/// Pages per directory past the small pages.
+const PAGES: usize = 1024;
+/// Directories.
+const DIRS: usize = 16;
+/// The most cells a slab holds (about 67 million).
+pub(crate) const CAPACITY: usize = SMALL_CELLS + DIRS * PAGES * PAGE;
+
+/// Names one use of a cell: its index, and the generation of that use
+/// (never 0, so that an `Option<Id>` in a watch list takes 8 bytes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Id {
+    index: u32,
+    generation: NonZeroU32,
+}
+
+const REFS: u64 = (1 << 30) - 1;
+const RETIRED: u64 = 1 << 30;
+const FREE: u64 = 1 << 31;
+const GENERATION_SHIFT: u32 = 32;
+
+/// A cell's life: generation (high 32 bits), `FREE`, `RETIRED`, references.
+#[derive(Debug)]
+pub(crate) struct Life(AtomicU64);
+
+/// What a release found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Released {
+    /// Other references remain, or the operation has not finished.
+    Kept,
+    /// That was the last reference to a retired cell: the caller frees it.
+    Last,
+}
+
+impl Life {
+    /// A cell never used: free, generation 1.
+    pub(crate) fn new() -> Life {
+        Life(AtomicU64::new(1 << GENERATION_SHIFT | FREE))
+    }
+
+    fn generation(word: u64) -> u32 {
+        (word >> GENERATION_SHIFT) as u32
+    }
+
+    /// Takes a free cell into use, with one reference (the caller's); the
+    /// caller owns the cell until it hands out the returned generation.
+    pub(crate) fn start(&self) -> NonZeroU32 {
+        let word = self.0.load(Ordering::Acquire);
+        debug_assert!(word & FREE != 0, "only a free cell starts a use");
+        let generation = NonZeroU32::new(Self::generation(word)).expect("generations skip 0");
+        self.0.store(
+            u64::from(generation.get()) << GENERATION_SHIFT | 1,
+            Ordering::Release,
+        );
+        generation
+    }
+
+    /// A new reference to the use `generation`, unless it has finished
+    /// (retired) or the cell has moved on.
+    pub(crate) fn acquire(&self, generation: NonZeroU32) -> bool {
+        let mut word = self.0.load(Ordering::Acquire);
+        loop {
+            if Self::generation(word) != generation.get() || word & (FREE | RETIRED) != 0 {
+                return false;
+            }
+            assert!(word & REFS < REFS, "too many references to one operation");
+            match self
+                .0
+                .compare_exchange_weak(word, word + 1, Ordering::Acquire, Ordering::Acquire)
+            {
+                Ok(_) => return true,
+                Err(now) => word = now,
+            }
+        }
+    }
+
+    /// Another reference, from a caller that holds one.
+    pub(crate) fn add_ref(&self) {
+        let before = self.0.fetch_add(1, Ordering::Relaxed);
+        assert!(before & REFS < REFS, "too many references to one operation");
+    }
+
+    /// Whether the use `generation` is over (finished, or the cell moved on).
+    pub(crate) fn is_over(&self, generation: NonZeroU32) -> bool {
+        let word = self.0.load(Ordering::Acquire);
+        Self::generation(word) != generation.get() || word & (FREE | RETIRED) != 0
+    }
+
+    /// The operation finished: no new reference can be acquired. Called by a
+    /// holder of a reference.
+    pub(crate) fn retire(&self) {
+        self.0.fetch_or(RETIRED, Ordering::AcqRel);
+    }
+
+    /// Drops a reference.
+    pub(crate) fn release(&self) -> Released {
+        let before = self.0.fetch_sub(1, Ordering::AcqRel);
+        debug_assert!(before & REFS > 0, "a release without a reference");
+        if before & REFS == 1 && before & RETIRED != 0 {
+            Released::Last
+        } else {
+            Released::Kept
+        }
+    }
+
+    /// Frees the cell after [`Released::Last`]: the next use gets the next
+    /// generation.
+    pub(crate) fn free(&self) {
+        let word = self.0.load(Ordering::Acquire);
+        // Wrapping past the last generation goes to 1.
+        let next = Self::generation(word).checked_add(1).unwrap_or(1);
+        self.0.store(
+            u64::from(next) << GENERATION_SHIFT | FREE,
+            Ordering::Release,
+        );
+    }
+}
+
+/// A cell and its life.
+#[derive(Debug)]
+struct Slot<T> {
+    life: Life,
+    value: T,
+}
+
+type Page<T> = Box<[Slot<T>]>;
+/// Pages past the small ones, made as the slab grows into them.
+type Dir<T> = Box<[OnceLock<Page<T>>]>;
+
+/// The slab (see the module's ground rules).
+pub(crate) struct Slab<T> {
+    small: [OnceLock<Page<T>>; SMALL],
+    dirs: [OnceLock<Dir<T>>; DIRS],
+    /// Indices never used yet start here.
+    next: AtomicU32,
+    free: Striped<Mutex<Vec<u32>>>,
+}
+
+impl<T> std::fmt::Debug for Slab<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Slab")
+            .field("grown_to", &self.next.load(Ordering::Relaxed))
+            .finish_non_exhaustive()
+    }
+}
+
+impl<T: Default> Slab<T> {
+    pub(crate) fn new() -> Self {
+        Slab {
+            small: std::array::from_fn(|_| OnceLock::new()),
+            dirs: std::array::from_fn(|_| OnceLock::new()),
+            next: AtomicU32::new(0),
+            free: Striped::default(),
+        }
+    }
+
+    /// Where `index` lives: its page's cell, the number of cells that page
+    /// holds, and its offset in it.
+    fn locate(&self, index: u32) -> (&OnceLock<Page<T>>, usize, usize) {
+        let i = index as usize;
+        if i < FIRST {
+            (&self.small[0], FIRST, i)
+        } else if i < SMALL_CELLS {
+            // Page p >= 1 holds [FIRST << (p - 1), FIRST << p).
+            let p = (usize::BITS - (i / FIRST).leading_zeros()) as usize;
+            let start = FIRST << (p - 1);
+            (&self.small[p], start, i - start)
+        } else {
+            let j = i - SMALL_CELLS;
+            let dir = self.dirs[j / (PAGES * PAGE)]
+                .get_or_init(|| (0..PAGES).map(|_| OnceLock::new()).collect());
+            (&dir[(j / PAGE) % PAGES], PAGE, j % PAGE)
+        }
+    }
+
+    fn slot(&self, index: u32) -> &Slot<T> {
+        let (page, _, offset) = self.locate(index);
+        &page.get().expect("an index handed out has its page")[offset]
+    }
+
+    /// Makes sure the page of a fresh `index` exists.
+    fn grow_to(&self, index: u32) {
+        let (page, cells, _) = self.locate(index);
+        page.get_or_init(|| {
+            (0..cells)
+                .map(|_| Slot {
+                    life: Life::new(),
+                    value: T::default(),
+                })
+                .collect()
+        });
+    }
+
+    /// A free index: this stripe's most recently freed, else half of another
+    /// stripe's list, else a fresh one. `None` at [`CAPACITY`].
+    fn take_index(&self) -> Option<u32> {
+        let mine = self.free.mine();
+        if let Some(i) = lock(mine).pop() {
+            return Some(i);
+        }
+        let start = Striped::<()>::my_index();
+        for k in 1..STRIPES {
+            let other = self.free.nth((start + k) % STRIPES);
+            let mut theirs = match other.try_lock() {
+                Ok(l) => l,
+                Err(_) => continue,
+            };
+            if theirs.is_empty() {
+                continue;
+            }
+            let half = theirs.len() / 2;
+            let taken: Vec<u32> = theirs.drain(half..).collect();
+            drop(theirs);
+            let mut mine = lock(mine);
+            mine.extend(taken);
+            return mine.pop();
+        }
+        let fresh = self.next.fetch_add(1, Ordering::Relaxed);
+        if fresh as usize >= CAPACITY {
+            self.next.fetch_sub(1, Ordering::Relaxed);
+            return None;
+        }
+        self.grow_to(fresh);
+        Some(fresh)
+    }
+
+    /// Takes a free cell into use and lets `init` set it up (nothing else can
+    /// reach it yet); the caller holds one reference to it. `None` when the
+    /// slab is full.
+    pub(crate) fn insert(&self, init: impl FnOnce(&T)) -> Option<Id> {
+        let index = self.take_index()?;
+        let slot = self.slot(index);
+        init(&slot.value);
+        let generation = slot.life.start();
+        Some(Id { index, generation })
+    }
+
+    /// The cell `id` names, for a caller holding a reference to it.
+    pub(crate) fn get(&self, id: Id) -> &T {
+        &self.slot(id.index).value
+    }
+
+    /// A reference to `id`'s cell, unless its operation has finished or the
+    /// cell has moved on; release it with [`release`](Self::release).
+    pub(crate) fn acquire(&self, id: Id) -> Option<&T> {
+        let slot = self.slot(id.index);
+        slot.life.acquire(id.generation).then_some(&slot.value)
+    }
+
+    /// Another reference to `id`'s cell, from a caller holding one.
+    pub(crate) fn add_ref(&self, id: Id) {
+        self.slot(id.index).life.add_ref();
+    }
+
+    /// Whether `id`'s operation has finished (its list entries are tombstones).
+    pub(crate) fn is_over(&self, id: Id) -> bool {
+        self.slot(id.index).life.is_over(id.generation)
+    }
+
+    /// `id`'s operation finished; the caller holds a reference.
+    pub(crate) fn retire(&self, id: Id) {
+        self.slot(id.index).life.retire();
+    }
+
+    /// Drops a reference to `id`'s cell. The last one to a retired cell frees
+    /// it, after `clear` has taken out whatever it still held.
+    pub(crate) fn release(&self, id: Id, clear: impl FnOnce(&T)) {
+        let slot = self.slot(id.index);
+        if slot.life.release() == Released::Last {
+            clear(&slot.value);
+            slot.life.free();
+            lock(self.free.mine()).push(id.index);
+        }
+    }
+
+    /// The bytes one cell takes (its life word and the value).
+    pub(crate) fn slot_bytes() -> usize {
+        std::mem::size_of::<Slot<T>>()
+    }
+
+    /// Cells in use (not free), by a walk over every cell.
+    #[cfg(all(test, not(purgatory_loom)))]
+    pub(crate) fn in_use(&self) -> usize {
+        (0..self.grown() as u32)
+            .filter(|i| self.slot(*i).life.0.load(Ordering::Acquire) & FREE == 0)
+            .count()
+    }
+
+    /// Cells the slab has grown to (in use or free).
+    #[cfg(all(test, not(purgatory_loom)))]
+    pub(crate) fn grown(&self) -> usize {
+        self.next.load(Ordering::Relaxed) as usize
+    }
+}
+
+#[cfg(all(test, not(purgatory_loom)))]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicUsize;
+
+    #[derive(Default)]
+    struct Cell(AtomicUsize);
+
+    #[test]
+    fn an_id_stops_working_once_its_use_is_over() {
+        let s: Slab<Cell> = Slab::new();
+        let id = s.insert(|c| c.0.store(7, Ordering::Relaxed)).unwrap();
+        assert!(!s.is_over(id));
+        assert_eq!(s.acquire(id).unwrap().0.load(Ordering::Relaxed), 7);
+        s.release(id, |_| panic!("not retired"));
+        s.retire(id);
+        assert!(s.is_over(id), "retired");
+        assert!(s.acquire(id).is_none(), "nothing acquires a retired cell");
+        let mut cleared = 0;
+        s.release(id, |_| cleared += 1);
+        assert_eq!(cleared, 1, "the last release frees it");
+        // The index is reused at once, under a new generation.
+        let again = s.insert(|_| {}).unwrap();
+        assert_eq!(again.index, id.index);
+        assert_ne!(again.generation, id.generation);
+        assert!(s.is_over(id) && !s.is_over(again));
+        assert!(s.acquire(id).is_none());
+        assert_eq!(s.grown(), 1);
+    }
+
+    #[test]
+    fn a_retired_cell_is_freed_by_whichever_reference_goes_last() {
+        let s: Slab<Cell> = Slab::new();
+        let id = s.insert(|_| {}).unwrap();
+        s.add_ref(id); // an OpRef
+        s.retire(id);
+        s.release(id, |_| panic!("a reference remains"));
+        let mut cleared = false;
+        s.release(id, |_| cleared = true);
+        assert!(cleared);
+    }
+
+    #[test]
+    fn pages_are_added_as_it_grows_and_freed_cells_come_back_first() {
+        let s: Slab<Cell> = Slab::new();
+        let n = SMALL_CELLS + PAGE + 5;
+        let ids: Vec<Id> = (0..n).map(|_| s.insert(|_| {}).unwrap()).collect();
+        assert_eq!(s.grown(), n);
+        let mut seen = std::collections::HashSet::new();
+        for id in &ids {
+            // Each index has a cell of its own.
+            assert!(seen.insert(s.slot(id.index) as *const Slot<Cell>));
+        }
+        for id in &ids {
+            s.retire(*id);
+            s.release(*id, |_| {});
+        }
+        for _ in 0..ids.len() {
+            s.insert(|_| {}).unwrap();
+        }
+        assert_eq!(s.grown(), n, "no growth while cells are free");
+    }
+
+    #[test]
+    fn a_thread_with_no_free_cells_takes_them_from_another() {
+        let s = std::sync::Arc::new(Slab::<Cell>::new());
+        let ids: Vec<Id> = (0..100).map(|_| s.insert(|_| {}).unwrap()).collect();
+        let t = {
+            let s = s.clone();
+            std::thread::spawn(move || {
+                for id in ids {
+                    s.retire(id);
+                    s.release(id, |_| {});
+                }
+            })
+        };
+        t.join().unwrap();
+        for _ in 0..100 {
+            s.insert(|_| {}).unwrap();
+        }
+        assert_eq!(s.grown(), 100, "freed on another thread, reused here");
+    }
+
+    #[test]
+    fn an_index_maps_to_its_page_across_every_boundary() {
+        // The small pages' sizes, and a directory boundary without filling one.
+        let s: Slab<Cell> = Slab::new();
+        let mut at = 0;
+        for p in 0..SMALL {
+            let (page, cells, offset) = s.locate(at as u32);
+            assert!(std::ptr::eq(page, &s.small[p]), "page {p}");
+            assert_eq!(
+                (cells, offset),
+                (if p == 0 { FIRST } else { FIRST << (p - 1) }, 0)
+            );
+            let (last, _, end) = s.locate((at + cells - 1) as u32);
+            assert!(
+                std::ptr::eq(last, page) && end == cells - 1,
+                "page {p} ends"
+            );
+            at += cells;
+        }
+        assert_eq!(at, SMALL_CELLS);
+        let first_big = s.locate(SMALL_CELLS as u32);
+        assert_eq!((first_big.1, first_big.2), (PAGE, 0));
+        let boundary = (SMALL_CELLS + PAGES * PAGE) as u32;
+        s.grow_to(boundary - 1);
+        s.grow_to(boundary);
+        assert!(!std::ptr::eq(s.slot(boundary - 1), s.slot(boundary)));
+        assert!(s.dirs[1].get().is_some() && s.dirs[2].get().is_none());
+        assert_eq!(s.locate((CAPACITY - 1) as u32).2, PAGE - 1);
+    }
+}
+
+#[cfg(all(test, purgatory_loom))]
+mod loom_life {
+    //! A cell's life under loom: a reference taken by id races the finish and
+    //! the other references' releases; the cell is freed exactly once, and
+    //! never while a reference is held.
+
+    use super::*;
+    use loom::sync::atomic::AtomicUsize;
+    use loom::sync::Arc;
+    use loom::thread;
+
+    #[test]
+    fn loom_an_acquire_racing_the_last_release_never_sees_a_freed_cell() {
+        loom::model(|| {
+            let life = Arc::new(Life::new());
+            let generation = life.start(); // the handle's reference
+            let frees = Arc::new(AtomicUsize::new(0));
+            let walker = {
+                let (life, frees) = (life.clone(), frees.clone());
+                thread::spawn(move || {
+                    if life.acquire(generation) {
+                        // Held: the cell cannot be freed under us.
+                        assert_eq!(frees.load(Ordering::SeqCst), 0, "freed under a holder");
+                        if life.release() == Released::Last {
+                            life.free();
+                            frees.fetch_add(1, Ordering::SeqCst);
+                        }
+                    }
+                })
+            };
+            // The handle finishes the operation and lets go.
+            life.retire();
+            if life.release() == Released::Last {
+                life.free();
+                frees.fetch_add(1, Ordering::SeqCst);
+            }
+            walker.join().unwrap();
+            assert_eq!(frees.load(Ordering::SeqCst), 1, "freed exactly once");
+            assert!(!life.acquire(generation), "the old use is over");
+        });
+    }
+
+    #[test]
+    fn loom_two_holders_release_and_one_frees() {
+        loom::model(|| {
+            let life = Arc::new(Life::new());
+            let generation = life.start();
+            life.add_ref();
+            let frees = Arc::new(AtomicUsize::new(0));
+            let other = {
+                let (life, frees) = (life.clone(), frees.clone());
+                thread::spawn(move || {
+                    life.retire();
+                    if life.release() == Released::Last {
+                        life.free();
+                        frees.fetch_add(1, Ordering::SeqCst);
+                    }
+                })
+            };
+            if life.release() == Released::Last {
+                life.free();
+                frees.fetch_add(1, Ordering::SeqCst);
+            }
+            other.join().unwrap();
+            assert_eq!(frees.load(Ordering::SeqCst), 1);
+            assert!(life.is_over(generation));
+        });
+    }
+}
