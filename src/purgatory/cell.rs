@@ -33,25 +33,36 @@ use super::slab::Id;
 use super::state::{AfterNotYet, Claim, State, CANCEL, EXPIRE};
 use super::WatchKey;
 use crate::core::TimerKey;
-use crate::sync::{lock, thread_index, Mutex};
+use crate::sync::{lock, thread_index, AtomicU8, Mutex};
 
 /// What an operation handle resolves to.
 pub(crate) type Outcome<T> = Result<Completion<T>, OperationError>;
 
 /// Where an outcome waits for its handle: a one-slot mailbox with a waker, and
 /// the key of the operation's timer entry. Loom checks it (`loom_delivery`).
+///
+/// `state` says what the slot holds and whether the handle is gone, so that
+/// the calls that usually find nothing to do (a handle detached before its
+/// outcome, a cell set up again for a new operation or freed) do it without
+/// taking the lock.
 #[derive(Debug)]
 pub(crate) struct Delivery<T> {
+    state: AtomicU8,
     slot: Mutex<Slot<T>>,
 }
+
+/// Nobody will ever read an outcome: don't keep one.
+const DETACHED: u8 = 1;
+/// An outcome is stored.
+const FULL: u8 = 2;
+/// A waker is stored.
+const WAITING: u8 = 4;
 
 #[derive(Debug)]
 struct Slot<T> {
     timer: Option<TimerKey>,
     result: Option<T>,
     waker: Option<Waker>,
-    /// Nobody will ever read `result`: don't keep one.
-    detached: bool,
 }
 
 /// What [`Delivery::deliver`] leaves the caller to do once the lock is gone.
@@ -68,35 +79,50 @@ pub(crate) struct Delivered<T> {
 impl<T> Delivery<T> {
     pub(crate) fn new() -> Self {
         Delivery {
+            state: AtomicU8::new(0),
             slot: Mutex::new(Slot {
                 timer: None,
                 result: None,
                 waker: None,
-                detached: false,
             }),
         }
     }
 
-    /// Empties the slot for a new use of its cell (nothing else reaches it).
+    /// Makes the slot ready for a new use of its cell (nothing else reaches
+    /// it). The slot is empty: a freed cell's was emptied by [`take_all`](Self::take_all),
+    /// and its timer key taken by the delivery.
     pub(crate) fn restart(&self) {
-        let mut s = lock(&self.slot);
-        debug_assert!(s.result.is_none() && s.waker.is_none());
-        s.timer = None;
-        s.detached = false;
+        self.state.store(0, Ordering::Release);
     }
 
-    /// Stores the outcome for the handle, or hands it back when the handle is gone.
+    /// Stores the outcome for the handle, or hands it back when the handle is
+    /// gone; takes the timer key and the waker either way.
     pub(crate) fn deliver(&self, result: T) -> Delivered<T> {
         let mut s = lock(&self.slot);
-        let unread = if s.detached {
-            Some(result)
-        } else {
-            s.result = Some(result);
-            None
-        };
+        let timer = s.timer.take();
+        let waker = s.waker.take();
+        if waker.is_some() {
+            self.state.fetch_and(!WAITING, Ordering::AcqRel);
+        }
+        let mut unread = Some(result);
+        if self.state.load(Ordering::Acquire) & DETACHED == 0 {
+            s.result = unread.take();
+            // Stored unless the handle went meanwhile: a detach that sees
+            // `FULL` takes the outcome (under this lock, after us); one that
+            // came first makes this fail, and the outcome is handed back.
+            let stored = self
+                .state
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |st| {
+                    (st & DETACHED == 0).then_some(st | FULL)
+                })
+                .is_ok();
+            if !stored {
+                unread = s.result.take();
+            }
+        }
         Delivered {
-            timer: s.timer.take(),
-            waker: s.waker.take(),
+            timer,
+            waker,
             unread,
         }
     }
@@ -105,12 +131,14 @@ impl<T> Delivery<T> {
     pub(crate) fn poll(&self, waker: &Waker) -> Option<T> {
         let mut s = lock(&self.slot);
         if let Some(r) = s.result.take() {
+            self.state.fetch_and(!FULL, Ordering::AcqRel);
             return Some(r);
         }
         if s.waker.as_ref().is_some_and(|w| w.will_wake(waker)) {
             return None;
         }
         let old = s.waker.replace(waker.clone());
+        self.state.fetch_or(WAITING, Ordering::AcqRel);
         drop(s);
         drop(old);
         None
@@ -119,8 +147,21 @@ impl<T> Delivery<T> {
     /// Nobody will read the outcome: returns any stored one (and the waker) to be
     /// dropped, and makes later deliveries hand theirs back.
     pub(crate) fn detach(&self) -> (Option<T>, Option<Waker>) {
+        let before = self.state.fetch_or(DETACHED, Ordering::AcqRel);
+        if before & (FULL | WAITING) == 0 {
+            return (None, None);
+        }
+        self.take_all()
+    }
+
+    /// Takes whatever the slot holds (the cell is being freed, or its handle
+    /// detached): nothing to take unless `state` says so.
+    pub(crate) fn take_all(&self) -> (Option<T>, Option<Waker>) {
+        if self.state.load(Ordering::Acquire) & (FULL | WAITING) == 0 {
+            return (None, None);
+        }
         let mut s = lock(&self.slot);
-        s.detached = true;
+        self.state.fetch_and(!(FULL | WAITING), Ordering::AcqRel);
         (s.result.take(), s.waker.take())
     }
 
@@ -207,19 +248,22 @@ impl<O: Operation> OpCell<O> {
     /// second check as that owner, so an event meanwhile only asks for that
     /// check to run again, and nothing can finish the operation before it is
     /// fully registered. Nothing else can reach the cell yet.
-    pub(crate) fn start(&self, op: O, keys: u32, me: u64) {
+    /// Returns what the cell still held (nothing: every finish takes the
+    /// operation out), to be dropped by the caller with no lock held.
+    pub(crate) fn start(&self, op: O, keys: u32, me: u64) -> Option<O> {
         self.keys.store(keys, Ordering::Relaxed);
-        *lock(&self.op) = Some(op);
+        let stale = lock(&self.op).replace(op);
+        debug_assert!(stale.is_none(), "a freed cell holds no operation");
         self.delivery.restart();
         self.state.restart(me);
+        stale
     }
 
-    /// Takes out what a freed cell still holds (nothing, unless a path let
-    /// something stay), to be dropped by the caller with no lock held.
-    pub(crate) fn clear(&self) -> (Option<O>, Option<Outcome<O::Output>>, Option<Waker>) {
-        let op = lock(&self.op).take();
-        let (result, waker) = self.delivery.detach();
-        (op, result, waker)
+    /// Takes out what a cell being freed still holds in its outcome slot (an
+    /// outcome nobody read, a waker), to be dropped by the caller with no lock
+    /// held. Its operation was taken out when it finished.
+    pub(crate) fn clear(&self) -> (Option<Outcome<O::Output>>, Option<Waker>) {
+        self.delivery.take_all()
     }
 }
 
@@ -294,17 +338,21 @@ where
     pub(crate) fn run_checks(&self, me: u64) -> Checked<O> {
         let cell = self.cell;
         loop {
-            let out = {
-                let mut op = lock(&cell.op);
-                let op = op.as_mut().expect("a checked operation is present");
-                catch_unwind(AssertUnwindSafe(|| op.try_complete()))
+            let mut guard = lock(&cell.op);
+            let op = guard.as_mut().expect("a checked operation is present");
+            let out = catch_unwind(AssertUnwindSafe(|| op.try_complete()));
+            // Completed: the operation comes out under the same hold of its
+            // lock (the state is ours until `complete`, so nothing else takes it).
+            let done = match &out {
+                Ok(Some(_)) => guard.take(),
+                _ => None,
             };
+            drop(guard);
             match out {
                 Ok(Some(output)) => {
                     cell.state.complete();
                     cell.state.record_fate(Fate::Completed.code());
-                    let op = lock(&cell.op).take();
-                    self.shared.drop_contained("drop of an operation", op);
+                    self.shared.drop_contained("drop of an operation", done);
                     self.finish(Ok(Completion::Completed(output)), Fate::Completed, true);
                     return Checked::Completed;
                 }

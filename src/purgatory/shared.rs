@@ -233,8 +233,7 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
     /// no lock held, contained).
     pub(crate) fn release(&self, id: Id) {
         self.cells.release(id, |cell| {
-            let (op, out, waker) = cell.clear();
-            self.drop_contained("drop of an operation", op);
+            let (out, waker) = cell.clear();
             self.drop_contained("drop of an output", out);
             drop(waker);
         });
@@ -245,9 +244,11 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
     /// is full.
     pub(crate) fn insert(&self, op: O, keys: u32, me: u64) -> Result<Id, O> {
         let mut op = Some(op);
+        let mut stale = None;
         let id = self.cells.insert(|cell| {
-            cell.start(op.take().expect("set up once"), keys, me);
+            stale = cell.start(op.take().expect("set up once"), keys, me);
         });
+        self.drop_contained("drop of an operation", stale);
         match (id, op) {
             (Some(id), _) => Ok(id),
             (None, Some(op)) => Err(op),

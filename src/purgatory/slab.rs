@@ -158,14 +158,14 @@ impl Life {
     }
 }
 
-/// A cell and its life.
+/// A page: the cells' lives side by side (eight to a cache line, so that
+/// purges and walks telling tombstones from live entries, and references
+/// taken and dropped, touch a small dense array), and the cells.
 #[derive(Debug)]
-struct Slot<T> {
-    life: Life,
-    value: T,
+struct Page<T> {
+    lives: Box<[Life]>,
+    cells: Box<[T]>,
 }
-
-type Page<T> = Box<[Slot<T>]>;
 /// Pages past the small ones, made as the slab grows into them.
 type Dir<T> = Box<[OnceLock<Page<T>>]>;
 
@@ -215,21 +215,30 @@ impl<T: Default> Slab<T> {
         }
     }
 
-    fn slot(&self, index: u32) -> &Slot<T> {
+    fn page(&self, index: u32) -> (&Page<T>, usize) {
         let (page, _, offset) = self.locate(index);
-        &page.get().expect("an index handed out has its page")[offset]
+        (
+            page.get().expect("an index handed out has its page"),
+            offset,
+        )
+    }
+
+    fn life(&self, index: u32) -> &Life {
+        let (page, offset) = self.page(index);
+        &page.lives[offset]
+    }
+
+    fn cell(&self, index: u32) -> &T {
+        let (page, offset) = self.page(index);
+        &page.cells[offset]
     }
 
     /// Makes sure the page of a fresh `index` exists.
     fn grow_to(&self, index: u32) {
         let (page, cells, _) = self.locate(index);
-        page.get_or_init(|| {
-            (0..cells)
-                .map(|_| Slot {
-                    life: Life::new(),
-                    value: T::default(),
-                })
-                .collect()
+        page.get_or_init(|| Page {
+            lives: (0..cells).map(|_| Life::new()).collect(),
+            cells: (0..cells).map(|_| T::default()).collect(),
         });
     }
 
@@ -271,60 +280,63 @@ impl<T: Default> Slab<T> {
     /// slab is full.
     pub(crate) fn insert(&self, init: impl FnOnce(&T)) -> Option<Id> {
         let index = self.take_index()?;
-        let slot = self.slot(index);
-        init(&slot.value);
-        let generation = slot.life.start();
+        let (page, offset) = self.page(index);
+        init(&page.cells[offset]);
+        let generation = page.lives[offset].start();
         Some(Id { index, generation })
     }
 
     /// The cell `id` names, for a caller holding a reference to it.
     pub(crate) fn get(&self, id: Id) -> &T {
-        &self.slot(id.index).value
+        self.cell(id.index)
     }
 
     /// A reference to `id`'s cell, unless its operation has finished or the
     /// cell has moved on; release it with [`release`](Self::release).
     pub(crate) fn acquire(&self, id: Id) -> Option<&T> {
-        let slot = self.slot(id.index);
-        slot.life.acquire(id.generation).then_some(&slot.value)
+        let (page, offset) = self.page(id.index);
+        page.lives[offset]
+            .acquire(id.generation)
+            .then_some(&page.cells[offset])
     }
 
     /// Another reference to `id`'s cell, from a caller holding one.
     pub(crate) fn add_ref(&self, id: Id) {
-        self.slot(id.index).life.add_ref();
+        self.life(id.index).add_ref();
     }
 
     /// Whether `id`'s operation has finished (its list entries are tombstones).
     pub(crate) fn is_over(&self, id: Id) -> bool {
-        self.slot(id.index).life.is_over(id.generation)
+        self.life(id.index).is_over(id.generation)
     }
 
     /// `id`'s operation finished; the caller holds a reference.
     pub(crate) fn retire(&self, id: Id) {
-        self.slot(id.index).life.retire();
+        self.life(id.index).retire();
     }
 
     /// Drops a reference to `id`'s cell. The last one to a retired cell frees
     /// it, after `clear` has taken out whatever it still held.
     pub(crate) fn release(&self, id: Id, clear: impl FnOnce(&T)) {
-        let slot = self.slot(id.index);
-        if slot.life.release() == Released::Last {
-            clear(&slot.value);
-            slot.life.free();
+        let (page, offset) = self.page(id.index);
+        let life = &page.lives[offset];
+        if life.release() == Released::Last {
+            clear(&page.cells[offset]);
+            life.free();
             lock(self.free.mine()).push(id.index);
         }
     }
 
     /// The bytes one cell takes (its life word and the value).
     pub(crate) fn slot_bytes() -> usize {
-        std::mem::size_of::<Slot<T>>()
+        std::mem::size_of::<Life>() + std::mem::size_of::<T>()
     }
 
     /// Cells in use (not free), by a walk over every cell.
     #[cfg(all(test, not(purgatory_loom)))]
     pub(crate) fn in_use(&self) -> usize {
         (0..self.grown() as u32)
-            .filter(|i| self.slot(*i).life.0.load(Ordering::Acquire) & FREE == 0)
+            .filter(|i| self.life(*i).0.load(Ordering::Acquire) & FREE == 0)
             .count()
     }
 
@@ -386,7 +398,7 @@ mod tests {
         let mut seen = std::collections::HashSet::new();
         for id in &ids {
             // Each index has a cell of its own.
-            assert!(seen.insert(s.slot(id.index) as *const Slot<Cell>));
+            assert!(seen.insert(s.cell(id.index) as *const Cell));
         }
         for id in &ids {
             s.retire(*id);
@@ -443,7 +455,7 @@ mod tests {
         let boundary = (SMALL_CELLS + PAGES * PAGE) as u32;
         s.grow_to(boundary - 1);
         s.grow_to(boundary);
-        assert!(!std::ptr::eq(s.slot(boundary - 1), s.slot(boundary)));
+        assert!(!std::ptr::eq(s.cell(boundary - 1), s.cell(boundary)));
         assert!(s.dirs[1].get().is_some() && s.dirs[2].get().is_none());
         assert_eq!(s.locate((CAPACITY - 1) as u32).2, PAGE - 1);
     }
