@@ -46,6 +46,7 @@ pub(crate) type Outcome<T> = Result<Completion<T>, OperationError>;
 /// outcome, a cell set up again for a new operation or freed) do it without
 /// taking the lock.
 #[derive(Debug)]
+#[repr(C)]
 pub(crate) struct Delivery<T> {
     state: AtomicU8,
     slot: Mutex<Slot<T>>,
@@ -214,12 +215,17 @@ pub(crate) enum Checked<O> {
 /// goes. Cells live in the purgatory's slab ([`Slab`](super::slab::Slab)) and
 /// are reused; [`Op`] is a cell together with the purgatory and the [`Id`] of
 /// its current use, held while a reference to it is.
+///
+/// In this order (`repr(C)`): what every check and finish touches first (the
+/// state, the key count, the operation's lock and the start of the
+/// operation) shares the cell's first cache line.
+#[repr(C, align(64))]
 pub(crate) struct OpCell<O: Operation> {
     state: State,
-    op: Mutex<Option<O>>,
-    delivery: Delivery<Outcome<O::Output>>,
     /// Number of watch lists holding this cell (tombstone accounting).
     keys: AtomicU32,
+    op: Mutex<Option<O>>,
+    delivery: Delivery<Outcome<O::Output>>,
 }
 
 impl<O: Operation> Default for OpCell<O> {
@@ -257,6 +263,15 @@ impl<O: Operation> OpCell<O> {
         self.delivery.restart();
         self.state.restart(me);
         stale
+    }
+
+    /// Whether the cell's current use has finished, read with no reference
+    /// held: a hint, right only about the use in it at the time. Reads the
+    /// outcome slot's state too, which lies past the operation: a check that
+    /// follows finds the whole of a small operation in cache.
+    pub(crate) fn looks_finished(&self) -> bool {
+        let slot = self.delivery.state.load(Ordering::Relaxed);
+        self.state.is_finished() || slot == u8::MAX
     }
 
     /// Takes out what a cell being freed still holds in its outcome slot (an

@@ -598,6 +598,12 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
             &mut buffers.removed,
         );
         self.drop_removed(&mut buffers.removed);
+        // Read every live cell once before checking any: plain loads, which
+        // the processor overlaps, bring the cells in together, where the
+        // checks' read-modify-writes would take each cache miss one after
+        // another. A cell that reads as finished (its operation finished, or
+        // its use moved on) needs no check.
+        buffers.live.retain(|id| !cells.peek(*id).looks_finished());
         let checked = buffers.live.len();
         let completed = buffers
             .live

@@ -286,6 +286,13 @@ impl<T: Default> Slab<T> {
         Some(Id { index, generation })
     }
 
+    /// The cell at `id`'s index without a reference: whatever use it is in
+    /// now, for reads that only hint (pages are never freed while the slab
+    /// lives, so the read is always of a cell).
+    pub(crate) fn peek(&self, id: Id) -> &T {
+        self.cell(id.index)
+    }
+
     /// The cell `id` names, for a caller holding a reference to it.
     pub(crate) fn get(&self, id: Id) -> &T {
         self.cell(id.index)
