@@ -270,6 +270,8 @@ impl<O: Operation> OpCell<O> {
     /// outcome slot's state too, which lies past the operation: a check that
     /// follows finds the whole of a small operation in cache.
     pub(crate) fn looks_finished(&self) -> bool {
+        // The slot's state is never `u8::MAX`: comparing with it only makes
+        // the load count, so that it is not optimised away.
         let slot = self.delivery.state.load(Ordering::Relaxed);
         self.state.is_finished() || slot == u8::MAX
     }

@@ -39,7 +39,10 @@ use std::fmt;
 pub enum WatchError<Op> {
     /// The key list was empty: nothing could ever complete the operation early.
     NoKeys(Op),
-    /// The purgatory holds its configured maximum of pending operations.
+    /// The purgatory holds its configured maximum of pending operations
+    /// ([`PurgatoryBuilder::max_pending`](crate::PurgatoryBuilder::max_pending)),
+    /// or, without one, as many operations as it can name (about 67 million
+    /// in cells at once).
     AtCapacity(Op),
     /// The purgatory was shut down (or its last handle dropped).
     Shutdown(Op),
@@ -99,7 +102,8 @@ impl<Op> From<WatchError<Op>> for WatchErrorKind {
 pub enum WatchErrorKind {
     /// The key list was empty.
     NoKeys,
-    /// The purgatory holds its configured maximum of pending operations.
+    /// The purgatory holds its configured maximum of pending operations, or
+    /// as many as it can name.
     AtCapacity,
     /// The purgatory was shut down.
     Shutdown,

@@ -48,8 +48,6 @@ struct Owner<K: WatchKey, O: Operation> {
 impl<K: WatchKey, O: Operation> Drop for Owner<K, O> {
     fn drop(&mut self) {
         // Pending operations are dropped unrun; their handles see `Shutdown`.
-        // Closing the timer and draining the lists also breaks the reference
-        // cycles through the cells.
         let ops = self.shared.close(Fate::Cancelled);
         for op in ops {
             self.shared.drop_contained("drop of an operation", op);
@@ -100,17 +98,20 @@ impl<K: WatchKey, O: Operation> Drop for Owner<K, O> {
 /// A finished operation is dropped at once, and an output is dropped as soon as
 /// its handle reads it or is dropped. Each operation lives in a **cell** of
 /// [`Purgatory::cell_bytes`] bytes (room for the operation, `size_of::<Op>()`,
-/// and for its outcome, `size_of::<Op::Output>()` plus a word). A cell is
-/// free again once the operation has finished and its handle and every
-/// [`OpRef`] to it are gone, and the next registration reuses it: the
-/// purgatory keeps cells for the most operations it has had pending at once
-/// (in pages, as a `Vec` keeps its capacity), and a registration allocates
-/// nothing once it has grown to that. Box a large operation or output
-/// (`Box<LargeState>`) to keep cells small; only the box stays then.
+/// for its outcome, `size_of::<Op::Output>()`, and the cell's own state,
+/// rounded up to 64-byte cache lines). A cell is free again once the
+/// operation has finished and its handle and every [`OpRef`] to it are gone,
+/// and the next registration reuses it: the purgatory keeps cells for the
+/// most operations it has had in cells at once (pending, or finished with a
+/// handle or `OpRef` still held), in pages of up to 4,096 cells, as a `Vec`
+/// keeps its capacity, and a registration allocates nothing once it has grown
+/// to that. Box a large operation or output (`Box<LargeState>`) to keep cells
+/// small; only the box stays then.
 ///
 /// The operation's entries in the watch lists of its other keys become
-/// **tombstones** (8 bytes each: they name the cell's use, which has ended,
-/// and keep nothing alive) until that key is next walked (an entry at a level:
+/// **tombstones** (8 bytes each, 24 for an entry at a level: they name the
+/// cell's use, which has ended, and keep nothing alive) until that key is
+/// next walked (an entry at a level:
 /// until an advance reaches its level) or the amortised purge, which runs in
 /// bounded slices, reaches them (see [`PurgatoryBuilder::purge_interval`]);
 /// keys whose lists empty are removed. [`PurgatoryMetrics::tombstones`] counts
@@ -711,6 +712,10 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
                 return Err(WatchError::AtCapacity(op));
             }
         };
+        // The registration's reference to the cell, let go on every way
+        // out (a key that panics during the watch included), or handed to
+        // the handle.
+        let cell = CellRef::new(shared.clone(), id);
         let keys = shared.watch(id, keys);
 
         // Check again (an event during the watch is not lost), and arm the
@@ -720,11 +725,11 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
         match settled {
             Ok(()) => {
                 shared.maybe_purge();
-                Ok(OperationHandle::waiting(CellRef::new(shared.clone(), id)))
+                Ok(OperationHandle::waiting(cell))
             }
             Err((op, why)) => {
-                shared.op(id).detach();
-                shared.release(id);
+                cell.op().detach();
+                drop(cell);
                 Err(closed_refusal(op, why))
             }
         }
@@ -1089,8 +1094,8 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
 
     /// The bytes an operation's cell occupies on the heap (see "Memory" on
     /// [`Purgatory`]): the purgatory keeps this many bytes for each operation it
-    /// has had pending at once, for reuse. It grows with `size_of::<O>()` and
-    /// `size_of::<O::Output>()`.
+    /// has had in cells at once, for reuse. It grows with `size_of::<O>()` and
+    /// `size_of::<O::Output>()`, in steps of 64 bytes.
     ///
     /// # Examples
     ///
@@ -1460,6 +1465,27 @@ mod tests {
         }
         let grown = p.shared().cells().grown();
         assert!(grown <= 3, "cells are reused: grown to {grown}");
+        // A key that panics while being watched turns the registration back,
+        // and its cell is freed with it.
+        #[derive(PartialEq, Eq, Hash)]
+        struct Bad(u32, bool);
+        impl Clone for Bad {
+            fn clone(&self) -> Self {
+                assert!(!self.1, "a key whose clone panics");
+                Bad(self.0, self.1)
+            }
+        }
+        let q: Purgatory<Bad, Op> = Purgatory::builder().name("bad").build().unwrap();
+        for _ in 0..3 {
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                q.try_complete_else_watch(op(false), long, [Bad(1, false), Bad(2, true)])
+                    .map(|h| h.detach())
+            }));
+            assert!(r.is_err(), "the key's panic reaches the caller");
+            assert_eq!(q.shared().cells().in_use(), 0, "the cell is freed");
+        }
+        assert_eq!(q.shared().cells().grown(), 1, "and reused");
+
         // Pending at shutdown: handed back, its cell freed with its handle.
         let h = p.try_complete_else_watch(op(false), long, [8]).unwrap();
         assert_eq!(p.shutdown().len(), 1);

@@ -218,14 +218,21 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
     /// Runs `f` on the operation `id` names, holding a reference to it for the
     /// while; `None` when it has finished (or its cell moved on).
     pub(crate) fn with_op<R>(&self, id: Id, f: impl FnOnce(Op<'_, K, O>) -> R) -> Option<R> {
+        /// Lets go of the reference however `f` ends (a waker's `wake` may
+        /// panic, for one).
+        struct Held<'a, K: WatchKey, O: Operation>(&'a Shared<K, O>, Id);
+        impl<K: WatchKey, O: Operation> Drop for Held<'_, K, O> {
+            fn drop(&mut self) {
+                self.0.release(self.1);
+            }
+        }
         let cell = self.cells.acquire(id)?;
-        let out = f(Op {
+        let _held = Held(self, id);
+        Some(f(Op {
             shared: self,
             id,
             cell,
-        });
-        self.release(id);
-        Some(out)
+        }))
     }
 
     /// Drops a reference to `id`'s cell; the last one to a finished

@@ -57,6 +57,16 @@ pub(crate) struct Id {
 }
 
 const REFS: u64 = (1 << 30) - 1;
+/// Past this many references to one cell (`OpRef`s leaked with
+/// `mem::forget`, say), the process aborts, as `Arc` does past `isize::MAX`:
+/// the count must never carry into the bits above it. Half the field, so
+/// that threads adding at once cannot carry it either.
+const MAX_REFS: u64 = REFS / 2;
+
+#[cold]
+fn too_many_references() -> ! {
+    std::process::abort()
+}
 const RETIRED: u64 = 1 << 30;
 const FREE: u64 = 1 << 31;
 const GENERATION_SHIFT: u32 = 32;
@@ -105,7 +115,9 @@ impl Life {
             if Self::generation(word) != generation.get() || word & (FREE | RETIRED) != 0 {
                 return false;
             }
-            assert!(word & REFS < REFS, "too many references to one operation");
+            if word & REFS >= MAX_REFS {
+                too_many_references();
+            }
             match self
                 .0
                 .compare_exchange_weak(word, word + 1, Ordering::Acquire, Ordering::Acquire)
@@ -119,7 +131,9 @@ impl Life {
     /// Another reference, from a caller that holds one.
     pub(crate) fn add_ref(&self) {
         let before = self.0.fetch_add(1, Ordering::Relaxed);
-        assert!(before & REFS < REFS, "too many references to one operation");
+        if before & REFS >= MAX_REFS {
+            too_many_references();
+        }
     }
 
     /// Whether the use `generation` is over (finished, or the cell moved on).
@@ -146,15 +160,33 @@ impl Life {
     }
 
     /// Frees the cell after [`Released::Last`]: the next use gets the next
-    /// generation.
-    pub(crate) fn free(&self) {
+    /// generation. Returns `false` when the cell has had its last generation:
+    /// it stays free and is never used again, so that no id of an earlier use
+    /// (a tombstone nobody walked, a level never reached) can ever name a
+    /// later one. One cell in 4 billion uses of it.
+    pub(crate) fn free(&self) -> bool {
         let word = self.0.load(Ordering::Acquire);
-        // Wrapping past the last generation goes to 1.
-        let next = Self::generation(word).checked_add(1).unwrap_or(1);
-        self.0.store(
-            u64::from(next) << GENERATION_SHIFT | FREE,
-            Ordering::Release,
-        );
+        match Self::generation(word).checked_add(1) {
+            Some(next) => {
+                self.0.store(
+                    u64::from(next) << GENERATION_SHIFT | FREE,
+                    Ordering::Release,
+                );
+                true
+            }
+            None => {
+                self.0.store(word & !REFS | FREE, Ordering::Release);
+                false
+            }
+        }
+    }
+
+    /// A free cell at generation `generation` (for tests of the last one).
+    #[cfg(all(test, not(purgatory_loom)))]
+    fn at_generation(generation: u32) -> Life {
+        Life(AtomicU64::new(
+            u64::from(generation) << GENERATION_SHIFT | FREE,
+        ))
     }
 }
 
@@ -242,30 +274,27 @@ impl<T: Default> Slab<T> {
         });
     }
 
-    /// A free index: this stripe's most recently freed, else half of another
-    /// stripe's list, else a fresh one. `None` at [`CAPACITY`].
+    /// A free index: this stripe's most recently freed, else another
+    /// stripe's whole list (swapped for this stripe's empty one, so nothing is
+    /// allocated under either lock; a thread that frees and never registers
+    /// has no use for its list), else a fresh one. `None` at [`CAPACITY`].
     fn take_index(&self) -> Option<u32> {
-        let mine = self.free.mine();
-        if let Some(i) = lock(mine).pop() {
+        let mut mine = lock(self.free.mine());
+        if let Some(i) = mine.pop() {
             return Some(i);
         }
         let start = Striped::<()>::my_index();
         for k in 1..STRIPES {
-            let other = self.free.nth((start + k) % STRIPES);
-            let mut theirs = match other.try_lock() {
-                Ok(l) => l,
-                Err(_) => continue,
-            };
-            if theirs.is_empty() {
+            // Never waits while holding this stripe's lock: no order to keep.
+            let Ok(mut theirs) = self.free.nth((start + k) % STRIPES).try_lock() else {
                 continue;
+            };
+            if !theirs.is_empty() {
+                std::mem::swap(&mut *mine, &mut *theirs);
+                return mine.pop();
             }
-            let half = theirs.len() / 2;
-            let taken: Vec<u32> = theirs.drain(half..).collect();
-            drop(theirs);
-            let mut mine = lock(mine);
-            mine.extend(taken);
-            return mine.pop();
         }
+        drop(mine);
         let fresh = self.next.fetch_add(1, Ordering::Relaxed);
         if fresh as usize >= CAPACITY {
             self.next.fetch_sub(1, Ordering::Relaxed);
@@ -329,8 +358,36 @@ impl<T: Default> Slab<T> {
         let life = &page.lives[offset];
         if life.release() == Released::Last {
             clear(&page.cells[offset]);
-            life.free();
-            lock(self.free.mine()).push(id.index);
+            if life.free() {
+                self.push_free(id.index);
+            }
+        }
+    }
+
+    /// Puts `index` on this thread stripe's free list. A list that has to
+    /// grow grows with its lock released, so that nothing waits on the
+    /// allocator behind it.
+    fn push_free(&self, index: u32) {
+        let stripe = self.free.mine();
+        loop {
+            let mut list = lock(stripe);
+            if list.len() < list.capacity() {
+                list.push(index);
+                return;
+            }
+            let want = (list.capacity() * 2).max(64);
+            drop(list);
+            let mut grown: Vec<u32> = Vec::with_capacity(want);
+            let mut list = lock(stripe);
+            if list.len() < grown.capacity() {
+                grown.extend_from_slice(&list);
+                grown.push(index);
+                let old = std::mem::replace(&mut *list, grown);
+                drop(list);
+                drop(old);
+                return;
+            }
+            // It grew past `want` meanwhile: try again.
         }
     }
 
@@ -382,6 +439,52 @@ mod tests {
         assert!(s.is_over(id) && !s.is_over(again));
         assert!(s.acquire(id).is_none());
         assert_eq!(s.grown(), 1);
+    }
+
+    #[test]
+    fn a_cell_that_had_its_last_generation_is_never_used_again() {
+        let life = Life::at_generation(u32::MAX);
+        let generation = life.start();
+        assert_eq!(generation.get(), u32::MAX);
+        life.retire();
+        assert_eq!(life.release(), Released::Last);
+        assert!(!life.free(), "not put back on a free list");
+        assert!(life.is_over(generation));
+        assert!(!life.acquire(generation));
+        // And the slab does not hand it out: a wrapped cell is left free.
+        let s: Slab<Cell> = Slab::new();
+        let id = s.insert(|_| {}).unwrap();
+        s.page(id.index).0.lives[0].0.store(
+            u64::from(u32::MAX) << GENERATION_SHIFT | 1,
+            Ordering::SeqCst,
+        );
+        let last = Id {
+            index: id.index,
+            generation: NonZeroU32::new(u32::MAX).unwrap(),
+        };
+        s.retire(last);
+        s.release(last, |_| {});
+        let next = s.insert(|_| {}).unwrap();
+        assert_ne!(next.index, id.index, "a fresh cell, not the worn-out one");
+    }
+
+    #[test]
+    fn free_lists_grow_and_are_taken_whole() {
+        let s: Slab<Cell> = Slab::new();
+        let ids: Vec<Id> = (0..1000).map(|_| s.insert(|_| {}).unwrap()).collect();
+        for id in &ids {
+            s.retire(*id);
+            s.release(*id, |_| {});
+        }
+        assert_eq!(lock(s.free.mine()).len(), 1000);
+        let mut again: Vec<u32> = (0..1000).map(|_| s.insert(|_| {}).unwrap().index).collect();
+        again.sort();
+        assert_eq!(
+            again,
+            (0..1000).collect::<Vec<u32>>(),
+            "each freed cell once"
+        );
+        assert_eq!(s.grown(), 1000);
     }
 
     #[test]
