@@ -16,15 +16,17 @@
 //!   goes on a free list. Nothing can acquire a retired cell, so nothing races
 //!   the free. The cell is re-initialised by whoever allocates it next, before
 //!   its new [`Id`] is handed to anyone.
-//! - **Memory.** Cells come in pages of [`PAGE`] that are allocated as the slab
-//!   first grows and then kept for reuse, as a `Vec` keeps its capacity: a
+//! - **Memory.** Cells come in pages (32 cells, doubling to [`PAGE`]) that are
+//!   allocated as the slab first grows and then kept for reuse, as a `Vec`
+//!   keeps its capacity: a
 //!   freed cell is reused by the next registration (on the same thread, most
 //!   recently freed first, while its memory is still in cache), and nothing is
 //!   allocated per operation once the slab has grown to the most operations
-//!   pending at once. A cell's operation and outcome are dropped at the finish
-//!   and when read, as before; only the cell's own bytes stay.
+//!   in cells at once. A cell's operation and outcome are dropped at the finish
+//!   and when read; only the cell's own bytes stay.
 //! - **Free lists** are per thread stripe (the thread that frees pushes to its
-//!   own); a thread whose list is empty takes half of another's at once.
+//!   own); a thread whose list is empty takes another stripe's whole list
+//!   in exchange for its empty one. Nothing is allocated under their locks.
 
 use std::num::NonZeroU32;
 use std::sync::atomic::{AtomicU32, Ordering};
