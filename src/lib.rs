@@ -350,8 +350,9 @@
 //!   ([`Purgatory::cell_bytes`]) is reused by the next registration; the
 //!   purgatory keeps cells for the most operations it has had pending at once,
 //!   so registering allocates nothing in the steady state. What stays in other
-//!   keys' lists is a tombstone of 8 bytes (24 at a level), removed by the next walk of that key or
-//!   an amortised purge, and counted in [`PurgatoryMetrics::tombstones`].
+//!   keys' lists is a tombstone of 8 bytes (24 at a level), removed by the next walk of that key,
+//!   an amortised purge, or the purge that runs once nothing is pending, and
+//!   counted in [`PurgatoryMetrics::tombstones`].
 //! - **Handles are safe to share and to keep.** Polling from several tasks wakes
 //!   the latest; a timer handle whose slot was reused can never touch the newer
 //!   entry.

@@ -942,3 +942,58 @@ async fn a_weak_handle_does_not_keep_the_purgatory_alive() {
     assert!(dropped.load(Ordering::SeqCst), "the operation went with it");
     assert_eq!(h.await, Err(OperationError::Shutdown));
 }
+
+/// Once the last pending operation goes (a hang-up, an expiry, a cancel
+/// through an `OpRef`), the keys it watched leave the map then, without
+/// waiting for a walk of each key or for tombstones to pass the purge
+/// interval.
+#[tokio::test(start_paused = true)]
+async fn keys_nobody_watches_leave_the_map_when_their_last_operation_goes() {
+    let p: Purgatory<u32, Mock> = Purgatory::new();
+    let shape = |p: &Purgatory<u32, Mock>| {
+        let m = p.metrics();
+        (m.keys, m.watched, m.tombstones)
+    };
+    // A hang-up: the handle dropped.
+    let h = p
+        .try_complete_else_watch(Mock::default(), ms(100_000), [1, 2])
+        .unwrap();
+    assert_eq!(shape(&p), (2, 2, 0));
+    drop(h);
+    assert_eq!(shape(&p), (0, 0, 0), "hang-up");
+    // An expiry.
+    p.try_complete_else_watch(Mock::default(), ms(10), [3])
+        .unwrap()
+        .detach();
+    advance(ms(11)).await;
+    settle().await;
+    assert_eq!(p.metrics().expired, 1);
+    assert_eq!(shape(&p), (0, 0, 0), "expiry");
+    // A cancel through an OpRef, and `cancel()`.
+    let h = p
+        .try_complete_else_watch(Mock::default(), ms(100_000), [4])
+        .unwrap();
+    let r = h.op_ref().unwrap();
+    h.detach();
+    assert!(r.cancel().is_some());
+    assert_eq!(shape(&p), (0, 0, 0), "OpRef::cancel");
+    let h = p
+        .try_complete_else_watch(Mock::default(), ms(100_000), [5])
+        .unwrap();
+    assert!(h.cancel().is_some());
+    assert_eq!(shape(&p), (0, 0, 0), "cancel");
+    // A key another operation still watches stays, with that watch only.
+    let a = p
+        .try_complete_else_watch(Mock::default(), ms(100_000), [6, 7])
+        .unwrap();
+    let b = p
+        .try_complete_else_watch(Mock::default(), ms(100_000), [7])
+        .unwrap();
+    drop(a);
+    // Another operation pending: its tombstones wait, as before, for a walk
+    // or the amortised purge.
+    assert_eq!(shape(&p), (2, 3, 2));
+    drop(b);
+    assert_eq!(shape(&p), (0, 0, 0), "the last one went");
+    assert!(balanced(&p.metrics()));
+}

@@ -152,12 +152,16 @@ impl<K: WatchKey, O: Operation, S: BuildHasher + Send + Sync + 'static> Purgator
     /// run (default 1000, Kafka's `purgeInterval`). A purge starts once
     /// tombstones exceed both this and the live entries, so it removes at least
     /// as many entries as it keeps. It runs in slices on the threads of
-    /// registrations, key walks and cancellations by key (never on the reaper):
-    /// each such call visits at most 128 plain entries (a key's watches at a
+    /// registrations, key walks and cancellations by key: each such call
+    /// visits at most 128 plain entries (a key's watches at a
     /// level, kept in a heap, are visited in one go when the purge reaches
     /// them), and the purge ends once it has been through every key. No call stalls for a pass over every list;
     /// the purge itself notes the keys it will visit when it starts, one word
-    /// per key. Walking a key also removes its own tombstones.
+    /// per key. Walking a key also removes its own tombstones. And once no
+    /// operation is pending, the expiry or cancellation that left it so
+    /// (on the reaper, or the thread that cancelled) purges up to about 1,000
+    /// entries at once, whatever the interval: the keys a now idle purgatory
+    /// held leave the map then.
     ///
     /// # Examples
     ///

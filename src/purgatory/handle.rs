@@ -334,7 +334,9 @@ where
             Inner::Waiting(cell) => {
                 let op = cell.op();
                 op.detach();
-                op.cancel(OperationError::Cancelled, Fate::Cancelled)
+                let taken = op.cancel(OperationError::Cancelled, Fate::Cancelled);
+                cell.shared.tidy();
+                taken
             }
             Inner::Ready(_) | Inner::Taken => None,
         }
@@ -411,6 +413,7 @@ impl<K: WatchKey, O: Operation> Drop for OperationHandle<K, O> {
             if let Some(taken) = op.cancel(OperationError::Cancelled, Fate::Cancelled) {
                 cell.shared.drop_contained("drop of an operation", taken);
             }
+            cell.shared.tidy();
         }
     }
 }
@@ -743,8 +746,11 @@ where
     /// # }
     /// ```
     pub fn cancel(&self) -> Option<O> {
-        self.cell
+        let taken = self
+            .cell
             .op()
-            .cancel(OperationError::Cancelled, Fate::Cancelled)
+            .cancel(OperationError::Cancelled, Fate::Cancelled);
+        self.cell.shared.tidy();
+        taken
     }
 }

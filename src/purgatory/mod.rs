@@ -111,11 +111,13 @@ impl<K: WatchKey, O: Operation> Drop for Owner<K, O> {
 /// The operation's entries in the watch lists of its other keys become
 /// **tombstones** (8 bytes each, 24 for an entry at a level: they name the
 /// cell's use, which has ended, and keep nothing alive) until that key is
-/// next walked (an entry at a level:
-/// until an advance reaches its level) or the amortised purge, which runs in
-/// bounded slices, reaches them (see [`PurgatoryBuilder::purge_interval`]);
-/// keys whose lists empty are removed. [`PurgatoryMetrics::tombstones`] counts
-/// them, apart from live watch entries.
+/// next walked (an entry at a level: until an advance reaches its level) or
+/// the amortised purge, which runs in bounded slices, reaches them (see
+/// [`PurgatoryBuilder::purge_interval`]); and once nothing is pending, the
+/// expiry or cancellation of the last pending operation purges them then (up
+/// to about 1,000 entries at once). Keys whose lists empty are removed.
+/// [`PurgatoryMetrics::tombstones`] counts them, apart from live watch
+/// entries.
 ///
 /// # Shutdown
 ///

@@ -27,6 +27,10 @@ use crate::watchers::{KeyHasher, Removed, Sweep, Watchers};
 /// The most watch-list entries one call visits for the purge.
 const SWEEP_SLICE: usize = 128;
 
+/// Entries purged at once after the last pending operation expires or is
+/// cancelled (see [`Shared::tidy`]): a map that small is purged whole.
+const SMALL_LISTS: usize = 1024;
+
 /// What the purgatory lends its timer core: itself, once built.
 pub(crate) type Lent<K, O> = OnceLock<Weak<Shared<K, O>>>;
 
@@ -51,6 +55,7 @@ impl<K: WatchKey, O: Operation> Job for Expiry<K, O> {
     fn expire(self, ctx: &Self::Ctx) {
         if let Some(shared) = ctx.get().and_then(Weak::upgrade) {
             shared.with_op(self.0, |op| op.expire());
+            shared.tidy();
         }
     }
 
@@ -87,14 +92,16 @@ pub(crate) fn closed_refusal<O>(op: O, why: Closed) -> WatchError<O> {
 /// and the entries purged so far.
 #[derive(Debug)]
 struct Purge {
-    sweep: Mutex<Option<Sweep>>,
+    /// The purge under way, or the last one, done (its room kept).
+    sweep: Mutex<Sweep>,
     sweeping: AtomicBool,
     purged: AtomicU64,
 }
 
-/// State shared by the purgatory handles and every operation cell. Aligned so
-/// that the `Arc`'s reference count, which every new cell bumps, has a cache
-/// line to itself instead of sharing one with the fields every call reads.
+/// State shared by the purgatory handles and every operation's handle and
+/// `OpRef`. Aligned so that the `Arc`'s reference count, which every new
+/// handle bumps, has a cache line to itself instead of sharing one with the
+/// fields every call reads.
 #[repr(align(128))]
 pub(crate) struct Shared<K: WatchKey, O: Operation> {
     core: Arc<PurgatoryCore<K, O>>,
@@ -183,7 +190,7 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
             watchers: Watchers::new(watcher_shards, hasher),
             books: Books::new(max_pending),
             purge: Padded(Purge {
-                sweep: Mutex::new(None),
+                sweep: Mutex::new(Sweep::idle()),
                 sweeping: AtomicBool::new(false),
                 purged: AtomicU64::new(0),
             }),
@@ -686,12 +693,42 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
                 return;
             }
         }
+        self.purge_slice();
+    }
+
+    /// After an operation expired or was cancelled through its handle or an
+    /// `OpRef`: once no operation is pending, every entry left in the watch
+    /// lists is a tombstone, and a small map (at most [`SMALL_LISTS`]
+    /// entries) is purged whole at once, so that the keys leave the map then
+    /// rather than at the next walk of each key or once tombstones pass the
+    /// interval. A larger one gets that many entries' worth of purge (the
+    /// rest waits for later calls, as it would without this). Nothing is
+    /// pending when every entry is a tombstone (a pending operation has a
+    /// live entry once registered); the check sums the stripes of both counts.
+    pub(crate) fn tidy(&self) {
+        let entries = self.watchers.len();
+        if entries == 0 || self.books.tombstones() < entries {
+            return;
+        }
+        // SMALL_LISTS / SWEEP_SLICE slices, and a few more for keys whose
+        // lists are only levels; another thread on the purge ends this.
+        for _ in 0..=SMALL_LISTS / SWEEP_SLICE + 8 {
+            if !self.purge_slice() {
+                break;
+            }
+        }
+    }
+
+    /// One slice of the purge (starting one if none is under way); returns
+    /// whether the purge goes on.
+    fn purge_slice(&self) -> bool {
+        let purge = &self.purge.0;
         let mut sweep = match purge.sweep.try_lock() {
             Ok(sweep) => sweep,
             // No code that can panic runs under this lock; recover anyway.
             Err(TryLockError::Poisoned(p)) => p.into_inner(),
             // Another thread is on the purge.
-            Err(TryLockError::WouldBlock) => return,
+            Err(TryLockError::WouldBlock) => return false,
         };
         // Room for a whole slice before the lists are locked: growing the
         // buffer entry by entry would allocate several times per slice, on
@@ -699,13 +736,15 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         let mut buffers = self.take_buffers();
         let removed = &mut buffers.removed;
         removed.entries.reserve(SWEEP_SLICE);
-        let state = sweep.get_or_insert_with(|| self.watchers.start_sweep());
+        if sweep.is_done() {
+            self.watchers.restart_sweep(&mut sweep);
+        }
         let cells = &self.cells;
         self.watchers
-            .sweep(state, SWEEP_SLICE, |id| cells.is_over(*id), removed);
-        let done = state.is_done();
+            .sweep(&mut sweep, SWEEP_SLICE, |id| cells.is_over(*id), removed);
+        let done = sweep.is_done();
         if done {
-            *sweep = None;
+            sweep.trim();
         }
         purge.sweeping.store(!done, Ordering::Release);
         drop(sweep);
@@ -719,6 +758,7 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
             done,
             "purged a slice of finished operations"
         );
+        !done
     }
 
     /// Closes the timer and empties the watch lists; returns the operations taken.

@@ -115,6 +115,24 @@ impl Sweep {
     pub(crate) fn is_done(&self) -> bool {
         self.next >= self.hashes.len()
     }
+
+    /// A sweep with nothing to visit (done), to be started by
+    /// [`Watchers::restart_sweep`].
+    pub(crate) fn idle() -> Sweep {
+        Sweep {
+            hashes: Vec::new(),
+            next: 0,
+            begun: false,
+        }
+    }
+
+    /// Lets go of the room for the keys' hashes once it is past 1,024 keys:
+    /// a sweep of a small map keeps it from one purge to the next.
+    pub(crate) fn trim(&mut self) {
+        if self.hashes.capacity() > 1024 {
+            self.hashes = Vec::new();
+        }
+    }
 }
 
 impl<K, V> Default for Removed<K, V> {
@@ -341,12 +359,22 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
 
     /// Begins a purge: notes every key now in the table (their stored hashes, so
     /// no key code runs), for [`sweep`](Self::sweep) to visit in slices.
+    #[cfg(all(test, not(purgatory_loom)))]
     pub(crate) fn start_sweep(&self) -> Sweep {
-        Sweep {
-            hashes: self.lists.iter().map(|item| item.key().hash).collect(),
-            next: 0,
-            begun: false,
-        }
+        let mut sweep = Sweep::idle();
+        self.restart_sweep(&mut sweep);
+        sweep
+    }
+
+    /// Starts `sweep` again over the keys in the table now, in the room it
+    /// kept (DashMap's iteration takes one guard per shard, allocated).
+    pub(crate) fn restart_sweep(&self, sweep: &mut Sweep) {
+        sweep.hashes.clear();
+        sweep
+            .hashes
+            .extend(self.lists.iter().map(|item| item.key().hash));
+        sweep.next = 0;
+        sweep.begun = false;
     }
 
     /// Goes on with `sweep`: visits at most `budget` entries from where it
