@@ -359,7 +359,7 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
 
     /// Begins a purge: notes every key now in the table (their stored hashes, so
     /// no key code runs), for [`sweep`](Self::sweep) to visit in slices.
-    #[cfg(all(test, not(purgatory_loom)))]
+    #[cfg(test)]
     pub(crate) fn start_sweep(&self) -> Sweep {
         let mut sweep = Sweep::idle();
         self.restart_sweep(&mut sweep);
