@@ -257,17 +257,9 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
     /// thread `me`, with one reference (the caller's); `op` back when the slab
     /// is full.
     pub(crate) fn insert(&self, op: O, keys: u32, me: u64) -> Result<Id, O> {
-        let mut op = Some(op);
-        let mut stale = None;
-        let id = self.cells.insert(|cell| {
-            stale = cell.start(op.take().expect("set up once"), keys, me);
-        });
+        let (id, stale) = self.cells.insert(op, |cell, op| cell.start(op, keys, me))?;
         self.drop_contained("drop of an operation", stale);
-        match (id, op) {
-            (Some(id), _) => Ok(id),
-            (None, Some(op)) => Err(op),
-            (None, None) => unreachable!("a full slab sets up no cell"),
-        }
+        Ok(id)
     }
 
     /// Counts a walk of `kind` that asked `checked` operations to check and

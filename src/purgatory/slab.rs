@@ -306,15 +306,21 @@ impl<T: Default> Slab<T> {
         Some(fresh)
     }
 
-    /// Takes a free cell into use and lets `init` set it up (nothing else can
-    /// reach it yet); the caller holds one reference to it. `None` when the
-    /// slab is full.
-    pub(crate) fn insert(&self, init: impl FnOnce(&T)) -> Option<Id> {
-        let index = self.take_index()?;
+    /// Takes a free cell into use and lets `init` set it up with `value`
+    /// (nothing else can reach it yet); the caller holds one reference to it.
+    /// `value` comes back when the slab is full.
+    pub(crate) fn insert<V, R>(
+        &self,
+        value: V,
+        init: impl FnOnce(&T, V) -> R,
+    ) -> Result<(Id, R), V> {
+        let Some(index) = self.take_index() else {
+            return Err(value);
+        };
         let (page, offset) = self.page(index);
-        init(&page.cells[offset]);
+        let out = init(&page.cells[offset], value);
         let generation = page.lives[offset].start();
-        Some(Id { index, generation })
+        Ok((Id { index, generation }, out))
     }
 
     /// The cell at `id`'s index without a reference: whatever use it is in
@@ -421,10 +427,18 @@ mod tests {
     #[derive(Default)]
     struct Cell(AtomicUsize);
 
+    /// A cell taken into use with nothing set up.
+    fn fresh(s: &Slab<Cell>) -> Id {
+        s.insert((), |_, ()| ()).unwrap().0
+    }
+
     #[test]
     fn an_id_stops_working_once_its_use_is_over() {
         let s: Slab<Cell> = Slab::new();
-        let id = s.insert(|c| c.0.store(7, Ordering::Relaxed)).unwrap();
+        let id = s
+            .insert(7, |c, v| c.0.store(v, Ordering::Relaxed))
+            .unwrap()
+            .0;
         assert!(!s.is_over(id));
         assert_eq!(s.acquire(id).unwrap().0.load(Ordering::Relaxed), 7);
         s.release(id, |_| panic!("not retired"));
@@ -435,7 +449,7 @@ mod tests {
         s.release(id, |_| cleared += 1);
         assert_eq!(cleared, 1, "the last release frees it");
         // The index is reused at once, under a new generation.
-        let again = s.insert(|_| {}).unwrap();
+        let again = fresh(&s);
         assert_eq!(again.index, id.index);
         assert_ne!(again.generation, id.generation);
         assert!(s.is_over(id) && !s.is_over(again));
@@ -455,7 +469,7 @@ mod tests {
         assert!(!life.acquire(generation));
         // And the slab does not hand it out: a wrapped cell is left free.
         let s: Slab<Cell> = Slab::new();
-        let id = s.insert(|_| {}).unwrap();
+        let id = fresh(&s);
         s.page(id.index).0.lives[0].0.store(
             u64::from(u32::MAX) << GENERATION_SHIFT | 1,
             Ordering::SeqCst,
@@ -466,20 +480,20 @@ mod tests {
         };
         s.retire(last);
         s.release(last, |_| {});
-        let next = s.insert(|_| {}).unwrap();
+        let next = fresh(&s);
         assert_ne!(next.index, id.index, "a fresh cell, not the worn-out one");
     }
 
     #[test]
     fn free_lists_grow_and_are_taken_whole() {
         let s: Slab<Cell> = Slab::new();
-        let ids: Vec<Id> = (0..1000).map(|_| s.insert(|_| {}).unwrap()).collect();
+        let ids: Vec<Id> = (0..1000).map(|_| fresh(&s)).collect();
         for id in &ids {
             s.retire(*id);
             s.release(*id, |_| {});
         }
         assert_eq!(lock(s.free.mine()).len(), 1000);
-        let mut again: Vec<u32> = (0..1000).map(|_| s.insert(|_| {}).unwrap().index).collect();
+        let mut again: Vec<u32> = (0..1000).map(|_| fresh(&s).index).collect();
         again.sort();
         assert_eq!(
             again,
@@ -492,7 +506,7 @@ mod tests {
     #[test]
     fn a_retired_cell_is_freed_by_whichever_reference_goes_last() {
         let s: Slab<Cell> = Slab::new();
-        let id = s.insert(|_| {}).unwrap();
+        let id = fresh(&s);
         s.add_ref(id); // an OpRef
         s.retire(id);
         s.release(id, |_| panic!("a reference remains"));
@@ -505,7 +519,7 @@ mod tests {
     fn pages_are_added_as_it_grows_and_freed_cells_come_back_first() {
         let s: Slab<Cell> = Slab::new();
         let n = SMALL_CELLS + PAGE + 5;
-        let ids: Vec<Id> = (0..n).map(|_| s.insert(|_| {}).unwrap()).collect();
+        let ids: Vec<Id> = (0..n).map(|_| fresh(&s)).collect();
         assert_eq!(s.grown(), n);
         let mut seen = std::collections::HashSet::new();
         for id in &ids {
@@ -517,7 +531,7 @@ mod tests {
             s.release(*id, |_| {});
         }
         for _ in 0..ids.len() {
-            s.insert(|_| {}).unwrap();
+            fresh(&s);
         }
         assert_eq!(s.grown(), n, "no growth while cells are free");
     }
@@ -525,7 +539,7 @@ mod tests {
     #[test]
     fn a_thread_with_no_free_cells_takes_them_from_another() {
         let s = std::sync::Arc::new(Slab::<Cell>::new());
-        let ids: Vec<Id> = (0..100).map(|_| s.insert(|_| {}).unwrap()).collect();
+        let ids: Vec<Id> = (0..100).map(|_| fresh(&s)).collect();
         let t = {
             let s = s.clone();
             std::thread::spawn(move || {
@@ -537,7 +551,7 @@ mod tests {
         };
         t.join().unwrap();
         for _ in 0..100 {
-            s.insert(|_| {}).unwrap();
+            fresh(&s);
         }
         assert_eq!(s.grown(), 100, "freed on another thread, reused here");
     }
