@@ -5,10 +5,10 @@
 //!
 //! Who may touch what, and under which lock:
 //!
-//! - **`state`** (lock-free, `state.rs`): decides who owns the operation at each
-//!   moment. Only the owner of `CHECKING` touches `op` to check it; only whoever
-//!   sets `FINISHED` takes `op` out and calls [`OpCell::finish`]. So the operation
-//!   finishes exactly once.
+//! - **The life word** (lock-free, `state.rs`, beside the cell in the slab):
+//!   decides who owns the operation at each moment. Only the owner of
+//!   `CHECKING` touches `op` to check it; only whoever sets `FINISHED` takes
+//!   `op` out and calls [`Op::finish`]. So the operation finishes exactly once.
 //! - **`op`**: its mutex is held while the owner runs `try_complete` (by design: it
 //!   is what serialises checks with taking the operation out), and for the moment
 //!   it takes to move the operation out. No other user code runs under it, and the
@@ -30,7 +30,7 @@ use super::error::OperationError;
 use super::operation::{Completion, Operation};
 use super::shared::Shared;
 use super::slab::Id;
-use super::state::{AfterNotYet, Claim, State, CANCEL, EXPIRE};
+use super::state::{AfterNotYet, Claim, Life, Owner, CANCEL, EXPIRE};
 use super::WatchKey;
 use crate::core::TimerKey;
 use crate::sync::{lock, thread_index, AtomicU8, Mutex};
@@ -221,7 +221,8 @@ pub(crate) enum Checked<O> {
 /// operation) shares the cell's first cache line.
 #[repr(C, align(64))]
 pub(crate) struct OpCell<O: Operation> {
-    state: State,
+    /// Who checks it and how it finished (its state is in its [`Life`]).
+    owner: Owner,
     /// Number of watch lists holding this cell (tombstone accounting).
     keys: AtomicU32,
     op: Mutex<Option<O>>,
@@ -231,7 +232,7 @@ pub(crate) struct OpCell<O: Operation> {
 impl<O: Operation> Default for OpCell<O> {
     fn default() -> Self {
         OpCell {
-            state: State::unused(),
+            owner: Owner::default(),
             op: Mutex::new(None),
             delivery: Delivery::new(),
             keys: AtomicU32::new(0),
@@ -242,7 +243,6 @@ impl<O: Operation> Default for OpCell<O> {
 impl<O: Operation> std::fmt::Debug for OpCell<O> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("OpCell")
-            .field("finished", &self.state.is_finished())
             .field("keys", &self.keys)
             .finish_non_exhaustive()
     }
@@ -261,19 +261,17 @@ impl<O: Operation> OpCell<O> {
         let stale = lock(&self.op).replace(op);
         debug_assert!(stale.is_none(), "a freed cell holds no operation");
         self.delivery.restart();
-        self.state.restart(me);
+        self.owner.restart(me);
         stale
     }
 
-    /// Whether the cell's current use has finished, read with no reference
-    /// held: a hint, right only about the use in it at the time. Reads the
-    /// outcome slot's state too, which lies past the operation: a check that
-    /// follows finds the whole of a small operation in cache.
-    pub(crate) fn looks_finished(&self) -> bool {
-        // The slot's state is never `u8::MAX`: comparing with it only makes
-        // the load count, so that it is not optimised away.
-        let slot = self.delivery.state.load(Ordering::Relaxed);
-        self.state.is_finished() || slot == u8::MAX
+    /// Reads the cell's first line and its outcome slot's state, which lies
+    /// past the operation, with no reference held (whatever use the cell is
+    /// in): a check that follows finds the whole of a small operation in
+    /// cache.
+    pub(crate) fn warm(&self) {
+        std::hint::black_box(self.keys.load(Ordering::Relaxed));
+        std::hint::black_box(self.delivery.state.load(Ordering::Relaxed));
     }
 
     /// Takes out what a cell being freed still holds in its outcome slot (an
@@ -284,12 +282,16 @@ impl<O: Operation> OpCell<O> {
     }
 }
 
-/// A referenced cell, with the purgatory it belongs to and the [`Id`] of its
-/// use: what the cell's methods need to count, deliver and free.
+/// A cell, with the purgatory it belongs to, the [`Id`] of its use and its
+/// [`Life`]: what the cell's methods need to count, deliver and free. Held
+/// with a reference to the cell, except for [`check`](Op::check),
+/// [`expire`](Op::expire) and [`cancel`](Op::cancel), which need none: they
+/// name the use by its generation, and keep the cell while they work on it.
 pub(crate) struct Op<'a, K: WatchKey, O: Operation> {
     pub(crate) shared: &'a Shared<K, O>,
     pub(crate) id: Id,
     pub(crate) cell: &'a OpCell<O>,
+    pub(crate) life: &'a Life,
 }
 
 impl<K: WatchKey, O: Operation> Clone for Op<'_, K, O> {
@@ -306,18 +308,22 @@ where
     O: Operation,
 {
     pub(crate) fn is_finished(&self) -> bool {
-        self.cell.state.is_finished()
+        self.life.is_finished()
+    }
+
+    fn generation(&self) -> std::num::NonZeroU32 {
+        super::slab::Slab::<OpCell<O>>::generation(self.id)
     }
 
     /// How the operation stands: `None` while pending, else its fate.
     pub(crate) fn fate(&self) -> Option<Fate> {
-        if !self.cell.state.is_finished() {
+        if !self.life.is_finished() {
             return None;
         }
         loop {
             // Recorded right after `FINISHED` is set, before any user code
             // runs: a few instructions at most to wait here.
-            if let Some(fate) = Fate::from_code(self.cell.state.fate()) {
+            if let Some(fate) = Fate::from_code(self.cell.owner.fate()) {
                 return Some(fate);
             }
             std::hint::spin_loop();
@@ -327,17 +333,20 @@ where
     /// Runs `f` on the pending operation under its lock (the lock its checks
     /// hold: `f` never overlaps a check); `None` once it has finished.
     pub(crate) fn update<R>(&self, f: impl FnOnce(&mut O) -> R) -> Option<R> {
-        if self.cell.state.is_finished() {
+        if self.life.is_finished() {
             return None;
         }
         lock(&self.cell.op).as_mut().map(f)
     }
 
     /// Runs the operation's check, or asks the running checker to check again.
-    /// Returns whether this call completed the operation.
+    /// Returns whether this call completed the operation. Needs no reference.
     pub(crate) fn check(&self) -> bool {
         let me = thread_index();
-        if !self.cell.state.begin_check(me) {
+        if !self
+            .life
+            .begin_check(self.generation(), me, &self.cell.owner)
+        {
             return false;
         }
         match self.run_checks(me) {
@@ -367,8 +376,8 @@ where
             drop(guard);
             match out {
                 Ok(Some(output)) => {
-                    cell.state.complete();
-                    cell.state.record_fate(Fate::Completed.code());
+                    self.life.complete(&cell.owner);
+                    cell.owner.record_fate(Fate::Completed.code());
                     self.shared.drop_contained("drop of an operation", done);
                     self.finish(Ok(Completion::Completed(output)), Fate::Completed, true);
                     return Checked::Completed;
@@ -376,15 +385,15 @@ where
                 Ok(None) => {}
                 Err(panic) => self.shared.panics().caught("try_complete", panic),
             }
-            match cell.state.end_check(me) {
+            match self.life.end_check(me, &cell.owner) {
                 AfterNotYet::Recheck => continue,
                 AfterNotYet::Release => return Checked::Pending,
                 AfterNotYet::Cancel => {
-                    cell.state.record_fate(Fate::Cancelled.code());
+                    cell.owner.record_fate(Fate::Cancelled.code());
                     return Checked::Cancelled(self.take_op());
                 }
                 AfterNotYet::Expire => {
-                    cell.state.record_fate(Fate::Expired.code());
+                    cell.owner.record_fate(Fate::Expired.code());
                     self.run_expiry(self.take_op());
                     return Checked::Expired;
                 }
@@ -399,21 +408,24 @@ where
     }
 
     /// Abandons a registration whose key code panicked, as its owner: marks the
-    /// operation finished without counting it, and returns it.
+    /// operation finished without counting it, and returns it. The caller
+    /// still holds the registration's reference.
     pub(crate) fn abandon_registration(&self) -> O {
-        self.cell.state.abandon();
-        self.cell.state.record_fate(Fate::HandedBack.code());
-        self.shared.cells().retire(self.id);
+        self.life.abandon(&self.cell.owner);
+        self.cell.owner.record_fate(Fate::HandedBack.code());
         drop(self.cell.delivery.detach());
-        self.take_op()
+        let op = self.take_op();
+        // The finisher's reference.
+        self.shared.release(self.id);
+        op
     }
 
     /// Claims the operation (expiry or cancellation), taking it out, unless a
     /// check is running: then the request is left for the checker.
-    fn claim(&self, request: u8, fate: Fate) -> Option<O> {
-        match self.cell.state.claim(request) {
+    fn claim(&self, request: u64, fate: Fate) -> Option<O> {
+        match self.life.claim(self.generation(), request) {
             Claim::Won => {
-                self.cell.state.record_fate(fate.code());
+                self.cell.owner.record_fate(fate.code());
                 Some(self.take_op())
             }
             Claim::Deferred | Claim::Finished => None,
@@ -449,15 +461,24 @@ where
         Some(op)
     }
 
-    /// Counts the finished operation, retires its cell (its list entries are
-    /// tombstones from now on), delivers its outcome (once `FINISHED` is set)
-    /// and removes its timer entry when `cancel_timer`; then, with no lock
-    /// held, drops an outcome nobody will read and wakes the handle.
+    /// Counts the finished operation (`FINISHED` is set: its list entries are
+    /// tombstones from now on), delivers its outcome and removes its timer
+    /// entry when `cancel_timer`; then, with no lock held, drops an outcome
+    /// nobody will read, wakes the handle, and lets go of the finisher's
+    /// reference (which may free the cell: the caller uses it no more).
     pub(crate) fn finish(&self, result: Outcome<O::Output>, fate: Fate, cancel_timer: bool) {
+        /// Lets go of the finisher's reference however this ends (a waker's
+        /// `wake` may panic).
+        struct Finisher<'a, K: WatchKey, O: Operation>(&'a Shared<K, O>, Id);
+        impl<K: WatchKey, O: Operation> Drop for Finisher<'_, K, O> {
+            fn drop(&mut self) {
+                self.0.release(self.1);
+            }
+        }
+        let _finisher = Finisher(self.shared, self.id);
         // The final word (a cancel deferred to a check was recorded as a plain
         // cancel; shutdown's hand-back is told here).
-        self.cell.state.record_fate(fate.code());
-        self.shared.cells().retire(self.id);
+        self.cell.owner.record_fate(fate.code());
         self.shared
             .on_finished(fate, self.cell.keys.load(Ordering::Relaxed));
         let d = self.cell.delivery.deliver(result);

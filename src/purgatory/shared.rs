@@ -54,7 +54,8 @@ impl<K: WatchKey, O: Operation> Job for Expiry<K, O> {
 
     fn expire(self, ctx: &Self::Ctx) {
         if let Some(shared) = ctx.get().and_then(Weak::upgrade) {
-            shared.with_op(self.0, |op| op.expire());
+            // No reference needed: the claim names the use by its generation.
+            shared.op(self.0).expire();
             shared.tidy();
         }
     }
@@ -213,12 +214,14 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         &self.cells
     }
 
-    /// The operation `id` names, for a caller holding a reference to it.
+    /// The operation `id` names, for a caller holding a reference to it, or
+    /// for the calls of [`Op`] that need none.
     pub(crate) fn op(&self, id: Id) -> Op<'_, K, O> {
         Op {
             shared: self,
             id,
             cell: self.cells.get(id),
+            life: self.cells.life(id),
         }
     }
 
@@ -239,6 +242,7 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
             shared: self,
             id,
             cell,
+            life: self.cells.life(id),
         }))
     }
 
@@ -607,14 +611,18 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         // Read every live cell once before checking any: plain loads, which
         // the processor overlaps, bring the cells in together, where the
         // checks' read-modify-writes would take each cache miss one after
-        // another. A cell that reads as finished (its operation finished, or
-        // its use moved on) needs no check.
-        buffers.live.retain(|id| !cells.peek(*id).looks_finished());
+        // another.
+        for id in &buffers.live {
+            cells.peek(*id).warm();
+        }
         let checked = buffers.live.len();
+        // A check takes no reference: beginning it names the use by its
+        // generation (an operation finished meanwhile is not checked), and
+        // the check keeps the cell until it ends.
         let completed = buffers
             .live
             .iter()
-            .filter(|id| self.with_op(**id, |op| op.check()) == Some(true))
+            .filter(|id| self.op(**id).check())
             .count();
         let kind = if reached.is_some() {
             WalkKind::Level

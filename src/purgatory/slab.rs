@@ -4,18 +4,20 @@
 //!
 //! # Ground rules
 //!
-//! - **A cell's life** is one word ([`Life`], loom-checked): its generation, a
-//!   `RETIRED` bit (the operation finished) and a count of the references that
-//!   keep the cell (the handle, each [`OpRef`](super::OpRef), and each call
-//!   using it for a moment). An [`Id`] kept in a watch list or a timer entry is
-//!   not counted: whoever uses one first [`acquire`](Slab::acquire)s it, which
-//!   fails once the cell is retired or reused. So a finished operation's list
-//!   entries hold no memory, and recognising one as a tombstone reads one word.
-//! - **Freeing.** The last release of a retired cell frees it: the generation
-//!   moves on (every [`Id`] of the old use fails from then on) and its index
-//!   goes on a free list. Nothing can acquire a retired cell, so nothing races
-//!   the free. The cell is re-initialised by whoever allocates it next, before
-//!   its new [`Id`] is handed to anyone.
+//! - **A cell's life** is one word ([`Life`], loom-checked, in `state.rs`):
+//!   its generation, the operation's state (finished, being checked, what
+//!   was asked of its checker) and a count of the references that keep the
+//!   cell (the handle, each [`OpRef`](super::OpRef), and each call using it
+//!   for a moment). An [`Id`] kept in a watch list or a timer entry is not
+//!   counted: whoever uses one first acquires it, begins its check or claims
+//!   it, each of which fails once the operation has finished or the cell is
+//!   reused. So a finished operation's list entries hold no memory, and
+//!   recognising one as a tombstone reads one word.
+//! - **Freeing.** The last release of a finished cell that nobody checks
+//!   frees it: the generation moves on (every [`Id`] of the old use fails
+//!   from then on) and its index goes on a free list. Nothing can acquire a
+//!   finished cell, so nothing races the free. The cell is re-initialised by
+//!   whoever allocates it next, before its new [`Id`] is handed to anyone.
 //! - **Memory.** Cells come in pages (32 cells, doubling to [`PAGE`]) that are
 //!   allocated as the slab first grows and then kept for reuse, as a `Vec`
 //!   keeps its capacity: a
@@ -32,7 +34,8 @@ use std::num::NonZeroU32;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::OnceLock;
 
-use crate::sync::{lock, AtomicU64, Mutex, Striped, STRIPES};
+use super::state::{Life, Released};
+use crate::sync::{lock, Mutex, Striped, STRIPES};
 
 /// Cells in the first page; each of the next [`SMALL`]` - 1` pages holds as
 /// many as all pages before it, so a slab that stays small stays small.
@@ -56,140 +59,6 @@ pub(crate) const CAPACITY: usize = SMALL_CELLS + DIRS * PAGES * PAGE;
 pub(crate) struct Id {
     index: u32,
     generation: NonZeroU32,
-}
-
-const REFS: u64 = (1 << 30) - 1;
-/// Past this many references to one cell (`OpRef`s leaked with
-/// `mem::forget`, say), the process aborts, as `Arc` does past `isize::MAX`:
-/// the count must never carry into the bits above it. Half the field, so
-/// that threads adding at once cannot carry it either.
-const MAX_REFS: u64 = REFS / 2;
-
-#[cold]
-fn too_many_references() -> ! {
-    std::process::abort()
-}
-const RETIRED: u64 = 1 << 30;
-const FREE: u64 = 1 << 31;
-const GENERATION_SHIFT: u32 = 32;
-
-/// A cell's life: generation (high 32 bits), `FREE`, `RETIRED`, references.
-#[derive(Debug)]
-pub(crate) struct Life(AtomicU64);
-
-/// What a release found.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Released {
-    /// Other references remain, or the operation has not finished.
-    Kept,
-    /// That was the last reference to a retired cell: the caller frees it.
-    Last,
-}
-
-impl Life {
-    /// A cell never used: free, generation 1.
-    pub(crate) fn new() -> Life {
-        Life(AtomicU64::new(1 << GENERATION_SHIFT | FREE))
-    }
-
-    fn generation(word: u64) -> u32 {
-        (word >> GENERATION_SHIFT) as u32
-    }
-
-    /// Takes a free cell into use, with one reference (the caller's); the
-    /// caller owns the cell until it hands out the returned generation.
-    pub(crate) fn start(&self) -> NonZeroU32 {
-        let word = self.0.load(Ordering::Acquire);
-        debug_assert!(word & FREE != 0, "only a free cell starts a use");
-        let generation = NonZeroU32::new(Self::generation(word)).expect("generations skip 0");
-        self.0.store(
-            u64::from(generation.get()) << GENERATION_SHIFT | 1,
-            Ordering::Release,
-        );
-        generation
-    }
-
-    /// A new reference to the use `generation`, unless it has finished
-    /// (retired) or the cell has moved on.
-    pub(crate) fn acquire(&self, generation: NonZeroU32) -> bool {
-        let mut word = self.0.load(Ordering::Acquire);
-        loop {
-            if Self::generation(word) != generation.get() || word & (FREE | RETIRED) != 0 {
-                return false;
-            }
-            if word & REFS >= MAX_REFS {
-                too_many_references();
-            }
-            match self
-                .0
-                .compare_exchange_weak(word, word + 1, Ordering::Acquire, Ordering::Acquire)
-            {
-                Ok(_) => return true,
-                Err(now) => word = now,
-            }
-        }
-    }
-
-    /// Another reference, from a caller that holds one.
-    pub(crate) fn add_ref(&self) {
-        let before = self.0.fetch_add(1, Ordering::Relaxed);
-        if before & REFS >= MAX_REFS {
-            too_many_references();
-        }
-    }
-
-    /// Whether the use `generation` is over (finished, or the cell moved on).
-    pub(crate) fn is_over(&self, generation: NonZeroU32) -> bool {
-        let word = self.0.load(Ordering::Acquire);
-        Self::generation(word) != generation.get() || word & (FREE | RETIRED) != 0
-    }
-
-    /// The operation finished: no new reference can be acquired. Called by a
-    /// holder of a reference.
-    pub(crate) fn retire(&self) {
-        self.0.fetch_or(RETIRED, Ordering::AcqRel);
-    }
-
-    /// Drops a reference.
-    pub(crate) fn release(&self) -> Released {
-        let before = self.0.fetch_sub(1, Ordering::AcqRel);
-        debug_assert!(before & REFS > 0, "a release without a reference");
-        if before & REFS == 1 && before & RETIRED != 0 {
-            Released::Last
-        } else {
-            Released::Kept
-        }
-    }
-
-    /// Frees the cell after [`Released::Last`]: the next use gets the next
-    /// generation. Returns `false` when the cell has had its last generation:
-    /// it stays free and is never used again, so that no id of an earlier use
-    /// (a tombstone nobody walked, a level never reached) can ever name a
-    /// later one. One cell in 4 billion uses of it.
-    pub(crate) fn free(&self) -> bool {
-        let word = self.0.load(Ordering::Acquire);
-        match Self::generation(word).checked_add(1) {
-            Some(next) => {
-                self.0.store(
-                    u64::from(next) << GENERATION_SHIFT | FREE,
-                    Ordering::Release,
-                );
-                true
-            }
-            None => {
-                self.0.store(word & !REFS | FREE, Ordering::Release);
-                false
-            }
-        }
-    }
-
-    /// A free cell at generation `generation` (for tests of the last one).
-    #[cfg(all(test, not(purgatory_loom)))]
-    fn at_generation(generation: u32) -> Life {
-        Life(AtomicU64::new(
-            u64::from(generation) << GENERATION_SHIFT | FREE,
-        ))
-    }
 }
 
 /// A page: the cells' lives side by side (eight to a cache line, so that
@@ -257,9 +126,20 @@ impl<T: Default> Slab<T> {
         )
     }
 
-    fn life(&self, index: u32) -> &Life {
+    fn life_at(&self, index: u32) -> &Life {
         let (page, offset) = self.page(index);
         &page.lives[offset]
+    }
+
+    /// The life word at `id`'s index (whatever use it is in now: its
+    /// methods that take a generation tell the use apart).
+    pub(crate) fn life(&self, id: Id) -> &Life {
+        self.life_at(id.index)
+    }
+
+    /// The generation of `id`'s use.
+    pub(crate) fn generation(id: Id) -> NonZeroU32 {
+        id.generation
     }
 
     fn cell(&self, index: u32) -> &T {
@@ -307,7 +187,8 @@ impl<T: Default> Slab<T> {
     }
 
     /// Takes a free cell into use and lets `init` set it up with `value`
-    /// (nothing else can reach it yet); the caller holds one reference to it.
+    /// (nothing else can reach it yet); the caller holds one reference to it
+    /// and owns its check (see [`Life::start`]).
     /// `value` comes back when the slab is full.
     pub(crate) fn insert<V, R>(
         &self,
@@ -346,20 +227,15 @@ impl<T: Default> Slab<T> {
 
     /// Another reference to `id`'s cell, from a caller holding one.
     pub(crate) fn add_ref(&self, id: Id) {
-        self.life(id.index).add_ref();
+        self.life_at(id.index).add_ref();
     }
 
     /// Whether `id`'s operation has finished (its list entries are tombstones).
     pub(crate) fn is_over(&self, id: Id) -> bool {
-        self.life(id.index).is_over(id.generation)
+        self.life_at(id.index).is_over(id.generation)
     }
 
-    /// `id`'s operation finished; the caller holds a reference.
-    pub(crate) fn retire(&self, id: Id) {
-        self.life(id.index).retire();
-    }
-
-    /// Drops a reference to `id`'s cell. The last one to a retired cell frees
+    /// Drops a reference to `id`'s cell. The last one to a finished cell frees
     /// it, after `clear` has taken out whatever it still held.
     pub(crate) fn release(&self, id: Id, clear: impl FnOnce(&T)) {
         let (page, offset) = self.page(id.index);
@@ -408,7 +284,7 @@ impl<T: Default> Slab<T> {
     #[cfg(all(test, not(purgatory_loom)))]
     pub(crate) fn in_use(&self) -> usize {
         (0..self.grown() as u32)
-            .filter(|i| self.life(*i).0.load(Ordering::Acquire) & FREE == 0)
+            .filter(|i| !self.life_at(*i).is_free())
             .count()
     }
 
@@ -422,6 +298,7 @@ impl<T: Default> Slab<T> {
 #[cfg(all(test, not(purgatory_loom)))]
 mod tests {
     use super::*;
+    use crate::purgatory::state::{AfterNotYet, Claim, Owner, CANCEL};
     use std::sync::atomic::AtomicUsize;
 
     #[derive(Default)]
@@ -430,6 +307,16 @@ mod tests {
     /// A cell taken into use with nothing set up.
     fn fresh(s: &Slab<Cell>) -> Id {
         s.insert((), |_, ()| ()).unwrap().0
+    }
+
+    /// Finishes `id`'s use as a cancel would: its registration's check ends,
+    /// a claim wins, and the finisher lets go of its reference. The caller's
+    /// reference is left.
+    fn finish(s: &Slab<Cell>, id: Id) {
+        let (life, owner) = (s.life(id), Owner::default());
+        assert_eq!(life.end_check(1, &owner), AfterNotYet::Release);
+        assert_eq!(life.claim(Slab::<Cell>::generation(id), CANCEL), Claim::Won);
+        assert_eq!(life.release(), Released::Kept);
     }
 
     #[test]
@@ -441,10 +328,10 @@ mod tests {
             .0;
         assert!(!s.is_over(id));
         assert_eq!(s.acquire(id).unwrap().0.load(Ordering::Relaxed), 7);
-        s.release(id, |_| panic!("not retired"));
-        s.retire(id);
-        assert!(s.is_over(id), "retired");
-        assert!(s.acquire(id).is_none(), "nothing acquires a retired cell");
+        s.release(id, |_| panic!("not finished"));
+        finish(&s, id);
+        assert!(s.is_over(id), "finished");
+        assert!(s.acquire(id).is_none(), "nothing acquires a finished cell");
         let mut cleared = 0;
         s.release(id, |_| cleared += 1);
         assert_eq!(cleared, 1, "the last release frees it");
@@ -459,29 +346,21 @@ mod tests {
 
     #[test]
     fn a_cell_that_had_its_last_generation_is_never_used_again() {
-        let life = Life::at_generation(u32::MAX);
-        let generation = life.start();
-        assert_eq!(generation.get(), u32::MAX);
-        life.retire();
-        assert_eq!(life.release(), Released::Last);
-        assert!(!life.free(), "not put back on a free list");
-        assert!(life.is_over(generation));
-        assert!(!life.acquire(generation));
-        // And the slab does not hand it out: a wrapped cell is left free.
-        let s: Slab<Cell> = Slab::new();
+        let mut s: Slab<Cell> = Slab::new();
         let id = fresh(&s);
-        s.page(id.index).0.lives[0].0.store(
-            u64::from(u32::MAX) << GENERATION_SHIFT | 1,
-            Ordering::SeqCst,
-        );
-        let last = Id {
-            index: id.index,
-            generation: NonZeroU32::new(u32::MAX).unwrap(),
-        };
-        s.retire(last);
+        finish(&s, id);
+        s.release(id, |_| {});
+        // The freed cell comes back at its last generation.
+        s.small[0].get_mut().unwrap().lives[0] = Life::at_generation(u32::MAX);
+        let last = fresh(&s);
+        assert_eq!((last.index, last.generation.get()), (0, u32::MAX));
+        finish(&s, last);
         s.release(last, |_| {});
+        assert!(s.is_over(last));
+        assert!(s.acquire(last).is_none());
+        assert!(s.life(last).is_free(), "left free");
         let next = fresh(&s);
-        assert_ne!(next.index, id.index, "a fresh cell, not the worn-out one");
+        assert_ne!(next.index, 0, "a fresh cell, not the worn-out one");
     }
 
     #[test]
@@ -489,7 +368,7 @@ mod tests {
         let s: Slab<Cell> = Slab::new();
         let ids: Vec<Id> = (0..1000).map(|_| fresh(&s)).collect();
         for id in &ids {
-            s.retire(*id);
+            finish(&s, *id);
             s.release(*id, |_| {});
         }
         assert_eq!(lock(s.free.mine()).len(), 1000);
@@ -504,11 +383,11 @@ mod tests {
     }
 
     #[test]
-    fn a_retired_cell_is_freed_by_whichever_reference_goes_last() {
+    fn a_finished_cell_is_freed_by_whichever_reference_goes_last() {
         let s: Slab<Cell> = Slab::new();
         let id = fresh(&s);
         s.add_ref(id); // an OpRef
-        s.retire(id);
+        finish(&s, id);
         s.release(id, |_| panic!("a reference remains"));
         let mut cleared = false;
         s.release(id, |_| cleared = true);
@@ -527,7 +406,7 @@ mod tests {
             assert!(seen.insert(s.cell(id.index) as *const Cell));
         }
         for id in &ids {
-            s.retire(*id);
+            finish(&s, *id);
             s.release(*id, |_| {});
         }
         for _ in 0..ids.len() {
@@ -544,7 +423,7 @@ mod tests {
             let s = s.clone();
             std::thread::spawn(move || {
                 for id in ids {
-                    s.retire(id);
+                    finish(&s, id);
                     s.release(id, |_| {});
                 }
             })
@@ -584,75 +463,5 @@ mod tests {
         assert!(!std::ptr::eq(s.cell(boundary - 1), s.cell(boundary)));
         assert!(s.dirs[1].get().is_some() && s.dirs[2].get().is_none());
         assert_eq!(s.locate((CAPACITY - 1) as u32).2, PAGE - 1);
-    }
-}
-
-#[cfg(all(test, purgatory_loom))]
-mod loom_life {
-    //! A cell's life under loom: a reference taken by id races the finish and
-    //! the other references' releases; the cell is freed exactly once, and
-    //! never while a reference is held.
-
-    use super::*;
-    use loom::sync::atomic::AtomicUsize;
-    use loom::sync::Arc;
-    use loom::thread;
-
-    #[test]
-    fn loom_an_acquire_racing_the_last_release_never_sees_a_freed_cell() {
-        loom::model(|| {
-            let life = Arc::new(Life::new());
-            let generation = life.start(); // the handle's reference
-            let frees = Arc::new(AtomicUsize::new(0));
-            let walker = {
-                let (life, frees) = (life.clone(), frees.clone());
-                thread::spawn(move || {
-                    if life.acquire(generation) {
-                        // Held: the cell cannot be freed under us.
-                        assert_eq!(frees.load(Ordering::SeqCst), 0, "freed under a holder");
-                        if life.release() == Released::Last {
-                            life.free();
-                            frees.fetch_add(1, Ordering::SeqCst);
-                        }
-                    }
-                })
-            };
-            // The handle finishes the operation and lets go.
-            life.retire();
-            if life.release() == Released::Last {
-                life.free();
-                frees.fetch_add(1, Ordering::SeqCst);
-            }
-            walker.join().unwrap();
-            assert_eq!(frees.load(Ordering::SeqCst), 1, "freed exactly once");
-            assert!(!life.acquire(generation), "the old use is over");
-        });
-    }
-
-    #[test]
-    fn loom_two_holders_release_and_one_frees() {
-        loom::model(|| {
-            let life = Arc::new(Life::new());
-            let generation = life.start();
-            life.add_ref();
-            let frees = Arc::new(AtomicUsize::new(0));
-            let other = {
-                let (life, frees) = (life.clone(), frees.clone());
-                thread::spawn(move || {
-                    life.retire();
-                    if life.release() == Released::Last {
-                        life.free();
-                        frees.fetch_add(1, Ordering::SeqCst);
-                    }
-                })
-            };
-            if life.release() == Released::Last {
-                life.free();
-                frees.fetch_add(1, Ordering::SeqCst);
-            }
-            other.join().unwrap();
-            assert_eq!(frees.load(Ordering::SeqCst), 1);
-            assert!(life.is_over(generation));
-        });
     }
 }

@@ -1,35 +1,65 @@
-//! The per-operation completion state machine, on its own so that loom can check
-//! every interleaving of it (`RUSTFLAGS="--cfg purgatory_loom" cargo test --release --lib loom`).
+//! A cell's life and the completion state machine of the operation in it, in
+//! one word per cell ([`Life`]), on its own so that loom can check every
+//! interleaving of it (`RUSTFLAGS="--cfg purgatory_loom" cargo test --release --lib loom`).
 //!
-//! Five bits: `CHECKING` (one caller owns the operation and runs its check),
-//! `RERUN` (another caller asked for a check meanwhile), `EXPIRE` and `CANCEL`
-//! (the timeout fired, or a cancel arrived, meanwhile), `FINISHED` (terminal).
+//! The word holds the cell's generation (high 32 bits), `FREE`, `FINISHED`
+//! (terminal for the use), `CHECKING` (one caller owns the operation and runs
+//! its check), the requests left for that caller (`RERUN`: another caller
+//! asked for a check meanwhile; `EXPIRE` and `CANCEL`: the timeout fired, or a
+//! cancel arrived, meanwhile), and a count of the references that keep the
+//! cell.
 //!
-//! - A check starts only by setting `CHECKING` on a state without it; if it is
-//!   set, the caller sets `RERUN` and leaves, and the owner checks once more
-//!   before releasing. So checks never overlap and an event that arrives during a
-//!   check is never lost (Kafka's KAFKA-6653).
-//! - Expiry and cancellation claim the operation (`-> FINISHED`) when no check runs;
-//!   if one does, they leave a request bit and the owner acts on it after its check
-//!   returns "not yet". So expiry code never runs beside a check (KAFKA-19312),
-//!   and a check that succeeds wins over a concurrent timeout.
+//! - A check starts only by setting `CHECKING` on a live use without it; if it
+//!   is set, the caller sets `RERUN` and leaves, and the owner checks once more
+//!   before releasing. So checks never overlap and an event that arrives during
+//!   a check is never lost (Kafka's KAFKA-6653).
+//! - Expiry and cancellation claim the operation (`-> FINISHED`) when no check
+//!   runs; if one does, they leave a request bit and the owner acts on it after
+//!   its check returns "not yet". So expiry code never runs beside a check
+//!   (KAFKA-19312), and a check that succeeds wins over a concurrent timeout.
 //! - Whoever sets `FINISHED` alone finishes the operation: exactly once.
+//! - **Who keeps the cell.** Each reference (the handle, each `OpRef`, a call
+//!   using the cell for a moment) is counted. `CHECKING` keeps the cell too, so
+//!   a walk checks an operation it found by id with one read-modify-write to
+//!   begin and one to end, and takes no reference. Setting `FINISHED` adds a
+//!   reference, the finisher's, let go once the outcome is delivered. The
+//!   last release of a finished cell that nobody checks frees it: the
+//!   generation moves on, and every id of the old use fails from then on.
+//! - Beginning a check, claiming and acquiring all name the use by its
+//!   generation, so an id kept in a watch list or the timer (which keeps
+//!   nothing alive) can never reach a later use of its cell.
 //!
-//! The owner's thread is recorded while it checks, so that its own check calling
-//! back into itself (walking its own key) is not taken for an outside event: a
-//! re-run for that would loop forever.
+//! The owner's thread is recorded while it checks (in the cell, beside the
+//! word), so that its own check calling back into itself (walking its own key)
+//! is not taken for an outside event: a re-run for that would loop forever.
 
+use std::num::NonZeroU32;
 use std::sync::atomic::Ordering;
 
 use crate::sync::{AtomicU64, AtomicU8};
 
-const CHECKING: u8 = 1;
-const RERUN: u8 = 2;
-/// Request bit: the timeout fired during a check.
-pub(crate) const EXPIRE: u8 = 4;
+/// The reference count's bits.
+const REFS: u64 = (1 << 26) - 1;
+/// Past this many references to one cell (`OpRef`s leaked with
+/// `mem::forget`, say), the process aborts, as `Arc` does past `isize::MAX`:
+/// the count must never carry into the bits above it. Half the field, so
+/// that threads adding at once cannot carry it either.
+const MAX_REFS: u64 = REFS / 2;
 /// Request bit: a cancel arrived during a check.
-pub(crate) const CANCEL: u8 = 8;
-const FINISHED: u8 = 16;
+pub(crate) const CANCEL: u64 = 1 << 26;
+/// Request bit: the timeout fired during a check.
+pub(crate) const EXPIRE: u64 = 1 << 27;
+const RERUN: u64 = 1 << 28;
+const CHECKING: u64 = 1 << 29;
+const FINISHED: u64 = 1 << 30;
+const FREE: u64 = 1 << 31;
+const REQUESTS: u64 = RERUN | EXPIRE | CANCEL;
+const GENERATION_SHIFT: u32 = 32;
+
+#[cold]
+fn too_many_references() -> ! {
+    std::process::abort()
+}
 
 /// What a check that returned "not yet" must do next.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -38,71 +68,67 @@ pub(crate) enum AfterNotYet {
     Recheck,
     /// Nothing was asked: the operation is released, still pending.
     Release,
-    /// A cancel arrived meanwhile: the caller now owns it (`FINISHED`) and cancels it.
+    /// A cancel arrived meanwhile: the caller now finishes it (`FINISHED`,
+    /// with the finisher's reference) as cancelled.
     Cancel,
-    /// The timeout fired meanwhile: the caller now owns it (`FINISHED`) and expires it.
+    /// The timeout fired meanwhile: the caller now finishes it (`FINISHED`,
+    /// with the finisher's reference) as expired.
     Expire,
 }
 
 /// What a claim (by expiry or cancellation) found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Claim {
-    /// The caller owns the operation now (`FINISHED`).
+    /// The caller finishes the operation now (`FINISHED`, with the
+    /// finisher's reference).
     Won,
     /// A check is running; it will act on the request when it returns "not yet".
     Deferred,
-    /// Already finished.
+    /// Already finished, or the cell has moved on.
     Finished,
 }
 
+/// What a release found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Released {
+    /// Other references remain, a check runs, or the operation has not finished.
+    Kept,
+    /// That was the last reference to a finished cell nobody checks: the
+    /// caller frees it.
+    Last,
+}
+
+/// A cell's life and its operation's state (see the module's notes).
 #[derive(Debug)]
-pub(crate) struct State {
-    bits: AtomicU8,
+pub(crate) struct Life(AtomicU64);
+
+/// Who checks the operation in a cell, and how it finished: kept in the cell,
+/// beside its [`Life`].
+#[derive(Debug)]
+pub(crate) struct Owner {
+    /// The checking thread's id while `CHECKING` is set, else 0.
+    checker: AtomicU64,
     /// How it finished (a `Fate` code, 0 until recorded), recorded by whoever
     /// set `FINISHED` before any user code runs after it. Outside the protocol
     /// above: only read for status reports.
     fate: AtomicU8,
-    /// The checking thread's id while `CHECKING` is set, else 0.
-    checker: AtomicU64,
 }
 
-impl State {
-    #[cfg(all(test, purgatory_loom))]
-    pub(crate) fn new() -> State {
-        State {
-            bits: AtomicU8::new(0),
-            fate: AtomicU8::new(0),
+impl Default for Owner {
+    fn default() -> Self {
+        Owner {
             checker: AtomicU64::new(0),
-        }
-    }
-
-    /// The state of a cell never used: finished, as a freed one is.
-    pub(crate) fn unused() -> State {
-        State {
-            bits: AtomicU8::new(FINISHED),
             fate: AtomicU8::new(0),
-            checker: AtomicU64::new(0),
         }
     }
+}
 
-    /// A state whose check is already owned by thread `me` (a registration, which
-    /// runs the operation's second check itself once it is watched).
-    #[cfg(all(test, purgatory_loom))]
-    pub(crate) fn checked_by(me: u64) -> State {
-        State {
-            bits: AtomicU8::new(CHECKING),
-            fate: AtomicU8::new(0),
-            checker: AtomicU64::new(me),
-        }
-    }
-
-    /// Makes this state that of a new registration whose check thread `me`
-    /// owns (as [`checked_by`](Self::checked_by)), for a cell nothing else can
-    /// reach yet (a slab cell being reused).
+impl Owner {
+    /// Sets up a cell being taken into use, whose check thread `me` owns from
+    /// the start (nothing else reaches the cell yet).
     pub(crate) fn restart(&self, me: u64) {
         self.fate.store(0, Ordering::Relaxed);
         self.checker.store(me, Ordering::Relaxed);
-        self.bits.store(CHECKING, Ordering::Release);
     }
 
     /// Records how the operation finished (`code` > 0), by whoever set
@@ -115,21 +141,125 @@ impl State {
     pub(crate) fn fate(&self) -> u8 {
         self.fate.load(Ordering::Acquire)
     }
+}
 
-    pub(crate) fn is_finished(&self) -> bool {
-        self.bits.load(Ordering::Acquire) & FINISHED != 0
+impl Life {
+    /// A cell never used: free, generation 1.
+    pub(crate) fn new() -> Life {
+        Life(AtomicU64::new(1 << GENERATION_SHIFT | FREE))
     }
 
-    /// Tries to become the checker (thread `me`, never 0). Returns `false` when the
-    /// operation is finished, when another caller checks it (it is asked to check
-    /// again), or when `me` is that caller re-entering its own check.
-    pub(crate) fn begin_check(&self, me: u64) -> bool {
-        let mut s = self.bits.load(Ordering::Acquire);
+    fn generation(word: u64) -> u32 {
+        (word >> GENERATION_SHIFT) as u32
+    }
+
+    fn is_use(word: u64, generation: NonZeroU32) -> bool {
+        Self::generation(word) == generation.get() && word & (FREE | FINISHED) == 0
+    }
+
+    /// Takes a free cell into use, with one reference (the caller's) and its
+    /// check owned by the caller (a registration, which runs the operation's
+    /// second check itself once it is watched, so an event meanwhile only asks
+    /// for that check to run again). The caller owns the cell until it hands
+    /// out the returned generation; it records itself as the checker first.
+    pub(crate) fn start(&self) -> NonZeroU32 {
+        let word = self.0.load(Ordering::Acquire);
+        debug_assert!(word & FREE != 0, "only a free cell starts a use");
+        let generation = NonZeroU32::new(Self::generation(word)).expect("generations skip 0");
+        self.0.store(
+            u64::from(generation.get()) << GENERATION_SHIFT | CHECKING | 1,
+            Ordering::Release,
+        );
+        generation
+    }
+
+    /// A new reference to the use `generation`, unless it has finished or the
+    /// cell has moved on.
+    pub(crate) fn acquire(&self, generation: NonZeroU32) -> bool {
+        let mut word = self.0.load(Ordering::Acquire);
         loop {
-            let want = if s & FINISHED != 0 {
+            if !Self::is_use(word, generation) {
+                return false;
+            }
+            if word & REFS >= MAX_REFS {
+                too_many_references();
+            }
+            match self
+                .0
+                .compare_exchange_weak(word, word + 1, Ordering::Acquire, Ordering::Acquire)
+            {
+                Ok(_) => return true,
+                Err(now) => word = now,
+            }
+        }
+    }
+
+    /// Another reference, from a caller that holds one.
+    pub(crate) fn add_ref(&self) {
+        let before = self.0.fetch_add(1, Ordering::Relaxed);
+        if before & REFS >= MAX_REFS {
+            too_many_references();
+        }
+    }
+
+    /// Whether the use `generation` is over (finished, or the cell moved on).
+    pub(crate) fn is_over(&self, generation: NonZeroU32) -> bool {
+        !Self::is_use(self.0.load(Ordering::Acquire), generation)
+    }
+
+    /// Whether the operation has finished, for a caller that keeps the cell.
+    pub(crate) fn is_finished(&self) -> bool {
+        self.0.load(Ordering::Acquire) & FINISHED != 0
+    }
+
+    /// Drops a reference (a holder's, or the finisher's).
+    pub(crate) fn release(&self) -> Released {
+        let before = self.0.fetch_sub(1, Ordering::AcqRel);
+        debug_assert!(before & REFS > 0, "a release without a reference");
+        if before & REFS == 1 && before & (FINISHED | CHECKING) == FINISHED {
+            Released::Last
+        } else {
+            Released::Kept
+        }
+    }
+
+    /// Frees the cell after [`Released::Last`]: the next use gets the next
+    /// generation. Returns `false` when the cell has had its last generation:
+    /// it stays free and is never used again, so that no id of an earlier use
+    /// (a tombstone nobody walked, a level never reached) can ever name a
+    /// later one. One cell in 4 billion uses of it.
+    pub(crate) fn free(&self) -> bool {
+        let word = self.0.load(Ordering::Acquire);
+        match Self::generation(word).checked_add(1) {
+            Some(next) => {
+                self.0.store(
+                    u64::from(next) << GENERATION_SHIFT | FREE,
+                    Ordering::Release,
+                );
+                true
+            }
+            None => {
+                self.0.store(
+                    word & !(REFS | REQUESTS | CHECKING) | FREE,
+                    Ordering::Release,
+                );
+                false
+            }
+        }
+    }
+
+    /// Tries to become the checker of the use `generation` (thread `me`, never
+    /// 0). Returns `false` when the use is over, when another caller checks it
+    /// (it is asked to check again), or when `me` is that caller re-entering
+    /// its own check. No reference is needed: `CHECKING` keeps the cell until
+    /// [`end_check`](Self::end_check) or [`complete`](Self::complete).
+    pub(crate) fn begin_check(&self, generation: NonZeroU32, me: u64, owner: &Owner) -> bool {
+        let mut s = self.0.load(Ordering::Acquire);
+        loop {
+            let want = if !Self::is_use(s, generation) {
                 return false;
             } else if s & CHECKING != 0 {
-                if self.checker.load(Ordering::Acquire) == me {
+                if owner.checker.load(Ordering::Acquire) == me {
                     return false;
                 }
                 s | RERUN
@@ -137,12 +267,12 @@ impl State {
                 s | CHECKING
             };
             match self
-                .bits
+                .0
                 .compare_exchange(s, want, Ordering::AcqRel, Ordering::Acquire)
             {
                 Ok(_) if s & CHECKING != 0 => return false,
                 Ok(_) => {
-                    self.checker.store(me, Ordering::Release);
+                    owner.checker.store(me, Ordering::Release);
                     return true;
                 }
                 Err(actual) => s = actual,
@@ -150,45 +280,53 @@ impl State {
         }
     }
 
-    /// The owner's check completed the operation. Requests left meanwhile lose.
-    pub(crate) fn complete(&self) {
-        self.checker.store(0, Ordering::Release);
-        // A read-modify-write, like every other transition of `bits`: a plain
-        // store racing a requester's CAS is where loom found the state left at
-        // CHECKING|RERUN after completion.
-        self.bits.swap(FINISHED, Ordering::AcqRel);
+    /// The owner's check completed the operation: `FINISHED`, with the
+    /// finisher's reference in place of `CHECKING`. Requests left meanwhile
+    /// lose (their bits stay, unread: nothing reads requests once finished).
+    pub(crate) fn complete(&self, owner: &Owner) {
+        owner.checker.store(0, Ordering::Release);
+        // CHECKING (bit 29) is set and FINISHED (bit 30) is not: adding bit
+        // 29 carries into bit 30, so one add moves CHECKING to FINISHED and
+        // counts the finisher's reference.
+        let before = self.0.fetch_add(CHECKING + 1, Ordering::AcqRel);
+        debug_assert!(
+            before & (CHECKING | FINISHED) == CHECKING,
+            "the owner completes"
+        );
+        if before & REFS >= MAX_REFS {
+            too_many_references();
+        }
     }
 
     /// The owner gives the operation up unfinished (its registration failed):
-    /// `FINISHED`, whatever was asked meanwhile. Requests left meanwhile lose, as on
-    /// completion.
-    pub(crate) fn abandon(&self) {
-        self.complete();
+    /// as [`complete`](Self::complete).
+    pub(crate) fn abandon(&self, owner: &Owner) {
+        self.complete(owner);
     }
 
     /// The owner's check returned "not yet": release, or act on what was asked.
-    pub(crate) fn end_check(&self, me: u64) -> AfterNotYet {
+    pub(crate) fn end_check(&self, me: u64, owner: &Owner) -> AfterNotYet {
         // Clear the checker first: a thread must never find its own id here unless
         // it really is the one checking (a stale id would make it drop an event).
-        self.checker.store(0, Ordering::Release);
-        let mut s = self.bits.load(Ordering::Acquire);
+        owner.checker.store(0, Ordering::Release);
+        let mut s = self.0.load(Ordering::Acquire);
         loop {
             let (want, then) = if s & RERUN != 0 {
                 (s & !RERUN, AfterNotYet::Recheck)
             } else if s & CANCEL != 0 {
-                (FINISHED, AfterNotYet::Cancel)
+                (Self::finished_by_owner(s), AfterNotYet::Cancel)
             } else if s & EXPIRE != 0 {
-                (FINISHED, AfterNotYet::Expire)
+                (Self::finished_by_owner(s), AfterNotYet::Expire)
             } else {
-                (0, AfterNotYet::Release)
+                (s & !CHECKING, AfterNotYet::Release)
             };
             match self
-                .bits
+                .0
                 .compare_exchange(s, want, Ordering::AcqRel, Ordering::Acquire)
             {
                 Ok(_) => {
                     if then == AfterNotYet::Recheck {
-                        self.checker.store(me, Ordering::Release);
+                        owner.checker.store(me, Ordering::Release);
                     }
                     return then;
                 }
@@ -197,27 +335,55 @@ impl State {
         }
     }
 
-    /// Claims the operation for expiry or cancellation (`request` is [`EXPIRE`] or
-    /// [`CANCEL`]) unless a check runs, in which case the request is left for it.
-    pub(crate) fn claim(&self, request: u8) -> Claim {
-        let mut s = self.bits.load(Ordering::Acquire);
+    /// The word of a use the owner of `CHECKING` finishes: `FINISHED`, no
+    /// check, no requests, and the finisher's reference.
+    fn finished_by_owner(s: u64) -> u64 {
+        if s & REFS >= MAX_REFS {
+            too_many_references();
+        }
+        (s & !(CHECKING | REQUESTS) | FINISHED) + 1
+    }
+
+    /// Claims the use `generation` for expiry or cancellation (`request` is
+    /// [`EXPIRE`] or [`CANCEL`]) unless a check runs, in which case the
+    /// request is left for it. Needs no reference: a claim that wins adds the
+    /// finisher's.
+    pub(crate) fn claim(&self, generation: NonZeroU32, request: u64) -> Claim {
+        let mut s = self.0.load(Ordering::Acquire);
         loop {
-            let want = if s & FINISHED != 0 {
+            let want = if !Self::is_use(s, generation) {
                 return Claim::Finished;
             } else if s & CHECKING != 0 {
                 s | request
             } else {
-                FINISHED
+                if s & REFS >= MAX_REFS {
+                    too_many_references();
+                }
+                (s | FINISHED) + 1
             };
             match self
-                .bits
+                .0
                 .compare_exchange(s, want, Ordering::AcqRel, Ordering::Acquire)
             {
-                Ok(_) if want == FINISHED => return Claim::Won,
+                Ok(_) if want & FINISHED != 0 => return Claim::Won,
                 Ok(_) => return Claim::Deferred,
                 Err(actual) => s = actual,
             }
         }
+    }
+
+    /// A free cell at generation `generation` (for tests of the last one).
+    #[cfg(all(test, not(purgatory_loom)))]
+    pub(crate) fn at_generation(generation: u32) -> Life {
+        Life(AtomicU64::new(
+            u64::from(generation) << GENERATION_SHIFT | FREE,
+        ))
+    }
+
+    /// Whether the cell is free (for tests).
+    #[cfg(all(test, not(purgatory_loom)))]
+    pub(crate) fn is_free(&self) -> bool {
+        self.0.load(Ordering::Acquire) & FREE != 0
     }
 }
 
@@ -227,6 +393,44 @@ mod loom_state {
     use loom::sync::atomic::{AtomicBool, AtomicUsize};
     use loom::sync::Arc;
     use loom::thread;
+
+    /// A cell as the models see it: its life, its owner, and how many times
+    /// it was freed.
+    struct Cell {
+        life: Life,
+        owner: Owner,
+        frees: AtomicUsize,
+    }
+
+    impl Cell {
+        /// A pending operation nobody checks, with one reference (its
+        /// handle's), and the generation of its use.
+        fn pending() -> (Arc<Cell>, NonZeroU32) {
+            let cell = Cell::registering(9);
+            let generation = cell.life.start();
+            assert_eq!(cell.life.end_check(9, &cell.owner), AfterNotYet::Release);
+            (cell, generation)
+        }
+
+        /// A cell whose registration (thread `me`) owns the check.
+        fn registering(me: u64) -> Arc<Cell> {
+            let cell = Arc::new(Cell {
+                life: Life::new(),
+                owner: Owner::default(),
+                frees: AtomicUsize::new(0),
+            });
+            cell.owner.restart(me);
+            cell
+        }
+
+        /// Lets go of a reference; frees the cell on the last one.
+        fn release(&self) {
+            if self.life.release() == Released::Last {
+                assert!(self.life.free());
+                self.frees.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+    }
 
     /// How an operation finished, counted per kind.
     #[derive(Default)]
@@ -244,69 +448,93 @@ mod loom_state {
         }
     }
 
-    /// The purgatory's check, with "completable" read from `ready`.
-    fn check(state: &State, me: u64, ready: &AtomicBool, out: &Outcomes) {
-        if state.begin_check(me) {
-            run_checks(state, me, ready, out);
+    /// A walk's check of the use `generation` (no reference held), with
+    /// "completable" read from `ready`.
+    fn check(cell: &Cell, generation: NonZeroU32, me: u64, ready: &AtomicBool, out: &Outcomes) {
+        if cell.life.begin_check(generation, me, &cell.owner) {
+            run_checks(cell, me, ready, out);
         }
     }
 
-    /// The check loop of `me`, owner of `CHECKING`.
-    fn run_checks(state: &State, me: u64, ready: &AtomicBool, out: &Outcomes) {
+    /// The check loop of `me`, owner of `CHECKING`; a finish lets go of the
+    /// finisher's reference.
+    fn run_checks(cell: &Cell, me: u64, ready: &AtomicBool, out: &Outcomes) {
         loop {
             if ready.load(Ordering::SeqCst) {
-                state.complete();
+                cell.life.complete(&cell.owner);
                 out.completed.fetch_add(1, Ordering::SeqCst);
+                cell.release();
                 return;
             }
-            match state.end_check(me) {
+            match cell.life.end_check(me, &cell.owner) {
                 AfterNotYet::Recheck => continue,
                 AfterNotYet::Release => return,
                 AfterNotYet::Cancel => {
                     out.cancelled.fetch_add(1, Ordering::SeqCst);
+                    cell.release();
                     return;
                 }
                 AfterNotYet::Expire => {
                     out.expired.fetch_add(1, Ordering::SeqCst);
+                    cell.release();
                     return;
                 }
             }
         }
     }
 
-    fn claim(state: &State, request: u8, out: &Outcomes) {
-        if state.claim(request) == Claim::Won {
+    fn claim(cell: &Cell, generation: NonZeroU32, request: u64, out: &Outcomes) {
+        if cell.life.claim(generation, request) == Claim::Won {
             let counter = if request == EXPIRE {
                 &out.expired
             } else {
                 &out.cancelled
             };
             counter.fetch_add(1, Ordering::SeqCst);
+            cell.release();
         }
     }
 
     /// Spawns a thread `me` that checks the operation, making it completable
     /// first when `set_ready` (an event).
     fn spawn_check(
-        state: &Arc<State>,
+        cell: &Arc<Cell>,
+        generation: NonZeroU32,
         ready: &Arc<AtomicBool>,
         out: &Arc<Outcomes>,
         me: u64,
         set_ready: bool,
     ) -> thread::JoinHandle<()> {
-        let (state, ready, out) = (state.clone(), ready.clone(), out.clone());
+        let (cell, ready, out) = (cell.clone(), ready.clone(), out.clone());
         thread::spawn(move || {
             if set_ready {
                 ready.store(true, Ordering::SeqCst);
             }
-            check(&state, me, &ready, &out);
+            check(&cell, generation, me, &ready, &out);
         })
     }
 
     /// Spawns a thread that claims the operation for `request` (expiry or cancel).
-    fn spawn_claim(state: &Arc<State>, request: u8, out: &Arc<Outcomes>) -> thread::JoinHandle<()> {
-        let (state, out) = (state.clone(), out.clone());
-        thread::spawn(move || claim(&state, request, &out))
+    fn spawn_claim(
+        cell: &Arc<Cell>,
+        generation: NonZeroU32,
+        request: u64,
+        out: &Arc<Outcomes>,
+    ) -> thread::JoinHandle<()> {
+        let (cell, out) = (cell.clone(), out.clone());
+        thread::spawn(move || claim(&cell, generation, request, &out))
+    }
+
+    /// The handle lets go at the end: a finished cell is then freed exactly
+    /// once, and an unfinished one is not.
+    fn handle_goes(cell: &Cell, generation: NonZeroU32, out: &Outcomes) {
+        cell.release();
+        let frees = cell.frees.load(Ordering::SeqCst);
+        assert_eq!(frees, out.total(), "freed once when finished, else kept");
+        if frees == 1 {
+            assert!(cell.life.is_over(generation));
+            assert!(!cell.life.acquire(generation), "the old use is over");
+        }
     }
 
     /// An event (ready, then check) racing another check: the event is never lost,
@@ -314,43 +542,36 @@ mod loom_state {
     #[test]
     fn event_during_a_check_is_not_lost() {
         loom::model(|| {
-            let state = Arc::new(State::new());
+            let (cell, generation) = Cell::pending();
             let ready = Arc::new(AtomicBool::new(false));
             let out = Arc::new(Outcomes::default());
-            let t = spawn_check(&state, &ready, &out, 1, false);
+            let t = spawn_check(&cell, generation, &ready, &out, 1, false);
             ready.store(true, Ordering::SeqCst);
-            check(&state, 2, &ready, &out);
+            check(&cell, generation, 2, &ready, &out);
             t.join().unwrap();
             assert_eq!(out.completed.load(Ordering::SeqCst), 1);
             assert_eq!(out.total(), 1);
-            assert!(
-                state.is_finished(),
-                "bits {} after {} outcomes",
-                state.bits.load(Ordering::SeqCst),
-                out.total()
-            );
+            assert!(cell.life.is_finished());
+            handle_goes(&cell, generation, &out);
         });
     }
 
-    /// A check, an expiry and a cancel all racing: exactly one outcome.
+    /// A check, an expiry and a cancel all racing: exactly one outcome, and
+    /// the cell freed once.
     #[test]
     fn check_expiry_and_cancel_race_to_one_outcome() {
         loom::model(|| {
-            let state = Arc::new(State::new());
+            let (cell, generation) = Cell::pending();
             let ready = Arc::new(AtomicBool::new(false));
             let out = Arc::new(Outcomes::default());
-            let checker = spawn_check(&state, &ready, &out, 1, true);
-            let expirer = spawn_claim(&state, EXPIRE, &out);
-            claim(&state, CANCEL, &out);
+            let checker = spawn_check(&cell, generation, &ready, &out, 1, true);
+            let expirer = spawn_claim(&cell, generation, EXPIRE, &out);
+            claim(&cell, generation, CANCEL, &out);
             checker.join().unwrap();
             expirer.join().unwrap();
             assert_eq!(out.total(), 1, "exactly one outcome");
-            assert!(
-                state.is_finished(),
-                "bits {} after {} outcomes",
-                state.bits.load(Ordering::SeqCst),
-                out.total()
-            );
+            assert!(cell.life.is_finished());
+            handle_goes(&cell, generation, &out);
         });
     }
 
@@ -359,14 +580,42 @@ mod loom_state {
     #[test]
     fn expiry_during_a_failing_check_is_done_by_the_checker() {
         loom::model(|| {
-            let state = Arc::new(State::new());
+            let (cell, generation) = Cell::pending();
             let ready = Arc::new(AtomicBool::new(false));
             let out = Arc::new(Outcomes::default());
-            let checker = spawn_check(&state, &ready, &out, 1, false);
-            claim(&state, EXPIRE, &out);
+            let checker = spawn_check(&cell, generation, &ready, &out, 1, false);
+            claim(&cell, generation, EXPIRE, &out);
             checker.join().unwrap();
             assert_eq!(out.expired.load(Ordering::SeqCst), 1);
             assert_eq!(out.total(), 1);
+            handle_goes(&cell, generation, &out);
+        });
+    }
+
+    /// A walk checking by id (no reference) while the handle, the only
+    /// reference, is dropped with a cancel: the cell is never freed under the
+    /// check, and is freed exactly once.
+    #[test]
+    fn a_check_by_id_keeps_the_cell_while_the_handle_goes() {
+        loom::model(|| {
+            let (cell, generation) = Cell::pending();
+            let ready = Arc::new(AtomicBool::new(false));
+            let out = Arc::new(Outcomes::default());
+            let walker = {
+                let (cell, ready, out) = (cell.clone(), ready.clone(), out.clone());
+                thread::spawn(move || {
+                    if cell.life.begin_check(generation, 1, &cell.owner) {
+                        assert_eq!(cell.frees.load(Ordering::SeqCst), 0, "freed under a check");
+                        run_checks(&cell, 1, &ready, &out);
+                    }
+                })
+            };
+            // The handle is dropped: it cancels, then lets go.
+            claim(&cell, generation, CANCEL, &out);
+            cell.release();
+            walker.join().unwrap();
+            assert_eq!(out.cancelled.load(Ordering::SeqCst), 1);
+            assert_eq!(cell.frees.load(Ordering::SeqCst), 1, "freed exactly once");
         });
     }
 
@@ -375,26 +624,28 @@ mod loom_state {
     #[test]
     fn reentrant_check_is_ignored_but_foreign_event_is_not() {
         loom::model(|| {
-            let state = Arc::new(State::new());
+            let (cell, generation) = Cell::pending();
             let ready = Arc::new(AtomicBool::new(false));
             let out = Arc::new(Outcomes::default());
-            let other = spawn_check(&state, &ready, &out, 2, true);
-            if state.begin_check(1) {
+            let other = spawn_check(&cell, generation, &ready, &out, 2, true);
+            if cell.life.begin_check(generation, 1, &cell.owner) {
                 // Inside our own check: a nested request from this thread.
-                assert!(!state.begin_check(1));
+                assert!(!cell.life.begin_check(generation, 1, &cell.owner));
                 loop {
                     if ready.load(Ordering::SeqCst) {
-                        state.complete();
+                        cell.life.complete(&cell.owner);
                         out.completed.fetch_add(1, Ordering::SeqCst);
+                        cell.release();
                         break;
                     }
-                    if state.end_check(1) != AfterNotYet::Recheck {
+                    if cell.life.end_check(1, &cell.owner) != AfterNotYet::Recheck {
                         break;
                     }
                 }
             }
             other.join().unwrap();
             assert_eq!(out.completed.load(Ordering::SeqCst), 1, "event not lost");
+            handle_goes(&cell, generation, &out);
         });
     }
 
@@ -404,39 +655,68 @@ mod loom_state {
     #[test]
     fn a_recheck_that_still_fails_releases_the_operation() {
         loom::model(|| {
-            let state = Arc::new(State::new());
+            let (cell, generation) = Cell::pending();
             let ready = Arc::new(AtomicBool::new(false));
             let out = Arc::new(Outcomes::default());
-            let t = spawn_check(&state, &ready, &out, 1, false);
-            check(&state, 2, &ready, &out);
+            let t = spawn_check(&cell, generation, &ready, &out, 1, false);
+            check(&cell, generation, 2, &ready, &out);
             t.join().unwrap();
             assert_eq!(out.total(), 0);
-            assert_eq!(state.bits.load(Ordering::SeqCst), 0, "released");
-            assert_eq!(state.checker.load(Ordering::SeqCst), 0);
+            let word = cell.life.0.load(Ordering::SeqCst);
+            assert_eq!(word & (CHECKING | REQUESTS | FINISHED), 0, "released");
+            assert_eq!(cell.owner.checker.load(Ordering::SeqCst), 0);
             ready.store(true, Ordering::SeqCst);
-            check(&state, 2, &ready, &out);
+            check(&cell, generation, 2, &ready, &out);
             assert_eq!(out.completed.load(Ordering::SeqCst), 1);
+            handle_goes(&cell, generation, &out);
         });
     }
 
-    /// A registration owns the check from the start (`checked_by`): an event
-    /// from another thread before its second check is not lost, and a cancel
-    /// meanwhile is left for it.
+    /// A registration owns the check from the start: an event from another
+    /// thread before its second check is not lost, and a cancel meanwhile is
+    /// left for it.
     #[test]
     fn an_event_or_cancel_during_registration_is_left_for_the_registrar() {
         loom::model(|| {
-            let state = Arc::new(State::checked_by(1));
+            let cell = Cell::registering(1);
+            let generation = cell.life.start();
             let ready = Arc::new(AtomicBool::new(false));
             let out = Arc::new(Outcomes::default());
-            let event = spawn_check(&state, &ready, &out, 2, true);
-            let cancel = spawn_claim(&state, CANCEL, &out);
-            run_checks(&state, 1, &ready, &out);
+            let event = spawn_check(&cell, generation, &ready, &out, 2, true);
+            let cancel = spawn_claim(&cell, generation, CANCEL, &out);
+            run_checks(&cell, 1, &ready, &out);
             event.join().unwrap();
             cancel.join().unwrap();
             // The event completed it, or the cancel was acted on (by the registrar
             // if it came during its check): exactly one outcome, never none.
             assert_eq!(out.total(), 1);
-            assert!(state.is_finished());
+            assert!(cell.life.is_finished());
+            handle_goes(&cell, generation, &out);
+        });
+    }
+
+    /// A reference taken by id races the finish and the handle's release:
+    /// the cell is freed exactly once, never while a reference is held.
+    #[test]
+    fn an_acquire_racing_the_last_release_never_sees_a_freed_cell() {
+        loom::model(|| {
+            let (cell, generation) = Cell::pending();
+            let walker = {
+                let cell = cell.clone();
+                thread::spawn(move || {
+                    if cell.life.acquire(generation) {
+                        assert_eq!(cell.frees.load(Ordering::SeqCst), 0, "freed under a holder");
+                        cell.release();
+                    }
+                })
+            };
+            // The handle cancels the operation and lets go.
+            let out = Outcomes::default();
+            claim(&cell, generation, CANCEL, &out);
+            cell.release();
+            walker.join().unwrap();
+            assert_eq!(cell.frees.load(Ordering::SeqCst), 1, "freed exactly once");
+            assert!(!cell.life.acquire(generation), "the old use is over");
         });
     }
 }
