@@ -16,6 +16,7 @@
 //!   deadline anyway), so that a deadline already past is due at once instead of
 //!   being rounded up to the next tick.
 
+use std::num::NonZeroU32;
 use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -71,8 +72,24 @@ pub(crate) enum Refused<J> {
 /// A timer entry's address: shard and wheel key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct TimerKey {
-    shard: u32,
+    /// The shard's index plus one (so that an `Option<TimerKey>` takes no
+    /// more room than a key).
+    shard: NonZeroU32,
     key: Key,
+}
+
+impl TimerKey {
+    fn new(shard: usize, key: Key) -> TimerKey {
+        let shard = u32::try_from(shard + 1).expect("shards fit in a u32");
+        TimerKey {
+            shard: NonZeroU32::new(shard).expect("one more than an index"),
+            key,
+        }
+    }
+
+    fn shard(self) -> usize {
+        self.shard.get() as usize - 1
+    }
 }
 
 #[derive(Debug)]
@@ -245,10 +262,7 @@ impl<J: Job<Ctx = C>, C: Send + Sync + 'static> Core<J, C> {
             s.wheel.insert(tick, job)
         };
         self.entered(tick, now);
-        Ok(TimerKey {
-            shard: shard as u32,
-            key,
-        })
+        Ok(TimerKey::new(shard, key))
     }
 
     /// An entry went in at `tick`: notifies the reaper if it sleeps past it, or
@@ -273,7 +287,7 @@ impl<J: Job<Ctx = C>, C: Send + Sync + 'static> Core<J, C> {
     /// expired, was removed, or the timer was cleared.
     pub(crate) fn remove(&self, key: TimerKey) -> Option<J> {
         let job = {
-            let mut s = self.lock(key.shard as usize);
+            let mut s = self.lock(key.shard());
             let job = s.wheel.remove(key.key);
             s.wheel.shrink(); // a no-op unless that emptied the wheel
             job
@@ -293,20 +307,17 @@ impl<J: Job<Ctx = C>, C: Send + Sync + 'static> Core<J, C> {
     pub(crate) fn reset(&self, key: TimerKey, now: Instant, deadline: Instant) -> Option<TimerKey> {
         let tick = self.clock.tick_for(now, deadline);
         let moved = {
-            let mut s = self.lock(key.shard as usize);
+            let mut s = self.lock(key.shard());
             let job = s.wheel.remove(key.key)?;
             s.wheel.insert(tick, job)
         };
         self.entered(tick, now);
-        Some(TimerKey {
-            shard: key.shard,
-            key: moved,
-        })
+        Some(TimerKey { key: moved, ..key })
     }
 
     /// Whether `key`'s entry is still waiting.
     pub(crate) fn contains(&self, key: TimerKey) -> bool {
-        self.lock(key.shard as usize).wheel.contains(key.key)
+        self.lock(key.shard()).wheel.contains(key.key)
     }
 
     /// Jobs waiting (sums the shards; exact when no call races it).

@@ -12,12 +12,12 @@
 
 #[cfg(purgatory_loom)]
 pub(crate) use loom::sync::{
-    atomic::{AtomicU64, AtomicU8},
+    atomic::{AtomicU32, AtomicU64, AtomicU8},
     Mutex, MutexGuard,
 };
 #[cfg(not(purgatory_loom))]
 pub(crate) use std::sync::{
-    atomic::{AtomicU64, AtomicU8},
+    atomic::{AtomicU32, AtomicU64, AtomicU8},
     Mutex, MutexGuard,
 };
 

@@ -22,7 +22,7 @@
 //!   still delivered.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::Ordering;
 use std::task::Waker;
 
 use super::books::Fate;
@@ -217,14 +217,15 @@ pub(crate) enum Checked<O> {
 /// its current use, held while a reference to it is.
 ///
 /// In this order (`repr(C)`): what every check and finish touches first (the
-/// state, the key count, the operation's lock and the start of the
-/// operation) shares the cell's first cache line.
-#[repr(C, align(64))]
+/// owner's words, the operation's lock and the start of the operation),
+/// then the outcome slot. Not aligned to cache lines: the padding would cost
+/// more memory (a quarter of a cell with a small operation) than the lines a
+/// cell straddles cost time.
+#[repr(C)]
 pub(crate) struct OpCell<O: Operation> {
-    /// Who checks it and how it finished (its state is in its [`Life`]).
+    /// Who checks it, how it finished, how many lists hold it (its state is
+    /// in its [`Life`]).
     owner: Owner,
-    /// Number of watch lists holding this cell (tombstone accounting).
-    keys: AtomicU32,
     op: Mutex<Option<O>>,
     delivery: Delivery<Outcome<O::Output>>,
 }
@@ -235,7 +236,6 @@ impl<O: Operation> Default for OpCell<O> {
             owner: Owner::default(),
             op: Mutex::new(None),
             delivery: Delivery::new(),
-            keys: AtomicU32::new(0),
         }
     }
 }
@@ -243,7 +243,7 @@ impl<O: Operation> Default for OpCell<O> {
 impl<O: Operation> std::fmt::Debug for OpCell<O> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("OpCell")
-            .field("keys", &self.keys)
+            .field("keys", &self.owner.keys())
             .finish_non_exhaustive()
     }
 }
@@ -257,11 +257,10 @@ impl<O: Operation> OpCell<O> {
     /// Returns what the cell still held (nothing: every finish takes the
     /// operation out), to be dropped by the caller with no lock held.
     pub(crate) fn start(&self, op: O, keys: u32, me: u64) -> Option<O> {
-        self.keys.store(keys, Ordering::Relaxed);
         let stale = lock(&self.op).replace(op);
         debug_assert!(stale.is_none(), "a freed cell holds no operation");
         self.delivery.restart();
-        self.owner.restart(me);
+        self.owner.restart(me, keys);
         stale
     }
 
@@ -270,7 +269,7 @@ impl<O: Operation> OpCell<O> {
     /// in): a check that follows finds the whole of a small operation in
     /// cache.
     pub(crate) fn warm(&self) {
-        std::hint::black_box(self.keys.load(Ordering::Relaxed));
+        std::hint::black_box(self.owner.keys());
         std::hint::black_box(self.delivery.state.load(Ordering::Relaxed));
     }
 
@@ -479,8 +478,7 @@ where
         // The final word (a cancel deferred to a check was recorded as a plain
         // cancel; shutdown's hand-back is told here).
         self.cell.owner.record_fate(fate.code());
-        self.shared
-            .on_finished(fate, self.cell.keys.load(Ordering::Relaxed));
+        self.shared.on_finished(fate, self.cell.owner.keys());
         let d = self.cell.delivery.deliver(result);
         if let Some(unread) = d.unread {
             self.shared.drop_contained("drop of an output", unread);

@@ -98,8 +98,8 @@ impl<K: WatchKey, O: Operation> Drop for Owner<K, O> {
 /// A finished operation is dropped at once, and an output is dropped as soon as
 /// its handle reads it or is dropped. Each operation lives in a **cell** of
 /// [`Purgatory::cell_bytes`] bytes (room for the operation, `size_of::<Op>()`,
-/// for its outcome, `size_of::<Op::Output>()`, and the cell's own state,
-/// rounded up to 64-byte cache lines). A cell is free again once the
+/// for its outcome, `size_of::<Op::Output>()`, and about 70 bytes of the
+/// cell's own state, its waker and its timer key). A cell is free again once the
 /// operation has finished and its handle and every [`OpRef`] to it are gone,
 /// and the next registration reuses it: the purgatory keeps cells for the
 /// most operations it has had in cells at once (pending, or finished with a
@@ -1097,7 +1097,7 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
     /// The bytes an operation's cell occupies on the heap (see "Memory" on
     /// [`Purgatory`]): the purgatory keeps this many bytes for each operation it
     /// has had in cells at once, for reuse. It grows with `size_of::<O>()` and
-    /// `size_of::<O::Output>()`, in steps of 64 bytes.
+    /// `size_of::<O::Output>()`.
     ///
     /// # Examples
     ///
@@ -1126,7 +1126,7 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
     /// #     fn try_complete(&mut self) -> Option<()> { None }
     /// #     fn on_expiration(self) {}
     /// # }
-    /// assert!(Purgatory::<u32, Boxed>::cell_bytes() < small + 64);
+    /// assert!(Purgatory::<u32, Boxed>::cell_bytes() <= small + 8);
     /// ```
     pub fn cell_bytes() -> usize {
         // The cell's life word, then the cell.

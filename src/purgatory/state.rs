@@ -36,7 +36,7 @@
 use std::num::NonZeroU32;
 use std::sync::atomic::Ordering;
 
-use crate::sync::{AtomicU64, AtomicU8};
+use crate::sync::{AtomicU32, AtomicU64, AtomicU8};
 
 /// The reference count's bits.
 const REFS: u64 = (1 << 26) - 1;
@@ -102,12 +102,16 @@ pub(crate) enum Released {
 #[derive(Debug)]
 pub(crate) struct Life(AtomicU64);
 
-/// Who checks the operation in a cell, and how it finished: kept in the cell,
-/// beside its [`Life`].
+/// Who checks the operation in a cell, how it finished, and how many watch
+/// lists hold it: the cell's small words, kept together at its start, beside
+/// its [`Life`] in the slab.
 #[derive(Debug)]
 pub(crate) struct Owner {
     /// The checking thread's id while `CHECKING` is set, else 0.
     checker: AtomicU64,
+    /// Number of watch lists holding the cell (tombstone accounting), set at
+    /// registration. Outside the protocol above.
+    keys: AtomicU32,
     /// How it finished (a `Fate` code, 0 until recorded), recorded by whoever
     /// set `FINISHED` before any user code runs after it. Outside the protocol
     /// above: only read for status reports.
@@ -118,17 +122,24 @@ impl Default for Owner {
     fn default() -> Self {
         Owner {
             checker: AtomicU64::new(0),
+            keys: AtomicU32::new(0),
             fate: AtomicU8::new(0),
         }
     }
 }
 
 impl Owner {
-    /// Sets up a cell being taken into use, whose check thread `me` owns from
-    /// the start (nothing else reaches the cell yet).
-    pub(crate) fn restart(&self, me: u64) {
+    /// Sets up a cell being taken into use under `keys` keys, whose check
+    /// thread `me` owns from the start (nothing else reaches the cell yet).
+    pub(crate) fn restart(&self, me: u64, keys: u32) {
         self.fate.store(0, Ordering::Relaxed);
+        self.keys.store(keys, Ordering::Relaxed);
         self.checker.store(me, Ordering::Relaxed);
+    }
+
+    /// The number of watch lists holding the cell.
+    pub(crate) fn keys(&self) -> u32 {
+        self.keys.load(Ordering::Relaxed)
     }
 
     /// Records how the operation finished (`code` > 0), by whoever set
@@ -419,7 +430,7 @@ mod loom_state {
                 owner: Owner::default(),
                 frees: AtomicUsize::new(0),
             });
-            cell.owner.restart(me);
+            cell.owner.restart(me, 1);
             cell
         }
 
