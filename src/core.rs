@@ -17,7 +17,7 @@
 //!   being rounded up to the next tick.
 
 use std::num::NonZeroU32;
-use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -28,7 +28,7 @@ use crate::contain::Panics;
 use crate::histogram::Recorder;
 use crate::reaper::{Host, Hub, Next, ReaperMetrics, Served};
 use crate::settings::{BuildError, Settings};
-use crate::sync::{lock, thread_index, Mutex, MutexGuard, Padded};
+use crate::sync::{lock, thread_index, Mutex, MutexGuard, Padded, Striped};
 use crate::wake::{WakeTarget, NEVER};
 use crate::wheel::{Key, Wheel};
 
@@ -57,6 +57,10 @@ pub(crate) enum Closed {
 
 /// Most entries the reaper takes from a shard per acquisition of its lock.
 const LOCK_RUN: usize = 64;
+
+/// Entries of finished jobs a thread stripe gathers before removing them
+/// under one hold of each shard's lock (see [`Core::remove_soon`]).
+const DEAD_BATCH: usize = 64;
 
 const RUNNING: u8 = 0;
 const SHUT_DOWN: u8 = 1;
@@ -136,6 +140,12 @@ pub(crate) struct Core<J, C = ()> {
     /// The reaper's buffer of due jobs (with their deadline ticks), kept
     /// between turns for its capacity.
     scratch: Mutex<Vec<(u64, J)>>,
+    /// Entries whose jobs finished before their deadline, gathered per thread
+    /// stripe and removed in batches ([`remove_soon`](Self::remove_soon)),
+    /// and whether any stripe may hold some (the reaper removes them all
+    /// before each turn).
+    dead: Striped<Mutex<Vec<TimerKey>>>,
+    dead_waiting: AtomicBool,
     state: AtomicU8,
     /// Pending jobs, kept only when a limit is set (a shared counter is the one
     /// thing all producers would contend on).
@@ -183,6 +193,8 @@ impl<J: Job<Ctx = C>, C: Send + Sync + 'static> Core<J, C> {
             wake: WakeTarget::new(),
             hub: hub.clone(),
             scratch: Mutex::new(Vec::new()),
+            dead: Striped::default(),
+            dead_waiting: AtomicBool::new(false),
             state: AtomicU8::new(RUNNING),
             pending: AtomicUsize::new(0),
             max_pending,
@@ -298,6 +310,89 @@ impl<J: Job<Ctx = C>, C: Send + Sync + 'static> Core<J, C> {
         job
     }
 
+    /// Removes the entry of `key`, whose job has nothing left to do when it
+    /// expires (a purgatory's finished operation), soon: the calling thread's
+    /// stripe gathers up to [`DEAD_BATCH`] keys and then removes them all
+    /// under one hold of each shard's lock, so their cache misses overlap
+    /// instead of each waiting behind a lock. The reaper removes what is
+    /// gathered when it begins a turn, so the entries of jobs that finished
+    /// before are not taken out as due (one gathered during the turn may be,
+    /// and its job then finds nothing to do). Jobs with nothing to drop only:
+    /// they are dropped under the shard lock.
+    pub(crate) fn remove_soon(&self, key: TimerKey) {
+        const {
+            assert!(
+                !std::mem::needs_drop::<J>(),
+                "removed jobs are dropped under a lock"
+            )
+        };
+        let slot = self.dead.mine();
+        let mut dead = lock(slot);
+        if dead.len() < dead.capacity() {
+            dead.push(key);
+            drop(dead);
+            self.dead_waiting.store(true, Ordering::Release);
+            return;
+        }
+        // Full (or never given room): remove the batch with the stripe's lock
+        // released, and start the next one with this key in the same room.
+        let mut batch = std::mem::take(&mut *dead);
+        drop(dead);
+        self.remove_batch(&mut batch);
+        if batch.capacity() == 0 {
+            batch.reserve(DEAD_BATCH);
+        }
+        batch.push(key);
+        let mut dead = lock(slot);
+        if dead.capacity() == 0 {
+            std::mem::swap(&mut *dead, &mut batch);
+        }
+        drop(dead);
+        self.dead_waiting.store(true, Ordering::Release);
+        // Another thread of the stripe gave it room meanwhile: this key goes now.
+        self.remove_batch(&mut batch);
+    }
+
+    /// Removes every entry gathered by [`remove_soon`](Self::remove_soon) on
+    /// any thread stripe.
+    fn remove_gathered(&self) {
+        if !self.dead_waiting.swap(false, Ordering::AcqRel) {
+            return;
+        }
+        for stripe in self.dead.iter() {
+            let mut batch = {
+                let mut dead = lock(stripe);
+                if dead.is_empty() {
+                    continue;
+                }
+                std::mem::take(&mut *dead)
+            };
+            self.remove_batch(&mut batch);
+            let mut dead = lock(stripe);
+            if dead.capacity() == 0 {
+                std::mem::swap(&mut *dead, &mut batch);
+            }
+        }
+    }
+
+    /// Removes the entries of `keys` (leaving it empty), one hold of each
+    /// shard's lock for all of that shard's keys.
+    fn remove_batch(&self, keys: &mut Vec<TimerKey>) {
+        // Gathered by `remove_soon` only, whose jobs have nothing to drop.
+        debug_assert!(keys.is_empty() || !std::mem::needs_drop::<J>());
+        keys.sort_unstable_by_key(|k| k.shard);
+        let mut removed = 0;
+        for run in keys.chunk_by(|a, b| a.shard == b.shard) {
+            let mut s = self.lock(run[0].shard());
+            for key in run {
+                removed += usize::from(s.wheel.remove(key.key).is_some());
+            }
+            s.wheel.shrink(); // a no-op unless that emptied the wheel
+        }
+        keys.clear();
+        self.release_capacity(removed);
+    }
+
     /// Moves the entry of `key` to expire at `deadline` instead (O(1): out of
     /// its bucket and into another, in the same shard under one hold of its lock,
     /// so the entry is never outside the wheel and its room under the limit stays
@@ -320,8 +415,10 @@ impl<J: Job<Ctx = C>, C: Send + Sync + 'static> Core<J, C> {
         self.lock(key.shard()).wheel.contains(key.key)
     }
 
-    /// Jobs waiting (sums the shards; exact when no call races it).
+    /// Jobs waiting (sums the shards, once the entries gathered for removal
+    /// are removed; exact when no call races it).
     pub(crate) fn len(&self) -> usize {
+        self.remove_gathered();
         (0..self.shards.len())
             .map(|i| self.lock(i).wheel.len())
             .sum()
@@ -362,6 +459,8 @@ impl<J: Job<Ctx = C>, C: Send + Sync + 'static> Core<J, C> {
     /// more are due right now, the earliest tick anything is due otherwise, and the
     /// turn's tick.
     fn turn(&self, scratch: &mut Vec<(u64, J)>) -> (bool, u64, u64) {
+        // Entries of jobs already finished are never run.
+        self.remove_gathered();
         let started = Instant::now();
         let now = self.clock.now_tick(started);
         let mut more = false;

@@ -253,15 +253,12 @@ impl<O: Operation> OpCell<O> {
     /// from the start: registration watches it under its keys, then runs its
     /// second check as that owner, so an event meanwhile only asks for that
     /// check to run again, and nothing can finish the operation before it is
-    /// fully registered. Nothing else can reach the cell yet.
-    /// Returns what the cell still held (nothing: every finish takes the
-    /// operation out), to be dropped by the caller with no lock held.
-    pub(crate) fn start(&self, op: O, keys: u32, me: u64) -> Option<O> {
-        let stale = lock(&self.op).replace(op);
-        debug_assert!(stale.is_none(), "a freed cell holds no operation");
+    /// fully registered. Nothing else can reach the cell yet. The operation
+    /// stays with the registration until its second check says "not yet"
+    /// ([`Op::first_watched_check`]): the cell holds none until then.
+    pub(crate) fn start(&self, keys: u32, me: u64) {
         self.delivery.restart();
         self.owner.restart(me, keys);
-        stale
     }
 
     /// Reads the cell's first line and its outcome slot's state, which lies
@@ -359,6 +356,50 @@ where
         }
     }
 
+    /// A registration's second check, by `me`, the owner of `CHECKING` since
+    /// the cell was taken, of `op`, which it still holds: the check runs with
+    /// no lock (nothing else can reach `op`), and only an operation still
+    /// pending goes into its cell, under one hold of its lock. Then as
+    /// [`run_checks`](Self::run_checks).
+    pub(crate) fn first_watched_check(&self, me: u64, mut op: O) -> Checked<O> {
+        match catch_unwind(AssertUnwindSafe(|| op.try_complete())) {
+            Ok(Some(output)) => {
+                self.life.complete(&self.cell.owner);
+                self.cell.owner.record_fate(Fate::Completed.code());
+                self.shared.drop_contained("drop of an operation", op);
+                self.finish(Ok(Completion::Completed(output)), Fate::Completed, true);
+                return Checked::Completed;
+            }
+            Ok(None) => {}
+            Err(panic) => self.shared.panics().caught("try_complete", panic),
+        }
+        let stale = lock(&self.cell.op).replace(op);
+        debug_assert!(stale.is_none(), "a freed cell holds no operation");
+        match self.not_yet(me) {
+            Some(checked) => checked,
+            None => self.run_checks(me),
+        }
+    }
+
+    /// A check by `me`, the owner of `CHECKING`, said "not yet": what follows,
+    /// or `None` when it must check again.
+    fn not_yet(&self, me: u64) -> Option<Checked<O>> {
+        let cell = self.cell;
+        Some(match self.life.end_check(me, &cell.owner) {
+            AfterNotYet::Recheck => return None,
+            AfterNotYet::Release => Checked::Pending,
+            AfterNotYet::Cancel => {
+                cell.owner.record_fate(Fate::Cancelled.code());
+                Checked::Cancelled(self.take_op())
+            }
+            AfterNotYet::Expire => {
+                cell.owner.record_fate(Fate::Expired.code());
+                self.run_expiry(self.take_op());
+                Checked::Expired
+            }
+        })
+    }
+
     /// The check loop of `me`, the owner of `CHECKING`.
     pub(crate) fn run_checks(&self, me: u64) -> Checked<O> {
         let cell = self.cell;
@@ -384,18 +425,8 @@ where
                 Ok(None) => {}
                 Err(panic) => self.shared.panics().caught("try_complete", panic),
             }
-            match self.life.end_check(me, &cell.owner) {
-                AfterNotYet::Recheck => continue,
-                AfterNotYet::Release => return Checked::Pending,
-                AfterNotYet::Cancel => {
-                    cell.owner.record_fate(Fate::Cancelled.code());
-                    return Checked::Cancelled(self.take_op());
-                }
-                AfterNotYet::Expire => {
-                    cell.owner.record_fate(Fate::Expired.code());
-                    self.run_expiry(self.take_op());
-                    return Checked::Expired;
-                }
+            if let Some(checked) = self.not_yet(me) {
+                return checked;
             }
         }
     }
@@ -406,17 +437,15 @@ where
             .expect("the owner of a finished operation takes it once")
     }
 
-    /// Abandons a registration whose key code panicked, as its owner: marks the
-    /// operation finished without counting it, and returns it. The caller
-    /// still holds the registration's reference.
-    pub(crate) fn abandon_registration(&self) -> O {
+    /// Abandons a registration whose key code panicked, as its owner (the
+    /// registration still holds the operation): marks it finished without
+    /// counting it. The caller still holds the registration's reference.
+    pub(crate) fn abandon_registration(&self) {
         self.life.abandon(&self.cell.owner);
         self.cell.owner.record_fate(Fate::HandedBack.code());
         drop(self.cell.delivery.detach());
-        let op = self.take_op();
         // The finisher's reference.
         self.shared.release(self.id);
-        op
     }
 
     /// Claims the operation (expiry or cancellation), taking it out, unless a
@@ -485,7 +514,7 @@ where
         }
         if cancel_timer {
             if let Some(key) = d.timer {
-                self.shared.remove_timer(key);
+                self.shared.remove_timer_soon(key);
             }
         }
         if let Some(w) = d.waker {

@@ -705,24 +705,21 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
         // Watch. The cell starts owned by this thread's check: until the
         // second check, events only ask for it, and nothing can finish it.
         let me = thread_index();
-        let id = match shared.insert(op, keys.len() as u32, me) {
-            Ok(id) => id,
-            Err(op) => {
-                // As many operations pending as the slab holds.
-                shared.refuse_admitted();
-                shared.drop_keys(keys);
-                return Err(WatchError::AtCapacity(op));
-            }
+        let Some(id) = shared.insert(keys.len() as u32, me) else {
+            // As many operations pending as the slab holds.
+            shared.refuse_admitted();
+            shared.drop_keys(keys);
+            return Err(WatchError::AtCapacity(op));
         };
         // The registration's reference to the cell, let go on every way
         // out (a key that panics during the watch included), or handed to
         // the handle.
         let cell = CellRef::new(shared.clone(), id);
-        let keys = shared.watch(id, keys);
+        let (keys, op) = shared.watch(id, keys, op);
 
-        // Check again (an event during the watch is not lost), and arm the
-        // timeout of an operation still pending.
-        let settled = shared.settle(id, me, now, deadline);
+        // Check again (an event during the watch is not lost), put an
+        // operation still pending in its cell, and arm its timeout.
+        let settled = shared.settle(id, op, me, now, deadline);
         shared.drop_keys(keys);
         match settled {
             Ok(()) => {

@@ -257,13 +257,16 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         });
     }
 
-    /// A cell for a registration of `op` under `keys` keys, its check owned by
-    /// thread `me`, with one reference (the caller's); `op` back when the slab
-    /// is full.
-    pub(crate) fn insert(&self, op: O, keys: u32, me: u64) -> Result<Id, O> {
-        let (id, stale) = self.cells.insert(op, |cell, op| cell.start(op, keys, me))?;
-        self.drop_contained("drop of an operation", stale);
-        Ok(id)
+    /// A cell for a registration under `keys` keys, its check owned by
+    /// thread `me`, with one reference (the caller's); `None` when the slab
+    /// is full. The operation stays with the caller until its second check
+    /// ([`settle`](Self::settle)).
+    pub(crate) fn insert(&self, keys: u32, me: u64) -> Option<Id> {
+        let (id, ()) = self
+            .cells
+            .insert((), |cell, ()| cell.start(keys, me))
+            .ok()?;
+        Some(id)
     }
 
     /// Counts a walk of `kind` that asked `checked` operations to check and
@@ -271,7 +274,9 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
     pub(crate) fn count_walk(&self, kind: WalkKind, checked: usize, completed: usize) {
         let w = &self.walks.mine()[kind as usize];
         w.walks.fetch_add(1, Ordering::Relaxed);
-        if checked > 0 {
+        // A check by reference is one walk of one operation: its checks are
+        // its walks (see `walk_metrics`), one count fewer per call.
+        if checked > 0 && !matches!(kind, WalkKind::Reference) {
             w.checked.fetch_add(checked as u64, Ordering::Relaxed);
         }
         if completed > 0 {
@@ -286,6 +291,9 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
             m.walks += w.walks.load(Ordering::Relaxed);
             m.checked += w.checked.load(Ordering::Relaxed);
             m.completed += w.completed.load(Ordering::Relaxed);
+        }
+        if matches!(kind, WalkKind::Reference) {
+            m.checked = m.walks;
         }
         m
     }
@@ -357,11 +365,11 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         }
     }
 
-    /// Watches `cell` under `keys`, and hands the keys back. When a key's code
+    /// Watches `cell` under `keys`, and hands the keys and `op` back. When a key's code
     /// panics part-way, undoes the registration before the panic goes on: the
-    /// entries made are tombstones, the operation is turned back (not counted
-    /// as registered) and dropped, and the keys are dropped.
-    pub(crate) fn watch(&self, id: Id, keys: Watches<K>) -> Watches<K> {
+    /// entries made are tombstones, the operation `op` is turned back (not
+    /// counted as registered) and dropped, and the keys are dropped.
+    pub(crate) fn watch(&self, id: Id, keys: Watches<K>, op: O) -> (Watches<K>, O) {
         let mut added = 0;
         let mut spare = Vec::new();
         let watched = catch_unwind(AssertUnwindSafe(|| {
@@ -376,28 +384,30 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         }));
         self.drop_keys(spare);
         if let Err(panic) = watched {
-            let op = self.op(id).abandon_registration();
+            self.op(id).abandon_registration();
             self.books.tombstones_changed(added as i64);
             self.books.unadmit();
             self.drop_contained("drop of an operation", op);
             self.drop_keys(keys);
             resume_unwind(panic);
         }
-        keys
+        (keys, op)
     }
 
-    /// The end of a registration, its cell watched and its check owned by
-    /// `me`: checks again, and arms the timeout of an operation still pending.
-    /// Hands the operation back when a shutdown took it meanwhile.
+    /// The end of a registration of `op`, its cell watched and its check
+    /// owned by `me`: checks again, and arms the timeout of an operation
+    /// still pending. Hands the operation back when a shutdown took it
+    /// meanwhile.
     pub(crate) fn settle(
         &self,
         id: Id,
+        op: O,
         me: u64,
         now: Instant,
         deadline: Instant,
     ) -> Result<(), (O, Closed)> {
         let cell = self.op(id);
-        match cell.run_checks(me) {
+        match cell.first_watched_check(me, op) {
             Checked::Completed | Checked::Expired => Ok(()),
             Checked::Cancelled(op) => match self.core.closed() {
                 // A shutdown took the entries meanwhile: hand the operation back.
@@ -499,6 +509,13 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
     /// Removes an operation's timer entry (its job, an id, is dropped here).
     pub(crate) fn remove_timer(&self, key: TimerKey) {
         let _ = self.core.remove(key);
+    }
+
+    /// Removes a finished operation's timer entry soon, in a batch (see
+    /// [`Core::remove_soon`]); the entry's job would find the operation
+    /// finished anyway.
+    pub(crate) fn remove_timer_soon(&self, key: TimerKey) {
+        self.core.remove_soon(key);
     }
 
     /// Moves an operation's timer entry to `deadline`; its new key, or `None`
