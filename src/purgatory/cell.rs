@@ -338,7 +338,11 @@ where
     /// Runs the operation's check, or asks the running checker to check again.
     /// Returns whether this call completed the operation. Needs no reference.
     pub(crate) fn check(&self) -> bool {
-        let me = thread_index();
+        self.check_as(thread_index())
+    }
+
+    /// [`check`](Self::check) by thread `me` (the caller's [`thread_index`]).
+    pub(crate) fn check_as(&self, me: u64) -> bool {
         if !self
             .life
             .begin_check(self.generation(), me, &self.cell.owner)

@@ -21,7 +21,7 @@ use super::{ChecksMetrics, PurgatoryMetrics, WalkMetrics};
 use crate::contain::Panics;
 use crate::core::{Closed, Core, Job, Refused, TimerKey};
 use crate::histogram::Histogram;
-use crate::sync::{Padded, Striped};
+use crate::sync::{thread_index, Padded, Striped};
 use crate::watchers::{KeyHasher, Removed, Sweep, Watchers};
 
 /// The most watch-list entries one call visits for the purge.
@@ -217,11 +217,12 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
     /// The operation `id` names, for a caller holding a reference to it, or
     /// for the calls of [`Op`] that need none.
     pub(crate) fn op(&self, id: Id) -> Op<'_, K, O> {
+        let (life, cell) = self.cells.entry(id);
         Op {
             shared: self,
             id,
-            cell: self.cells.get(id),
-            life: self.cells.life(id),
+            cell,
+            life,
         }
     }
 
@@ -236,14 +237,12 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
                 self.0.release(self.1);
             }
         }
-        let cell = self.cells.acquire(id)?;
+        let op = self.op(id);
+        if !op.life.acquire(Slab::<OpCell<O>>::generation(id)) {
+            return None;
+        }
         let _held = Held(self, id);
-        Some(f(Op {
-            shared: self,
-            id,
-            cell,
-            life: self.cells.life(id),
-        }))
+        Some(f(op))
     }
 
     /// Drops a reference to `id`'s cell; the last one to a finished
@@ -636,10 +635,11 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         // A check takes no reference: beginning it names the use by its
         // generation (an operation finished meanwhile is not checked), and
         // the check keeps the cell until it ends.
+        let me = thread_index();
         let completed = buffers
             .live
             .iter()
-            .filter(|id| self.op(**id).check())
+            .filter(|id| self.op(**id).check_as(me))
             .count();
         let kind = if reached.is_some() {
             WalkKind::Level

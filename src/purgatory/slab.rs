@@ -133,8 +133,15 @@ impl<T: Default> Slab<T> {
 
     /// The life word at `id`'s index (whatever use it is in now: its
     /// methods that take a generation tell the use apart).
+    #[cfg(all(test, not(purgatory_loom)))]
     pub(crate) fn life(&self, id: Id) -> &Life {
         self.life_at(id.index)
+    }
+
+    /// The life word and the cell at `id`'s index, found once.
+    pub(crate) fn entry(&self, id: Id) -> (&Life, &T) {
+        let (page, offset) = self.page(id.index);
+        (&page.lives[offset], &page.cells[offset])
     }
 
     /// The generation of `id`'s use.
@@ -211,13 +218,9 @@ impl<T: Default> Slab<T> {
         self.cell(id.index)
     }
 
-    /// The cell `id` names, for a caller holding a reference to it.
-    pub(crate) fn get(&self, id: Id) -> &T {
-        self.cell(id.index)
-    }
-
     /// A reference to `id`'s cell, unless its operation has finished or the
     /// cell has moved on; release it with [`release`](Self::release).
+    #[cfg(all(test, not(purgatory_loom)))]
     pub(crate) fn acquire(&self, id: Id) -> Option<&T> {
         let (page, offset) = self.page(id.index);
         page.lives[offset]
