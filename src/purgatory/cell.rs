@@ -44,12 +44,31 @@ pub(crate) type Outcome<T> = Result<Completion<T>, OperationError>;
 /// `state` says what the slot holds and whether the handle is gone, so that
 /// the calls that usually find nothing to do (a handle detached before its
 /// outcome, a cell set up again for a new operation or freed) do it without
-/// taking the lock.
+/// taking the lock. A view: the cell keeps `state` among its small words
+/// ([`Owner`]), where it takes no room of its own, and the slot after the
+/// operation.
 #[derive(Debug)]
-#[repr(C)]
-pub(crate) struct Delivery<T> {
-    state: AtomicU8,
-    slot: Mutex<Slot<T>>,
+pub(crate) struct Delivery<'a, T> {
+    state: &'a AtomicU8,
+    slot: &'a Mutex<Slot<T>>,
+}
+
+/// The outcome slot a [`Delivery`] guards.
+#[derive(Debug)]
+pub(crate) struct Slot<T> {
+    timer: Option<TimerKey>,
+    result: Option<T>,
+    waker: Option<Waker>,
+}
+
+impl<T> Default for Slot<T> {
+    fn default() -> Self {
+        Slot {
+            timer: None,
+            result: None,
+            waker: None,
+        }
+    }
 }
 
 /// Nobody will ever read an outcome: don't keep one.
@@ -58,13 +77,6 @@ const DETACHED: u8 = 1;
 const FULL: u8 = 2;
 /// A waker is stored.
 const WAITING: u8 = 4;
-
-#[derive(Debug)]
-struct Slot<T> {
-    timer: Option<TimerKey>,
-    result: Option<T>,
-    waker: Option<Waker>,
-}
 
 /// What [`Delivery::deliver`] leaves the caller to do once the lock is gone.
 #[derive(Debug)]
@@ -77,16 +89,9 @@ pub(crate) struct Delivered<T> {
     pub(crate) unread: Option<T>,
 }
 
-impl<T> Delivery<T> {
-    pub(crate) fn new() -> Self {
-        Delivery {
-            state: AtomicU8::new(0),
-            slot: Mutex::new(Slot {
-                timer: None,
-                result: None,
-                waker: None,
-            }),
-        }
+impl<'a, T> Delivery<'a, T> {
+    pub(crate) fn new(state: &'a AtomicU8, slot: &'a Mutex<Slot<T>>) -> Self {
+        Delivery { state, slot }
     }
 
     /// Makes the slot ready for a new use of its cell (nothing else reaches
@@ -99,7 +104,7 @@ impl<T> Delivery<T> {
     /// Stores the outcome for the handle, or hands it back when the handle is
     /// gone; takes the timer key and the waker either way.
     pub(crate) fn deliver(&self, result: T) -> Delivered<T> {
-        let mut s = lock(&self.slot);
+        let mut s = lock(self.slot);
         let timer = s.timer.take();
         let waker = s.waker.take();
         if waker.is_some() {
@@ -130,7 +135,7 @@ impl<T> Delivery<T> {
 
     /// Takes the outcome, or registers `waker` to be woken when there is one.
     pub(crate) fn poll(&self, waker: &Waker) -> Option<T> {
-        let mut s = lock(&self.slot);
+        let mut s = lock(self.slot);
         if let Some(r) = s.result.take() {
             self.state.fetch_and(!FULL, Ordering::AcqRel);
             return Some(r);
@@ -161,7 +166,7 @@ impl<T> Delivery<T> {
         if self.state.load(Ordering::Acquire) & (FULL | WAITING) == 0 {
             return (None, None);
         }
-        let mut s = lock(&self.slot);
+        let mut s = lock(self.slot);
         self.state.fetch_and(!(FULL | WAITING), Ordering::AcqRel);
         (s.result.take(), s.waker.take())
     }
@@ -172,7 +177,7 @@ impl<T> Delivery<T> {
     /// the entry was moved: `false` once the outcome is delivered or the entry
     /// has left the timer (its expiry is under way).
     pub(crate) fn move_timer(&self, move_entry: impl FnOnce(TimerKey) -> Option<TimerKey>) -> bool {
-        let mut s = lock(&self.slot);
+        let mut s = lock(self.slot);
         let Some(key) = s.timer else {
             return false;
         };
@@ -188,7 +193,7 @@ impl<T> Delivery<T> {
     /// Records the timer entry unless `finished()` says the outcome may already
     /// have been delivered; returns whether it was recorded.
     pub(crate) fn set_timer(&self, key: TimerKey, finished: impl FnOnce() -> bool) -> bool {
-        let mut s = lock(&self.slot);
+        let mut s = lock(self.slot);
         if finished() {
             return false;
         }
@@ -227,7 +232,8 @@ pub(crate) struct OpCell<O: Operation> {
     /// in its [`Life`]).
     owner: Owner,
     op: Mutex<Option<O>>,
-    delivery: Delivery<Outcome<O::Output>>,
+    /// The outcome slot (its state is among the owner's words).
+    slot: Mutex<Slot<Outcome<O::Output>>>,
 }
 
 impl<O: Operation> Default for OpCell<O> {
@@ -235,7 +241,7 @@ impl<O: Operation> Default for OpCell<O> {
         OpCell {
             owner: Owner::default(),
             op: Mutex::new(None),
-            delivery: Delivery::new(),
+            slot: Mutex::new(Slot::default()),
         }
     }
 }
@@ -257,7 +263,7 @@ impl<O: Operation> OpCell<O> {
     /// stays with the registration until its second check says "not yet"
     /// ([`Op::first_watched_check`]): the cell holds none until then.
     pub(crate) fn start(&self, keys: u32, me: u64) {
-        self.delivery.restart();
+        self.delivery().restart();
         self.owner.restart(me, keys);
     }
 
@@ -267,14 +273,19 @@ impl<O: Operation> OpCell<O> {
     /// cache.
     pub(crate) fn warm(&self) {
         std::hint::black_box(self.owner.keys());
-        std::hint::black_box(self.delivery.state.load(Ordering::Relaxed));
+        std::hint::black_box(self.owner.outcome().load(Ordering::Relaxed));
     }
 
     /// Takes out what a cell being freed still holds in its outcome slot (an
     /// outcome nobody read, a waker), to be dropped by the caller with no lock
     /// held. Its operation was taken out when it finished.
     pub(crate) fn clear(&self) -> (Option<Outcome<O::Output>>, Option<Waker>) {
-        self.delivery.take_all()
+        self.delivery().take_all()
+    }
+
+    /// The outcome slot and its state.
+    fn delivery(&self) -> Delivery<'_, Outcome<O::Output>> {
+        Delivery::new(self.owner.outcome(), &self.slot)
     }
 }
 
@@ -447,7 +458,7 @@ where
     pub(crate) fn abandon_registration(&self) {
         self.life.abandon(&self.cell.owner);
         self.cell.owner.record_fate(Fate::HandedBack.code());
-        drop(self.cell.delivery.detach());
+        drop(self.cell.delivery().detach());
         // The finisher's reference.
         self.shared.release(self.id);
     }
@@ -512,7 +523,7 @@ where
         // cancel; shutdown's hand-back is told here).
         self.cell.owner.record_fate(fate.code());
         self.shared.on_finished(fate, self.cell.owner.keys());
-        let d = self.cell.delivery.deliver(result);
+        let d = self.cell.delivery().deliver(result);
         if let Some(unread) = d.unread {
             self.shared.drop_contained("drop of an output", unread);
         }
@@ -534,26 +545,26 @@ where
         }
         let shared = self.shared;
         self.cell
-            .delivery
+            .delivery()
             .move_timer(|key| shared.reset_timer(key, now, deadline))
     }
 
     /// Records the timer entry, or removes it at once if the operation finished
     /// while it was being inserted.
     pub(crate) fn set_timer(&self, key: TimerKey) {
-        if !self.cell.delivery.set_timer(key, || self.is_finished()) {
+        if !self.cell.delivery().set_timer(key, || self.is_finished()) {
             self.shared.remove_timer(key);
         }
     }
 
     /// Takes the outcome, or registers `waker` to be woken when there is one.
     pub(crate) fn poll_outcome(&self, waker: &Waker) -> Option<Outcome<O::Output>> {
-        self.cell.delivery.poll(waker)
+        self.cell.delivery().poll(waker)
     }
 
     /// Nobody will read the outcome: drop any stored and don't store one later.
     pub(crate) fn detach(&self) {
-        let (stale, waker) = self.cell.delivery.detach();
+        let (stale, waker) = self.cell.delivery().detach();
         drop(waker);
         if let Some(stale) = stale {
             self.shared.drop_contained("drop of an output", stale);
@@ -614,8 +625,21 @@ mod loom_delivery {
         }
     }
 
+    /// What a cell keeps for its delivery: the state word and the slot.
+    #[derive(Default)]
+    struct Kept {
+        state: AtomicU8,
+        slot: Mutex<Slot<Value>>,
+    }
+
+    impl Kept {
+        fn delivery(&self) -> Delivery<'_, Value> {
+            Delivery::new(&self.state, &self.slot)
+        }
+    }
+
     /// The finisher's side: deliver, then (no lock) drop what came back and wake.
-    fn finish(d: &Delivery<Value>, v: Value) {
+    fn finish(d: &Delivery<'_, Value>, v: Value) {
         let out = d.deliver(v);
         drop(out.unread);
         if let Some(w) = out.waker {
@@ -626,14 +650,15 @@ mod loom_delivery {
     #[test]
     fn loom_delivery_racing_a_poll_is_read_or_woken() {
         loom::model(|| {
-            let d = Arc::new(Delivery::new());
+            let kept = Arc::new(Kept::default());
             let drops = Arc::new(AtomicUsize::new(0));
             let woken = Arc::new(Counter(AtomicUsize::new(0)));
             let waker = Waker::from(woken.clone());
             let t = {
-                let (d, drops) = (d.clone(), drops.clone());
-                thread::spawn(move || finish(&d, Value(drops)))
+                let (kept, drops) = (kept.clone(), drops.clone());
+                thread::spawn(move || finish(&kept.delivery(), Value(drops)))
             };
+            let d = kept.delivery();
             let first = d.poll(&waker);
             t.join().unwrap();
             match first {
@@ -652,12 +677,13 @@ mod loom_delivery {
     #[test]
     fn loom_delivery_racing_a_dropped_handle_is_freed_once() {
         loom::model(|| {
-            let d = Arc::new(Delivery::new());
+            let kept = Arc::new(Kept::default());
             let drops = Arc::new(AtomicUsize::new(0));
             let t = {
-                let (d, drops) = (d.clone(), drops.clone());
-                thread::spawn(move || finish(&d, Value(drops)))
+                let (kept, drops) = (kept.clone(), drops.clone());
+                thread::spawn(move || finish(&kept.delivery(), Value(drops)))
             };
+            let d = kept.delivery();
             // The handle goes away: whatever was stored comes back to be dropped.
             let (stale, _) = d.detach();
             drop(stale);
@@ -665,7 +691,7 @@ mod loom_delivery {
             // Freed at once whichever came first, and exactly once; nothing is
             // left in the slot for the cell to keep.
             assert_eq!(drops.load(Ordering::SeqCst), 1);
-            assert!(lock(&d.slot).result.is_none());
+            assert!(lock(&kept.slot).result.is_none());
         });
     }
 }

@@ -102,9 +102,9 @@ pub(crate) enum Released {
 #[derive(Debug)]
 pub(crate) struct Life(AtomicU64);
 
-/// Who checks the operation in a cell, how it finished, and how many watch
-/// lists hold it: the cell's small words, kept together at its start, beside
-/// its [`Life`] in the slab.
+/// Who checks the operation in a cell, how it finished, how many watch
+/// lists hold it, and what its outcome slot holds: the cell's small words,
+/// kept together at its start, beside its [`Life`] in the slab.
 #[derive(Debug)]
 pub(crate) struct Owner {
     /// The checking thread's id while `CHECKING` is set, else 0.
@@ -116,6 +116,9 @@ pub(crate) struct Owner {
     /// set `FINISHED` before any user code runs after it. Outside the protocol
     /// above: only read for status reports.
     fate: AtomicU8,
+    /// The outcome slot's state (see `Delivery` in `cell.rs`), kept here
+    /// where it takes no room of its own. Outside the protocol above.
+    outcome: AtomicU8,
 }
 
 impl Default for Owner {
@@ -124,6 +127,7 @@ impl Default for Owner {
             checker: AtomicU64::new(0),
             keys: AtomicU32::new(0),
             fate: AtomicU8::new(0),
+            outcome: AtomicU8::new(0),
         }
     }
 }
@@ -140,6 +144,11 @@ impl Owner {
     /// The number of watch lists holding the cell.
     pub(crate) fn keys(&self) -> u32 {
         self.keys.load(Ordering::Relaxed)
+    }
+
+    /// The outcome slot's state word.
+    pub(crate) fn outcome(&self) -> &AtomicU8 {
+        &self.outcome
     }
 
     /// Records how the operation finished (`code` > 0), by whoever set
