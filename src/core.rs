@@ -9,7 +9,10 @@
 //! - **Under a shard lock** only the wheel's own arithmetic runs: inserting,
 //!   removing, polling and draining entries. Jobs are moved out of the wheel and
 //!   run, dropped or handed back after the lock is released, so no user code (a
-//!   task, a task's `Drop`, an operation's cell) ever runs under it.
+//!   task, a task's `Drop`, an operation's cell) ever runs under it. The one
+//!   exception is a batch of removals ([`Core::remove_soon`]), which drops its
+//!   jobs under the lock: only for jobs with nothing to drop (a purgatory's
+//!   operation id), which a compile-time assertion enforces.
 //! - **The clock.** The reaper reads Tokio's clock at the start of a turn (and
 //!   at its end, for the turn's duration); inserts are given
 //!   the caller's "now" (registration and `schedule` read it to compute the
@@ -459,7 +462,8 @@ impl<J: Job<Ctx = C>, C: Send + Sync + 'static> Core<J, C> {
     /// more are due right now, the earliest tick anything is due otherwise, and the
     /// turn's tick.
     fn turn(&self, scratch: &mut Vec<(u64, J)>) -> (bool, u64, u64) {
-        // Entries of jobs already finished are never run.
+        // Entries of jobs that finished before the turn are not taken out as
+        // due (one gathered meanwhile may be: its job finds nothing to do).
         self.remove_gathered();
         let started = Instant::now();
         let now = self.clock.now_tick(started);

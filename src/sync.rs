@@ -4,9 +4,10 @@
 //! thread indices, [`Padded`], and [`Striped`], the one way a count every
 //! operation changes is spread over threads.
 //!
-//! The loom-checked protocols: the per-operation state machine
-//! (`purgatory/state.rs`), the handle's delivery slot (`purgatory/cell.rs`), the
-//! reaper's wake target (`wake.rs`), and the timer core's shard locks. Under loom
+//! The loom-checked protocols: each cell's life word, its operation's state
+//! machine and reference count together (`purgatory/state.rs`), the handle's
+//! delivery slot (`purgatory/cell.rs`), and the reaper's wake target
+//! (`wake.rs`). Under loom
 //! those types work only inside `loom::model`, so that build runs the loom tests
 //! alone (`cargo test --release --lib loom`).
 
@@ -27,6 +28,16 @@ pub(crate) use std::sync::{
 /// `catch_unwind`), so a poisoned lock still guards consistent data.
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Reads `m`'s poison flag, a plain load, without taking the lock: brings
+/// the mutex's cache line in ahead of a lock that will follow. Nothing under
+/// loom, whose mutex has no such flag.
+pub(crate) fn touch<T>(m: &Mutex<T>) {
+    #[cfg(not(purgatory_loom))]
+    std::hint::black_box(m.is_poisoned());
+    #[cfg(purgatory_loom)]
+    let _ = m;
 }
 
 /// A number naming the current thread, never 0 and never shared by two threads:

@@ -5,17 +5,22 @@
 //!
 //! Who may touch what, and under which lock:
 //!
-//! - **The life word** (lock-free, `state.rs`, beside the cell in the slab):
-//!   decides who owns the operation at each moment. Only the owner of
-//!   `CHECKING` touches `op` to check it; only whoever sets `FINISHED` takes
-//!   `op` out and calls [`Op::finish`]. So the operation finishes exactly once.
-//! - **`op`**: its mutex is held while the owner runs `try_complete` (by design: it
-//!   is what serialises checks with taking the operation out), and for the moment
-//!   it takes to move the operation out. No other user code runs under it, and the
-//!   operation is always dropped after the guard is gone.
-//! - **`delivery`**: a short lock around the outcome slot, the waker and the timer
-//!   key. No user code runs under it: outcomes, wakers and timer entries are moved
-//!   out, and dropped or woken after it is released.
+//! - **The life word** (lock-free, `state.rs`, in the slab's dense array of
+//!   life words for the cell's page): decides who owns the operation at each
+//!   moment. Only the owner of `CHECKING` touches `op` to check it; only
+//!   whoever sets `FINISHED` takes `op` out (or, for a registration whose
+//!   second check completes it, drops the operation it still holds) and calls
+//!   [`Op::finish`]. So the operation finishes exactly once.
+//! - **`op`**: empty until the registration's second check says "not yet"
+//!   (that check runs on the operation the registration still holds, with no
+//!   lock); the registration puts it in before it lets go of `CHECKING`. Its
+//!   mutex is held while an owner runs `try_complete` on it (by design: it is
+//!   what serialises checks with taking the operation out), and for the moment
+//!   it takes to move the operation in or out. No other user code runs under
+//!   it, and the operation is always dropped after the guard is gone.
+//! - **The outcome slot** ([`Delivery`]): a short lock around the outcome, the
+//!   waker and the timer key. No user code runs under it: outcomes, wakers and
+//!   timer entries are moved out, and dropped or woken after it is released.
 //! - **Drops.** Every user value this cell drops (the operation, an outcome nobody
 //!   will read) is dropped inside `catch_unwind` with no lock held, after the
 //!   state says `FINISHED`; a panic there is counted and reported, and the outcome is
@@ -33,7 +38,7 @@ use super::slab::Id;
 use super::state::{AfterNotYet, Claim, Life, Owner, CANCEL, EXPIRE};
 use super::WatchKey;
 use crate::core::TimerKey;
-use crate::sync::{lock, thread_index, AtomicU8, Mutex};
+use crate::sync::{lock, thread_index, touch, AtomicU8, Mutex};
 
 /// What an operation handle resolves to.
 pub(crate) type Outcome<T> = Result<Completion<T>, OperationError>;
@@ -211,8 +216,9 @@ pub(crate) enum Checked<O> {
     Pending,
     /// The timeout fired meanwhile; the operation expired (finished and delivered).
     Expired,
-    /// A cancel arrived meanwhile: the caller now owns the operation (`FINISHED`) and
-    /// must finish it.
+    /// A cancel arrived meanwhile: the caller now owns the operation
+    /// (`FINISHED`), holds the finisher's reference, and must finish it
+    /// ([`Op::finish`], which lets go of that reference).
     Cancelled(O),
 }
 
@@ -267,13 +273,14 @@ impl<O: Operation> OpCell<O> {
         self.owner.restart(me, keys);
     }
 
-    /// Reads the cell's first line and its outcome slot's state, which lies
-    /// past the operation, with no reference held (whatever use the cell is
-    /// in): a check that follows finds the whole of a small operation in
-    /// cache.
+    /// Reads the cell's small words, the operation's lock and the outcome
+    /// slot's lock, which lies past the operation, with no reference held
+    /// (whatever use the cell is in): plain loads, so that a check that
+    /// follows finds the whole of a small operation in cache.
     pub(crate) fn warm(&self) {
         std::hint::black_box(self.owner.keys());
-        std::hint::black_box(self.owner.outcome().load(Ordering::Relaxed));
+        touch(&self.op);
+        touch(&self.slot);
     }
 
     /// Takes out what a cell being freed still holds in its outcome slot (an

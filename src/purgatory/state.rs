@@ -91,7 +91,7 @@ pub(crate) enum Claim {
 /// What a release found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Released {
-    /// Other references remain, a check runs, or the operation has not finished.
+    /// Other references remain, or the operation has not finished.
     Kept,
     /// That was the last reference to a finished cell nobody checks: the
     /// caller frees it.
@@ -104,7 +104,8 @@ pub(crate) struct Life(AtomicU64);
 
 /// Who checks the operation in a cell, how it finished, how many watch
 /// lists hold it, and what its outcome slot holds: the cell's small words,
-/// kept together at its start, beside its [`Life`] in the slab.
+/// kept together at its start (its [`Life`] is in the slab's dense array of
+/// life words).
 #[derive(Debug)]
 pub(crate) struct Owner {
     /// The checking thread's id while `CHECKING` is set, else 0.
@@ -236,7 +237,11 @@ impl Life {
     pub(crate) fn release(&self) -> Released {
         let before = self.0.fetch_sub(1, Ordering::AcqRel);
         debug_assert!(before & REFS > 0, "a release without a reference");
-        if before & REFS == 1 && before & (FINISHED | CHECKING) == FINISHED {
+        // Every transition to FINISHED clears CHECKING: a check in progress
+        // and a finished operation never meet, so the last reference to a
+        // finished cell is the last thing keeping it.
+        debug_assert!(before & (FINISHED | CHECKING) != FINISHED | CHECKING);
+        if before & REFS == 1 && before & FINISHED != 0 {
             Released::Last
         } else {
             Released::Kept
@@ -712,6 +717,125 @@ mod loom_state {
             assert_eq!(out.total(), 1);
             assert!(cell.life.is_finished());
             handle_goes(&cell, generation, &out);
+        });
+    }
+
+    /// A registration hands its operation over to the cell before it lets go
+    /// of the check: whoever checks or claims the operation after that finds
+    /// it there, and it is taken out exactly once.
+    #[test]
+    fn the_operation_is_in_its_cell_before_anyone_else_can_reach_it() {
+        loom::model(|| {
+            let cell = Cell::registering(1);
+            let generation = cell.life.start();
+            let slot = Arc::new(loom::sync::Mutex::new(None::<u32>));
+            let other = {
+                let (cell, slot) = (cell.clone(), slot.clone());
+                thread::spawn(move || {
+                    // A walk's check that finds it pending, or a cancel.
+                    if cell.life.begin_check(generation, 2, &cell.owner) {
+                        assert!(slot.lock().unwrap().is_some(), "checked before handed over");
+                        assert_eq!(cell.life.end_check(2, &cell.owner), AfterNotYet::Release);
+                    } else if cell.life.claim(generation, CANCEL) == Claim::Won {
+                        assert_eq!(
+                            slot.lock().unwrap().take(),
+                            Some(7),
+                            "claimed before handed over"
+                        );
+                        cell.release();
+                    }
+                })
+            };
+            // The registration's second check said "not yet": hand over, then end.
+            *slot.lock().unwrap() = Some(7);
+            loop {
+                match cell.life.end_check(1, &cell.owner) {
+                    // Asked again: this check says "not yet" again.
+                    AfterNotYet::Recheck => continue,
+                    AfterNotYet::Release => break,
+                    AfterNotYet::Cancel => {
+                        assert_eq!(slot.lock().unwrap().take(), Some(7));
+                        cell.release();
+                        break;
+                    }
+                    AfterNotYet::Expire => unreachable!("nothing expires here"),
+                }
+            }
+            other.join().unwrap();
+        });
+    }
+
+    /// A registration whose key panicked abandons the operation while a walk
+    /// and a cancel reach for it by id: neither acts on it, and the cell is
+    /// freed once, by the last of the registration's references.
+    #[test]
+    fn an_abandoned_registration_is_left_alone_and_freed_once() {
+        loom::model(|| {
+            let cell = Cell::registering(1);
+            let generation = cell.life.start();
+            let other = {
+                let cell = cell.clone();
+                thread::spawn(move || {
+                    if cell.life.begin_check(generation, 2, &cell.owner) {
+                        panic!("an abandoned operation was checked");
+                    }
+                    assert_ne!(cell.life.claim(generation, CANCEL), Claim::Won);
+                    if cell.life.acquire(generation) {
+                        cell.release();
+                    }
+                })
+            };
+            cell.life.abandon(&cell.owner);
+            cell.release(); // the finisher's reference
+            cell.release(); // the registration's
+            other.join().unwrap();
+            assert_eq!(cell.frees.load(Ordering::SeqCst), 1);
+        });
+    }
+
+    /// An id of a finished use racing the cell's next use: nothing done by
+    /// the old id reaches the new one.
+    #[test]
+    fn an_old_id_never_reaches_the_next_use_of_its_cell() {
+        loom::model(|| {
+            let (cell, old) = Cell::pending();
+            let out = Outcomes::default();
+            claim(&cell, old, CANCEL, &out);
+            let stale = {
+                let cell = cell.clone();
+                thread::spawn(move || {
+                    assert!(!cell.life.begin_check(old, 2, &cell.owner));
+                    assert_ne!(cell.life.claim(old, EXPIRE), Claim::Won);
+                    assert!(!cell.life.acquire(old));
+                })
+            };
+            // The handle goes, the cell is freed and taken again.
+            cell.release();
+            assert_eq!(cell.frees.load(Ordering::SeqCst), 1);
+            let new = cell.life.start();
+            assert_ne!(new, old);
+            stale.join().unwrap();
+            assert_eq!(cell.life.end_check(1, &cell.owner), AfterNotYet::Release);
+            assert!(!cell.life.is_over(new), "the new use is untouched");
+        });
+    }
+
+    /// Two holders (a handle and an `OpRef`) let go at once after the
+    /// operation finished: exactly one frees the cell.
+    #[test]
+    fn two_holders_release_and_one_frees() {
+        loom::model(|| {
+            let (cell, generation) = Cell::pending();
+            cell.life.add_ref();
+            let out = Outcomes::default();
+            claim(&cell, generation, CANCEL, &out);
+            let other = {
+                let cell = cell.clone();
+                thread::spawn(move || cell.release())
+            };
+            cell.release();
+            other.join().unwrap();
+            assert_eq!(cell.frees.load(Ordering::SeqCst), 1);
         });
     }
 
