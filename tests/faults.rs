@@ -105,6 +105,56 @@ async fn shutdown_from_inside_a_check() {
     );
 }
 
+/// A registration's second check (the operation is watched, not yet in its
+/// cell) shuts the purgatory down: the shutdown leaves the operation to the
+/// registration, which hands it back with the refusal; nothing is lost or
+/// counted twice.
+#[tokio::test(start_paused = true)]
+async fn shutdown_from_inside_the_registrations_second_check() {
+    struct Stopper {
+        p: Arc<OnceLock<Purgatory<u8, Stopper>>>,
+        checks: Arc<AtomicUsize>,
+        id: u32,
+    }
+    impl Operation for Stopper {
+        type Output = ();
+        fn try_complete(&mut self) -> Option<()> {
+            if self.checks.fetch_add(1, Ordering::SeqCst) == 1 {
+                let taken = self.p.get().map_or(0, |p| p.shutdown().len());
+                assert_eq!(taken, 0, "the registering operation is not taken");
+            }
+            None
+        }
+        fn on_expiration(self) {}
+    }
+    let cell = Arc::new(OnceLock::new());
+    let p: Purgatory<u8, Stopper> = Purgatory::builder().name("stop2").build().unwrap();
+    cell.set(p.clone()).unwrap();
+    let checks = Arc::new(AtomicUsize::new(0));
+    let op = Stopper {
+        p: cell.clone(),
+        checks: checks.clone(),
+        id: 7,
+    };
+    let err = p.try_complete_else_watch(op, ms(100), [1, 2]).unwrap_err();
+    assert!(
+        matches!(err, tokio_purgatory::WatchError::Shutdown(_)),
+        "{err:?}"
+    );
+    assert_eq!(err.into_inner().id, 7, "the operation comes back");
+    assert_eq!(
+        checks.load(Ordering::SeqCst),
+        2,
+        "checked before and after watching"
+    );
+    let m = p.metrics();
+    assert_eq!(m.delayed, 0);
+    assert_eq!(
+        m.registered,
+        m.completed + m.expired + m.cancelled + m.handed_back
+    );
+}
+
 /// The runtime that runs the reaper goes away while tasks on another runtime await
 /// handles, some of them never polled: every handle resolves, nothing hangs.
 #[test]
