@@ -375,6 +375,80 @@ async fn detached_operations_run_their_own_completion_and_expiry() {
     assert_eq!(p.metrics().expired, 1);
 }
 
+/// `into_op_ref` is `op_ref` then `detach`: the reference completes,
+/// updates and reads the operation, every output is dropped once (nobody
+/// reads one), an operation done at registration gives `None`, and one left
+/// with only the reference still expires.
+#[tokio::test(start_paused = true)]
+async fn into_op_ref_detaches_and_keeps_a_reference() {
+    /// An output that counts its drops.
+    struct Out(Arc<AtomicUsize>);
+    impl Drop for Out {
+        fn drop(&mut self) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+    struct Op {
+        ready: bool,
+        drops: Arc<AtomicUsize>,
+    }
+    impl Operation for Op {
+        type Output = Out;
+        fn try_complete(&mut self) -> Option<Out> {
+            self.ready.then(|| Out(self.drops.clone()))
+        }
+        fn on_expiration(self) -> Out {
+            Out(self.drops.clone())
+        }
+    }
+    let p: Purgatory<u32, Op> = Purgatory::builder().name("into").build().unwrap();
+    let drops = Arc::new(AtomicUsize::new(0));
+    let op = |ready| Op {
+        ready,
+        drops: drops.clone(),
+    };
+
+    // Completed through the reference, after an update through it.
+    let r = p
+        .try_complete_else_watch(op(false), ms(50), [1])
+        .unwrap()
+        .into_op_ref()
+        .expect("pending");
+    assert_eq!(r.status(), tokio_purgatory::OperationStatus::Pending);
+    assert_eq!(r.update(|o| o.ready = true), Some(()));
+    assert!(r.try_complete());
+    assert_eq!(
+        drops.load(Ordering::SeqCst),
+        1,
+        "the output, unread, dropped"
+    );
+    assert_eq!(r.status(), tokio_purgatory::OperationStatus::Completed);
+    drop(r);
+
+    // Done at registration: nothing to reference, the output dropped.
+    let none = p
+        .try_complete_else_watch(op(true), ms(50), [1])
+        .unwrap()
+        .into_op_ref();
+    assert!(none.is_none());
+    assert_eq!(drops.load(Ordering::SeqCst), 2);
+
+    // Only the reference left: it still expires, and says so.
+    let r = p
+        .try_complete_else_watch(op(false), ms(50), [2])
+        .unwrap()
+        .into_op_ref()
+        .unwrap();
+    advance(ms(50)).await;
+    settle().await;
+    assert_eq!(r.status(), tokio_purgatory::OperationStatus::Expired);
+    assert_eq!(drops.load(Ordering::SeqCst), 3);
+    drop(r);
+    let m = p.metrics();
+    assert_eq!((m.completed, m.expired, m.delayed), (2, 1, 0));
+    assert!(balanced(&m));
+}
+
 #[tokio::test(start_paused = true)]
 async fn completed_payload_is_dropped_at_once_leaving_small_tombstones() {
     let p = purgatory();

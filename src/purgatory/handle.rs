@@ -373,6 +373,59 @@ where
             cell.op().detach();
         }
     }
+
+    /// [`detach`](Self::detach)es the handle and keeps a reference to the
+    /// operation instead: what `let r = handle.op_ref(); handle.detach();`
+    /// does, for code that completes or updates operations by reference and
+    /// never awaits them (Kafka keeps the operation object itself). The
+    /// operation still completes or expires, and its output is dropped.
+    /// `None` when the operation completed during registration (its output
+    /// is dropped here, and there is nothing left to reference).
+    ///
+    /// Cheaper than the two calls: the handle's own reference to the
+    /// operation's cell becomes the [`OpRef`]'s, so no count changes.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// use std::sync::atomic::{AtomicBool, Ordering};
+    /// use std::sync::Arc;
+    /// use std::time::Duration;
+    /// use tokio_purgatory::{Operation, OperationStatus, Purgatory};
+    ///
+    /// /// A produce answered from its own code once its replicas have it.
+    /// struct Produce { acked: Arc<AtomicBool> }
+    /// impl Operation for Produce {
+    ///     type Output = ();
+    ///     fn try_complete(&mut self) -> Option<()> {
+    ///         self.acked.load(Ordering::Acquire).then_some(()) // and send the response
+    ///     }
+    ///     fn on_expiration(self) {} // send REQUEST_TIMED_OUT
+    /// }
+    ///
+    /// let p: Purgatory<u32, Produce> = Purgatory::new();
+    /// let acked = Arc::new(AtomicBool::new(false));
+    /// let op = Produce { acked: acked.clone() };
+    /// let produce = p
+    ///     .try_complete_else_watch(op, Duration::from_secs(30), [7])
+    ///     .unwrap()
+    ///     .into_op_ref()
+    ///     .expect("not done at registration");
+    /// acked.store(true, Ordering::Release);
+    /// assert!(produce.try_complete());
+    /// assert_eq!(produce.status(), OperationStatus::Completed);
+    /// # }
+    /// ```
+    pub fn into_op_ref(mut self) -> Option<OpRef<K, O>> {
+        match std::mem::replace(&mut self.inner, Inner::Taken) {
+            Inner::Waiting(cell) => {
+                cell.op().detach();
+                Some(OpRef { cell })
+            }
+            Inner::Ready(_) | Inner::Taken => None,
+        }
+    }
 }
 
 // The handle never pins its contents (the output is moved out whole).
