@@ -131,12 +131,12 @@ async fn overload_is_refused_without_loss_and_memory_is_linear() {
     };
     expire_all().await;
     // What stays is the cells, kept for reuse (the peak pending, 70k, rounded
-    // up to a page of 4,096 cells, each `cell_bytes` and up to 8 bytes on a
+    // up to a page of 1,024 cells, each `cell_bytes` and up to 8 bytes on a
     // free list), and beside them a bounded rest, not proportional to the
     // burst: a drained timer shard keeps at most 64 slab entries, and a watcher
     // shard at most a small table (room for 64 keys; larger ones shrink as keys
     // go).
-    let cells = ((70_000 + 4096) * (Purgatory::<u32, Op>::cell_bytes() + 8)) as isize;
+    let cells = ((70_000 + 1024) * (Purgatory::<u32, Op>::cell_bytes() + 8)) as isize;
     let left = alloc::live_bytes() - base;
     let peak = at.last().unwrap().1;
     assert!(

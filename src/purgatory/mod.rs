@@ -103,7 +103,7 @@ impl<K: WatchKey, O: Operation> Drop for Owner<K, O> {
 /// operation has finished and its handle and every [`OpRef`] to it are gone,
 /// and the next registration reuses it: the purgatory keeps cells for the
 /// most operations it has had in cells at once (pending, or finished with a
-/// handle or `OpRef` still held), in pages of up to 4,096 cells, as a `Vec`
+/// handle or `OpRef` still held), in pages of up to 1,024 cells, as a `Vec`
 /// keeps its capacity, and a registration allocates nothing once it has grown
 /// to that. Box a large operation or output (`Box<LargeState>`) to keep cells
 /// small; only the box stays then.
