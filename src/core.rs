@@ -346,11 +346,7 @@ impl<J: Job<Ctx = C>, C: Send + Sync + 'static> Core<J, C> {
             batch.reserve(DEAD_BATCH);
         }
         batch.push(key);
-        let mut dead = lock(slot);
-        if dead.capacity() == 0 {
-            std::mem::swap(&mut *dead, &mut batch);
-        }
-        drop(dead);
+        Self::give_back(slot, &mut batch);
         self.dead_waiting.store(true, Ordering::Release);
         // Another thread of the stripe gave it room meanwhile: this key goes now.
         self.remove_batch(&mut batch);
@@ -371,10 +367,17 @@ impl<J: Job<Ctx = C>, C: Send + Sync + 'static> Core<J, C> {
                 std::mem::take(&mut *dead)
             };
             self.remove_batch(&mut batch);
-            let mut dead = lock(stripe);
-            if dead.capacity() == 0 {
-                std::mem::swap(&mut *dead, &mut batch);
-            }
+            Self::give_back(stripe, &mut batch);
+        }
+    }
+
+    /// Puts `batch` back in its stripe's `slot`, room and all, unless
+    /// another thread of the stripe gave the slot room meanwhile; then it
+    /// stays with the caller (freed, or its keys removed, with no lock held).
+    fn give_back(slot: &Mutex<Vec<TimerKey>>, batch: &mut Vec<TimerKey>) {
+        let mut dead = lock(slot);
+        if dead.capacity() == 0 {
+            std::mem::swap(&mut *dead, batch);
         }
     }
 

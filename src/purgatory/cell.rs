@@ -385,13 +385,7 @@ where
     /// [`run_checks`](Self::run_checks).
     pub(crate) fn first_watched_check(&self, me: u64, mut op: O) -> Checked<O> {
         match catch_unwind(AssertUnwindSafe(|| op.try_complete())) {
-            Ok(Some(output)) => {
-                self.life.complete(&self.cell.owner);
-                self.cell.owner.record_fate(Fate::Completed.code());
-                self.shared.drop_contained("drop of an operation", op);
-                self.finish(Ok(Completion::Completed(output)), Fate::Completed, true);
-                return Checked::Completed;
-            }
+            Ok(Some(output)) => return self.completed(Some(op), output),
             Ok(None) => {}
             Err(panic) => self.shared.panics().caught("try_complete", panic),
         }
@@ -422,6 +416,16 @@ where
         })
     }
 
+    /// The owner's check said the operation is done: `FINISHED`, the
+    /// operation (taken out) dropped, `output` delivered.
+    fn completed(&self, op: Option<O>, output: O::Output) -> Checked<O> {
+        self.life.complete(&self.cell.owner);
+        self.cell.owner.record_fate(Fate::Completed.code());
+        self.shared.drop_contained("drop of an operation", op);
+        self.finish(Ok(Completion::Completed(output)), Fate::Completed, true);
+        Checked::Completed
+    }
+
     /// The check loop of `me`, the owner of `CHECKING`.
     pub(crate) fn run_checks(&self, me: u64) -> Checked<O> {
         let cell = self.cell;
@@ -437,13 +441,7 @@ where
             };
             drop(guard);
             match out {
-                Ok(Some(output)) => {
-                    self.life.complete(&cell.owner);
-                    cell.owner.record_fate(Fate::Completed.code());
-                    self.shared.drop_contained("drop of an operation", done);
-                    self.finish(Ok(Completion::Completed(output)), Fate::Completed, true);
-                    return Checked::Completed;
-                }
+                Ok(Some(output)) => return self.completed(done, output),
                 Ok(None) => {}
                 Err(panic) => self.shared.panics().caught("try_complete", panic),
             }

@@ -221,16 +221,6 @@ impl<T: Default> Slab<T> {
         self.cell(id.index)
     }
 
-    /// A reference to `id`'s cell, unless its operation has finished or the
-    /// cell has moved on; release it with [`release`](Self::release).
-    #[cfg(all(test, not(purgatory_loom)))]
-    pub(crate) fn acquire(&self, id: Id) -> Option<&T> {
-        let (page, offset) = self.page(id.index);
-        page.lives[offset]
-            .acquire(id.generation)
-            .then_some(&page.cells[offset])
-    }
-
     /// Another reference to `id`'s cell, from a caller holding one.
     pub(crate) fn add_ref(&self, id: Id) {
         self.life_at(id.index).add_ref();
@@ -333,11 +323,18 @@ mod tests {
             .unwrap()
             .0;
         assert!(!s.is_over(id));
-        assert_eq!(s.acquire(id).unwrap().0.load(Ordering::Relaxed), 7);
+        assert!(
+            s.life(id).acquire(id.generation),
+            "a reference to a live use"
+        );
+        assert_eq!(s.peek(id).0.load(Ordering::Relaxed), 7);
         s.release(id, |_| panic!("not finished"));
         finish(&s, id);
         assert!(s.is_over(id), "finished");
-        assert!(s.acquire(id).is_none(), "nothing acquires a finished cell");
+        assert!(
+            !s.life(id).acquire(id.generation),
+            "nothing acquires a finished cell"
+        );
         let mut cleared = 0;
         s.release(id, |_| cleared += 1);
         assert_eq!(cleared, 1, "the last release frees it");
@@ -346,7 +343,7 @@ mod tests {
         assert_eq!(again.index, id.index);
         assert_ne!(again.generation, id.generation);
         assert!(s.is_over(id) && !s.is_over(again));
-        assert!(s.acquire(id).is_none());
+        assert!(!s.life(id).acquire(id.generation));
         assert_eq!(s.grown(), 1);
     }
 
@@ -363,7 +360,7 @@ mod tests {
         finish(&s, last);
         s.release(last, |_| {});
         assert!(s.is_over(last));
-        assert!(s.acquire(last).is_none());
+        assert!(!s.life(last).acquire(last.generation));
         assert!(s.life(last).is_free(), "left free");
         let next = fresh(&s);
         assert_ne!(next.index, 0, "a fresh cell, not the worn-out one");
