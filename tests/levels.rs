@@ -451,3 +451,124 @@ async fn a_check_may_advance_its_own_key() {
     assert_eq!(h.await, Ok(Completion::Completed(21)));
     assert!(balanced(&p.metrics()));
 }
+
+/// Records the levels its checks were told (`None` for a check without
+/// one) and completes once told a level at or above `need`.
+struct Told {
+    need: u64,
+    told: Arc<std::sync::Mutex<Vec<Option<u64>>>>,
+    /// While set, a check without a level waits here for the test to let
+    /// it go (on the first message), after saying it is inside (on the
+    /// second).
+    hold: Option<(
+        std::sync::mpsc::Receiver<()>,
+        std::sync::mpsc::SyncSender<()>,
+    )>,
+}
+
+impl Operation for Told {
+    type Output = u64;
+    fn try_complete(&mut self) -> Option<u64> {
+        self.told.lock().unwrap().push(None);
+        if let Some((go, inside)) = self.hold.take() {
+            inside.send(()).unwrap();
+            go.recv().unwrap();
+        }
+        None
+    }
+    fn try_complete_reached(&mut self, reached: u64) -> Option<u64> {
+        self.told.lock().unwrap().push(Some(reached));
+        (reached >= self.need).then_some(reached)
+    }
+    fn on_expiration(self) -> u64 {
+        0
+    }
+}
+
+type Log = Arc<std::sync::Mutex<Vec<Option<u64>>>>;
+
+#[tokio::test(start_paused = true)]
+async fn each_check_of_an_advance_is_told_its_level() {
+    let p: Purgatory<u32, Told> = Purgatory::new();
+    let (at, plain): (Log, Log) = Default::default();
+    let op = |need, told: &Log| Told {
+        need,
+        told: told.clone(),
+        hold: None,
+    };
+    let at_level = p
+        .try_complete_else_watch_levels(op(30, &at), ms(1000), [Watch::above(0, 19)])
+        .unwrap();
+    let watching = p
+        .try_complete_else_watch(op(25, &plain), ms(1000), [0])
+        .unwrap();
+    // Registration checks (before and after watching) know no level.
+    assert_eq!(*at.lock().unwrap(), [None, None]);
+    at.lock().unwrap().clear();
+    plain.lock().unwrap().clear();
+
+    assert_eq!(p.try_complete_reached(&0, 19), 0, "not past 19");
+    assert!(
+        at.lock().unwrap().is_empty(),
+        "below its level: not checked"
+    );
+    assert_eq!(
+        *plain.lock().unwrap(),
+        [Some(19)],
+        "a plain watch is told too"
+    );
+
+    assert_eq!(p.try_complete_watched(&0), 0);
+    assert_eq!(
+        *plain.lock().unwrap(),
+        [Some(19), None],
+        "a walk has no level"
+    );
+
+    assert_eq!(p.try_complete_reached(&0, 27), 1);
+    assert_eq!(*at.lock().unwrap(), [Some(27)]);
+    assert_eq!(watching.await, Ok(Completion::Completed(27)));
+    assert_eq!(p.try_complete_reached(&0, 30), 1);
+    assert_eq!(*at.lock().unwrap(), [Some(27), Some(30)]);
+    assert_eq!(at_level.await, Ok(Completion::Completed(30)));
+}
+
+/// An advance that finds the operation being checked on another thread
+/// hands its level to that checker's re-run: the highest of those that
+/// asked, and none is lost.
+#[tokio::test(start_paused = true)]
+async fn a_level_is_handed_to_the_check_running_elsewhere() {
+    let p: Purgatory<u32, Told> = Purgatory::new();
+    let told = Log::default();
+    let (go_tx, go_rx) = std::sync::mpsc::sync_channel(1);
+    let (inside_tx, inside_rx) = std::sync::mpsc::sync_channel(1);
+    let op = Told {
+        need: 20,
+        told: told.clone(),
+        hold: None,
+    };
+    let handle = p
+        .try_complete_else_watch_levels(op, ms(1000), [Watch::level(0, 5), Watch::key(1)])
+        .unwrap();
+    let op_ref = handle.op_ref().unwrap();
+    op_ref.update(|op| op.hold = Some((go_rx, inside_tx)));
+    told.lock().unwrap().clear();
+
+    // A plain walk of key 1 checks on another thread, and waits inside.
+    let walker = {
+        let p = p.clone();
+        std::thread::spawn(move || p.try_complete_watched(&1))
+    };
+    inside_rx.recv().unwrap();
+    // Two advances meanwhile: each asks the running check to run again.
+    assert_eq!(p.try_complete_reached(&0, 10), 0);
+    assert_eq!(p.try_complete_reached(&0, 20), 0);
+    go_tx.send(()).unwrap();
+    assert_eq!(walker.join().unwrap(), 1, "the re-run completed it");
+    assert_eq!(
+        *told.lock().unwrap(),
+        [None, Some(20)],
+        "one re-run, told 20"
+    );
+    assert_eq!(handle.await, Ok(Completion::Completed(20)));
+}

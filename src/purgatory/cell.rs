@@ -35,7 +35,7 @@ use super::error::OperationError;
 use super::operation::{Completion, Operation};
 use super::shared::Shared;
 use super::slab::Id;
-use super::state::{AfterNotYet, Claim, Life, Owner, CANCEL, EXPIRE};
+use super::state::{AfterNotYet, Begin, Claim, Life, Owner, CANCEL, EXPIRE};
 use super::WatchKey;
 use crate::core::TimerKey;
 use crate::sync::{lock, thread_index, touch, AtomicU8, Mutex};
@@ -361,13 +361,40 @@ where
 
     /// [`check`](Self::check) by thread `me` (the caller's [`thread_index`]).
     pub(crate) fn check_as(&self, me: u64) -> bool {
-        if !self
+        self.check_reached(me, None)
+    }
+
+    /// [`check_as`](Self::check_as) for a caller that says the key reached
+    /// `reached` (`try_complete_reached`): the check is told it, and so is
+    /// the re-run of a check running elsewhere that this call asks for (the
+    /// level is handed over before the request is made).
+    pub(crate) fn check_reached(&self, me: u64, reached: Option<u64>) -> bool {
+        let handed = self.shared.handed();
+        let mut offered = false;
+        let begun = self
             .life
-            .begin_check(self.generation(), me, &self.cell.owner)
-        {
-            return false;
-        }
-        match self.run_checks(me) {
+            .begin_check_or_ask(self.generation(), me, &self.cell.owner, || {
+                if let Some(level) = reached {
+                    handed.offer(self.id, level);
+                    offered = true;
+                }
+            });
+        let reached = match begun {
+            Begin::Asked => return false,
+            Begin::Nothing => {
+                // The use is over (or this is its checker calling back): no
+                // re-run will take what this call left.
+                if offered {
+                    handed.take(&self.id);
+                }
+                return false;
+            }
+            // This call checks after all: it takes what it left (and what
+            // others left meanwhile, all for this check).
+            Begin::Checking if offered => handed.take(&self.id).max(reached),
+            Begin::Checking => reached,
+        };
+        match self.run_checks(me, reached) {
             Checked::Completed => true,
             Checked::Cancelled(op) => {
                 self.shared.drop_contained("drop of an operation", op);
@@ -393,7 +420,7 @@ where
         debug_assert!(stale.is_none(), "a freed cell holds no operation");
         match self.not_yet(me) {
             Some(checked) => checked,
-            None => self.run_checks(me),
+            None => self.run_checks(me, self.shared.handed().take(&self.id)),
         }
     }
 
@@ -420,19 +447,27 @@ where
     /// operation (taken out) dropped, `output` delivered.
     fn completed(&self, op: Option<O>, output: O::Output) -> Checked<O> {
         self.life.complete(&self.cell.owner);
+        // A level left for a re-run that will not happen.
+        self.shared.handed().take(&self.id);
         self.cell.owner.record_fate(Fate::Completed.code());
         self.shared.drop_contained("drop of an operation", op);
         self.finish(Ok(Completion::Completed(output)), Fate::Completed, true);
         Checked::Completed
     }
 
-    /// The check loop of `me`, the owner of `CHECKING`.
-    pub(crate) fn run_checks(&self, me: u64) -> Checked<O> {
+    /// The check loop of `me`, the owner of `CHECKING`, told `reached` (the
+    /// level of the advance that asked for the check, if one did). A re-run is
+    /// told the level handed over by the advances that asked for it, or, when
+    /// none did, the level the check before it was told.
+    pub(crate) fn run_checks(&self, me: u64, mut reached: Option<u64>) -> Checked<O> {
         let cell = self.cell;
         loop {
             let mut guard = lock(&cell.op);
             let op = guard.as_mut().expect("a checked operation is present");
-            let out = catch_unwind(AssertUnwindSafe(|| op.try_complete()));
+            let out = catch_unwind(AssertUnwindSafe(|| match reached {
+                Some(level) => op.try_complete_reached(level),
+                None => op.try_complete(),
+            }));
             // Completed: the operation comes out under the same hold of its
             // lock (the state is ours until `complete`, so nothing else takes it).
             let done = match &out {
@@ -448,6 +483,9 @@ where
             if let Some(checked) = self.not_yet(me) {
                 return checked;
             }
+            if let Some(level) = self.shared.handed().take(&self.id) {
+                reached = Some(level);
+            }
         }
     }
 
@@ -462,6 +500,7 @@ where
     /// counting it. The caller still holds the registration's reference.
     pub(crate) fn abandon_registration(&self) {
         self.life.abandon(&self.cell.owner);
+        self.shared.handed().take(&self.id);
         self.cell.owner.record_fate(Fate::HandedBack.code());
         drop(self.cell.delivery().detach());
         // The finisher's reference.

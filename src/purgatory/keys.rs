@@ -227,6 +227,25 @@ impl<K> Watch<K> {
         }
     }
 
+    /// A watch of `key` checked once the key passes `level`, that is reaches
+    /// `level + 1`: [`level`](Watch::level) with the step done for you. A
+    /// produce whose last offset is `last` is covered once the high
+    /// watermark (the offset of the next record to be written) passes it:
+    /// `Watch::above(partition, last)`. Nothing passes `u64::MAX`: such a
+    /// watch is checked once the key reaches `u64::MAX` (its check decides,
+    /// as always).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tokio_purgatory::Watch;
+    /// assert_eq!(Watch::above("orders-0", 41), Watch::level("orders-0", 42));
+    /// assert_eq!(Watch::above(0u8, u64::MAX).level_of(), Some(u64::MAX));
+    /// ```
+    pub fn above(key: K, level: u64) -> Watch<K> {
+        Watch::level(key, level.saturating_add(1))
+    }
+
     /// The key watched.
     ///
     /// # Examples

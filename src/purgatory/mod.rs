@@ -555,32 +555,31 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
-    /// use std::sync::atomic::{AtomicU64, Ordering};
-    /// use std::sync::Arc;
     /// use std::time::Duration;
     /// use tokio_purgatory::{Completion, Operation, Purgatory, Watch};
     ///
-    /// /// A produce with `acks=all`: done once the high watermark covers `last`.
-    /// struct Produce { hw: Arc<AtomicU64>, last: u64 }
+    /// /// A produce with `acks=all`: done once the high watermark passes `last`.
+    /// struct Produce { last: u64 }
     /// impl Operation for Produce {
     ///     type Output = &'static str;
-    ///     fn try_complete(&mut self) -> Option<&'static str> {
-    ///         (self.hw.load(Ordering::Acquire) > self.last).then_some("ok")
+    ///     // At registration: no high watermark known here yet.
+    ///     fn try_complete(&mut self) -> Option<&'static str> { None }
+    ///     // Told the high watermark by `try_complete_reached`.
+    ///     fn try_complete_reached(&mut self, hw: u64) -> Option<&'static str> {
+    ///         (hw > self.last).then_some("ok")
     ///     }
     ///     fn on_expiration(self) -> &'static str { "REQUEST_TIMED_OUT" }
     /// }
     ///
     /// let produces: Purgatory<&str, Produce> = Purgatory::new();
-    /// let hw = Arc::new(AtomicU64::new(0));
     /// let mut handles = Vec::new();
     /// for last in [9, 19, 29] {
-    ///     let op = Produce { hw: hw.clone(), last };
-    ///     // The high watermark must pass `last`: reach `last + 1`.
-    ///     let watch = [Watch::level("orders-0", last + 1)];
+    ///     // Checked once the high watermark passes `last` (reaches `last + 1`).
+    ///     let watch = [Watch::above("orders-0", last)];
+    ///     let op = Produce { last };
     ///     handles.push(produces.try_complete_else_watch_levels(op, Duration::from_secs(30), watch).unwrap());
     /// }
     /// // A follower caught up to offset 20: the first two are covered.
-    /// hw.store(20, Ordering::Release);
     /// assert_eq!(produces.try_complete_reached("orders-0", 20), 2);
     /// assert_eq!(produces.delayed(), 1);
     /// # for h in handles.drain(..2) { assert_eq!(h.await, Ok(Completion::Completed("ok"))); }
@@ -742,8 +741,10 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
     /// the cost is O(k log n) for the k at or below `level` among the n
     /// watching the key at a level, plus the plain watchers.
     ///
-    /// Call it after the change the operations' checks read is visible (after
-    /// the high watermark is stored), as for `try_complete_watched`.
+    /// Each check this call runs is told `level`
+    /// ([`Operation::try_complete_reached`]), so an operation may decide from
+    /// it alone. A check that reads other state must find it visible: call
+    /// this after the change is stored, as for `try_complete_watched`.
     ///
     /// **A check that says "not yet"** after the key reached its level (an
     /// operation that also waits for another partition, a fetch whose

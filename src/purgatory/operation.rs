@@ -8,7 +8,9 @@ use std::hash::Hash;
 /// replicas, a fetch waiting for bytes, a join waiting for members).
 ///
 /// The purgatory calls [`try_complete`](Operation::try_complete) when an event on
-/// one of the operation's keys may have made it completable, and
+/// one of the operation's keys may have made it completable (or
+/// [`try_complete_reached`](Operation::try_complete_reached), telling it the
+/// level a key reached), and
 /// [`on_expiration`](Operation::on_expiration) if the timeout fires first.
 /// Exactly one of the two finishes the operation.
 ///
@@ -74,6 +76,68 @@ pub trait Operation: Send + 'static {
     /// Returns the output if the operation can complete now, `None` if it must go
     /// on waiting.
     fn try_complete(&mut self) -> Option<Self::Output>;
+
+    /// The check as run by
+    /// [`try_complete_reached(&key, level)`](crate::Purgatory::try_complete_reached):
+    /// `reached` is the level that call says the key has reached, so a check
+    /// woken by a high watermark can decide from it without storing the
+    /// watermark where it can read it. The default ignores it and calls
+    /// [`try_complete`](Operation::try_complete), which every other check
+    /// (at registration, by `try_complete_watched`, by
+    /// [`OpRef::try_complete`](crate::OpRef::try_complete)) calls.
+    ///
+    /// Every check that call runs is told its level: those of operations
+    /// watching the key at a level at most `level`, and those watching it
+    /// without a level.
+    ///
+    /// # Concurrency
+    ///
+    /// When the operation is being checked on another thread at that moment,
+    /// the call asks that check to run again and hands it the level: the
+    /// re-run is told the highest level handed over by the calls that asked
+    /// for it (several advances may fold into one re-run), or, when only
+    /// calls without a level asked, the level the check before it was told.
+    /// An operation watching the levels of more than one key may so be told
+    /// any of their levels: such an operation should keep what it needs per
+    /// key, and use `reached` only as a hint.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// use std::time::Duration;
+    /// use tokio_purgatory::{Completion, Operation, Purgatory, Watch};
+    ///
+    /// /// A produce with `acks=all`: done once the high watermark passes `last`.
+    /// struct Produce { last: u64 }
+    /// impl Operation for Produce {
+    ///     type Output = Result<u64, &'static str>;
+    ///     fn try_complete(&mut self) -> Option<Self::Output> {
+    ///         None // Only a high watermark can complete it.
+    ///     }
+    ///     fn try_complete_reached(&mut self, hw: u64) -> Option<Self::Output> {
+    ///         (hw > self.last).then_some(Ok(hw))
+    ///     }
+    ///     fn on_expiration(self) -> Self::Output { Err("REQUEST_TIMED_OUT") }
+    /// }
+    ///
+    /// let produces: Purgatory<&str, Produce> = Purgatory::new();
+    /// let handle = produces
+    ///     .try_complete_else_watch_levels(
+    ///         Produce { last: 41 },
+    ///         Duration::from_secs(30),
+    ///         [Watch::above("orders-0", 41)],
+    ///     )
+    ///     .unwrap();
+    /// assert_eq!(produces.try_complete_reached("orders-0", 41), 0, "not past 41: not checked");
+    /// assert_eq!(produces.try_complete_reached("orders-0", 50), 1);
+    /// assert_eq!(handle.await, Ok(Completion::Completed(Ok(50))));
+    /// # }
+    /// ```
+    fn try_complete_reached(&mut self, reached: u64) -> Option<Self::Output> {
+        let _ = reached;
+        self.try_complete()
+    }
 
     /// The timeout fired before any check completed the operation.
     fn on_expiration(self) -> Self::Output

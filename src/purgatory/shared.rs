@@ -16,6 +16,7 @@ use super::error::{OperationError, WatchError};
 use super::keys::Watches;
 use super::operation::Operation;
 use super::slab::{Id, Slab};
+use super::state::Handed;
 use super::WatchKey;
 use super::{ChecksMetrics, PurgatoryMetrics, WalkMetrics};
 use crate::contain::Panics;
@@ -122,6 +123,8 @@ pub(crate) struct Shared<K: WatchKey, O: Operation> {
     buffers: Striped<Mutex<Buffers<K, O>>>,
     /// Checks asked for by walks and by reference, per kind, per thread stripe.
     walks: Striped<[WalkStripe; 3]>,
+    /// Levels handed from advances to the re-runs they asked for.
+    handed: Handed<Id>,
 }
 
 /// What walks of one kind did on one stripe (see [`WalkMetrics`]).
@@ -200,6 +203,7 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
             name,
             buffers: Striped::default(),
             walks: Striped::default(),
+            handed: Handed::default(),
         }
     }
 
@@ -496,6 +500,11 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
     }
 
     /// Where panics in this purgatory's user code are counted and reported.
+    /// Levels handed from advances to the re-runs they asked for.
+    pub(crate) fn handed(&self) -> &Handed<Id> {
+        &self.handed
+    }
+
     pub(crate) fn panics(&self) -> &Panics {
         &self.panics
     }
@@ -639,7 +648,7 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         let completed = buffers
             .live
             .iter()
-            .filter(|id| self.op(**id).check_as(me))
+            .filter(|id| self.op(**id).check_reached(me, reached))
             .count();
         let kind = if reached.is_some() {
             WalkKind::Level

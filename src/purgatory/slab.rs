@@ -58,7 +58,7 @@ pub(crate) const CAPACITY: usize = SMALL_CELLS + DIRS * PAGES * PAGE;
 
 /// Names one use of a cell: its index, and the generation of that use
 /// (never 0, so that an `Option<Id>` in a watch list takes 8 bytes).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) struct Id {
     index: u32,
     generation: NonZeroU32,

@@ -29,14 +29,20 @@
 //!   generation, so an id kept in a watch list or the timer (which keeps
 //!   nothing alive) can never reach a later use of its cell.
 //!
+//! A check told a level (`try_complete_reached`) that asks for a re-run
+//! leaves its level in [`Handed`] before it sets `RERUN`, so the re-run is
+//! told it; the models below check that no level is lost or left behind.
+//!
 //! The owner's thread is recorded while it checks (in the cell, beside the
 //! word), so that its own check calling back into itself (walking its own key)
 //! is not taken for an outside event: a re-run for that would loop forever.
 
+use std::collections::HashMap;
+use std::hash::Hash;
 use std::num::NonZeroU32;
 use std::sync::atomic::Ordering;
 
-use crate::sync::{AtomicU32, AtomicU64, AtomicU8};
+use crate::sync::{lock, AtomicU32, AtomicU64, AtomicU8, Mutex};
 
 /// The reference count's bits.
 const REFS: u64 = (1 << 26) - 1;
@@ -74,6 +80,18 @@ pub(crate) enum AfterNotYet {
     /// The timeout fired meanwhile: the caller now finishes it (`FINISHED`,
     /// with the finisher's reference) as expired.
     Expire,
+}
+
+/// What [`Life::begin_check_or_ask`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Begin {
+    /// The caller owns the check now.
+    Checking,
+    /// Another caller is checking: it was asked to check again.
+    Asked,
+    /// Nothing: the use is over, or the caller is the one checking (its own
+    /// check calling back into itself).
+    Nothing,
 }
 
 /// What a claim (by expiry or cancellation) found.
@@ -161,6 +179,54 @@ impl Owner {
     /// The recorded fate code, 0 while none is.
     pub(crate) fn fate(&self) -> u8 {
         self.fate.load(Ordering::Acquire)
+    }
+}
+
+/// Levels handed to a running check by the advances that asked it to run
+/// again, by the id of the use (`I`). A check told a level
+/// (`try_complete_reached`) that finds another caller checking leaves its
+/// level here before it sets `RERUN`; the checker takes it for its re-run.
+/// Kept apart from the cells, which would each need room for one: a
+/// hand-over needs a check running on another thread at that very moment,
+/// so this holds at most about one entry per thread.
+///
+/// Who removes an entry: the checker, when it re-runs or completes; the
+/// asker, when it finds the use over or becomes the checker itself instead.
+#[derive(Debug)]
+pub(crate) struct Handed<I> {
+    /// Entries held, read without the lock to skip it while there are none
+    /// (written under it).
+    held: AtomicU64,
+    levels: Mutex<HashMap<I, u64>>,
+}
+
+impl<I> Default for Handed<I> {
+    fn default() -> Self {
+        Handed {
+            held: AtomicU64::new(0),
+            levels: Mutex::new(HashMap::new()),
+        }
+    }
+}
+
+impl<I: Hash + Eq> Handed<I> {
+    /// Leaves `level` for the checker of `id` (the highest left stays).
+    pub(crate) fn offer(&self, id: I, level: u64) {
+        let mut levels = lock(&self.levels);
+        let left = levels.entry(id).or_insert(level);
+        *left = (*left).max(level);
+        self.held.store(levels.len() as u64, Ordering::Release);
+    }
+
+    /// Takes the level left for `id`, if any.
+    pub(crate) fn take(&self, id: &I) -> Option<u64> {
+        if self.held.load(Ordering::Acquire) == 0 {
+            return None;
+        }
+        let mut levels = lock(&self.levels);
+        let level = levels.remove(id);
+        self.held.store(levels.len() as u64, Ordering::Release);
+        level
     }
 }
 
@@ -278,15 +344,32 @@ impl Life {
     /// (it is asked to check again), or when `me` is that caller re-entering
     /// its own check. No reference is needed: `CHECKING` keeps the cell until
     /// [`end_check`](Self::end_check) or [`complete`](Self::complete).
+    #[cfg(test)]
     pub(crate) fn begin_check(&self, generation: NonZeroU32, me: u64, owner: &Owner) -> bool {
+        self.begin_check_or_ask(generation, me, owner, || {}) == Begin::Checking
+    }
+
+    /// As [`begin_check`](Self::begin_check), telling apart what happened,
+    /// and calling `ask` before each attempt to ask the running checker to
+    /// check again (so that what `ask` leaves for that checker is in place
+    /// before the checker can see the request; it may be called more than
+    /// once, and also when the request is not made in the end).
+    pub(crate) fn begin_check_or_ask(
+        &self,
+        generation: NonZeroU32,
+        me: u64,
+        owner: &Owner,
+        mut ask: impl FnMut(),
+    ) -> Begin {
         let mut s = self.0.load(Ordering::Acquire);
         loop {
             let want = if !Self::is_use(s, generation) {
-                return false;
+                return Begin::Nothing;
             } else if s & CHECKING != 0 {
                 if owner.checker.load(Ordering::Acquire) == me {
-                    return false;
+                    return Begin::Nothing;
                 }
+                ask();
                 s | RERUN
             } else {
                 s | CHECKING
@@ -295,10 +378,10 @@ impl Life {
                 .0
                 .compare_exchange(s, want, Ordering::AcqRel, Ordering::Acquire)
             {
-                Ok(_) if s & CHECKING != 0 => return false,
+                Ok(_) if s & CHECKING != 0 => return Begin::Asked,
                 Ok(_) => {
                     owner.checker.store(me, Ordering::Release);
-                    return true;
+                    return Begin::Checking;
                 }
                 Err(actual) => s = actual,
             }
@@ -861,6 +944,110 @@ mod loom_state {
             walker.join().unwrap();
             assert_eq!(cell.frees.load(Ordering::SeqCst), 1, "freed exactly once");
             assert!(!cell.life.acquire(generation), "the old use is over");
+        });
+    }
+
+    /// A check told a level (`try_complete_reached`), as `Op::check_reached`
+    /// runs it with its hand-over: the operation completes once `completes`
+    /// says so of the level the check was told.
+    fn check_told(
+        cell: &Cell,
+        generation: NonZeroU32,
+        me: u64,
+        reached: Option<u64>,
+        handed: &Handed<u32>,
+        completes: impl Fn(Option<u64>) -> bool,
+        out: &Outcomes,
+    ) {
+        let id = generation.get();
+        let mut offered = false;
+        let begun = cell
+            .life
+            .begin_check_or_ask(generation, me, &cell.owner, || {
+                if let Some(level) = reached {
+                    handed.offer(id, level);
+                    offered = true;
+                }
+            });
+        let mut reached = match begun {
+            Begin::Asked => return,
+            Begin::Nothing => {
+                if offered {
+                    handed.take(&id);
+                }
+                return;
+            }
+            Begin::Checking if offered => handed.take(&id).max(reached),
+            Begin::Checking => reached,
+        };
+        loop {
+            if completes(reached) {
+                cell.life.complete(&cell.owner);
+                handed.take(&id);
+                out.completed.fetch_add(1, Ordering::SeqCst);
+                cell.release();
+                return;
+            }
+            match cell.life.end_check(me, &cell.owner) {
+                AfterNotYet::Recheck => {
+                    if let Some(level) = handed.take(&id) {
+                        reached = Some(level);
+                    }
+                }
+                AfterNotYet::Release => return,
+                other => unreachable!("nothing expires or cancels here: {other:?}"),
+            }
+        }
+    }
+
+    /// An advance to level 5 racing a check of the operation by an event
+    /// without a level: whichever way they meet, some check is told 5 (the
+    /// operation completes, once), and nothing is left handed over.
+    #[test]
+    fn a_level_reaches_the_check_it_asked_for() {
+        loom::model(|| {
+            let (cell, generation) = Cell::pending();
+            let handed = Arc::new(Handed::<u32>::default());
+            let out = Arc::new(Outcomes::default());
+            let at_5 = |level: Option<u64>| level >= Some(5);
+            let event = {
+                let (cell, handed, out) = (cell.clone(), handed.clone(), out.clone());
+                thread::spawn(move || check_told(&cell, generation, 1, None, &handed, at_5, &out))
+            };
+            check_told(&cell, generation, 2, Some(5), &handed, at_5, &out);
+            event.join().unwrap();
+            assert_eq!(out.completed.load(Ordering::SeqCst), 1);
+            assert_eq!(handed.take(&generation.get()), None, "nothing left over");
+            handle_goes(&cell, generation, &out);
+        });
+    }
+
+    /// An advance racing an event that makes the operation completable
+    /// whatever the level: it completes once, and no level is left behind,
+    /// whichever check completes it.
+    #[test]
+    fn levels_handed_to_a_check_that_completes_are_not_kept() {
+        loom::model(|| {
+            let (cell, generation) = Cell::pending();
+            let handed = Arc::new(Handed::<u32>::default());
+            let out = Arc::new(Outcomes::default());
+            let ready = Arc::new(AtomicBool::new(false));
+            let advance = |me: u64, level: u64| {
+                let (cell, handed, out) = (cell.clone(), handed.clone(), out.clone());
+                let ready = ready.clone();
+                thread::spawn(move || {
+                    let ready = |_: Option<u64>| ready.load(Ordering::SeqCst);
+                    check_told(&cell, generation, me, Some(level), &handed, ready, &out)
+                })
+            };
+            let a = advance(1, 5);
+            ready.store(true, Ordering::SeqCst);
+            let ready = |_: Option<u64>| ready.load(Ordering::SeqCst);
+            check_told(&cell, generation, 3, None, &handed, ready, &out);
+            a.join().unwrap();
+            assert_eq!(out.completed.load(Ordering::SeqCst), 1);
+            assert_eq!(handed.take(&generation.get()), None, "nothing left over");
+            handle_goes(&cell, generation, &out);
         });
     }
 }

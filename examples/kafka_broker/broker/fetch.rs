@@ -180,7 +180,7 @@ async fn in_purgatory(
 ) -> Result<FetchResponse, Gone> {
     let watches: Vec<_> = fetch
         .wants()
-        .map(|(part, w)| Watch::level(part.key, w.offset + 1))
+        .map(|(part, w)| Watch::above(part.key, w.offset))
         .collect();
     match broker
         .fetches
