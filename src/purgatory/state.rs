@@ -344,7 +344,7 @@ impl Life {
     /// (it is asked to check again), or when `me` is that caller re-entering
     /// its own check. No reference is needed: `CHECKING` keeps the cell until
     /// [`end_check`](Self::end_check) or [`complete`](Self::complete).
-    #[cfg(test)]
+    #[cfg(all(test, purgatory_loom))]
     pub(crate) fn begin_check(&self, generation: NonZeroU32, me: u64, owner: &Owner) -> bool {
         self.begin_check_or_ask(generation, me, owner, || {}) == Begin::Checking
     }
