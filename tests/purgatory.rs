@@ -1064,10 +1064,62 @@ async fn keys_nobody_watches_leave_the_map_when_their_last_operation_goes() {
         .try_complete_else_watch(Mock::default(), ms(100_000), [7])
         .unwrap();
     drop(a);
-    // Another operation pending: its tombstones wait, as before, for a walk
-    // or the amortised purge.
-    assert_eq!(shape(&p), (2, 3, 2));
+    // Another operation pending, and tombstones at least as many as live
+    // entries in a small map: purged at once all the same.
+    assert_eq!(shape(&p), (1, 1, 0), "key 6 went, key 7 stays for b");
     drop(b);
     assert_eq!(shape(&p), (0, 0, 0), "the last one went");
+    assert!(balanced(&p.metrics()));
+}
+
+/// While other operations stay pending, hang-ups and expiries on keys of
+/// their own never leave more tombstones than live entries: the keys nobody
+/// watches go at once each time they would, and the map stays proportional
+/// to what is pending.
+#[tokio::test(start_paused = true)]
+async fn keys_nobody_watches_leave_a_busy_map_too() {
+    let p: Purgatory<u32, Mock> = Purgatory::new();
+    let pending: Vec<_> = (0..20)
+        .map(|k| {
+            p.try_complete_else_watch(Mock::default(), ms(100_000), [k])
+                .unwrap()
+        })
+        .collect();
+    let mut purged_keys = 0;
+    for i in 0..200u32 {
+        let h = p
+            .try_complete_else_watch(Mock::default(), ms(10), [1_000 + i, 5_000 + i])
+            .unwrap();
+        if i % 2 == 0 {
+            drop(h);
+        } else {
+            h.detach();
+            advance(ms(11)).await;
+            settle().await;
+        }
+        let m = p.metrics();
+        let live = m.watched - m.tombstones;
+        assert_eq!(live, 20, "round {i}");
+        assert!(
+            m.tombstones < live,
+            "round {i}: {} tombstones",
+            m.tombstones
+        );
+        assert_eq!(
+            m.keys,
+            20 + m.tombstones,
+            "round {i}: one tombstone per lingering key"
+        );
+        if m.tombstones == 0 {
+            purged_keys += 1;
+        }
+    }
+    assert!(
+        purged_keys >= 200 / 10,
+        "purged every few rounds: {purged_keys}"
+    );
+    assert_eq!(p.metrics().expired, 100);
+    drop(pending);
+    assert_eq!((p.metrics().keys, p.metrics().watched), (0, 0));
     assert!(balanced(&p.metrics()));
 }

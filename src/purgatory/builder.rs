@@ -157,11 +157,17 @@ impl<K: WatchKey, O: Operation, S: BuildHasher + Send + Sync + 'static> Purgator
     /// level, kept in a heap, are visited in one go when the purge reaches
     /// them), and the purge ends once it has been through every key. No call stalls for a pass over every list;
     /// the purge itself notes the keys it will visit when it starts, one word
-    /// per key. Walking a key also removes its own tombstones. And once no
-    /// operation is pending, the expiry or cancellation that left it so
-    /// (on the reaper, or the thread that cancelled) purges up to about 1,000
-    /// entries at once, whatever the interval: the keys a now idle purgatory
-    /// held leave the map then.
+    /// per key. Walking a key also removes its own tombstones.
+    ///
+    /// Whatever the interval, an expiry or a cancellation (by a dropped
+    /// handle, `cancel` or [`OpRef::cancel`](crate::OpRef::cancel)) that
+    /// leaves a small map (up to about 1,000 entries) with at least as many
+    /// tombstones as live entries purges it whole at once, on the reaper or
+    /// the thread that cancelled: in a small purgatory, the keys of hang-ups
+    /// and expiries that nobody else watches leave the map as soon as their
+    /// tombstones come to equal the live entries. Once no operation is
+    /// pending, such a call purges up to about 1,000 entries of a larger map
+    /// too: the keys a now idle purgatory held leave the map then.
     ///
     /// # Examples
     ///

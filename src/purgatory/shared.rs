@@ -499,12 +499,12 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         &self.name
     }
 
-    /// Where panics in this purgatory's user code are counted and reported.
     /// Levels handed from advances to the re-runs they asked for.
     pub(crate) fn handed(&self) -> &Handed<Id> {
         &self.handed
     }
 
+    /// Where panics in this purgatory's user code are counted and reported.
     pub(crate) fn panics(&self) -> &Panics {
         &self.panics
     }
@@ -723,17 +723,25 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
     }
 
     /// After an operation expired or was cancelled through its handle or an
-    /// `OpRef`: once no operation is pending, every entry left in the watch
-    /// lists is a tombstone, and a small map (at most [`SMALL_LISTS`]
-    /// entries) is purged whole at once, so that the keys leave the map then
+    /// `OpRef`: a small map (at most [`SMALL_LISTS`] entries) in which
+    /// tombstones are at least as many as live entries is purged whole at
+    /// once, so that the keys nobody watches any more leave the map now
     /// rather than at the next walk of each key or once tombstones pass the
-    /// interval. A larger one gets that many entries' worth of purge (the
-    /// rest waits for later calls, as it would without this). Nothing is
-    /// pending when every entry is a tombstone (a pending operation has a
-    /// live entry once registered); the check sums the stripes of both counts.
+    /// interval. Each such purge removes at least as many entries as it
+    /// keeps, so its cost stays proportional to what it removes. Once no
+    /// operation is pending (every entry is a tombstone: a pending operation
+    /// has a live entry once registered), a larger map gets that many
+    /// entries' worth of purge too (the rest waits for later calls, as it
+    /// would without this). The check sums the stripes of both counts.
     pub(crate) fn tidy(&self) {
         let entries = self.watchers.len();
-        if entries == 0 || self.books.tombstones() < entries {
+        if entries == 0 {
+            return;
+        }
+        let tombstones = self.books.tombstones();
+        let idle = tombstones >= entries;
+        let half_dead = entries <= SMALL_LISTS && tombstones.saturating_mul(2) >= entries;
+        if !(idle || half_dead) {
             return;
         }
         // SMALL_LISTS / SWEEP_SLICE slices, and a few more for keys whose

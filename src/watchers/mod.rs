@@ -367,12 +367,17 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
     }
 
     /// Starts `sweep` again over the keys in the table now, in the room it
-    /// kept (DashMap's iteration takes one guard per shard, allocated).
+    /// kept. The keys are listed by `retain` keeping every one, which locks
+    /// each shard in turn and allocates nothing (DashMap's iteration takes
+    /// one guard per shard, each allocated); no key code runs, and nothing is
+    /// dropped under the locks.
     pub(crate) fn restart_sweep(&self, sweep: &mut Sweep) {
         sweep.hashes.clear();
-        sweep
-            .hashes
-            .extend(self.lists.iter().map(|item| item.key().hash));
+        let hashes = &mut sweep.hashes;
+        self.lists.retain(|key, _| {
+            hashes.push(key.hash);
+            true
+        });
         sweep.next = 0;
         sweep.begun = false;
     }
