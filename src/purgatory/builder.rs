@@ -161,13 +161,13 @@ impl<K: WatchKey, O: Operation, S: BuildHasher + Send + Sync + 'static> Purgator
     ///
     /// Whatever the interval, an expiry or a cancellation (by a dropped
     /// handle, `cancel` or [`OpRef::cancel`](crate::OpRef::cancel)) that
-    /// leaves a small map (up to about 1,000 entries) with at least as many
-    /// tombstones as live entries purges it whole at once, on the reaper or
-    /// the thread that cancelled: in a small purgatory, the keys of hang-ups
-    /// and expiries that nobody else watches leave the map as soon as their
-    /// tombstones come to equal the live entries. Once no operation is
-    /// pending, such a call purges up to about 1,000 entries of a larger map
-    /// too: the keys a now idle purgatory held leave the map then.
+    /// leaves at least as many tombstones as live entries starts a purge at
+    /// once, on the reaper or the thread that cancelled, and does up to about
+    /// 1,000 entries of it (a map that small is purged whole; later calls go
+    /// on with a larger one): the keys of hang-ups and expiries that nobody
+    /// else watches leave the map as soon as their tombstones come to equal
+    /// the live entries, and those of an idle purgatory when the last
+    /// pending operation goes.
     ///
     /// # Examples
     ///

@@ -113,11 +113,10 @@ impl<K: WatchKey, O: Operation> Drop for Owner<K, O> {
 /// cell's use, which has ended, and keep nothing alive) until that key is
 /// next walked (an entry at a level: until an advance reaches its level) or
 /// the amortised purge, which runs in bounded slices, reaches them (see
-/// [`PurgatoryBuilder::purge_interval`]). In a small purgatory (up to about
-/// 1,000 entries), an expiry or cancellation that leaves tombstones as many
-/// as live entries purges them at once; so does the one that leaves nothing
-/// pending, in any purgatory (up to about 1,000 entries at once). Keys whose
-/// lists empty are removed.
+/// [`PurgatoryBuilder::purge_interval`]). An expiry or cancellation that
+/// leaves tombstones as many as live entries (the last pending operation's
+/// does) purges them at once, up to about 1,000 entries in that call. Keys
+/// whose lists empty are removed.
 /// [`PurgatoryMetrics::tombstones`] counts them, apart from live watch
 /// entries.
 ///

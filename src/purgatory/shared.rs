@@ -28,8 +28,9 @@ use crate::watchers::{KeyHasher, Removed, Sweep, Watchers};
 /// The most watch-list entries one call visits for the purge.
 const SWEEP_SLICE: usize = 128;
 
-/// Entries purged at once after the last pending operation expires or is
-/// cancelled (see [`Shared::tidy`]): a map that small is purged whole.
+/// Entries purged at once by an expiry or cancellation that leaves as many
+/// tombstones as live entries (see [`Shared::tidy`]): a map that small is
+/// purged whole.
 const SMALL_LISTS: usize = 1024;
 
 /// What the purgatory lends its timer core: itself, once built.
@@ -723,25 +724,17 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
     }
 
     /// After an operation expired or was cancelled through its handle or an
-    /// `OpRef`: a small map (at most [`SMALL_LISTS`] entries) in which
-    /// tombstones are at least as many as live entries is purged whole at
-    /// once, so that the keys nobody watches any more leave the map now
-    /// rather than at the next walk of each key or once tombstones pass the
-    /// interval. Each such purge removes at least as many entries as it
-    /// keeps, so its cost stays proportional to what it removes. Once no
-    /// operation is pending (every entry is a tombstone: a pending operation
-    /// has a live entry once registered), a larger map gets that many
-    /// entries' worth of purge too (the rest waits for later calls, as it
-    /// would without this). The check sums the stripes of both counts.
+    /// `OpRef`: once tombstones are at least as many as live entries, a purge
+    /// runs at once, whatever the interval, so that the keys nobody watches
+    /// any more leave the map now rather than at the next walk of each key or
+    /// once tombstones pass the interval. It removes at least as many entries
+    /// as it keeps, so its cost stays proportional to what it removes. This
+    /// call does up to [`SMALL_LISTS`] entries of it (a map that small is
+    /// purged whole); the rest of a larger one goes on in the slices of later
+    /// registrations and walks. The check sums the stripes of both counts.
     pub(crate) fn tidy(&self) {
         let entries = self.watchers.len();
-        if entries == 0 {
-            return;
-        }
-        let tombstones = self.books.tombstones();
-        let idle = tombstones >= entries;
-        let half_dead = entries <= SMALL_LISTS && tombstones.saturating_mul(2) >= entries;
-        if !(idle || half_dead) {
+        if entries == 0 || self.books.tombstones().saturating_mul(2) < entries {
             return;
         }
         // SMALL_LISTS / SWEEP_SLICE slices, and a few more for keys whose
