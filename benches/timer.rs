@@ -78,7 +78,7 @@ trait Peer: Send + Sync + 'static {
 
 struct Ours(Timer);
 impl Peer for Ours {
-    type Token = tokio_purgatory::timer::Timeout;
+    type Token = tokio_purgatory::timer::TaskHandle;
     fn schedule(&self, delay: Duration, payload: usize, late: &Lateness) -> Self::Token {
         let deadline = Instant::now() + delay;
         let late = *late;

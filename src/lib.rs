@@ -420,9 +420,11 @@ pub use purgatory::{
 pub use reaper::Reaper;
 pub use settings::BuildError;
 pub use timer::{
-    AsyncTimeout, ScheduleError, Sleep, Timeout, TimeoutError, TimeoutFuture, TimeoutStatus, Timer,
-    TimerBuilder, TimerError, TimerMetrics, UnrunTask, WeakTimer,
+    AsyncTaskHandle, ScheduleError, Sleep, TaskHandle, TaskStatus, TimeoutError, TimeoutFuture,
+    Timer, TimerBuilder, TimerError, TimerMetrics, UnrunTask, WeakTimer,
 };
+#[allow(deprecated)]
+pub use timer::{AsyncTimeout, Timeout, TimeoutStatus};
 
 /// The README's Rust examples, compiled and run as doc tests.
 #[cfg(doctest)]

@@ -1,5 +1,5 @@
 //! Moving a pending timeout (`OpRef::reset`, `OperationHandle::reset`,
-//! `Timeout::reset`), on paused Tokio time.
+//! `TaskHandle::reset`), on paused Tokio time.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};

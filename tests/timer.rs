@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::time::{advance, Instant};
-use tokio_purgatory::timer::{ScheduleError, TimeoutStatus, TimerError};
+use tokio_purgatory::timer::{ScheduleError, TaskStatus, TimerError};
 use tokio_purgatory::Timer;
 
 mod support;
@@ -116,7 +116,7 @@ async fn duration_max_saturates_and_never_fires() {
     assert!(t.is_pending());
     assert!(!sleep.is_elapsed());
     assert!(t.cancel());
-    assert_eq!(t.status(), TimeoutStatus::Cancelled);
+    assert_eq!(t.status(), TaskStatus::Cancelled);
 }
 
 #[tokio::test(start_paused = true)]
@@ -225,15 +225,15 @@ async fn cancel_is_exact_and_status_tells() {
     let (n, task) = counter();
     let a = timer.schedule(ms(10), task()).unwrap();
     let b = timer.schedule(ms(10), task()).unwrap();
-    assert_eq!(a.status(), TimeoutStatus::Pending);
+    assert_eq!(a.status(), TaskStatus::Pending);
     assert!(a.cancel());
     assert!(!a.cancel(), "second cancel finds nothing");
     assert_eq!(timer.len(), 1);
     advance(ms(10)).await;
     settle().await;
     assert_eq!(n.load(Ordering::SeqCst), 1);
-    assert_eq!(a.status(), TimeoutStatus::Cancelled);
-    assert_eq!(b.status(), TimeoutStatus::Done);
+    assert_eq!(a.status(), TaskStatus::Cancelled);
+    assert_eq!(b.status(), TaskStatus::Done);
     assert!(!b.cancel());
 }
 
@@ -249,7 +249,7 @@ async fn stale_handle_cannot_cancel_the_task_that_reuses_its_slot() {
         !old.is_pending(),
         "a stale handle must not see the new task"
     );
-    assert_eq!(old.status(), TimeoutStatus::Done);
+    assert_eq!(old.status(), TaskStatus::Done);
     assert!(!old.cancel());
     assert!(new.is_pending());
     advance(ms(10)).await;
@@ -618,7 +618,7 @@ async fn a_repeating_task_runs_after_each_delay_it_returns_until_none() {
     for (got, want) in at.iter().zip([10, 30, 80]) {
         assert!(*got >= ms(want) && *got <= ms(want + 2), "{at:?}");
     }
-    assert_eq!(t.status(), TimeoutStatus::Done);
+    assert_eq!(t.status(), TaskStatus::Done);
     assert!(!t.cancel(), "it had stopped");
     assert!(!t.reset(ms(10)));
     assert_eq!(timer.len(), 0);
@@ -652,7 +652,7 @@ async fn a_cancelled_repeating_task_never_runs_again_and_is_dropped() {
     assert_eq!(n.load(Ordering::SeqCst), 3, "moved past 50 ms");
     assert!(t.cancel());
     assert!(!t.cancel(), "once");
-    assert_eq!(t.status(), TimeoutStatus::Cancelled);
+    assert_eq!(t.status(), TaskStatus::Cancelled);
     assert_eq!(dropped.load(Ordering::SeqCst), 1, "dropped at the cancel");
     step(ms(500)).await;
     assert_eq!(n.load(Ordering::SeqCst), 3);
@@ -664,7 +664,7 @@ async fn a_cancelled_repeating_task_never_runs_again_and_is_dropped() {
 #[tokio::test(start_paused = true)]
 async fn a_repeating_task_may_cancel_itself_while_it_runs() {
     let timer = Timer::new();
-    let me: Arc<Mutex<Option<Arc<tokio_purgatory::timer::Timeout>>>> = Arc::default();
+    let me: Arc<Mutex<Option<Arc<tokio_purgatory::timer::TaskHandle>>>> = Arc::default();
     let runs = Arc::new(AtomicUsize::new(0));
     let (slot, r) = (me.clone(), runs.clone());
     let t = Arc::new(
@@ -681,7 +681,7 @@ async fn a_repeating_task_may_cancel_itself_while_it_runs() {
     *me.lock().unwrap() = Some(t.clone());
     step(ms(200)).await;
     assert_eq!(runs.load(Ordering::SeqCst), 2);
-    assert_eq!(t.status(), TimeoutStatus::Cancelled);
+    assert_eq!(t.status(), TaskStatus::Cancelled);
     assert_eq!(timer.len(), 0);
 }
 
@@ -696,7 +696,7 @@ async fn a_panicking_repeating_task_ends_its_chain_and_nothing_else() {
     step(ms(100)).await;
     assert_eq!(n.load(Ordering::SeqCst), 1, "the other task ran");
     assert_eq!(timer.metrics().panicked, 1);
-    assert_eq!(t.status(), TimeoutStatus::Done);
+    assert_eq!(t.status(), TaskStatus::Done);
     assert_eq!(timer.len(), 0);
 }
 
@@ -719,9 +719,9 @@ async fn a_chain_ended_by_a_panic_cannot_be_cancelled_after() {
             .unwrap();
         step(ms(20 + 10 * runs_before as u64)).await;
         assert_eq!(timer.metrics().panicked, 1);
-        assert_eq!(t.status(), TimeoutStatus::Done, "after {runs_before} runs");
+        assert_eq!(t.status(), TaskStatus::Done, "after {runs_before} runs");
         assert!(!t.cancel(), "the panic ended it; nothing to cancel");
-        assert_eq!(t.status(), TimeoutStatus::Done);
+        assert_eq!(t.status(), TaskStatus::Done);
         assert!(!t.reset(ms(10)));
         assert!(!t.is_pending());
         assert_eq!(timer.len(), 0);
@@ -749,7 +749,7 @@ async fn a_chain_whose_task_panics_in_drop_as_it_ends_is_ended() {
     step(ms(20)).await;
     assert_eq!(timer.metrics().panicked, 1);
     assert!(!t.cancel());
-    assert_eq!(t.status(), TimeoutStatus::Done);
+    assert_eq!(t.status(), TaskStatus::Done);
     // The timer goes on.
     let (n, task) = counter();
     timer.schedule(ms(5), task()).unwrap();
@@ -792,7 +792,7 @@ async fn a_cancel_during_a_run_that_panics_stays_cancelled() {
     .await
     .unwrap();
     assert!(!t.cancel());
-    assert_eq!(t.status(), TimeoutStatus::Cancelled);
+    assert_eq!(t.status(), TaskStatus::Cancelled);
     assert_eq!(timer.len(), 0);
 }
 
@@ -829,9 +829,9 @@ async fn a_panic_racing_a_cancel_ends_the_chain_once() {
         assert!(!t.cancel(), "run {i}: ended once already");
         let want = if cancelled {
             won += 1;
-            TimeoutStatus::Cancelled
+            TaskStatus::Cancelled
         } else {
-            TimeoutStatus::Done
+            TaskStatus::Done
         };
         assert_eq!(t.status(), want, "run {i}");
         // Every run that started panicked and was counted before the next.

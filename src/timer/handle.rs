@@ -11,9 +11,9 @@ use crate::clock::deadline_after;
 use crate::core::{Closed, Core, TimerKey};
 use crate::sync::{lock, Mutex};
 
-/// What became of a scheduled task, as seen by its [`Timeout`] handle.
+/// What became of a scheduled task, as seen by its [`TaskHandle`] handle.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum TimeoutStatus {
+pub enum TaskStatus {
     /// Waiting for its deadline.
     Pending,
     /// Cancelled through this handle: a one-shot task never ran; a repeating
@@ -24,7 +24,10 @@ pub enum TimeoutStatus {
     Done,
 }
 
-/// The handle of a scheduled task: cancel it, or ask what became of it.
+/// The handle of a scheduled task: cancel it, move it, or ask what became of
+/// it (Netty calls it a `Timeout`). It is not a future: to bound how long a
+/// future may run, use [`Timer::timeout`](super::Timer::timeout), which
+/// returns a [`TimeoutFuture`](super::TimeoutFuture).
 ///
 /// Holding it keeps no memory of the timer's alive beyond a reference count: the
 /// handle is a generation-tagged key, so a handle whose task is gone can never
@@ -32,7 +35,7 @@ pub enum TimeoutStatus {
 /// cancel the task. Its methods take `&self`, so it can be shared (in an `Arc`)
 /// between the code that resets a timeout and the code that cancels it.
 #[derive(Debug)]
-pub struct Timeout {
+pub struct TaskHandle {
     core: Arc<Core<TimerJob>>,
     entry: Entry,
     cancelled: AtomicBool,
@@ -48,17 +51,17 @@ enum Entry {
     Repeating(Arc<Chain>),
 }
 
-impl Timeout {
-    pub(super) fn new(core: Arc<Core<TimerJob>>, key: TimerKey) -> Timeout {
-        Timeout {
+impl TaskHandle {
+    pub(super) fn new(core: Arc<Core<TimerJob>>, key: TimerKey) -> TaskHandle {
+        TaskHandle {
             core,
             entry: Entry::Once(Mutex::new(Some(key))),
             cancelled: AtomicBool::new(false),
         }
     }
 
-    pub(super) fn repeating(core: Arc<Core<TimerJob>>, chain: Arc<Chain>) -> Timeout {
-        Timeout {
+    pub(super) fn repeating(core: Arc<Core<TimerJob>>, chain: Arc<Chain>) -> TaskHandle {
+        TaskHandle {
             core,
             entry: Entry::Repeating(chain),
             cancelled: AtomicBool::new(false),
@@ -66,7 +69,7 @@ impl Timeout {
     }
 }
 
-impl Timeout {
+impl TaskHandle {
     /// Cancels the task if it has not run: O(1), and the task is dropped at once,
     /// on this thread, with no lock held (a panic in its `Drop` is caught and
     /// counted in [`TimerMetrics::panicked`](super::TimerMetrics::panicked)). Returns whether this call cancelled it.
@@ -74,7 +77,7 @@ impl Timeout {
     /// stops: `true` when this call stopped it, and no run starts afterwards. A
     /// chain that ended on its own (its task returned `None` or panicked, or the
     /// timer shut down) is not stopped again: `false`, and the status stays
-    /// [`Done`](TimeoutStatus::Done).
+    /// [`Done`](TaskStatus::Done).
     ///
     /// # Concurrent calls
     ///
@@ -88,13 +91,13 @@ impl Timeout {
     /// ```
     /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
     /// use std::time::Duration;
-    /// use tokio_purgatory::timer::TimeoutStatus;
+    /// use tokio_purgatory::timer::TaskStatus;
     ///
     /// let timer = tokio_purgatory::Timer::new();
     /// let t = timer.schedule(Duration::from_secs(1), || unreachable!()).unwrap();
     /// assert!(t.cancel());
     /// assert!(!t.cancel(), "once");
-    /// assert_eq!(t.status(), TimeoutStatus::Cancelled);
+    /// assert_eq!(t.status(), TaskStatus::Cancelled);
     /// # }
     /// ```
     pub fn cancel(&self) -> bool {
@@ -105,7 +108,7 @@ impl Timeout {
         cancelled
     }
 
-    /// Cancels the task if it has not run, as [`cancel`](Timeout::cancel)
+    /// Cancels the task if it has not run, as [`cancel`](TaskHandle::cancel)
     /// does, and hands it back instead of dropping it: a retry cancelled
     /// because its answer came can still run its cleanup, or be scheduled
     /// again. `None` when the task ran, was cancelled before, or is a
@@ -286,22 +289,22 @@ impl Timeout {
     /// ```
     /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
     /// use std::time::Duration;
-    /// use tokio_purgatory::timer::TimeoutStatus;
+    /// use tokio_purgatory::timer::TaskStatus;
     ///
     /// let timer = tokio_purgatory::Timer::new();
     /// let t = timer.schedule(Duration::from_millis(10), || {}).unwrap();
-    /// assert_eq!(t.status(), TimeoutStatus::Pending);
+    /// assert_eq!(t.status(), TaskStatus::Pending);
     /// tokio::time::sleep(Duration::from_millis(20)).await;
-    /// assert_eq!(t.status(), TimeoutStatus::Done);
+    /// assert_eq!(t.status(), TaskStatus::Done);
     /// # }
     /// ```
-    pub fn status(&self) -> TimeoutStatus {
+    pub fn status(&self) -> TaskStatus {
         if self.cancelled.load(Ordering::Acquire) {
-            TimeoutStatus::Cancelled
+            TaskStatus::Cancelled
         } else if self.is_pending() {
-            TimeoutStatus::Pending
+            TaskStatus::Pending
         } else {
-            TimeoutStatus::Done
+            TaskStatus::Done
         }
     }
 }
@@ -347,14 +350,14 @@ pub(super) enum Start {
 /// # }
 /// ```
 #[derive(Debug)]
-pub struct AsyncTimeout {
-    timeout: Timeout,
+pub struct AsyncTaskHandle {
+    timeout: TaskHandle,
     start: Arc<Mutex<Start>>,
 }
 
-impl AsyncTimeout {
-    pub(super) fn new(timeout: Timeout, start: Arc<Mutex<Start>>) -> AsyncTimeout {
-        AsyncTimeout { timeout, start }
+impl AsyncTaskHandle {
+    pub(super) fn new(timeout: TaskHandle, start: Arc<Mutex<Start>>) -> AsyncTaskHandle {
+        AsyncTaskHandle { timeout, start }
     }
 
     pub(super) fn waiting() -> Arc<Mutex<Start>> {
@@ -430,7 +433,7 @@ impl AsyncTimeout {
     }
 
     /// Moves the deadline to `delay` from now, if the future has not started
-    /// (see [`Timeout::reset`]). Returns whether it moved.
+    /// (see [`TaskHandle::reset`]). Returns whether it moved.
     ///
     /// # Examples
     ///

@@ -21,7 +21,45 @@ use tokio::time::Instant;
 pub use self::builder::TimerBuilder;
 pub use self::error::{ScheduleError, TimeoutError, TimerError};
 pub use self::future::{Sleep, TimeoutFuture};
-pub use self::handle::{AsyncTimeout, Timeout, TimeoutStatus};
+pub use self::handle::{AsyncTaskHandle, TaskHandle, TaskStatus};
+
+/// The name [`TaskHandle`] had before: a Tokio reader takes a `Timeout` for
+/// a future.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+/// #![allow(deprecated)]
+/// let timer = tokio_purgatory::Timer::new();
+/// let t: tokio_purgatory::timer::Timeout = timer.schedule(std::time::Duration::from_secs(1), || {}).unwrap();
+/// assert!(t.cancel());
+/// # }
+/// ```
+#[deprecated(since = "0.1.0", note = "renamed `TaskHandle`")]
+pub type Timeout = TaskHandle;
+
+/// The name [`AsyncTaskHandle`] had before.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+/// #![allow(deprecated)]
+/// let timer = tokio_purgatory::Timer::new();
+/// let t: tokio_purgatory::timer::AsyncTimeout =
+///     timer.schedule_async(std::time::Duration::from_secs(1), async {}).unwrap();
+/// assert!(t.cancel());
+/// # }
+/// ```
+#[deprecated(since = "0.1.0", note = "renamed `AsyncTaskHandle`")]
+pub type AsyncTimeout = AsyncTaskHandle;
+
+/// The name [`TaskStatus`] had before.
+///
+/// ```
+/// #![allow(deprecated)]
+/// use tokio_purgatory::timer::{TaskStatus, TimeoutStatus};
+/// assert_eq!(TimeoutStatus::Pending, TaskStatus::Pending);
+/// ```
+#[deprecated(since = "0.1.0", note = "renamed `TaskStatus`")]
+pub type TimeoutStatus = TaskStatus;
 pub use self::task::UnrunTask;
 use self::task::{refused_task, Chain, Repeating, TimerJob};
 use crate::clock::deadline_after;
@@ -263,7 +301,7 @@ impl Timer {
     /// assert!(fired.load(Ordering::SeqCst));
     /// # }
     /// ```
-    pub fn schedule<F>(&self, delay: Duration, task: F) -> Result<Timeout, ScheduleError<F>>
+    pub fn schedule<F>(&self, delay: Duration, task: F) -> Result<TaskHandle, ScheduleError<F>>
     where
         F: FnOnce() + Send + 'static,
     {
@@ -305,22 +343,22 @@ impl Timer {
         &self,
         delay: Duration,
         future: Fut,
-    ) -> Result<AsyncTimeout, ScheduleError<Fut>>
+    ) -> Result<AsyncTaskHandle, ScheduleError<Fut>>
     where
         Fut: std::future::Future<Output = ()> + Send + 'static,
     {
-        let start = AsyncTimeout::waiting();
+        let start = AsyncTaskHandle::waiting();
         // Kept where a refusal can take it back.
         let slot = Arc::new(Mutex::new(Some(future)));
         let (s, f) = (start.clone(), slot.clone());
         let task = move || {
             let future = lock(&f).take();
             if let Some(future) = future {
-                AsyncTimeout::start(&s, future);
+                AsyncTaskHandle::start(&s, future);
             }
         };
         match self.schedule(delay, task) {
-            Ok(timeout) => Ok(AsyncTimeout::new(timeout, start)),
+            Ok(timeout) => Ok(AsyncTaskHandle::new(timeout, start)),
             Err(refused) => {
                 let future = lock(&slot).take().expect("a refused task never ran");
                 Err(match refused {
@@ -362,7 +400,7 @@ impl Timer {
         &self,
         deadline: impl Into<Instant>,
         task: F,
-    ) -> Result<Timeout, ScheduleError<F>>
+    ) -> Result<TaskHandle, ScheduleError<F>>
     where
         F: FnOnce() + Send + 'static,
     {
@@ -371,7 +409,7 @@ impl Timer {
 
     /// Runs `task` on the reaper once `delay` has passed, and again after each
     /// delay it returns, until it returns `None` or is cancelled through the
-    /// returned [`Timeout`]: heartbeats (return the same period each time),
+    /// returned [`TaskHandle`]: heartbeats (return the same period each time),
     /// retries with backoff (return the next backoff, or `None` once done). The
     /// next delay counts from the end of each run (a fixed delay, as Netty's
     /// rescheduled tasks and tokio's `MissedTickBehavior::Delay`), so a slow run
@@ -387,8 +425,8 @@ impl Timer {
     ///
     /// # Cancellation and shutdown
     ///
-    /// [`Timeout::cancel`] stops it (a run under way finishes, and none starts
-    /// after); [`Timeout::reset`] moves the next run. Dropping the `Timeout`
+    /// [`TaskHandle::cancel`] stops it (a run under way finishes, and none starts
+    /// after); [`TaskHandle::reset`] moves the next run. Dropping the `TaskHandle`
     /// does not stop it. [`shutdown`](Self::shutdown) hands it back like any
     /// pending task; running the handed-back task runs it once.
     ///
@@ -440,7 +478,7 @@ impl Timer {
         &self,
         delay: Duration,
         task: F,
-    ) -> Result<Timeout, ScheduleError<F>>
+    ) -> Result<TaskHandle, ScheduleError<F>>
     where
         F: FnMut() -> Option<Duration> + Send + 'static,
     {
@@ -464,7 +502,7 @@ impl Timer {
             }
         }
         drop(key);
-        Ok(Timeout::repeating(core.clone(), chain))
+        Ok(TaskHandle::repeating(core.clone(), chain))
     }
 
     fn insert<F>(
@@ -472,13 +510,13 @@ impl Timer {
         now: Instant,
         deadline: Instant,
         task: F,
-    ) -> Result<Timeout, ScheduleError<F>>
+    ) -> Result<TaskHandle, ScheduleError<F>>
     where
         F: FnOnce() + Send + 'static,
     {
         let core = self.core();
         match core.insert(now, deadline, TimerJob(Box::new(task))) {
-            Ok(key) => Ok(Timeout::new(core.clone(), key)),
+            Ok(key) => Ok(TaskHandle::new(core.clone(), key)),
             Err(refused) => Err(refused_task(refused)),
         }
     }

@@ -114,7 +114,7 @@ impl TaskFn for SleepEntry {
     }
 }
 
-/// What a repeating task and its [`Timeout`](super::Timeout) share: the key of
+/// What a repeating task and its [`TaskHandle`](super::TaskHandle) share: the key of
 /// its current entry (`None` while it runs, or once it stopped), and whether it
 /// was stopped. The key's lock serialises a rescheduling with a cancel or reset
 /// through the handle; no user code runs under it.
@@ -137,7 +137,7 @@ pub(crate) struct Repeating<F> {
 /// Ends a chain when dropped, unless the run rescheduled it: every way out of a
 /// run (`f` returned `None`, panicked, or its `Drop` did; the timer is gone or
 /// shut down; the handle cancelled it meanwhile) leaves the one state a
-/// finished chain has, so [`Timeout::cancel`](super::Timeout::cancel) finds it
+/// finished chain has, so [`TaskHandle::cancel`](super::TaskHandle::cancel) finds it
 /// stopped and returns `false`. The flag is set under the key's lock, as the
 /// handle sets it, so a cancel sees the chain either running or ended.
 struct EndsChain {

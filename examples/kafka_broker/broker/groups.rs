@@ -13,7 +13,7 @@
 //!   brings the assignments (or a new rebalance begins: they then answer
 //!   `REBALANCE_IN_PROGRESS`).
 //! - **Sessions**: each member has a timer entry for its session timeout,
-//!   moved by every heartbeat, join and sync (`Timeout::reset`); when it
+//!   moved by every heartbeat, join and sync (`TaskHandle::reset`); when it
 //!   fires, the member is dropped and the group rebalances.
 //! - **Offsets** committed per group, fetched back by consumers.
 //!
@@ -40,7 +40,7 @@ use kafka_protocol::messages::offset_fetch_response::{
 use kafka_protocol::messages::*;
 use kafka_protocol::protocol::StrBytes;
 use tokio::time::Instant;
-use tokio_purgatory::{Completion, Operation, Purgatory, Timeout, Timer};
+use tokio_purgatory::{Completion, Operation, Purgatory, TaskHandle, Timer};
 
 use super::Gone;
 
@@ -92,7 +92,7 @@ struct Member {
     /// Joined in the round under way.
     joined: bool,
     /// Its session timeout in the timer.
-    session_timer: Option<Timeout>,
+    session_timer: Option<TaskHandle>,
 }
 
 struct Group {
@@ -109,7 +109,7 @@ struct Group {
     members: BTreeMap<StrBytes, Member>,
     /// Ids handed out with `MEMBER_ID_REQUIRED`, not joined yet, with their
     /// expiry in the timer.
-    pending: HashMap<StrBytes, Timeout>,
+    pending: HashMap<StrBytes, TaskHandle>,
     assignments: HashMap<StrBytes, Bytes>,
     offsets: HashMap<(StrBytes, i32), (i64, Option<StrBytes>)>,
 }
