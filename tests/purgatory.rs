@@ -1064,22 +1064,24 @@ async fn keys_nobody_watches_leave_the_map_when_their_last_operation_goes() {
         .try_complete_else_watch(Mock::default(), ms(100_000), [7])
         .unwrap();
     drop(a);
-    // Another operation pending, and tombstones at least as many as live
-    // entries in a small map: purged at once all the same.
-    assert_eq!(shape(&p), (1, 1, 0), "key 6 went, key 7 stays for b");
+    // Another operation pending, and too few tombstones to list the keys
+    // for (see the next test): they wait for a walk or a later purge.
+    assert_eq!(shape(&p), (2, 3, 2));
     drop(b);
     assert_eq!(shape(&p), (0, 0, 0), "the last one went");
     assert!(balanced(&p.metrics()));
 }
 
 /// While other operations stay pending, hang-ups and expiries on keys of
-/// their own never leave more tombstones than live entries: the keys nobody
-/// watches go at once each time they would, and the map stays proportional
-/// to what is pending. With 20 pending (a small map), and 700 (a map past
-/// the size purged whole in the first slices).
+/// their own leave no more tombstones than live entries (or 16, the fewest
+/// a purge waits for): the keys nobody watches go each time, and the map
+/// stays proportional to what is pending, far below the purge interval
+/// (1,000). With 20 pending, a map purged whole by the expiry or
+/// cancellation; with 600, a map that call only marks, purged by the
+/// slices of the registrations that follow (so a little later).
 #[tokio::test(start_paused = true)]
 async fn keys_nobody_watches_leave_a_busy_map_too() {
-    for pending in [20, 700] {
+    for (pending, slack) in [(20u32, 0usize), (600, 64)] {
         let p: Purgatory<u32, Mock> = Purgatory::new();
         let held: Vec<_> = (0..pending)
             .map(|k| {
@@ -1087,7 +1089,7 @@ async fn keys_nobody_watches_leave_a_busy_map_too() {
                     .unwrap()
             })
             .collect();
-        let mut purges = 0;
+        let (mut purges, mut last) = (0, 0);
         for i in 0..2 * pending + 100 {
             let h = p
                 .try_complete_else_watch(Mock::default(), ms(10), [10_000 + i, 50_000 + i])
@@ -1102,9 +1104,10 @@ async fn keys_nobody_watches_leave_a_busy_map_too() {
             let m = p.metrics();
             let live = m.watched - m.tombstones;
             assert_eq!(live, pending as usize, "{pending} pending, round {i}");
+            let bound = live.max(16) + slack;
             assert!(
-                m.tombstones < live,
-                "{pending}, round {i}: {} tombstones",
+                m.tombstones < bound,
+                "{pending} pending, round {i}: {} tombstones",
                 m.tombstones
             );
             assert_eq!(
@@ -1112,11 +1115,12 @@ async fn keys_nobody_watches_leave_a_busy_map_too() {
                 live + m.tombstones,
                 "{pending}, round {i}: a key per tombstone"
             );
-            if m.tombstones == 0 {
+            if m.tombstones < last {
                 purges += 1;
             }
+            last = m.tombstones;
         }
-        assert!(purges >= 4, "{pending} pending: {purges} purges");
+        assert!(purges >= 4, "{pending} pending: {purges} rounds purged");
         drop(held);
         assert_eq!((p.metrics().keys, p.metrics().watched), (0, 0));
         assert!(balanced(&p.metrics()));

@@ -161,13 +161,15 @@ impl<K: WatchKey, O: Operation, S: BuildHasher + Send + Sync + 'static> Purgator
     ///
     /// Whatever the interval, an expiry or a cancellation (by a dropped
     /// handle, `cancel` or [`OpRef::cancel`](crate::OpRef::cancel)) that
-    /// leaves at least as many tombstones as live entries starts a purge at
-    /// once, on the reaper or the thread that cancelled, and does up to about
-    /// 1,000 entries of it (a map that small is purged whole; later calls go
-    /// on with a larger one): the keys of hang-ups and expiries that nobody
-    /// else watches leave the map as soon as their tombstones come to equal
-    /// the live entries, and those of an idle purgatory when the last
-    /// pending operation goes.
+    /// leaves at least as many tombstones as live entries, and at least 16,
+    /// starts a purge at once: a map of up to about 1,000 entries is purged
+    /// whole in that call (on the reaper, or the thread that cancelled), a
+    /// larger one by the slices of the registrations and walks that follow.
+    /// So the keys of hang-ups and expiries that nobody else watches leave
+    /// the map soon after their tombstones come to equal the live entries.
+    /// The expiry or cancellation that leaves nothing pending purges at once
+    /// whatever the count, up to about 2,000 entries in that call: the keys a
+    /// now idle purgatory held leave the map then.
     ///
     /// # Examples
     ///

@@ -230,8 +230,8 @@ impl<K> Watch<K> {
     /// A watch of `key` checked once the key passes `level`, that is reaches
     /// `level + 1`: [`level`](Watch::level) with the step done for you. A
     /// produce whose last offset is `last` is covered once the high
-    /// watermark (the offset of the next record to be written) passes it:
-    /// `Watch::above(partition, last)`. Nothing passes `u64::MAX`: such a
+    /// watermark (the offset after the last record every in-sync replica
+    /// has) passes it: `Watch::above(partition, last)`. Nothing passes `u64::MAX`: such a
     /// watch is checked once the key reaches `u64::MAX` (its check decides,
     /// as always).
     ///

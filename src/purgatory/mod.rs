@@ -114,8 +114,8 @@ impl<K: WatchKey, O: Operation> Drop for Owner<K, O> {
 /// next walked (an entry at a level: until an advance reaches its level) or
 /// the amortised purge, which runs in bounded slices, reaches them (see
 /// [`PurgatoryBuilder::purge_interval`]). An expiry or cancellation that
-/// leaves tombstones as many as live entries (the last pending operation's
-/// does) purges them at once, up to about 1,000 entries in that call. Keys
+/// leaves tombstones as many as live entries (and at least 16), or leaves
+/// nothing pending, starts a purge at once, whatever the interval. Keys
 /// whose lists empty are removed.
 /// [`PurgatoryMetrics::tombstones`] counts them, apart from live watch
 /// entries.
@@ -556,16 +556,21 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// use std::sync::atomic::{AtomicU64, Ordering};
+    /// use std::sync::Arc;
     /// use std::time::Duration;
     /// use tokio_purgatory::{Completion, Operation, Purgatory, Watch};
     ///
     /// /// A produce with `acks=all`: done once the high watermark passes `last`.
-    /// struct Produce { last: u64 }
+    /// struct Produce { hw: Arc<AtomicU64>, last: u64 }
     /// impl Operation for Produce {
     ///     type Output = &'static str;
-    ///     // At registration: no high watermark known here yet.
-    ///     fn try_complete(&mut self) -> Option<&'static str> { None }
-    ///     // Told the high watermark by `try_complete_reached`.
+    ///     // Registration's checks: the high watermark may have passed `last`
+    ///     // before the watch was in place, so read where it is stored.
+    ///     fn try_complete(&mut self) -> Option<&'static str> {
+    ///         self.try_complete_reached(self.hw.load(Ordering::Acquire))
+    ///     }
+    ///     // An advance's checks: told the new high watermark.
     ///     fn try_complete_reached(&mut self, hw: u64) -> Option<&'static str> {
     ///         (hw > self.last).then_some("ok")
     ///     }
@@ -573,14 +578,16 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
     /// }
     ///
     /// let produces: Purgatory<&str, Produce> = Purgatory::new();
+    /// let hw = Arc::new(AtomicU64::new(0));
     /// let mut handles = Vec::new();
     /// for last in [9, 19, 29] {
     ///     // Checked once the high watermark passes `last` (reaches `last + 1`).
     ///     let watch = [Watch::above("orders-0", last)];
-    ///     let op = Produce { last };
+    ///     let op = Produce { hw: hw.clone(), last };
     ///     handles.push(produces.try_complete_else_watch_levels(op, Duration::from_secs(30), watch).unwrap());
     /// }
-    /// // A follower caught up to offset 20: the first two are covered.
+    /// // A follower caught up to offset 20: store it, then advance.
+    /// hw.store(20, Ordering::Release);
     /// assert_eq!(produces.try_complete_reached("orders-0", 20), 2);
     /// assert_eq!(produces.delayed(), 1);
     /// # for h in handles.drain(..2) { assert_eq!(h.await, Ok(Completion::Completed("ok"))); }
@@ -743,9 +750,11 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
     /// watching the key at a level, plus the plain watchers.
     ///
     /// Each check this call runs is told `level`
-    /// ([`Operation::try_complete_reached`]), so an operation may decide from
-    /// it alone. A check that reads other state must find it visible: call
-    /// this after the change is stored, as for `try_complete_watched`.
+    /// ([`Operation::try_complete_reached`]), so it need not read where the
+    /// level is stored. Registration's checks are told nothing, and they
+    /// must see a level reached before the watch was in place: store the
+    /// level where `try_complete` reads it, then call this, as for
+    /// `try_complete_watched`.
     ///
     /// **A check that says "not yet"** after the key reached its level (an
     /// operation that also waits for another partition, a fetch whose

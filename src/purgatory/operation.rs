@@ -80,41 +80,50 @@ pub trait Operation: Send + 'static {
     /// The check as run by
     /// [`try_complete_reached(&key, level)`](crate::Purgatory::try_complete_reached):
     /// `reached` is the level that call says the key has reached, so a check
-    /// woken by a high watermark can decide from it without storing the
-    /// watermark where it can read it. The default ignores it and calls
-    /// [`try_complete`](Operation::try_complete), which every other check
-    /// (at registration, by `try_complete_watched`, by
-    /// [`OpRef::try_complete`](crate::OpRef::try_complete)) calls.
+    /// woken by a high watermark need not load it from where it is stored.
+    /// The default ignores it and calls [`try_complete`](Operation::try_complete).
     ///
-    /// Every check that call runs is told its level: those of operations
+    /// Every check that call runs is told a level: those of operations
     /// watching the key at a level at most `level`, and those watching it
-    /// without a level.
+    /// without a level. Checks at registration, by `try_complete_watched` and
+    /// by [`OpRef::try_complete`](crate::OpRef::try_complete) call
+    /// `try_complete`. Registration's checks cannot be told a level (a key's
+    /// level may have moved before the watch was in place, and the purgatory
+    /// keeps no level per key), so `try_complete` must still read the stored
+    /// level; the usual shape is a `try_complete` that loads it and calls
+    /// `try_complete_reached` with it.
     ///
     /// # Concurrency
     ///
     /// When the operation is being checked on another thread at that moment,
-    /// the call asks that check to run again and hands it the level: the
+    /// the call asks that check to run again and hands it the level. The
     /// re-run is told the highest level handed over by the calls that asked
-    /// for it (several advances may fold into one re-run), or, when only
-    /// calls without a level asked, the level the check before it was told.
-    /// An operation watching the levels of more than one key may so be told
-    /// any of their levels: such an operation should keep what it needs per
-    /// key, and use `reached` only as a hint.
+    /// for it (several advances may fold into one re-run, and a call that
+    /// ends up running the check itself is told the highest left so far);
+    /// when only calls without a level asked, the re-run is told the level
+    /// the check before it was told, if any. An operation watching the
+    /// levels of more than one key may so be told any of their levels: such
+    /// an operation should keep what it needs per key, and use `reached` only
+    /// as a hint.
     ///
     /// # Examples
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// use std::sync::atomic::{AtomicU64, Ordering};
+    /// use std::sync::Arc;
     /// use std::time::Duration;
     /// use tokio_purgatory::{Completion, Operation, Purgatory, Watch};
     ///
     /// /// A produce with `acks=all`: done once the high watermark passes `last`.
-    /// struct Produce { last: u64 }
+    /// struct Produce { hw: Arc<AtomicU64>, last: u64 }
     /// impl Operation for Produce {
     ///     type Output = Result<u64, &'static str>;
+    ///     // At registration: the stored high watermark.
     ///     fn try_complete(&mut self) -> Option<Self::Output> {
-    ///         None // Only a high watermark can complete it.
+    ///         self.try_complete_reached(self.hw.load(Ordering::Acquire))
     ///     }
+    ///     // On an advance: the high watermark it names.
     ///     fn try_complete_reached(&mut self, hw: u64) -> Option<Self::Output> {
     ///         (hw > self.last).then_some(Ok(hw))
     ///     }
@@ -122,14 +131,17 @@ pub trait Operation: Send + 'static {
     /// }
     ///
     /// let produces: Purgatory<&str, Produce> = Purgatory::new();
+    /// let hw = Arc::new(AtomicU64::new(0));
     /// let handle = produces
     ///     .try_complete_else_watch_levels(
-    ///         Produce { last: 41 },
+    ///         Produce { hw: hw.clone(), last: 41 },
     ///         Duration::from_secs(30),
     ///         [Watch::above("orders-0", 41)],
     ///     )
     ///     .unwrap();
+    /// hw.store(41, Ordering::Release);
     /// assert_eq!(produces.try_complete_reached("orders-0", 41), 0, "not past 41: not checked");
+    /// hw.store(50, Ordering::Release);
     /// assert_eq!(produces.try_complete_reached("orders-0", 50), 1);
     /// assert_eq!(handle.await, Ok(Completion::Completed(Ok(50))));
     /// # }

@@ -25,6 +25,11 @@ use crate::histogram::Histogram;
 use crate::sync::{thread_index, Padded, Striped};
 use crate::watchers::{KeyHasher, Removed, Sweep, Watchers};
 
+/// Tombstones an expiry or cancellation leaves before it starts a purge of
+/// a map where some operation is still pending (see [`Shared::tidy`]): a
+/// purge lists the keys shard by shard, so it waits for this many.
+const TIDY_FLOOR: usize = 16;
+
 /// The most watch-list entries one call visits for the purge.
 const SWEEP_SLICE: usize = 128;
 
@@ -724,17 +729,33 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
     }
 
     /// After an operation expired or was cancelled through its handle or an
-    /// `OpRef`: once tombstones are at least as many as live entries, a purge
-    /// runs at once, whatever the interval, so that the keys nobody watches
-    /// any more leave the map now rather than at the next walk of each key or
-    /// once tombstones pass the interval. It removes at least as many entries
-    /// as it keeps, so its cost stays proportional to what it removes. This
-    /// call does up to [`SMALL_LISTS`] entries of it (a map that small is
-    /// purged whole); the rest of a larger one goes on in the slices of later
-    /// registrations and walks. The check sums the stripes of both counts.
+    /// `OpRef`: once tombstones are at least as many as live entries (and at
+    /// least [`TIDY_FLOOR`], or every entry is one), a purge starts at once,
+    /// whatever the interval, so that the keys nobody watches any more leave
+    /// the map now rather than at the next walk of each key or once
+    /// tombstones pass the interval. It removes at least as many entries as
+    /// it keeps, so its cost stays proportional to what it removes.
+    ///
+    /// A small map (at most [`SMALL_LISTS`] entries) is purged whole here.
+    /// A larger one is only marked for the purge, which the slices of later
+    /// registrations and walks carry out, so that this call (often the
+    /// reaper's) never lists every key; except once nothing is pending,
+    /// when this call does up to about twice [`SMALL_LISTS`] entries of it
+    /// (an idle purgatory may see no later call). The check sums the stripes
+    /// of both counts.
     pub(crate) fn tidy(&self) {
         let entries = self.watchers.len();
-        if entries == 0 || self.books.tombstones().saturating_mul(2) < entries {
+        if entries == 0 {
+            return;
+        }
+        let tombstones = self.books.tombstones();
+        let idle = tombstones >= entries;
+        let half = tombstones >= TIDY_FLOOR && tombstones.saturating_mul(2) >= entries;
+        if !idle && !half {
+            return;
+        }
+        if !idle && entries > SMALL_LISTS {
+            self.purge.0.sweeping.store(true, Ordering::Release);
             return;
         }
         // SMALL_LISTS / SWEEP_SLICE slices, and a few more for keys whose
