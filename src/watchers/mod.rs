@@ -38,6 +38,7 @@ use std::hash::{BuildHasherDefault, Hash};
 use std::sync::atomic::{AtomicIsize, AtomicUsize, Ordering};
 
 use dashmap::mapref::entry::Entry;
+use dashmap::mapref::one::RefMut;
 use dashmap::DashMap;
 
 use self::hashed::{Hashed, Lookup, PassThrough};
@@ -46,6 +47,10 @@ use self::list::List;
 use crate::sync::Striped;
 
 type Lists<K, V> = DashMap<Hashed<K>, List<V>, BuildHasherDefault<PassThrough>>;
+
+/// Keys whose lists a registration appends to with their locks held together
+/// (see [`Watchers::add_held`]); past this many, one at a time.
+const HELD: usize = 4;
 
 /// Adds `n` to the calling thread's stripe of the entry count.
 fn count_in(stripes: &Striped<AtomicIsize>, n: isize) {
@@ -181,9 +186,75 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
         K: 'k,
     {
         let tally = Tally::new(&self.entries, added);
+        let mut keys = keys.into_iter();
+        let mut few: [Option<(usize, u64, &K)>; HELD] = [None; HELD];
+        let mut n = 0;
+        for (hash, key) in keys.by_ref() {
+            if n == HELD {
+                // Many keys: one at a time.
+                self.add(hash, key, None, v, spare);
+                *tally.added += 1;
+                break;
+            }
+            few[n] = Some((self.lists.determine_shard(hash as usize), hash, key));
+            n += 1;
+        }
+        let few = &mut few[..n];
+        few.sort_unstable_by_key(|k| k.map(|(shard, _, _)| shard));
+        let distinct = few
+            .windows(2)
+            .all(|w| w[0].map(|k| k.0) != w[1].map(|k| k.0));
+        if distinct {
+            self.add_held(few, v, tally.added, spare);
+        } else {
+            for (_, hash, key) in few.iter().flatten() {
+                self.add(*hash, key, None, v, spare);
+                *tally.added += 1;
+            }
+        }
         for (hash, key) in keys {
             self.add(hash, key, None, v, spare);
             *tally.added += 1;
+        }
+    }
+
+    /// Appends `v` to the lists of a few keys in distinct shards, sorted by
+    /// shard, holding their shards' locks together: first every lookup, then
+    /// every append, then every release, so that the cache misses on the
+    /// tables and the lists overlap instead of each waiting on the release
+    /// before it (a release drains the writes before it). Shards are taken in
+    /// ascending order, as every caller holding more than one does, so no two
+    /// callers can wait on each other. Keys not yet in the map are added one
+    /// at a time after the locks are gone.
+    fn add_held(
+        &self,
+        keys: &[Option<(usize, u64, &K)>],
+        v: &V,
+        added: &mut usize,
+        spare: &mut Vec<K>,
+    ) {
+        let mut lists: [Option<RefMut<'_, Hashed<K>, List<V>>>; HELD] = [const { None }; HELD];
+        for (held, (_, hash, key)) in lists.iter_mut().zip(keys.iter().flatten()) {
+            let probe = Probe {
+                hash: *hash,
+                key: Some(*key),
+            };
+            *held = self.lists.get_mut(&probe as &dyn Lookup<K>);
+        }
+        let mut first = [false; HELD];
+        for (list, first) in lists.iter_mut().zip(&mut first) {
+            match list {
+                Some(list) => {
+                    list.push(v.clone());
+                    *added += 1;
+                }
+                None => *first = true,
+            }
+        }
+        drop(lists);
+        for ((_, hash, key), _) in keys.iter().flatten().zip(first).filter(|(_, f)| *f) {
+            self.add(*hash, key, None, v, spare);
+            *added += 1;
         }
     }
 
@@ -613,6 +684,49 @@ mod tests {
         let mut r = Removed::default();
         w.prune(&w.probe(&3), |_| true, &mut r);
         assert_eq!(w.len(), 300 - r.entries.len());
+    }
+
+    /// Registrations of several keys on several threads at once, each
+    /// holding the locks of its keys' shards together (or taking them one at
+    /// a time when two share a shard, or past four keys), over few shards and
+    /// few keys so that they meet: none waits forever, and every entry lands
+    /// in its key's list.
+    #[test]
+    fn registrations_holding_several_shards_never_wait_on_each_other() {
+        let w = std::sync::Arc::new(Watchers::<u32, u32>::new(4, KeyHasher::default()));
+        let threads: Vec<_> = (0..4u32)
+            .map(|t| {
+                let w = w.clone();
+                std::thread::spawn(move || {
+                    for i in 0..2_000u32 {
+                        let n = 1 + (i % 6);
+                        let keys: Vec<u32> = (0..n).map(|j| (i * 7 + j * 3 + t) % 24).collect();
+                        let hashed: Vec<_> = keys.iter().map(|k| (w.hash(k), k)).collect();
+                        let mut added = 0;
+                        w.watch(hashed, &(t * 10_000 + i), &mut added, &mut Vec::new());
+                        assert_eq!(added, n as usize);
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        let expected: usize = (0..2_000u32).map(|i| 1 + (i % 6) as usize).sum::<usize>() * 4;
+        assert_eq!(w.len(), expected);
+        let mut seen = 0;
+        for k in 0..24u32 {
+            let mut out = Vec::new();
+            w.collect_live(
+                &w.probe(&k),
+                None,
+                &mut out,
+                |_| false,
+                &mut Removed::default(),
+            );
+            seen += out.len();
+        }
+        assert_eq!(seen, expected, "every entry is in its key's list");
     }
 
     /// A `Removed` may be reused across calls: each call counts what it took.
