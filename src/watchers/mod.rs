@@ -17,9 +17,16 @@
 //!   or keys moves them out into a [`Removed`] that the caller drops after the lock
 //!   is released, because the last reference to an operation's cell, or the map's
 //!   copy of a key, may own user data whose `Drop` calls back in. So the DashMap
-//!   calls that drop under their lock are not used here: `retain` and `clear`
-//!   (removals go through `remove_if_mut`, which hands the key back), and
-//!   `VacantEntry::insert` (`insert_entry` hands the spare key back instead).
+//!   calls that drop under their lock are not used here: `clear`, `retain`
+//!   dropping anything (the purge lists its keys with a `retain` that keeps
+//!   every one; removals go through `remove_if_mut`, which hands the key back),
+//!   and `VacantEntry::insert` (`insert_entry` hands the spare key back instead).
+//! - **Lock order.** A registration of up to four keys in distinct shards holds
+//!   their shards' locks together ([`Watchers::add_held`]), taken in ascending
+//!   shard order; every other call holds one shard lock at a time (DashMap's
+//!   iterator, used by `drain`, also takes shards in ascending order). So waits
+//!   for shard locks never form a cycle. A key's `Eq` may so run while the
+//!   shards of the registration's other keys are held.
 //! - **Panics.** A panic in key code under a lock leaves the map as it was before
 //!   the call that panicked (each method changes the map only after the key code it
 //!   needs has returned).
@@ -189,30 +196,38 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
         let mut keys = keys.into_iter();
         let mut few: [Option<(usize, u64, &K)>; HELD] = [None; HELD];
         let mut n = 0;
+        let mut more = None;
         for (hash, key) in keys.by_ref() {
             if n == HELD {
-                // Many keys: one at a time.
-                self.add(hash, key, None, v, spare);
-                *tally.added += 1;
+                more = Some((hash, key));
                 break;
             }
-            few[n] = Some((self.lists.determine_shard(hash as usize), hash, key));
+            let probe = Probe {
+                hash,
+                key: Some(key),
+            };
+            // The shard the lookup will lock, found as the lookup finds it.
+            let shard = self.lists.determine_map(&probe as &dyn Lookup<K>);
+            few[n] = Some((shard, hash, key));
             n += 1;
         }
         let few = &mut few[..n];
-        few.sort_unstable_by_key(|k| k.map(|(shard, _, _)| shard));
-        let distinct = few
-            .windows(2)
-            .all(|w| w[0].map(|k| k.0) != w[1].map(|k| k.0));
-        if distinct {
-            self.add_held(few, v, tally.added, spare);
-        } else {
-            for (_, hash, key) in few.iter().flatten() {
-                self.add(*hash, key, None, v, spare);
-                *tally.added += 1;
+        if more.is_none() {
+            few.sort_unstable_by_key(|k| k.map(|(shard, _, _)| shard));
+            let distinct = few
+                .windows(2)
+                .all(|w| w[0].map(|k| k.0) != w[1].map(|k| k.0));
+            if distinct {
+                return self.add_held(few, v, tally.added, spare);
             }
         }
-        for (hash, key) in keys {
+        for (hash, key) in few
+            .iter()
+            .flatten()
+            .map(|(_, h, k)| (*h, *k))
+            .chain(more)
+            .chain(keys)
+        {
             self.add(hash, key, None, v, spare);
             *tally.added += 1;
         }
@@ -221,11 +236,11 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
     /// Appends `v` to the lists of a few keys in distinct shards, sorted by
     /// shard, holding their shards' locks together: first every lookup, then
     /// every append, then every release, so that the cache misses on the
-    /// tables and the lists overlap instead of each waiting on the release
-    /// before it (a release drains the writes before it). Shards are taken in
-    /// ascending order, as every caller holding more than one does, so no two
-    /// callers can wait on each other. Keys not yet in the map are added one
-    /// at a time after the locks are gone.
+    /// lists overlap instead of each waiting on the release before it (a
+    /// release drains the writes before it). Shards are taken in ascending
+    /// order, as every caller holding more than one does, so waits for them
+    /// never form a cycle. Keys not yet in the map are added one at a time
+    /// after the locks are gone.
     fn add_held(
         &self,
         keys: &[Option<(usize, u64, &K)>],
@@ -253,7 +268,7 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
         }
         drop(lists);
         for ((_, hash, key), _) in keys.iter().flatten().zip(first).filter(|(_, f)| *f) {
-            self.add(*hash, key, None, v, spare);
+            self.add_new(*hash, key, None, v, spare);
             *added += 1;
         }
     }
@@ -284,39 +299,40 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
 
     /// Adds `v` to `key`'s list; `hash` is `key`'s hash by [`hash`](Self::hash).
     fn add(&self, hash: u64, key: &K, level: Option<u64>, v: &V, spare: &mut Vec<K>) {
-        let put = |list: &mut List<V>| match level {
-            None => list.push(v.clone()),
-            Some(level) => list.push_level(level, v.clone()),
-        };
         let probe = Probe {
             hash,
             key: Some(key),
         };
-        let hit = match self.lists.get_mut(&probe as &dyn Lookup<K>) {
-            Some(mut list) => {
-                put(&mut list);
-                true
-            }
-            None => false,
-        };
-        if !hit {
-            // A first watch: clone before taking the lock (a panicking clone
-            // leaves the map as it was). DashMap stores a clone of this copy,
-            // made under the shard lock, and hands this one back, to be
-            // dropped once the lock is gone.
-            let own = Hashed {
-                hash,
-                key: key.clone(),
-            };
-            let copy = match self.lists.entry(own) {
-                Entry::Occupied(mut list) => {
-                    put(list.get_mut());
-                    list.into_key()
-                }
-                Entry::Vacant(slot) => slot.insert_entry(List::first(level, v.clone())).into_key(),
-            };
-            spare.push(copy.key);
+        match self.lists.get_mut(&probe as &dyn Lookup<K>) {
+            Some(mut list) => match level {
+                None => list.push(v.clone()),
+                Some(level) => list.push_level(level, v.clone()),
+            },
+            None => self.add_new(hash, key, level, v, spare),
         }
+    }
+
+    /// [`add`](Self::add) for a key a lookup just did not find: a first
+    /// watch, unless another caller added the key meanwhile.
+    fn add_new(&self, hash: u64, key: &K, level: Option<u64>, v: &V, spare: &mut Vec<K>) {
+        // Clone before taking the lock (a panicking clone leaves the map as it
+        // was). DashMap stores a clone of this copy, made under the shard
+        // lock, and hands this one back, to be dropped once the lock is gone.
+        let own = Hashed {
+            hash,
+            key: key.clone(),
+        };
+        let copy = match self.lists.entry(own) {
+            Entry::Occupied(mut list) => {
+                match level {
+                    None => list.get_mut().push(v.clone()),
+                    Some(level) => list.get_mut().push_level(level, v.clone()),
+                }
+                list.into_key()
+            }
+            Entry::Vacant(slot) => slot.insert_entry(List::first(level, v.clone())).into_key(),
+        };
+        spare.push(copy.key);
     }
 
     /// Copies `key`'s entries that are not `finished` into `out`, and takes the
@@ -689,10 +705,24 @@ mod tests {
     /// Registrations of several keys on several threads at once, each
     /// holding the locks of its keys' shards together (or taking them one at
     /// a time when two share a shard, or past four keys), over few shards and
-    /// few keys so that they meet: none waits forever, and every entry lands
-    /// in its key's list.
+    /// few keys so that they meet: none waits forever (the shards are taken
+    /// in one order), and every entry lands in its key's list.
     #[test]
     fn registrations_holding_several_shards_never_wait_on_each_other() {
+        // On a thread of its own, so that a deadlock fails the test instead
+        // of hanging it.
+        let (done, finished) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = done.send(std::panic::catch_unwind(registrations_from_four_threads));
+        });
+        match finished.recv_timeout(std::time::Duration::from_secs(120)) {
+            Ok(Ok(())) => {}
+            Ok(Err(panic)) => std::panic::resume_unwind(panic),
+            Err(_) => panic!("deadlock: the registrations did not finish"),
+        }
+    }
+
+    fn registrations_from_four_threads() {
         let w = std::sync::Arc::new(Watchers::<u32, u32>::new(4, KeyHasher::default()));
         let threads: Vec<_> = (0..4u32)
             .map(|t| {
