@@ -343,8 +343,8 @@
 //!   (including `shutdown()`) from their code and their `Drop`. Two locks do
 //!   surround user code, by design: an operation's own lock around its
 //!   `try_complete` (checks of one operation never overlap), and a watcher-map
-//!   shard lock around a key's `Eq` and `Clone`, which must not call back in (its
-//!   `Hash` runs before any lock).
+//!   shard lock around a key's `Eq`, which must not call back in (its `Hash`
+//!   and `Clone` run before any lock).
 //! - **Finished operations free their memory at once**: the operation at once, an
 //!   output as soon as its handle reads it or is dropped. Its cell
 //!   ([`Purgatory::cell_bytes`]) is reused by the next registration; the
@@ -377,8 +377,8 @@
 //!   `Purgatory::record_metrics` and `Timer::record_metrics`, which list the
 //!   names.
 //!
-//! Without it the crate uses `tokio` (`rt`, `time`, `sync`), `dashmap` (the
-//! watcher map), `futures` (for `AtomicWaker`), `pin-project-lite` and
+//! Without it the crate uses `tokio` (`rt`, `time`, `sync`), `hashbrown` (the
+//! watcher map's tables), `futures` (for `AtomicWaker`), `pin-project-lite` and
 //! `tracing`, each with no more features than it needs.
 
 #![forbid(unsafe_code)]

@@ -259,12 +259,12 @@ impl<T> Completion<T> {
 ///
 /// # Key code and locks
 ///
-/// A key's `Eq` (to find its watch list) and `Clone` (when a key is first watched,
-/// the map keeps a copy) run under the lock of the watcher-map shard that holds
-/// the key (a registration may hold the shards of its other keys too): they
-/// must not call back into the purgatory; keep them plain. Its
-/// `Hash` runs once per call, before any lock is taken, and never for a key the
-/// map already holds. If any of the three panics, the panic reaches the caller of
+/// A key's `Eq` (to find its watch list) runs under the lock of the
+/// watcher-map shard that holds the key (a registration may hold the shards of
+/// its other keys too): it must not call back into the purgatory; keep it
+/// plain. Its `Clone` (when a key is first watched, the map keeps a copy) runs
+/// before that lock is taken, and its `Hash` once per call, before any lock,
+/// and never for a key the map already holds. If any of the three panics, the panic reaches the caller of
 /// the method that ran it, and the purgatory is left as it was before that call.
 /// A key's `Drop` runs with no lock held and may do anything; a panic in it is
 /// contained.

@@ -1,6 +1,8 @@
 //! The watcher map: watch key -> operations watching it (many to many).
 //!
-//! A [`DashMap`] from each key to its list, with the key stored beside its hash.
+//! Shards of hash tables (`map.rs`: `hashbrown`'s `HashTable`, each behind a
+//! mutex of its own) from each key to its list, with the key stored beside its
+//! hash.
 //! The map keeps its own entry count (striped by thread, summed on read), changed
 //! by the call that adds or removes entries, so callers never pair their changes
 //! with a count of their own.
@@ -8,23 +10,20 @@
 //! # Ground rules
 //!
 //! - **What runs under a shard lock.** Our own bookkeeping, plus the key's `Eq`
-//!   (to find its list) and, when a key is first watched, its `Clone` (the map
-//!   keeps its own copy). Those two are user code and must not call back into the
-//!   purgatory. A key's `Hash` runs once per call, before any lock is taken: the
-//!   map stores each key with its hash and never hashes a stored key again (not
-//!   even when a shard grows or shrinks).
+//!   (to find its list), which is user code and must not call back into the
+//!   purgatory. When a key is first watched, the copy the map keeps is cloned
+//!   before the lock is taken. A key's `Hash` runs once per call, before any
+//!   lock is taken: the map stores each key with its hash and never hashes a
+//!   stored key again (not even when a shard grows or shrinks).
 //! - **No drop of a user value under a lock.** Every method that removes entries
 //!   or keys moves them out into a [`Removed`] that the caller drops after the lock
 //!   is released, because the last reference to an operation's cell, or the map's
-//!   copy of a key, may own user data whose `Drop` calls back in. So the DashMap
-//!   calls that drop under their lock are not used here: `clear`, `retain`
-//!   dropping anything (the purge lists its keys with a `retain` that keeps
-//!   every one; removals go through `remove_if_mut`, which hands the key back),
-//!   and `VacantEntry::insert` (`insert_entry` hands the spare key back instead).
+//!   copy of a key, may own user data whose `Drop` calls back in: a slot taken
+//!   out of a table is held until the guard is gone, and a copy made for a key
+//!   another caller added meanwhile goes back to the caller.
 //! - **Lock order.** A registration of up to four keys in distinct shards holds
 //!   their shards' locks together ([`Watchers::add_held`]), taken in ascending
-//!   shard order; every other call holds one shard lock at a time (DashMap's
-//!   iterator, used by `drain`, also takes shards in ascending order). So waits
+//!   shard order; every other call holds one shard lock at a time. So waits
 //!   for shard locks never form a cycle. A key's `Eq` may so run while the
 //!   shards of the registration's other keys are held.
 //! - **Panics.** A panic in key code under a lock leaves the map as it was before
@@ -32,28 +31,27 @@
 //!   needs has returned).
 //! - **Empty keys.** A key whose list becomes empty is removed in the same critical
 //!   section that emptied it, so it cannot race a concurrent watch of the same key.
-//! - **Shrinking.** DashMap shrinks all its shards at once. The map looks at its
+//! - **Shrinking.** The map shrinks all its shards at once. The map looks at its
 //!   size once per 64 keys removed and shrinks when it has 8x more room than keys,
 //!   so each rehash is paid for by the removals before it (amortised O(1)), and its
 //!   memory follows the live key count rather than its peak.
 
 mod hashed;
 mod list;
+mod map;
 
 use std::borrow::Borrow;
-use std::hash::{BuildHasherDefault, Hash};
+use std::hash::Hash;
 use std::sync::atomic::{AtomicIsize, AtomicUsize, Ordering};
 
-use dashmap::mapref::entry::Entry;
-use dashmap::mapref::one::RefMut;
-use dashmap::DashMap;
+use hashbrown::hash_table::Entry;
 
-use self::hashed::{Hashed, Lookup, PassThrough};
 pub(crate) use self::hashed::{KeyHasher, Probe};
 use self::list::List;
+use self::map::{stored, Shards, Slot};
 use crate::sync::Striped;
 
-type Lists<K, V> = DashMap<Hashed<K>, List<V>, BuildHasherDefault<PassThrough>>;
+type Lists<K, V> = Shards<K, V>;
 
 /// Keys whose lists a registration appends to with their locks held together
 /// (see [`Watchers::add_held`]); past this many, one at a time.
@@ -159,10 +157,7 @@ impl<K, V> Default for Removed<K, V> {
 impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
     pub(crate) fn new(shards: usize, hasher: KeyHasher) -> Self {
         Watchers {
-            lists: DashMap::with_hasher_and_shard_amount(
-                BuildHasherDefault::default(),
-                shards.clamp(2, 1 << 16).next_power_of_two(),
-            ),
+            lists: Shards::new(shards),
             hasher,
             entries: Striped::default(),
             removals: AtomicUsize::new(0),
@@ -202,13 +197,7 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
                 more = Some((hash, key));
                 break;
             }
-            let probe = Probe {
-                hash,
-                key: Some(key),
-            };
-            // The shard the lookup will lock, found as the lookup finds it.
-            let shard = self.lists.determine_map(&probe as &dyn Lookup<K>);
-            few[n] = Some((shard, hash, key));
+            few[n] = Some((self.lists.index(hash), hash, key));
             n += 1;
         }
         let few = &mut few[..n];
@@ -234,13 +223,14 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
     }
 
     /// Appends `v` to the lists of a few keys in distinct shards, sorted by
-    /// shard, holding their shards' locks together: first every lookup, then
-    /// every append, then every release, so that the cache misses on the
-    /// lists overlap instead of each waiting on the release before it (a
-    /// release drains the writes before it). Shards are taken in ascending
-    /// order, as every caller holding more than one does, so waits for them
-    /// never form a cycle. Keys not yet in the map are added one at a time
-    /// after the locks are gone.
+    /// shard, holding their shards' locks together: every lock first, then
+    /// each key's lookup and append, then every release, so that the cache
+    /// misses on the tables and the lists overlap instead of each waiting on
+    /// the lock or release after it (a locked instruction waits for the
+    /// memory accesses before it). Shards are taken in ascending order, as
+    /// every caller holding more than one does, so waits for them never form
+    /// a cycle. Keys not yet in the map are added one at a time after the
+    /// locks are gone.
     fn add_held(
         &self,
         keys: &[Option<(usize, u64, &K)>],
@@ -248,25 +238,25 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
         added: &mut usize,
         spare: &mut Vec<K>,
     ) {
-        let mut lists: [Option<RefMut<'_, Hashed<K>, List<V>>>; HELD] = [const { None }; HELD];
-        for (held, (_, hash, key)) in lists.iter_mut().zip(keys.iter().flatten()) {
-            let probe = Probe {
-                hash: *hash,
-                key: Some(*key),
-            };
-            *held = self.lists.get_mut(&probe as &dyn Lookup<K>);
+        let mut tables: [Option<std::sync::MutexGuard<'_, map::Table<K, V>>>; HELD] =
+            [const { None }; HELD];
+        for (table, (shard, _, _)) in tables.iter_mut().zip(keys.iter().flatten()) {
+            *table = Some(self.lists.lock(*shard));
         }
         let mut first = [false; HELD];
-        for (list, first) in lists.iter_mut().zip(&mut first) {
-            match list {
-                Some(list) => {
-                    list.push(v.clone());
+        for ((table, (_, hash, key)), first) in
+            tables.iter_mut().zip(keys.iter().flatten()).zip(&mut first)
+        {
+            let table = table.as_mut().expect("locked above");
+            match table.find_mut(*hash, |s| s.hash == *hash && s.key == **key) {
+                Some(slot) => {
+                    slot.list.push(v.clone());
                     *added += 1;
                 }
                 None => *first = true,
             }
         }
-        drop(lists);
+        drop(tables);
         for ((_, hash, key), _) in keys.iter().flatten().zip(first).filter(|(_, f)| *f) {
             self.add_new(*hash, key, None, v, spare);
             *added += 1;
@@ -299,40 +289,45 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
 
     /// Adds `v` to `key`'s list; `hash` is `key`'s hash by [`hash`](Self::hash).
     fn add(&self, hash: u64, key: &K, level: Option<u64>, v: &V, spare: &mut Vec<K>) {
-        let probe = Probe {
-            hash,
-            key: Some(key),
-        };
-        match self.lists.get_mut(&probe as &dyn Lookup<K>) {
-            Some(mut list) => match level {
-                None => list.push(v.clone()),
-                Some(level) => list.push_level(level, v.clone()),
+        let mut table = self.lists.lock_for(hash);
+        match table.find_mut(hash, |s| s.hash == hash && s.key == *key) {
+            Some(slot) => match level {
+                None => slot.list.push(v.clone()),
+                Some(level) => slot.list.push_level(level, v.clone()),
             },
-            None => self.add_new(hash, key, level, v, spare),
+            None => {
+                drop(table);
+                self.add_new(hash, key, level, v, spare);
+            }
         }
     }
 
     /// [`add`](Self::add) for a key a lookup just did not find: a first
-    /// watch, unless another caller added the key meanwhile.
+    /// watch, unless another caller added the key meanwhile (then the copy
+    /// made goes to `spare`).
     fn add_new(&self, hash: u64, key: &K, level: Option<u64>, v: &V, spare: &mut Vec<K>) {
-        // Clone before taking the lock (a panicking clone leaves the map as it
-        // was). DashMap stores a clone of this copy, made under the shard
-        // lock, and hands this one back, to be dropped once the lock is gone.
-        let own = Hashed {
-            hash,
-            key: key.clone(),
-        };
-        let copy = match self.lists.entry(own) {
-            Entry::Occupied(mut list) => {
+        // Clone before taking the lock: a panicking clone leaves the map as
+        // it was, and no `Clone` runs under a lock of ours.
+        let own = key.clone();
+        let mut table = self.lists.lock_for(hash);
+        match table.entry(hash, |s| s.hash == hash && s.key == own, stored) {
+            Entry::Occupied(mut slot) => {
+                let list = &mut slot.get_mut().list;
                 match level {
-                    None => list.get_mut().push(v.clone()),
-                    Some(level) => list.get_mut().push_level(level, v.clone()),
+                    None => list.push(v.clone()),
+                    Some(level) => list.push_level(level, v.clone()),
                 }
-                list.into_key()
+                drop(table);
+                spare.push(own);
             }
-            Entry::Vacant(slot) => slot.insert_entry(List::first(level, v.clone())).into_key(),
-        };
-        spare.push(copy.key);
+            Entry::Vacant(slot) => {
+                slot.insert(Slot {
+                    hash,
+                    key: own,
+                    list: List::first(level, v.clone()),
+                });
+            }
+        }
     }
 
     /// Copies `key`'s entries that are not `finished` into `out`, and takes the
@@ -397,18 +392,23 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
     {
         let before = removed.entries.len();
         let entries = &mut removed.entries;
-        let emptied = self
-            .lists
-            .remove_if_mut(probe as &dyn Lookup<Q>, |_, list| {
+        let mut table = self.lists.lock_for(probe.hash);
+        let found = table.find_entry(probe.hash, |s| probe.matches(s.hash, &s.key));
+        let emptied = match found {
+            Ok(mut slot) => {
+                let list = &mut slot.get_mut().list;
                 list.retain(&finished, &mut kept, entries);
                 if let Some(level) = reached {
                     list.reach(level, &finished, &mut kept, entries);
                 }
-                list.is_empty()
-            });
+                list.is_empty().then(|| slot.remove().0)
+            }
+            Err(_) => None,
+        };
+        drop(table);
         self.counted(-((removed.entries.len() - before) as isize));
-        if let Some((k, _)) = emptied {
-            removed.keys.push(k.key);
+        if let Some(slot) = emptied {
+            removed.keys.push(slot.key);
             self.key_removed();
         }
     }
@@ -420,10 +420,16 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
         Q: Hash + Eq + ?Sized,
     {
         let probe = self.probe(key);
-        if let Some((k, list)) = self.lists.remove(&probe as &dyn Lookup<Q>) {
-            self.counted(-(list.len() as isize));
-            removed.keys.push(k.key);
-            removed.entries.extend(list.into_entries());
+        let mut table = self.lists.lock_for(probe.hash);
+        let taken = table
+            .find_entry(probe.hash, |s| probe.matches(s.hash, &s.key))
+            .ok()
+            .map(|slot| slot.remove().0);
+        drop(table);
+        if let Some(slot) = taken {
+            self.counted(-(slot.list.len() as isize));
+            removed.keys.push(slot.key);
+            removed.entries.extend(slot.list.into_entries());
             self.key_removed();
         }
     }
@@ -454,17 +460,14 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
     }
 
     /// Starts `sweep` again over the keys in the table now, in the room it
-    /// kept. The keys are listed by `retain` keeping every one, which locks
-    /// each shard in turn and allocates nothing (DashMap's iteration takes
-    /// one guard per shard, each allocated); no key code runs, and nothing is
-    /// dropped under the locks.
+    /// kept: each shard locked in turn, its stored hashes noted (no key code
+    /// runs, nothing is dropped under the locks).
     pub(crate) fn restart_sweep(&self, sweep: &mut Sweep) {
         sweep.hashes.clear();
-        let hashes = &mut sweep.hashes;
-        self.lists.retain(|key, _| {
-            hashes.push(key.hash);
-            true
-        });
+        for i in 0..self.lists.count() {
+            let table = self.lists.lock(i);
+            sweep.hashes.extend(table.iter().map(|s| s.hash));
+        }
         sweep.next = 0;
         sweep.begun = false;
     }
@@ -486,28 +489,29 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
         let mut left = budget.max(1);
         let before = removed.entries.len();
         while left > 0 && !sweep.is_done() {
-            let probe: Probe<'_, K> = Probe {
-                hash: sweep.hashes[sweep.next],
-                key: None,
-            };
+            let hash = sweep.hashes[sweep.next];
             let mut key_done = true;
             let entries = &mut removed.entries;
             let begun = sweep.begun;
-            let emptied = self
-                .lists
-                .remove_if_mut(&probe as &dyn Lookup<K>, |_, list| {
-                    if begun && list.hole.1 == 0 {
-                        // Rewritten since the last slice: no finished entry
-                        // is older than that.
-                        return list.is_empty();
+            let mut table = self.lists.lock_for(hash);
+            // By hash alone: taking another list of the same hash is as good.
+            let emptied = match table.find_entry(hash, |s| s.hash == hash) {
+                Ok(mut slot) => {
+                    let list = &mut slot.get_mut().list;
+                    if !(begun && list.hole.1 == 0) {
+                        // (Otherwise rewritten since the last slice: no
+                        // finished entry is older than that.)
+                        let (visited, end) = list.sweep(left, &finished, entries);
+                        left = left.saturating_sub(visited);
+                        key_done = end;
                     }
-                    let (visited, end) = list.sweep(left, &finished, entries);
-                    left = left.saturating_sub(visited);
-                    key_done = end;
-                    list.is_empty()
-                });
-            if let Some((k, _)) = emptied {
-                removed.keys.push(k.key);
+                    list.is_empty().then(|| slot.remove().0)
+                }
+                Err(_) => None,
+            };
+            drop(table);
+            if let Some(slot) = emptied {
+                removed.keys.push(slot.key);
                 self.key_removed();
             }
             if key_done {
@@ -525,13 +529,12 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
 
     /// Removes every list (shutdown), into `removed`.
     pub(crate) fn drain(&self, removed: &mut Removed<K, V>) {
-        let hashes: Vec<u64> = self.lists.iter().map(|item| item.key().hash).collect();
-        for hash in hashes {
-            let probe: Probe<'_, K> = Probe { hash, key: None };
-            if let Some((k, list)) = self.lists.remove(&probe as &dyn Lookup<K>) {
-                self.counted(-(list.len() as isize));
-                removed.keys.push(k.key);
-                removed.entries.extend(list.into_entries());
+        for i in 0..self.lists.count() {
+            let slots: Vec<Slot<K, V>> = self.lists.lock(i).drain().collect();
+            for slot in slots {
+                self.counted(-(slot.list.len() as isize));
+                removed.keys.push(slot.key);
+                removed.entries.extend(slot.list.into_entries());
             }
         }
     }
@@ -888,7 +891,12 @@ mod tests {
             watch_one(&w, &2, &v);
         }
         let list = |k: u32| {
-            let l = w.lists.get(&w.probe(&k) as &dyn Lookup<u32>).unwrap();
+            let p = w.probe(&k);
+            let table = w.lists.lock_for(p.hash);
+            let l = &table
+                .find(p.hash, |s| p.matches(s.hash, &s.key))
+                .unwrap()
+                .list;
             (l.items.len(), l.hole, l.len())
         };
         let mut sweep = w.start_sweep();
