@@ -79,9 +79,9 @@ impl<K: WatchKey, O: Operation> Drop for Owner<K, O> {
 ///   user code is the operation's own, around its `try_complete`, which is how
 ///   checks of one operation never overlap; an event that arrives while one runs
 ///   makes it check again.
-/// - A key's `Eq` and `Clone` run under the lock of the watcher-map shard that
-///   holds the key (see [`WatchKey`]): they must not call back into the
-///   purgatory. Its `Hash`, and the chosen hasher, run before any lock is taken.
+/// - A key's `Eq` runs under the lock of the watcher-map shard that holds the
+///   key (see [`WatchKey`]): it must not call back into the purgatory. Its
+///   `Clone` and `Hash`, and the chosen hasher, run before any lock is taken.
 ///
 /// # Panics in user code
 ///

@@ -1,5 +1,6 @@
-//! Keys stored with their hash, and lookups by a borrowed key and its hash: the
-//! map hashes each key once, with the user's hasher, and never again.
+//! Lookups by a borrowed key and its hash, and the hasher keys are hashed
+//! with: the map hashes each key once, with the user's hasher, and never
+//! again (it stores the hash beside the key, see `map.rs`).
 
 use std::borrow::Borrow;
 use std::collections::hash_map::RandomState;

@@ -26,9 +26,11 @@
 //!   shard order; every other call holds one shard lock at a time. So waits
 //!   for shard locks never form a cycle. A key's `Eq` may so run while the
 //!   shards of the registration's other keys are held.
-//! - **Panics.** A panic in key code under a lock leaves the map as it was before
-//!   the call that panicked (each method changes the map only after the key code it
-//!   needs has returned).
+//! - **Panics.** A panic in a key's `Eq` under a lock leaves that key's list as
+//!   it was (a table changes only after the key code it needs has returned). A
+//!   registration that panics part-way has joined some of its keys' lists: it
+//!   counts each list the moment it joins it, so the caller knows how many
+//!   entries to turn into tombstones.
 //! - **Empty keys.** A key whose list becomes empty is removed in the same critical
 //!   section that emptied it, so it cannot race a concurrent watch of the same key.
 //! - **Shrinking.** The map shrinks all its shards at once. The map looks at its
@@ -307,8 +309,10 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
     /// made goes to `spare`).
     fn add_new(&self, hash: u64, key: &K, level: Option<u64>, v: &V, spare: &mut Vec<K>) {
         // Clone before taking the lock: a panicking clone leaves the map as
-        // it was, and no `Clone` runs under a lock of ours.
+        // it was, and no `Clone` runs under a lock of ours. The new list too,
+        // to keep the lock short.
         let own = key.clone();
+        let first = List::first(level, v.clone());
         let mut table = self.lists.lock_for(hash);
         match table.entry(hash, |s| s.hash == hash && s.key == own, stored) {
             Entry::Occupied(mut slot) => {
@@ -324,7 +328,7 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
                 slot.insert(Slot {
                     hash,
                     key: own,
-                    list: List::first(level, v.clone()),
+                    list: first,
                 });
             }
         }
@@ -530,8 +534,9 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
     /// Removes every list (shutdown), into `removed`.
     pub(crate) fn drain(&self, removed: &mut Removed<K, V>) {
         for i in 0..self.lists.count() {
-            let slots: Vec<Slot<K, V>> = self.lists.lock(i).drain().collect();
-            for slot in slots {
+            // The table comes out whole, to be emptied with no lock held.
+            let table = std::mem::take(&mut *self.lists.lock(i));
+            for slot in table {
                 self.counted(-(slot.list.len() as isize));
                 removed.keys.push(slot.key);
                 removed.entries.extend(slot.list.into_entries());
