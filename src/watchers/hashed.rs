@@ -6,19 +6,19 @@ use std::borrow::Borrow;
 use std::collections::hash_map::RandomState;
 use std::hash::{BuildHasher, Hash, Hasher};
 
-/// A key looked up by reference (or by hash alone), with its hash. Made once
+/// A key looked up by reference, with its hash. Made once
 /// per call by [`Watchers::probe`], so a call that looks its key up twice (a
 /// walk, then the prune after its checks) hashes it once.
 pub(crate) struct Probe<'a, Q: ?Sized> {
     pub(super) hash: u64,
-    pub(super) key: Option<&'a Q>,
+    pub(super) key: &'a Q,
 }
 
 impl<Q: ?Sized + Eq> Probe<'_, Q> {
     /// Whether a stored key with `hash` is the one looked up: same hash,
-    /// and the same key by `Eq` unless looked up by hash alone.
+    /// and the same key by `Eq`.
     pub(super) fn matches<K: Borrow<Q>>(&self, hash: u64, key: &K) -> bool {
-        self.hash == hash && self.key.is_none_or(|q| key.borrow() == q)
+        self.hash == hash && key.borrow() == self.key
     }
 }
 
@@ -72,20 +72,12 @@ impl Default for KeyHasher {
 mod tests {
     use super::*;
 
-    /// A probe matches a stored key by hash and key; one without a key
-    /// matches by hash alone (used only to remove lists found empty).
+    /// A probe matches a stored key by hash and key.
     #[test]
     fn probes_compare_hash_and_key() {
-        fn probe(hash: u64, key: Option<&u32>) -> Probe<'_, u32> {
-            Probe { hash, key }
-        }
-        assert!(probe(1, Some(&7)).matches(1, &7));
-        assert!(
-            !probe(1, Some(&8)).matches(1, &7),
-            "a collision is not a match"
-        );
-        assert!(!probe(2, Some(&7)).matches(1, &7), "same key, other hash");
-        assert!(probe(1, None).matches(1, &7), "by hash alone");
-        assert!(!probe(2, None).matches(1, &7));
+        let probe = |hash, key| Probe { hash, key };
+        assert!(probe(1, &7u32).matches(1, &7));
+        assert!(!probe(1, &8).matches(1, &7), "a collision is not a match");
+        assert!(!probe(2, &7).matches(1, &7), "same key, other hash");
     }
 }

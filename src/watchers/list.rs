@@ -146,6 +146,14 @@ impl<V> List<V> {
         self.items.push(Some(v));
     }
 
+    /// Adds an entry, plain or watching the key at `level`.
+    pub(super) fn add(&mut self, level: Option<u64>, v: V) {
+        match level {
+            None => self.push(v),
+            Some(level) => self.push_level(level, v),
+        }
+    }
+
     /// Takes out the entries `finished` picks into `out`, in order, showing each
     /// kept one to `kept`; the hole closes.
     pub(super) fn retain(

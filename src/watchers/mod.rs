@@ -293,10 +293,7 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
     fn add(&self, hash: u64, key: &K, level: Option<u64>, v: &V, spare: &mut Vec<K>) {
         let mut table = self.lists.lock_for(hash);
         match table.find_mut(hash, |s| s.hash == hash && s.key == *key) {
-            Some(slot) => match level {
-                None => slot.list.push(v.clone()),
-                Some(level) => slot.list.push_level(level, v.clone()),
-            },
+            Some(slot) => slot.list.add(level, v.clone()),
             None => {
                 drop(table);
                 self.add_new(hash, key, level, v, spare);
@@ -316,11 +313,7 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
         let mut table = self.lists.lock_for(hash);
         match table.entry(hash, |s| s.hash == hash && s.key == own, stored) {
             Entry::Occupied(mut slot) => {
-                let list = &mut slot.get_mut().list;
-                match level {
-                    None => list.push(v.clone()),
-                    Some(level) => list.push_level(level, v.clone()),
-                }
+                slot.get_mut().list.add(level, v.clone());
                 drop(table);
                 spare.push(own);
             }
@@ -374,7 +367,7 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
     {
         Probe {
             hash: self.hash(key),
-            key: Some(key),
+            key,
         }
     }
 
