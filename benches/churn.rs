@@ -1,0 +1,270 @@
+//! Steady-state cost of one request, in a tight loop: `cargo bench --bench churn`.
+//!
+//! A window of `--window` requests (default 20,000) is kept pending. Each step
+//! registers one request on 3 keys drawn at random from 1,000 (timeout one
+//! hour), and completes the request registered `--window` steps earlier by
+//! reference, running its check. That is the registration and completion
+//! work of `purgatory_perf --mode kafka` without the rate limiter, the
+//! completion driver's clock or the expiries, so that two builds compare
+//! within a few percent where the rate-limited runs cannot.
+//!
+//! The same steps run against a one-lock purgatory (`DelayQueue`, slab with
+//! generation-checked ids, `HashMap<u32, Vec<Id>>` behind one mutex; it runs
+//! the same checks and prunes its lists once dead ids outnumber
+//! max(1,000, live ones)). `--impl purgatory|fair` runs one of them;
+//! `--rounds N` (default 5) repeats, printing ns per request for each round
+//! and the median.
+
+use std::collections::{HashMap, VecDeque};
+use std::hint::black_box;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use tokio_purgatory::{OpRef, Operation, Purgatory};
+use tokio_util::time::{delay_queue, DelayQueue};
+
+/// Requests with a sequence number below this may complete.
+static DONE_BELOW: AtomicU64 = AtomicU64::new(0);
+
+struct Op {
+    seq: u64,
+    _payload: usize,
+}
+
+impl Op {
+    fn check(&mut self) -> Option<()> {
+        (DONE_BELOW.load(Ordering::Relaxed) > self.seq).then_some(())
+    }
+}
+
+impl Operation for Op {
+    type Output = ();
+    fn try_complete(&mut self) -> Option<()> {
+        self.check()
+    }
+    fn on_expiration(self) {}
+}
+
+/// xorshift64*: keys drawn at random, the same sequence for every run.
+struct Rng(u64);
+
+impl Rng {
+    fn keys(&mut self) -> [u32; 3] {
+        let mut k = [0u32; 3];
+        for slot in &mut k {
+            self.0 ^= self.0 >> 12;
+            self.0 ^= self.0 << 25;
+            self.0 ^= self.0 >> 27;
+            *slot = (self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 33) as u32 % 1000;
+        }
+        k
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct Id {
+    index: u32,
+    generation: u32,
+}
+
+struct Pending {
+    op: Op,
+    timer: delay_queue::Key,
+    keys: u32,
+}
+
+#[derive(Default)]
+struct Slot {
+    generation: u32,
+    pending: Option<Pending>,
+}
+
+#[derive(Default)]
+struct Fair {
+    queue: DelayQueue<Id>,
+    slots: Vec<Slot>,
+    free: Vec<u32>,
+    watchers: HashMap<u32, Vec<Id>>,
+    live: usize,
+    dead: usize,
+}
+
+impl Fair {
+    fn is_live(slots: &[Slot], id: Id) -> bool {
+        let s = &slots[id.index as usize];
+        s.generation == id.generation && s.pending.is_some()
+    }
+
+    fn register(
+        lock: &Mutex<Fair>,
+        mut op: Op,
+        keys: [u32; 3],
+        deadline: tokio::time::Instant,
+    ) -> Option<Id> {
+        let mut s = lock.lock().unwrap();
+        if op.check().is_some() {
+            return None;
+        }
+        let index = s.free.pop().unwrap_or_else(|| {
+            s.slots.push(Slot::default());
+            s.slots.len() as u32 - 1
+        });
+        let id = Id {
+            index,
+            generation: s.slots[index as usize].generation,
+        };
+        let timer = s.queue.insert_at(id, deadline);
+        let distinct = |i: usize| !keys[..i].contains(&keys[i]);
+        let n = (0..3).filter(|&i| distinct(i)).count() as u32;
+        s.live += n as usize;
+        s.slots[index as usize].pending = Some(Pending { op, timer, keys: n });
+        for (i, k) in keys.iter().enumerate() {
+            if distinct(i) {
+                s.watchers.entry(*k).or_default().push(id);
+            }
+        }
+        if s.dead > s.live.max(1000) {
+            let Fair {
+                slots,
+                watchers,
+                dead,
+                ..
+            } = &mut *s;
+            watchers.retain(|_, ids| {
+                let before = ids.len();
+                ids.retain(|id| Fair::is_live(slots, *id));
+                *dead -= before - ids.len();
+                !ids.is_empty()
+            });
+        }
+        Some(id)
+    }
+
+    fn complete(lock: &Mutex<Fair>, id: Id) -> bool {
+        let done = {
+            let mut s = lock.lock().unwrap();
+            let Fair {
+                queue,
+                slots,
+                free,
+                live,
+                dead,
+                ..
+            } = &mut *s;
+            let slot = &mut slots[id.index as usize];
+            if slot.generation != id.generation {
+                return false;
+            }
+            let completes = match slot.pending.as_mut() {
+                Some(p) => p.op.check().is_some(),
+                None => false,
+            };
+            if !completes {
+                return false;
+            }
+            let p = slot.pending.take().expect("checked");
+            slot.generation = slot.generation.wrapping_add(1);
+            free.push(id.index);
+            *live -= p.keys as usize;
+            *dead += p.keys as usize;
+            queue.remove(&p.timer);
+            p
+        };
+        drop(done);
+        true
+    }
+}
+
+fn arg(name: &str) -> Option<String> {
+    let mut args = std::env::args();
+    while let Some(a) = args.next() {
+        if a == name {
+            return args.next();
+        }
+    }
+    None
+}
+
+fn main() {
+    let window: u64 = arg("--window").map_or(20_000, |v| v.parse().unwrap());
+    let steps: u64 = arg("--steps").map_or(1_000_000, |v| v.parse().unwrap());
+    let rounds: usize = arg("--rounds").map_or(5, |v| v.parse().unwrap());
+    let which = arg("--impl");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    for name in ["purgatory", "fair"] {
+        if which.as_deref().is_some_and(|w| w != name) {
+            continue;
+        }
+        let mut per = Vec::new();
+        for _ in 0..rounds {
+            let ns = rt.block_on(async {
+                DONE_BELOW.store(0, Ordering::Relaxed);
+                let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+                let deadline = tokio::time::Instant::now() + Duration::from_secs(3600);
+                if name == "purgatory" {
+                    let p: Purgatory<u32, Op> = Purgatory::new();
+                    let mut refs: VecDeque<OpRef<u32, Op>> = VecDeque::new();
+                    let mut t0 = Instant::now();
+                    for seq in 0..window + steps {
+                        if seq == window {
+                            t0 = Instant::now();
+                        }
+                        let h = p
+                            .try_complete_else_watch_at(
+                                Op { seq, _payload: 0 },
+                                deadline,
+                                rng.keys(),
+                            )
+                            .unwrap();
+                        refs.push_back(h.op_ref().expect("pending"));
+                        h.detach();
+                        if seq >= window {
+                            let r = refs.pop_front().expect("a window");
+                            DONE_BELOW.store(seq - window + 1, Ordering::Relaxed);
+                            assert!(black_box(r.try_complete()));
+                        }
+                        if seq % 1024 == 0 {
+                            tokio::task::yield_now().await;
+                        }
+                    }
+                    t0.elapsed().as_nanos() as f64 / steps as f64
+                } else {
+                    let p = Mutex::new(Fair::default());
+                    let mut ids: VecDeque<Id> = VecDeque::new();
+                    let mut t0 = Instant::now();
+                    for seq in 0..window + steps {
+                        if seq == window {
+                            t0 = Instant::now();
+                        }
+                        let id = Fair::register(&p, Op { seq, _payload: 0 }, rng.keys(), deadline);
+                        ids.push_back(id.expect("pending"));
+                        if seq >= window {
+                            let id = ids.pop_front().expect("a window");
+                            DONE_BELOW.store(seq - window + 1, Ordering::Relaxed);
+                            assert!(black_box(Fair::complete(&p, id)));
+                        }
+                        if seq % 1024 == 0 {
+                            tokio::task::yield_now().await;
+                        }
+                    }
+                    t0.elapsed().as_nanos() as f64 / steps as f64
+                }
+            });
+            per.push(ns);
+        }
+        let mut sorted = per.clone();
+        sorted.sort_by(f64::total_cmp);
+        let rounds: Vec<String> = per.iter().map(|v| format!("{v:.0}")).collect();
+        println!(
+            "{name}: median {:.0} ns per request [{:.0}..{:.0}] ({})",
+            sorted[sorted.len() / 2],
+            sorted[0],
+            sorted[sorted.len() - 1],
+            rounds.join(" ")
+        );
+    }
+}
