@@ -42,13 +42,24 @@ pub(crate) fn touch<T>(m: &Mutex<T>) {
 
 /// A number naming the current thread, never 0 and never shared by two threads:
 /// the key of the thread's timer shard, and who owns an operation's check.
+#[inline]
 pub(crate) fn thread_index() -> u64 {
+    use std::cell::Cell;
     use std::sync::atomic::{AtomicU64 as Counter, Ordering};
     static NEXT: Counter = Counter::new(1);
     thread_local! {
-        static INDEX: u64 = NEXT.fetch_add(1, Ordering::Relaxed);
+        // 0 until the thread first asks: a constant initialiser makes each
+        // later call one load, with no lazy-initialisation state to test.
+        static INDEX: Cell<u64> = const { Cell::new(0) };
     }
-    INDEX.with(|i| *i)
+    INDEX.with(|i| match i.get() {
+        0 => {
+            let n = NEXT.fetch_add(1, Ordering::Relaxed);
+            i.set(n);
+            n
+        }
+        n => n,
+    })
 }
 
 /// Keeps a value on cache lines of its own (each timer shard's lock, the

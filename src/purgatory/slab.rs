@@ -121,8 +121,21 @@ impl<T: Default> Slab<T> {
         }
     }
 
+    /// The page of an index handed out, and the offset in it: as
+    /// [`locate`](Self::locate), reading only (the page and its directory
+    /// were made before the index was handed out).
+    #[inline]
     fn page(&self, index: u32) -> (&Page<T>, usize) {
-        let (page, _, offset) = self.locate(index);
+        let i = index as usize;
+        let (page, offset) = if i >= SMALL_CELLS {
+            let j = i - SMALL_CELLS;
+            let dir = self.dirs[j / (PAGES * PAGE)].get();
+            let dir = dir.expect("an index handed out has its directory");
+            (&dir[(j / PAGE) % PAGES], j % PAGE)
+        } else {
+            let (page, _, offset) = self.locate(index);
+            (page, offset)
+        };
         (
             page.get().expect("an index handed out has its page"),
             offset,

@@ -183,13 +183,16 @@ impl<V> List<V> {
         while at < range.end {
             let chunk = (range.end - at).min(CHUNK);
             let gone = finished_flags(&self.items[at..at + chunk], &finished);
-            for (i, gone) in gone[..chunk].iter().enumerate() {
-                let slot = &mut self.items[at + i];
-                if *gone {
-                    out.extend(slot.take());
-                } else if let Some(v) = slot {
-                    kept(v);
-                    self.items.swap(kept_end, at + i);
+            for (i, &gone) in gone[..chunk].iter().enumerate() {
+                let Some(v) = self.items[at + i].take() else {
+                    continue;
+                };
+                if gone {
+                    out.push(v);
+                } else {
+                    kept(&v);
+                    // At or before `at + i`, and `None` (taken, or in the hole).
+                    self.items[kept_end] = Some(v);
                     kept_end += 1;
                 }
             }

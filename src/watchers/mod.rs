@@ -191,7 +191,9 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
     {
         let tally = Tally::new(&self.entries, added);
         let mut keys = keys.into_iter();
-        let mut few: [Option<(usize, u64, &K)>; HELD] = [None; HELD];
+        // The first few keys, sorted by shard as they come (an insertion
+        // into at most `HELD`), for `add_held`.
+        let mut few: [(usize, u64, Option<&K>); HELD] = [(0, 0, None); HELD];
         let mut n = 0;
         let mut more = None;
         for (hash, key) in keys.by_ref() {
@@ -199,23 +201,22 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
                 more = Some((hash, key));
                 break;
             }
-            few[n] = Some((self.lists.index(hash), hash, key));
+            let shard = self.lists.index(hash);
+            let mut at = n;
+            while at > 0 && few[at - 1].0 > shard {
+                few[at] = few[at - 1];
+                at -= 1;
+            }
+            few[at] = (shard, hash, Some(key));
             n += 1;
         }
-        let few = &mut few[..n];
-        if more.is_none() {
-            few.sort_unstable_by_key(|k| k.map(|(shard, _, _)| shard));
-            let distinct = few
-                .windows(2)
-                .all(|w| w[0].map(|k| k.0) != w[1].map(|k| k.0));
-            if distinct {
-                return self.add_held(few, v, tally.added, spare);
-            }
+        let few = &few[..n];
+        if more.is_none() && few.windows(2).all(|w| w[0].0 != w[1].0) {
+            return self.add_held(few, v, tally.added, spare);
         }
         for (hash, key) in few
             .iter()
-            .flatten()
-            .map(|(_, h, k)| (*h, *k))
+            .filter_map(|(_, h, k)| Some((*h, (*k)?)))
             .chain(more)
             .chain(keys)
         {
@@ -235,33 +236,58 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
     /// locks are gone.
     fn add_held(
         &self,
-        keys: &[Option<(usize, u64, &K)>],
+        keys: &[(usize, u64, Option<&K>)],
         v: &V,
         added: &mut usize,
         spare: &mut Vec<K>,
     ) {
-        let mut tables: [Option<std::sync::MutexGuard<'_, map::Table<K, V>>>; HELD] =
-            [const { None }; HELD];
-        for (table, (shard, _, _)) in tables.iter_mut().zip(keys.iter().flatten()) {
-            *table = Some(self.lists.lock(*shard));
-        }
+        const { assert!(HELD == 4, "one arm below per count of keys held") };
         let mut first = [false; HELD];
-        for ((table, (_, hash, key)), first) in
-            tables.iter_mut().zip(keys.iter().flatten()).zip(&mut first)
         {
-            let table = table.as_mut().expect("locked above");
-            match table.find_mut(*hash, |s| s.hash == *hash && s.key == **key) {
-                Some(slot) => {
-                    slot.list.push(v.clone());
-                    *added += 1;
+            // Appends to key `i`'s list in `table` (its shard's), or marks
+            // the key as new.
+            let mut append = |table: &mut map::Table<K, V>, i: usize| {
+                let (_, hash, key) = keys[i];
+                let Some(key) = key else { return };
+                match table.find_mut(hash, |s| s.hash == hash && s.key == *key) {
+                    Some(slot) => {
+                        slot.list.push(v.clone());
+                        *added += 1;
+                    }
+                    None => first[i] = true,
                 }
-                None => *first = true,
+            };
+            let lock = |i: usize| self.lists.lock(keys[i].0);
+            // Each arm takes its locks in the keys' (ascending) order; the
+            // guards go at the end of the arm.
+            match keys.len() {
+                0 => {}
+                1 => append(&mut lock(0), 0),
+                2 => {
+                    let (mut a, mut b) = (lock(0), lock(1));
+                    append(&mut a, 0);
+                    append(&mut b, 1);
+                }
+                3 => {
+                    let (mut a, mut b, mut c) = (lock(0), lock(1), lock(2));
+                    append(&mut a, 0);
+                    append(&mut b, 1);
+                    append(&mut c, 2);
+                }
+                _ => {
+                    let (mut a, mut b, mut c, mut d) = (lock(0), lock(1), lock(2), lock(3));
+                    append(&mut a, 0);
+                    append(&mut b, 1);
+                    append(&mut c, 2);
+                    append(&mut d, 3);
+                }
             }
         }
-        drop(tables);
-        for ((_, hash, key), _) in keys.iter().flatten().zip(first).filter(|(_, f)| *f) {
-            self.add_new(*hash, key, None, v, spare);
-            *added += 1;
+        for (i, (_, hash, key)) in keys.iter().enumerate() {
+            if let (true, Some(key)) = (first[i], key) {
+                self.add_new(*hash, key, None, v, spare);
+                *added += 1;
+            }
         }
     }
 
