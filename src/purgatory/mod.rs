@@ -672,7 +672,7 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
     /// code: `Hash`, once for each key, and `Eq`).
     fn register<I>(
         &self,
-        op: O,
+        mut op: O,
         now: Instant,
         deadline: Instant,
         make: impl FnOnce(I) -> Taken<K>,
@@ -698,7 +698,10 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
                 resume_unwind(panic);
             }
         };
-        let (mut op, keys) = shared.admit(op, keys)?;
+        if let Err(refusal) = shared.admit(&keys) {
+            shared.drop_keys(keys);
+            return Err(refusal.with(op));
+        }
         tracing::trace!(purgatory = shared.name(), keys = keys.len(), "register");
 
         // Check (Kafka's `tryComplete`): done at once, nothing is watched.
@@ -722,7 +725,11 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
         // out (a key that panics during the watch included), or handed to
         // the handle.
         let cell = CellRef::new(shared.clone(), id);
-        let (keys, op) = shared.watch(id, keys, op);
+        if let Err(panic) = shared.watch(id, &keys) {
+            shared.drop_contained("drop of an operation", op);
+            shared.drop_keys(keys);
+            resume_unwind(panic);
+        }
 
         // Check again (an event during the watch is not lost), put an
         // operation still pending in its cell, and arm its timeout.

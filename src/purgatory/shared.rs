@@ -1,10 +1,11 @@
 //! What every purgatory handle and operation cell share: the timer core, the
 //! watcher map, the books, the purge, the kept buffers, and how closing works.
 
+use std::any::Any;
 use std::borrow::Borrow;
 use std::hash::Hash;
 use std::marker::PhantomData;
-use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, TryLockError, Weak};
 
@@ -93,6 +94,27 @@ pub(crate) fn closed_refusal<O>(op: O, why: Closed) -> WatchError<O> {
     match why {
         Closed::Shutdown => WatchError::Shutdown(op),
         Closed::ReaperGone => WatchError::ReaperGone(op),
+    }
+}
+
+/// Why [`Shared::admit`] turned a registration away.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Refusal {
+    NoKeys,
+    Closed(Closed),
+    AtCapacity,
+    Draining,
+}
+
+impl Refusal {
+    /// The error that hands `op` back.
+    pub(crate) fn with<O>(self, op: O) -> WatchError<O> {
+        match self {
+            Refusal::NoKeys => WatchError::NoKeys(op),
+            Refusal::Closed(why) => closed_refusal(op, why),
+            Refusal::AtCapacity => WatchError::AtCapacity(op),
+            Refusal::Draining => WatchError::Draining(op),
+        }
     }
 }
 
@@ -337,24 +359,22 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         drop(buffers);
     }
 
-    /// Takes a registration in (counted in the books), or refuses it, dropping
-    /// its keys and handing `op` back: no keys, the purgatory is closed, at its
-    /// limit, or draining.
-    pub(crate) fn admit(&self, op: O, keys: Watches<K>) -> Result<(O, Watches<K>), WatchError<O>> {
+    /// Takes a registration in (counted in the books), or says why not: no
+    /// keys, the purgatory is closed, at its limit, or draining. The caller
+    /// keeps the operation and the keys either way (nothing is moved here),
+    /// and on a refusal drops the keys and hands the operation back.
+    pub(crate) fn admit(&self, keys: &Watches<K>) -> Result<(), Refusal> {
         if keys.is_empty() {
-            return Err(WatchError::NoKeys(op));
-        }
-        let refusal = if let Some(why) = self.core.closed() {
-            closed_refusal(op, why)
+            Err(Refusal::NoKeys)
+        } else if let Some(why) = self.core.closed() {
+            Err(Refusal::Closed(why))
         } else if !self.books.admit() {
-            WatchError::AtCapacity(op)
+            Err(Refusal::AtCapacity)
         } else if self.books.turn_back_if_draining() {
-            WatchError::Draining(op)
+            Err(Refusal::Draining)
         } else {
-            return Ok((op, keys));
-        };
-        self.drop_keys(keys);
-        Err(refusal)
+            Ok(())
+        }
     }
 
     /// Turns back a registration admitted and then refused (the slab is full).
@@ -374,11 +394,12 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         }
     }
 
-    /// Watches `cell` under `keys`, and hands the keys and `op` back. When a key's code
-    /// panics part-way, undoes the registration before the panic goes on: the
-    /// entries made are tombstones, the operation `op` is turned back (not
-    /// counted as registered) and dropped, and the keys are dropped.
-    pub(crate) fn watch(&self, id: Id, keys: Watches<K>, op: O) -> (Watches<K>, O) {
+    /// Watches `id`'s cell under `keys`. When a key's code panics part-way,
+    /// undoes the registration and hands the panic back: the entries made
+    /// are tombstones and the registration is turned back (not counted as
+    /// registered); the caller then drops the operation and the keys, each
+    /// drop contained, and lets the panic go on.
+    pub(crate) fn watch(&self, id: Id, keys: &Watches<K>) -> Result<(), Box<dyn Any + Send>> {
         let mut added = 0;
         let mut spare = Vec::new();
         let watched = catch_unwind(AssertUnwindSafe(|| {
@@ -396,11 +417,9 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
             self.op(id).abandon_registration();
             self.books.tombstones_changed(added as i64);
             self.books.unadmit();
-            self.drop_contained("drop of an operation", op);
-            self.drop_keys(keys);
-            resume_unwind(panic);
+            return Err(panic);
         }
-        (keys, op)
+        Ok(())
     }
 
     /// The end of a registration of `op`, its cell watched and its check
