@@ -191,8 +191,7 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
     {
         let tally = Tally::new(&self.entries, added);
         let mut keys = keys.into_iter();
-        // The first few keys, sorted by shard as they come (an insertion
-        // into at most `HELD`), for `add_held`.
+        // The first few keys, with their shards.
         let mut few: [(usize, u64, Option<&K>); HELD] = [(0, 0, None); HELD];
         let mut n = 0;
         let mut more = None;
@@ -201,18 +200,23 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
                 more = Some((hash, key));
                 break;
             }
-            let shard = self.lists.index(hash);
-            let mut at = n;
-            while at > 0 && few[at - 1].0 > shard {
-                few[at] = few[at - 1];
-                at -= 1;
-            }
-            few[at] = (shard, hash, Some(key));
+            few[n] = (self.lists.index(hash), hash, Some(key));
             n += 1;
         }
-        let few = &few[..n];
-        if more.is_none() && few.windows(2).all(|w| w[0].0 != w[1].0) {
-            return self.add_held(few, v, tally.added, spare);
+        let few = &mut few[..n];
+        if more.is_none() {
+            // Sorted by shard (an insertion sort of at most `HELD`, stable),
+            // for `add_held`; more keys than that go in the order given.
+            for i in 1..few.len() {
+                let mut at = i;
+                while at > 0 && few[at - 1].0 > few[at].0 {
+                    few.swap(at - 1, at);
+                    at -= 1;
+                }
+            }
+            if few.windows(2).all(|w| w[0].0 != w[1].0) {
+                return self.add_held(few, v, tally.added, spare);
+            }
         }
         for (hash, key) in few
             .iter()
