@@ -11,9 +11,12 @@
 //! The same steps run against a one-lock purgatory (`DelayQueue`, slab with
 //! generation-checked ids, `HashMap<u32, Vec<Id>>` behind one mutex; it runs
 //! the same checks and prunes its lists once dead ids outnumber
-//! max(1,000, live ones)). `--impl purgatory|fair` runs one of them;
-//! `--rounds N` (default 5) repeats, printing ns per request for each round
-//! and the median.
+//! max(1,000, live ones), in one pass). `--impl purgatory|fair` runs one of
+//! them; `--rounds N` (default 5) repeats, printing ns per request for each
+//! round and the median; `--window N` and `--steps N` (default 1,000,000)
+//! size the run. Under `valgrind --tool=callgrind`, the difference between
+//! two `--steps` counts gives instructions per request (see
+//! `docs/performance.md`).
 
 use std::collections::{HashMap, VecDeque};
 use std::hint::black_box;
