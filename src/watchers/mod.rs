@@ -253,7 +253,8 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
             let mut append = |table: &mut map::Table<K, V>, i: usize| {
                 let (_, hash, key) = keys[i];
                 let Some(key) = key else { return };
-                match table.find_mut(hash, |s| s.hash == hash && s.key == *key) {
+                let probe = Probe { hash, key };
+                match table.find_mut(hash, |s| probe.matches(s.hash, &s.key)) {
                     Some(slot) => {
                         slot.list.push(v.clone());
                         *added += 1;
@@ -321,8 +322,9 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
 
     /// Adds `v` to `key`'s list; `hash` is `key`'s hash by [`hash`](Self::hash).
     fn add(&self, hash: u64, key: &K, level: Option<u64>, v: &V, spare: &mut Vec<K>) {
+        let probe = Probe { hash, key };
         let mut table = self.lists.lock_for(hash);
-        match table.find_mut(hash, |s| s.hash == hash && s.key == *key) {
+        match table.find_mut(hash, |s| probe.matches(s.hash, &s.key)) {
             Some(slot) => slot.list.add(level, v.clone()),
             None => {
                 drop(table);
@@ -340,8 +342,9 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
         // to keep the lock short.
         let own = key.clone();
         let first = List::first(level, v.clone());
+        let probe = Probe { hash, key: &own };
         let mut table = self.lists.lock_for(hash);
-        match table.entry(hash, |s| s.hash == hash && s.key == own, stored) {
+        match table.entry(hash, |s| probe.matches(s.hash, &s.key), stored) {
             Entry::Occupied(mut slot) => {
                 slot.get_mut().list.add(level, v.clone());
                 drop(table);
@@ -607,6 +610,19 @@ mod tests {
         r.entries
     }
 
+    /// `key`'s entries, in order, as a walk that finds none finished sees them.
+    fn live_entries<K: Hash + Eq + Clone, V: Clone>(w: &Watchers<K, V>, key: &K) -> Vec<V> {
+        let mut out = Vec::new();
+        w.collect_live(
+            &w.probe(key),
+            None,
+            &mut out,
+            |_| false,
+            &mut Removed::default(),
+        );
+        out
+    }
+
     #[test]
     fn table_follows_the_live_key_count_not_its_peak() {
         let w: Watchers<u32, u32> = Watchers::new(4, KeyHasher::default());
@@ -777,14 +793,7 @@ mod tests {
         assert_eq!(w.len(), expected);
         let mut seen = 0;
         for k in 0..24u32 {
-            let mut out = Vec::new();
-            w.collect_live(
-                &w.probe(&k),
-                None,
-                &mut out,
-                |_| false,
-                &mut Removed::default(),
-            );
+            let out = live_entries(&w, &k);
             seen += out.len();
         }
         assert_eq!(seen, expected, "every entry is in its key's list");
@@ -860,14 +869,7 @@ mod tests {
         assert!(r.keys.is_empty());
         assert_eq!(w.len(), 5_000);
         for k in 0..3 {
-            let mut live = Vec::new();
-            w.collect_live(
-                &w.probe(&k),
-                None,
-                &mut live,
-                |_| false,
-                &mut Removed::default(),
-            );
+            let live = live_entries(&w, &k);
             let odd: Vec<u32> = (0..10_000).filter(|v| v % 3 == k && v % 2 == 1).collect();
             assert_eq!(live, odd, "key {k} keeps its live entries in order");
         }
@@ -945,14 +947,7 @@ mod tests {
         assert_eq!(r.entries.len(), 100);
         assert_eq!(list(swept), (10_001, (100, 200), 9_901));
         // A walk sees live entries in order, no hole, and closes it.
-        let mut live = Vec::new();
-        w.collect_live(
-            &w.probe(&swept),
-            None,
-            &mut live,
-            |_| false,
-            &mut Removed::default(),
-        );
+        let live = live_entries(&w, &swept);
         let want: Vec<u32> = (0..200).filter(|v| v % 2 == 1).chain(200..10_001).collect();
         assert_eq!(live, want);
         assert_eq!(list(swept), (9_901, (0, 0), 9_901));
@@ -987,14 +982,7 @@ mod tests {
         w.sweep(&mut sweep, 200, |v| *v < 250, &mut r);
         assert!(sweep.is_done());
         assert_eq!(r.entries, (0..250).collect::<Vec<_>>());
-        let mut live = Vec::new();
-        w.collect_live(
-            &w.probe(&5),
-            None,
-            &mut live,
-            |_| false,
-            &mut Removed::default(),
-        );
+        let live = live_entries(&w, &5);
         assert_eq!(live, (250..300).collect::<Vec<_>>());
         let (r, _) = sweep_all(&w, 7, |_| true);
         assert_eq!((r.entries.len(), r.keys), (50, vec![5]));
@@ -1047,14 +1035,7 @@ mod tests {
         assert!(added < 4, "key 3 was not joined");
         assert_eq!(w.keys(), added);
         assert_eq!(w.len(), added);
-        let mut live = Vec::new();
-        w.collect_live(
-            &w.probe(&K(3)),
-            None,
-            &mut live,
-            |_| false,
-            &mut Removed::default(),
-        );
+        let live = live_entries(&w, &K(3));
         assert!(
             live.is_empty(),
             "nothing under the key whose clone panicked"
