@@ -97,6 +97,23 @@ impl TimerKey {
     fn shard(self) -> usize {
         self.shard.get() as usize - 1
     }
+
+    /// The key as a word and its shard's number (at most 1,024 shards, so
+    /// it fits in 16 bits), for a holder that keeps it in atomics. The word's
+    /// index is never `u32::MAX` (see [`Key::to_bits`]).
+    pub(crate) fn to_bits(self) -> (u64, u16) {
+        let shard = u16::try_from(self.shard.get()).expect("at most 1,024 shards");
+        (self.key.to_bits(), shard)
+    }
+
+    /// The key [`to_bits`](TimerKey::to_bits) gave these for; `None` for a word
+    /// no key has.
+    pub(crate) fn from_bits(bits: u64, shard: u16) -> Option<TimerKey> {
+        Some(TimerKey {
+            shard: NonZeroU32::new(u32::from(shard))?,
+            key: Key::from_bits(bits)?,
+        })
+    }
 }
 
 #[derive(Debug)]

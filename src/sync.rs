@@ -13,12 +13,12 @@
 
 #[cfg(purgatory_loom)]
 pub(crate) use loom::sync::{
-    atomic::{AtomicU32, AtomicU64, AtomicU8},
+    atomic::{AtomicU16, AtomicU32, AtomicU64, AtomicU8},
     Mutex, MutexGuard,
 };
 #[cfg(not(purgatory_loom))]
 pub(crate) use std::sync::{
-    atomic::{AtomicU32, AtomicU64, AtomicU8},
+    atomic::{AtomicU16, AtomicU32, AtomicU64, AtomicU8},
     Mutex, MutexGuard,
 };
 

@@ -54,6 +54,25 @@ pub(crate) struct Key {
     generation: u32,
 }
 
+impl Key {
+    /// The key as one word (index low, generation high). A key's index is
+    /// never `u32::MAX`, so words with that index are free for a holder's own
+    /// marks (see [`Key::from_bits`]).
+    pub(crate) fn to_bits(self) -> u64 {
+        u64::from(self.generation) << 32 | u64::from(self.index)
+    }
+
+    /// The key a word from [`to_bits`](Key::to_bits) stands for; `None` for a
+    /// word whose index is `u32::MAX`, which no key has.
+    pub(crate) fn from_bits(bits: u64) -> Option<Key> {
+        let index = bits as u32;
+        (index != NIL).then_some(Key {
+            index,
+            generation: (bits >> 32) as u32,
+        })
+    }
+}
+
 /// Why a wheel shape was refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum ShapeError {

@@ -18,9 +18,15 @@
 //!   what serialises checks with taking the operation out), and for the moment
 //!   it takes to move the operation in or out. No other user code runs under
 //!   it, and the operation is always dropped after the guard is gone.
-//! - **The outcome slot** ([`Delivery`]): a short lock around the outcome, the
-//!   waker and the timer key. No user code runs under it: outcomes, wakers and
-//!   timer entries are moved out, and dropped or woken after it is released.
+//! - **The outcome slot** ([`Delivery`]): a short lock around the outcome and
+//!   the waker, taken only while a handle may read them (a delivery to a
+//!   detached handle takes none). No user code runs under it: outcomes and
+//!   wakers are moved out, and dropped or woken after it is released.
+//! - **The timer key** ([`TimerSlot`]): lock-free. The registration records it
+//!   unless the finish came first, and the finish takes it for good, so
+//!   exactly one of them removes the entry. A reset moves it under the outcome
+//!   slot's lock (resets wait for each other, as two resets must both take
+//!   effect), taking it out while it moves.
 //! - **Drops.** Every user value this cell drops (the operation, an outcome nobody
 //!   will read) is dropped inside `catch_unwind` with no lock held, after the
 //!   state says `FINISHED`; a panic there is counted and reported, and the outcome is
@@ -38,13 +44,13 @@ use super::slab::Id;
 use super::state::{AfterNotYet, Begin, Claim, Life, Owner, CANCEL, EXPIRE};
 use super::WatchKey;
 use crate::core::TimerKey;
-use crate::sync::{lock, thread_index, touch, AtomicU8, Mutex};
+use crate::sync::{lock, thread_index, touch, AtomicU16, AtomicU64, AtomicU8, Mutex};
 
 /// What an operation handle resolves to.
 pub(crate) type Outcome<T> = Result<Completion<T>, OperationError>;
 
-/// Where an outcome waits for its handle: a one-slot mailbox with a waker, and
-/// the key of the operation's timer entry. Loom checks it (`loom_delivery`).
+/// Where an outcome waits for its handle: a one-slot mailbox with a waker.
+/// Loom checks it (`loom_delivery`).
 ///
 /// `state` says what the slot holds and whether the handle is gone, so that
 /// the calls that usually find nothing to do (a handle detached before its
@@ -61,7 +67,6 @@ pub(crate) struct Delivery<'a, T> {
 /// The outcome slot a [`Delivery`] guards.
 #[derive(Debug)]
 pub(crate) struct Slot<T> {
-    timer: Option<TimerKey>,
     result: Option<T>,
     waker: Option<Waker>,
 }
@@ -69,7 +74,6 @@ pub(crate) struct Slot<T> {
 impl<T> Default for Slot<T> {
     fn default() -> Self {
         Slot {
-            timer: None,
             result: None,
             waker: None,
         }
@@ -86,8 +90,6 @@ const WAITING: u8 = 4;
 /// What [`Delivery::deliver`] leaves the caller to do once the lock is gone.
 #[derive(Debug)]
 pub(crate) struct Delivered<T> {
-    /// The timer entry to remove.
-    pub(crate) timer: Option<TimerKey>,
     /// The task to wake.
     pub(crate) waker: Option<Waker>,
     /// The outcome, back because nobody will read it: drop it.
@@ -100,17 +102,23 @@ impl<'a, T> Delivery<'a, T> {
     }
 
     /// Makes the slot ready for a new use of its cell (nothing else reaches
-    /// it). The slot is empty: a freed cell's was emptied by [`take_all`](Self::take_all),
-    /// and its timer key taken by the delivery.
+    /// it). The slot is empty: a freed cell's was emptied by [`take_all`](Self::take_all).
     pub(crate) fn restart(&self) {
         self.state.store(0, Ordering::Release);
     }
 
     /// Stores the outcome for the handle, or hands it back when the handle is
-    /// gone; takes the timer key and the waker either way.
+    /// gone; takes the waker either way. A handle detached before the outcome
+    /// took what the slot held (a detach sets `DETACHED` before it looks), and
+    /// nothing is stored for it after: its outcome comes back with no lock taken.
     pub(crate) fn deliver(&self, result: T) -> Delivered<T> {
+        if self.state.load(Ordering::Acquire) & (DETACHED | WAITING) == DETACHED {
+            return Delivered {
+                waker: None,
+                unread: Some(result),
+            };
+        }
         let mut s = lock(self.slot);
-        let timer = s.timer.take();
         let waker = s.waker.take();
         if waker.is_some() {
             self.state.fetch_and(!WAITING, Ordering::AcqRel);
@@ -131,11 +139,7 @@ impl<'a, T> Delivery<'a, T> {
                 unread = s.result.take();
             }
         }
-        Delivered {
-            timer,
-            waker,
-            unread,
-        }
+        Delivered { waker, unread }
     }
 
     /// Takes the outcome, or registers `waker` to be woken when there is one.
@@ -176,33 +180,98 @@ impl<'a, T> Delivery<'a, T> {
         (s.result.take(), s.waker.take())
     }
 
-    /// Moves the timer entry with `move_entry` (given its key, returning the new
-    /// key or `None` when the entry has left the timer), under the slot lock, so
-    /// a delivery racing it removes whichever entry is current. Returns whether
-    /// the entry was moved: `false` once the outcome is delivered or the entry
-    /// has left the timer (its expiry is under way).
-    pub(crate) fn move_timer(&self, move_entry: impl FnOnce(TimerKey) -> Option<TimerKey>) -> bool {
-        let mut s = lock(self.slot);
-        let Some(key) = s.timer else {
-            return false;
-        };
-        match move_entry(key) {
-            Some(moved) => {
-                s.timer = Some(moved);
-                true
-            }
-            None => false,
-        }
+    /// Holds off other resets while `f` runs (see [`TimerSlot::move_with`]).
+    pub(crate) fn serialise<R>(&self, f: impl FnOnce() -> R) -> R {
+        let _resets = lock(self.slot);
+        f()
+    }
+}
+
+/// The key of the operation's timer entry, kept in two atomics: a word and
+/// the shard's number (among the owner's small words, where it takes no room
+/// of its own). A view, as [`Delivery`] is. Loom checks it (`loom_timer_slot`).
+///
+/// The word holds a key, or [`NO_TIMER`] (none recorded yet, or a reset is
+/// moving it), or [`TIMER_TAKEN`] (the finish took it; nothing is recorded
+/// after). The shard is written only by whoever is about to put a key in the
+/// word, and read only by whoever took one out.
+#[derive(Debug)]
+pub(crate) struct TimerSlot<'a> {
+    word: &'a AtomicU64,
+    shard: &'a AtomicU16,
+}
+
+/// No key in the word: none recorded yet, or a reset is moving it. A key's
+/// word never has index `u32::MAX`.
+pub(crate) const NO_TIMER: u64 = u32::MAX as u64;
+/// The finish took the key: none may be recorded from now on.
+const TIMER_TAKEN: u64 = NO_TIMER | 1 << 32;
+
+impl<'a> TimerSlot<'a> {
+    pub(crate) fn new(word: &'a AtomicU64, shard: &'a AtomicU16) -> Self {
+        TimerSlot { word, shard }
     }
 
-    /// Records the timer entry unless `finished()` says the outcome may already
-    /// have been delivered; returns whether it was recorded.
-    pub(crate) fn set_timer(&self, key: TimerKey, finished: impl FnOnce() -> bool) -> bool {
-        let mut s = lock(self.slot);
-        if finished() {
+    /// Makes the slot ready for a new use of its cell (nothing else reaches it).
+    pub(crate) fn restart(&self) {
+        self.word.store(NO_TIMER, Ordering::Relaxed);
+    }
+
+    /// Records `key` (the registration's entry), unless the finish came first:
+    /// then the key comes back, for the caller to remove.
+    pub(crate) fn set(&self, key: TimerKey) -> Result<(), TimerKey> {
+        let (bits, shard) = key.to_bits();
+        self.shard.store(shard, Ordering::Relaxed);
+        self.word
+            .compare_exchange(NO_TIMER, bits, Ordering::Release, Ordering::Relaxed)
+            .map(drop)
+            .map_err(|_| key)
+    }
+
+    /// Takes the key for the finish, for good: a registration or a reset that
+    /// comes later removes its entry itself. `None` when no key is recorded
+    /// (not yet, or a reset holds it: that one removes the entry).
+    pub(crate) fn take_final(&self) -> Option<TimerKey> {
+        let bits = self.word.swap(TIMER_TAKEN, Ordering::Acquire);
+        TimerKey::from_bits(bits, self.shard.load(Ordering::Relaxed))
+    }
+
+    /// Moves the entry with `move_entry` (given its key, returning the new key,
+    /// in the same shard, or `None` when the entry has left the timer), holding
+    /// the key out of the word meanwhile; the caller keeps other moves off
+    /// ([`Delivery::serialise`]). A finish that comes meanwhile finds no key,
+    /// so the new entry is removed here, with `remove`. Returns whether the
+    /// entry was moved and is still recorded: `false` once the finish took the
+    /// key, or the entry left the timer (its expiry is under way).
+    pub(crate) fn move_with(
+        &self,
+        move_entry: impl FnOnce(TimerKey) -> Option<TimerKey>,
+        remove: impl FnOnce(TimerKey),
+    ) -> bool {
+        let bits = self.word.load(Ordering::Acquire);
+        let Some(key) = TimerKey::from_bits(bits, self.shard.load(Ordering::Relaxed)) else {
+            return false;
+        };
+        if self
+            .word
+            .compare_exchange(bits, NO_TIMER, Ordering::Acquire, Ordering::Relaxed)
+            .is_err()
+        {
+            return false; // the finish took it
+        }
+        let Some(moved) = move_entry(key) else {
+            return false;
+        };
+        let (bits, shard) = moved.to_bits();
+        self.shard.store(shard, Ordering::Relaxed);
+        if self
+            .word
+            .compare_exchange(NO_TIMER, bits, Ordering::Release, Ordering::Relaxed)
+            .is_err()
+        {
+            remove(moved); // the finish came meanwhile and found no key
             return false;
         }
-        s.timer = Some(key);
         true
     }
 }
@@ -237,6 +306,8 @@ pub(crate) struct OpCell<O: Operation> {
     /// Who checks it, how it finished, how many lists hold it (its state is
     /// in its [`Life`]).
     owner: Owner,
+    /// The timer entry's key word (its shard is among the owner's words).
+    timer: AtomicU64,
     op: Mutex<Option<O>>,
     /// The outcome slot (its state is among the owner's words).
     slot: Mutex<Slot<Outcome<O::Output>>>,
@@ -246,6 +317,7 @@ impl<O: Operation> Default for OpCell<O> {
     fn default() -> Self {
         OpCell {
             owner: Owner::default(),
+            timer: AtomicU64::new(NO_TIMER),
             op: Mutex::new(None),
             slot: Mutex::new(Slot::default()),
         }
@@ -270,6 +342,7 @@ impl<O: Operation> OpCell<O> {
     /// ([`Op::first_watched_check`]): the cell holds none until then.
     pub(crate) fn start(&self, keys: u32, me: u64) {
         self.delivery().restart();
+        self.timer().restart();
         self.owner.restart(me, keys);
     }
 
@@ -293,6 +366,11 @@ impl<O: Operation> OpCell<O> {
     /// The outcome slot and its state.
     fn delivery(&self) -> Delivery<'_, Outcome<O::Output>> {
         Delivery::new(self.owner.outcome(), &self.slot)
+    }
+
+    /// The timer entry's key.
+    fn timer(&self) -> TimerSlot<'_> {
+        TimerSlot::new(&self.timer, self.owner.timer_shard())
     }
 }
 
@@ -567,12 +645,13 @@ where
         // cancel; shutdown's hand-back is told here).
         self.cell.owner.record_fate(fate.code());
         self.shared.on_finished(fate, self.cell.owner.keys());
+        let timer = self.cell.timer().take_final();
         let d = self.cell.delivery().deliver(result);
         if let Some(unread) = d.unread {
             self.shared.drop_contained("drop of an output", unread);
         }
         if cancel_timer {
-            if let Some(key) = d.timer {
+            if let Some(key) = timer {
                 self.shared.remove_timer_soon(key);
             }
         }
@@ -588,15 +667,18 @@ where
             return false;
         }
         let shared = self.shared;
-        self.cell
-            .delivery()
-            .move_timer(|key| shared.reset_timer(key, now, deadline))
+        self.cell.delivery().serialise(|| {
+            self.cell.timer().move_with(
+                |key| shared.reset_timer(key, now, deadline),
+                |moved| shared.remove_timer(moved),
+            )
+        })
     }
 
     /// Records the timer entry, or removes it at once if the operation finished
     /// while it was being inserted.
     pub(crate) fn set_timer(&self, key: TimerKey) {
-        if !self.cell.delivery().set_timer(key, || self.is_finished()) {
+        if let Err(key) = self.cell.timer().set(key) {
             self.shared.remove_timer(key);
         }
     }
@@ -736,6 +818,136 @@ mod loom_delivery {
             // left in the slot for the cell to keep.
             assert_eq!(drops.load(Ordering::SeqCst), 1);
             assert!(lock(&kept.slot).result.is_none());
+        });
+    }
+}
+
+#[cfg(all(test, purgatory_loom))]
+mod loom_timer_slot {
+    //! The timer key under loom: whatever order a registration recording it, a
+    //! reset moving it and the finish taking it come in, the entry in the
+    //! timer is removed exactly once, by whoever holds its current key.
+
+    use super::*;
+    use loom::thread;
+    use std::sync::Arc;
+
+    /// What a cell keeps for its timer key, and a stand-in for the timer: the
+    /// words of the entries in it.
+    #[derive(Default)]
+    struct Kept {
+        word: AtomicU64,
+        shard: AtomicU16,
+        resets: Mutex<()>,
+        timer: Mutex<Vec<u64>>,
+    }
+
+    impl Kept {
+        fn new() -> Arc<Kept> {
+            let k = Kept::default();
+            k.slot().restart();
+            Arc::new(k)
+        }
+
+        fn slot(&self) -> TimerSlot<'_> {
+            TimerSlot::new(&self.word, &self.shard)
+        }
+
+        fn key(bits: u64) -> TimerKey {
+            TimerKey::from_bits(bits, 3).expect("a key")
+        }
+
+        /// Puts an entry in the timer; its key.
+        fn insert(&self, bits: u64) -> TimerKey {
+            lock(&self.timer).push(bits);
+            Kept::key(bits)
+        }
+
+        /// Removes `key`'s entry, which must be there.
+        fn remove(&self, key: TimerKey) {
+            let bits = key.to_bits().0;
+            let mut t = lock(&self.timer);
+            let at = t
+                .iter()
+                .position(|&b| b == bits)
+                .expect("removes a current entry");
+            t.swap_remove(at);
+        }
+
+        /// A finish: takes the key for good and removes its entry.
+        fn finish(&self) {
+            if let Some(key) = self.slot().take_final() {
+                self.remove(key);
+            }
+        }
+
+        /// A reset: moves the entry to the key with `bits`.
+        fn reset(&self, bits: u64) -> bool {
+            let _resets = lock(&self.resets);
+            self.slot().move_with(
+                |old| {
+                    self.remove(old);
+                    Some(self.insert(bits))
+                },
+                |moved| self.remove(moved),
+            )
+        }
+    }
+
+    #[test]
+    fn loom_timer_key_recorded_racing_the_finish_is_removed_once() {
+        loom::model(|| {
+            let kept = Kept::new();
+            let t = {
+                let kept = kept.clone();
+                thread::spawn(move || kept.finish())
+            };
+            let key = kept.insert(7);
+            if let Err(key) = kept.slot().set(key) {
+                kept.remove(key);
+            }
+            t.join().unwrap();
+            assert!(lock(&kept.timer).is_empty(), "an entry left behind");
+        });
+    }
+
+    #[test]
+    fn loom_timer_key_moved_racing_the_finish_is_removed_once() {
+        loom::model(|| {
+            let kept = Kept::new();
+            let key = kept.insert(7);
+            kept.slot().set(key).expect("nothing finished yet");
+            let t = {
+                let kept = kept.clone();
+                thread::spawn(move || kept.reset(8))
+            };
+            kept.finish();
+            // Moved or not, depending on who came first: either way, no entry
+            // is left and no later reset takes effect.
+            t.join().unwrap();
+            assert!(lock(&kept.timer).is_empty(), "an entry left behind");
+            assert!(!kept.reset(9), "no reset after the finish");
+        });
+    }
+
+    #[test]
+    fn loom_two_resets_both_take_effect() {
+        loom::model(|| {
+            let kept = Kept::new();
+            let key = kept.insert(7);
+            kept.slot().set(key).expect("nothing finished yet");
+            let t = {
+                let kept = kept.clone();
+                thread::spawn(move || kept.reset(8))
+            };
+            assert!(
+                kept.reset(9),
+                "a reset with nothing finished moves the entry"
+            );
+            assert!(t.join().unwrap(), "so does the other");
+            assert_eq!(lock(&kept.timer).len(), 1, "one entry, at the last key");
+            kept.finish();
+            assert!(lock(&kept.timer).is_empty());
         });
     }
 }

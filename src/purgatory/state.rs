@@ -42,7 +42,7 @@ use std::hash::Hash;
 use std::num::NonZeroU32;
 use std::sync::atomic::Ordering;
 
-use crate::sync::{lock, AtomicU32, AtomicU64, AtomicU8, Mutex};
+use crate::sync::{lock, AtomicU16, AtomicU32, AtomicU64, AtomicU8, Mutex};
 
 /// The reference count's bits.
 const REFS: u64 = (1 << 26) - 1;
@@ -138,6 +138,9 @@ pub(crate) struct Owner {
     /// The outcome slot's state (see `Delivery` in `cell.rs`), kept here
     /// where it takes no room of its own. Outside the protocol above.
     outcome: AtomicU8,
+    /// The shard of the timer entry's key (see `TimerSlot` in `cell.rs`),
+    /// kept here for the same reason. Outside the protocol above.
+    timer_shard: AtomicU16,
 }
 
 impl Default for Owner {
@@ -147,6 +150,7 @@ impl Default for Owner {
             keys: AtomicU32::new(0),
             fate: AtomicU8::new(0),
             outcome: AtomicU8::new(0),
+            timer_shard: AtomicU16::new(0),
         }
     }
 }
@@ -168,6 +172,11 @@ impl Owner {
     /// The outcome slot's state word.
     pub(crate) fn outcome(&self) -> &AtomicU8 {
         &self.outcome
+    }
+
+    /// Where the timer entry's shard is kept.
+    pub(crate) fn timer_shard(&self) -> &AtomicU16 {
+        &self.timer_shard
     }
 
     /// Records how the operation finished (`code` > 0), by whoever set
