@@ -40,7 +40,7 @@ use super::books::Fate;
 use super::error::OperationError;
 use super::operation::{Completion, Operation};
 use super::shared::Shared;
-use super::slab::Id;
+use super::slab::{FreeLink, Id};
 use super::state::{AfterNotYet, Begin, Claim, Life, Owner, CANCEL, EXPIRE};
 use super::WatchKey;
 use crate::core::TimerKey;
@@ -321,6 +321,12 @@ impl<O: Operation> Default for OpCell<O> {
             op: Mutex::new(None),
             slot: Mutex::new(Slot::default()),
         }
+    }
+}
+
+impl<O: Operation> FreeLink for OpCell<O> {
+    fn free_link(&self) -> &crate::sync::AtomicU32 {
+        self.owner.free_link()
     }
 }
 

@@ -27,15 +27,20 @@
 //!   in cells at once. A cell's operation and outcome are dropped at the finish
 //!   and when read; only the cell's own bytes stay.
 //! - **Free lists** are per thread stripe (the thread that frees pushes to its
-//!   own); a thread whose list is empty takes another stripe's whole list
-//!   in exchange for its empty one. Nothing is allocated under their locks.
+//!   own); a thread whose list is empty takes another stripe's whole list.
+//!   Each is a lock-free stack linked through the free cells themselves (a
+//!   word each cell lends while it is free, [`FreeLink`]), so a list takes
+//!   no memory of its own and never allocates. Its head carries a count of
+//!   its changes beside the top index, so a pop that read a top which was
+//!   popped and pushed back meanwhile (its link may have changed) fails and
+//!   tries again. Loom checks it (`loom_free_lists`).
 
 use std::num::NonZeroU32;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::OnceLock;
 
 use super::state::{Life, Released};
-use crate::sync::{lock, Mutex, Striped, STRIPES};
+use crate::sync::{AtomicU32, AtomicU64, Striped, STRIPES};
 
 /// Cells in the first page; each of the next [`SMALL`]` - 1` pages holds as
 /// many as all pages before it, so a slab that stays small stays small.
@@ -75,13 +80,39 @@ struct Page<T> {
 /// Pages past the small ones, made as the slab grows into them.
 type Dir<T> = Box<[OnceLock<Page<T>>]>;
 
+/// A cell the slab can link its free lists through: a word that nothing
+/// else reads or writes while the cell is free (a new use sets it up again).
+pub(crate) trait FreeLink {
+    /// The word.
+    fn free_link(&self) -> &AtomicU32;
+}
+
+/// No index: the end of a free list.
+const NIL: u32 = u32::MAX;
+
+/// A free list's head: the top index (low half) and a count of the list's
+/// changes (high half).
+#[derive(Debug)]
+struct FreeList(AtomicU64);
+
+impl Default for FreeList {
+    fn default() -> Self {
+        FreeList(AtomicU64::new(u64::from(NIL)))
+    }
+}
+
+/// A head word after `head` with `top` on top.
+fn head_after(head: u64, top: u32) -> u64 {
+    ((head >> 32).wrapping_add(1) << 32) | u64::from(top)
+}
+
 /// The slab (see the module's ground rules).
 pub(crate) struct Slab<T> {
     small: [OnceLock<Page<T>>; SMALL],
     dirs: [OnceLock<Dir<T>>; DIRS],
     /// Indices never used yet start here.
     next: AtomicU32,
-    free: Striped<Mutex<Vec<u32>>>,
+    free: Striped<FreeList>,
 }
 
 impl<T> std::fmt::Debug for Slab<T> {
@@ -92,7 +123,7 @@ impl<T> std::fmt::Debug for Slab<T> {
     }
 }
 
-impl<T: Default> Slab<T> {
+impl<T: Default + FreeLink> Slab<T> {
     pub(crate) fn new() -> Self {
         Slab {
             small: std::array::from_fn(|_| OnceLock::new()),
@@ -179,27 +210,26 @@ impl<T: Default> Slab<T> {
         });
     }
 
-    /// A free index: this stripe's most recently freed, else another
-    /// stripe's whole list (swapped for this stripe's empty one, so nothing is
-    /// allocated under either lock; a thread that frees and never registers
-    /// has no use for its list), else a fresh one. `None` at [`CAPACITY`].
+    /// A free index: this stripe's most recently freed, else the top of
+    /// another stripe's list (taking that whole list, whose rest becomes this
+    /// stripe's: a thread that frees and never registers has no use for its
+    /// list), else a fresh one. `None` at [`CAPACITY`].
     fn take_index(&self) -> Option<u32> {
-        let mut mine = lock(self.free.mine());
-        if let Some(i) = mine.pop() {
+        let mine = &self.free.mine().0;
+        if let Some(i) = self.pop(mine) {
             return Some(i);
         }
         let start = Striped::<()>::my_index();
         for k in 1..STRIPES {
-            // Never waits while holding this stripe's lock: no order to keep.
-            let Ok(mut theirs) = self.free.nth((start + k) % STRIPES).try_lock() else {
-                continue;
-            };
-            if !theirs.is_empty() {
-                std::mem::swap(&mut *mine, &mut *theirs);
-                return mine.pop();
+            let theirs = &self.free.nth((start + k) % STRIPES).0;
+            if let Some(top) = Self::take_all(theirs) {
+                let rest = self.link(top).load(Ordering::Relaxed);
+                if rest != NIL {
+                    self.push_list(mine, rest);
+                }
+                return Some(top);
             }
         }
-        drop(mine);
         let fresh = self.next.fetch_add(1, Ordering::Relaxed);
         if fresh as usize >= CAPACITY {
             self.next.fetch_sub(1, Ordering::Relaxed);
@@ -207,6 +237,88 @@ impl<T: Default> Slab<T> {
         }
         self.grow_to(fresh);
         Some(fresh)
+    }
+
+    /// The free-list link of a free cell.
+    fn link(&self, index: u32) -> &AtomicU32 {
+        self.cell(index).free_link()
+    }
+
+    /// Pops the top of `list`.
+    fn pop(&self, list: &AtomicU64) -> Option<u32> {
+        let mut head = list.load(Ordering::Acquire);
+        loop {
+            let top = head as u32;
+            if top == NIL {
+                return None;
+            }
+            // Stale if `top` was popped meanwhile; then the head has changed
+            // and the exchange fails.
+            let below = self.link(top).load(Ordering::Relaxed);
+            match list.compare_exchange_weak(
+                head,
+                head_after(head, below),
+                Ordering::Acquire,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => return Some(top),
+                Err(now) => head = now,
+            }
+        }
+    }
+
+    /// Empties `list`; its top, whose links lead through the rest.
+    fn take_all(list: &AtomicU64) -> Option<u32> {
+        let mut head = list.load(Ordering::Acquire);
+        loop {
+            let top = head as u32;
+            if top == NIL {
+                return None;
+            }
+            match list.compare_exchange_weak(
+                head,
+                head_after(head, NIL),
+                Ordering::Acquire,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => return Some(top),
+                Err(now) => head = now,
+            }
+        }
+    }
+
+    /// Pushes the list of free cells that starts at `first` (linked through to
+    /// [`NIL`], held by the caller alone) onto `list`.
+    fn push_list(&self, list: &AtomicU64, first: u32) {
+        let mut head = list.load(Ordering::Relaxed);
+        // The last cell, found once the list turns out not to be empty.
+        let mut last = None;
+        loop {
+            if head as u32 != NIL {
+                let last = *last.get_or_insert_with(|| {
+                    let mut at = first;
+                    loop {
+                        let below = self.link(at).load(Ordering::Relaxed);
+                        if below == NIL {
+                            break at;
+                        }
+                        at = below;
+                    }
+                });
+                self.link(last).store(head as u32, Ordering::Relaxed);
+            } else if let Some(last) = last {
+                self.link(last).store(NIL, Ordering::Relaxed);
+            }
+            match list.compare_exchange_weak(
+                head,
+                head_after(head, first),
+                Ordering::Release,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => return,
+                Err(now) => head = now,
+            }
+        }
     }
 
     /// Takes a free cell into use and lets `init` set it up with `value`
@@ -250,37 +362,30 @@ impl<T: Default> Slab<T> {
         let (page, offset) = self.page(id.index);
         let life = &page.lives[offset];
         if life.release() == Released::Last {
-            clear(&page.cells[offset]);
+            let cell = &page.cells[offset];
+            clear(cell);
             if life.free() {
-                self.push_free(id.index);
+                self.push_free(id.index, cell);
             }
         }
     }
 
-    /// Puts `index` on this thread stripe's free list. A list that has to
-    /// grow grows with its lock released, so that nothing waits on the
-    /// allocator behind it.
-    fn push_free(&self, index: u32) {
-        let stripe = self.free.mine();
+    /// Puts `index` (a cell just freed, `cell`) on this thread stripe's free
+    /// list.
+    fn push_free(&self, index: u32, cell: &T) {
+        let (list, link) = (&self.free.mine().0, cell.free_link());
+        let mut head = list.load(Ordering::Relaxed);
         loop {
-            let mut list = lock(stripe);
-            if list.len() < list.capacity() {
-                list.push(index);
-                return;
+            link.store(head as u32, Ordering::Relaxed);
+            match list.compare_exchange_weak(
+                head,
+                head_after(head, index),
+                Ordering::Release,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => return,
+                Err(now) => head = now,
             }
-            let want = (list.capacity() * 2).max(64);
-            drop(list);
-            let mut grown: Vec<u32> = Vec::with_capacity(want);
-            let mut list = lock(stripe);
-            if list.len() < grown.capacity() {
-                grown.extend_from_slice(&list);
-                grown.push(index);
-                let old = std::mem::replace(&mut *list, grown);
-                drop(list);
-                drop(old);
-                return;
-            }
-            // It grew past `want` meanwhile: try again.
         }
     }
 
@@ -311,7 +416,24 @@ mod tests {
     use std::sync::atomic::AtomicUsize;
 
     #[derive(Default)]
-    struct Cell(AtomicUsize);
+    struct Cell(AtomicUsize, AtomicU32);
+
+    impl FreeLink for Cell {
+        fn free_link(&self) -> &AtomicU32 {
+            &self.1
+        }
+    }
+
+    /// The indices on `list`, top first.
+    fn free_list(s: &Slab<Cell>, list: &FreeList) -> Vec<u32> {
+        let mut out = Vec::new();
+        let mut at = list.0.load(Ordering::Relaxed) as u32;
+        while at != NIL {
+            out.push(at);
+            at = s.link(at).load(Ordering::Relaxed);
+        }
+        out
+    }
 
     /// A cell taken into use with nothing set up.
     fn fresh(s: &Slab<Cell>) -> Id {
@@ -387,7 +509,9 @@ mod tests {
             finish(&s, *id);
             s.release(*id, |_| {});
         }
-        assert_eq!(lock(s.free.mine()).len(), 1000);
+        let mine = free_list(&s, s.free.mine());
+        assert_eq!(mine.len(), 1000);
+        assert_eq!(mine[0], ids[999].index, "the most recently freed on top");
         let mut again: Vec<u32> = (0..1000).map(|_| fresh(&s).index).collect();
         again.sort();
         assert_eq!(
@@ -445,10 +569,24 @@ mod tests {
             })
         };
         t.join().unwrap();
-        for _ in 0..100 {
+        fresh(&s);
+        assert_eq!(
+            free_list(&s, s.free.mine()).len(),
+            99,
+            "the rest of the list taken is this thread's now"
+        );
+        for _ in 0..99 {
             fresh(&s);
         }
         assert_eq!(s.grown(), 100, "freed on another thread, reused here");
+        // Freed here while the list holds some: pushed onto it.
+        let kept: Vec<Id> = (0..3).map(|_| fresh(&s)).collect();
+        for id in kept {
+            finish(&s, id);
+            s.release(id, |_| {});
+        }
+        assert_eq!(free_list(&s, s.free.mine()).len(), 3);
+        assert_eq!(s.grown(), 103);
     }
 
     #[test]
@@ -479,5 +617,125 @@ mod tests {
         assert!(!std::ptr::eq(s.cell(boundary - 1), s.cell(boundary)));
         assert!(s.dirs[1].get().is_some() && s.dirs[2].get().is_none());
         assert_eq!(s.locate((CAPACITY - 1) as u32).2, PAGE - 1);
+    }
+}
+
+#[cfg(all(test, purgatory_loom))]
+mod loom_free_lists {
+    //! The free lists under loom: pops, pushes and a whole list taken by
+    //! another thread, racing, hand out each free index once and lose none,
+    //! including when an index is popped and pushed back while another pop
+    //! holds a stale view of the list's top.
+
+    use super::*;
+    use loom::sync::atomic::AtomicBool;
+    use loom::thread;
+    use std::sync::Arc;
+
+    #[derive(Default)]
+    struct Cell {
+        link: AtomicU32,
+        /// Set while a holder has the index (it was popped and not pushed).
+        held: AtomicBool,
+    }
+
+    impl FreeLink for Cell {
+        fn free_link(&self) -> &AtomicU32 {
+            &self.link
+        }
+    }
+
+    /// A slab grown to `n` cells, all free on this thread's list.
+    fn slab(n: u32) -> Arc<Slab<Cell>> {
+        let s = Slab::<Cell>::new();
+        for i in 0..n {
+            assert_eq!(s.next.fetch_add(1, Ordering::Relaxed), i);
+            s.grow_to(i);
+        }
+        for i in 0..n {
+            free(&s, i);
+        }
+        Arc::new(s)
+    }
+
+    fn pop(s: &Slab<Cell>, list: &FreeList) -> Option<u32> {
+        let i = s.pop(&list.0)?;
+        assert!(
+            !s.cell(i).held.swap(true, Ordering::Relaxed),
+            "handed out twice"
+        );
+        Some(i)
+    }
+
+    /// Frees `i` onto this thread's list (loom runs its threads on one, so
+    /// they share a stripe: the races below are on one list).
+    fn free(s: &Slab<Cell>, i: u32) {
+        s.cell(i).held.store(false, Ordering::Relaxed);
+        s.push_free(i, s.cell(i));
+    }
+
+    /// Every index on every list, checked free.
+    fn drain(s: &Slab<Cell>, into: &mut Vec<u32>) {
+        for list in s.free.iter() {
+            while let Some(i) = pop(s, list) {
+                into.push(i);
+            }
+        }
+    }
+
+    #[test]
+    fn loom_free_list_pops_racing_a_pop_and_push_back() {
+        loom::model(|| {
+            let s = slab(2);
+            let t = {
+                let s = s.clone();
+                thread::spawn(move || {
+                    // Both popped and the first pushed back: the top is the
+                    // same index as before, with a new link below it.
+                    let first = pop(&s, s.free.mine());
+                    let second = pop(&s, s.free.mine());
+                    if let Some(i) = first {
+                        free(&s, i);
+                    }
+                    second
+                })
+            };
+            let mine = pop(&s, s.free.mine());
+            let theirs = t.join().unwrap();
+            let mut all: Vec<u32> = mine.into_iter().chain(theirs).collect();
+            drain(&s, &mut all);
+            all.sort_unstable();
+            assert_eq!(all, [0, 1], "each index once, none lost");
+        });
+    }
+
+    #[test]
+    fn loom_free_list_taken_whole_racing_a_push() {
+        loom::model(|| {
+            let s = slab(3);
+            // Index 2 is in use; its owner frees it onto stripe 0 meanwhile.
+            let two = pop(&s, s.free.mine()).expect("three were free");
+            assert_eq!(two, 2);
+            let t = {
+                let s = s.clone();
+                thread::spawn(move || free(&s, two))
+            };
+            // Another stripe takes this one's whole list, keeps its top and
+            // puts the rest on its own list.
+            let other = s.free.nth((Striped::<()>::my_index() + 1) % STRIPES);
+            let mut all = Vec::new();
+            if let Some(top) = Slab::<Cell>::take_all(&s.free.mine().0) {
+                assert!(!s.cell(top).held.swap(true, Ordering::Relaxed));
+                all.push(top);
+                let rest = s.link(top).load(Ordering::Relaxed);
+                if rest != NIL {
+                    s.push_list(&other.0, rest);
+                }
+            }
+            t.join().unwrap();
+            drain(&s, &mut all);
+            all.sort_unstable();
+            assert_eq!(all, [0, 1, 2], "each index once, none lost");
+        });
     }
 }

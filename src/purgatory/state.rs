@@ -129,7 +129,8 @@ pub(crate) struct Owner {
     /// The checking thread's id while `CHECKING` is set, else 0.
     checker: AtomicU64,
     /// Number of watch lists holding the cell (tombstone accounting), set at
-    /// registration. Outside the protocol above.
+    /// registration. Outside the protocol above. While the cell is free, the
+    /// slab links its free list through it ([`FreeLink`](super::slab::FreeLink)).
     keys: AtomicU32,
     /// How it finished (a `Fate` code, 0 until recorded), recorded by whoever
     /// set `FINISHED` before any user code runs after it. Outside the protocol
@@ -167,6 +168,12 @@ impl Owner {
     /// The number of watch lists holding the cell.
     pub(crate) fn keys(&self) -> u32 {
         self.keys.load(Ordering::Relaxed)
+    }
+
+    /// The word the slab links free cells through (the key count's, which a
+    /// free cell does not need).
+    pub(crate) fn free_link(&self) -> &AtomicU32 {
+        &self.keys
     }
 
     /// The outcome slot's state word.
