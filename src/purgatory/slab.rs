@@ -78,7 +78,8 @@ struct Page<T> {
     cells: Box<[T]>,
 }
 /// Pages past the small ones, made as the slab grows into them.
-type Dir<T> = Box<[OnceLock<Page<T>>]>;
+/// (An array, not a slice: indexing it by `% PAGES` needs no bounds check.)
+type Dir<T> = Box<[OnceLock<Page<T>>; PAGES]>;
 
 /// A cell the slab can link its free lists through: a word that nothing
 /// else reads or writes while the cell is free (a new use sets it up again).
@@ -146,8 +147,12 @@ impl<T: Default + FreeLink> Slab<T> {
             (&self.small[p], start, i - start)
         } else {
             let j = i - SMALL_CELLS;
-            let dir = self.dirs[j / (PAGES * PAGE)]
-                .get_or_init(|| (0..PAGES).map(|_| OnceLock::new()).collect());
+            let dir = self.dirs[j / (PAGES * PAGE)].get_or_init(|| {
+                let pages: Box<[_]> = (0..PAGES).map(|_| OnceLock::new()).collect();
+                pages
+                    .try_into()
+                    .unwrap_or_else(|_| unreachable!("PAGES pages"))
+            });
             (&dir[(j / PAGE) % PAGES], PAGE, j % PAGE)
         }
     }
@@ -173,6 +178,7 @@ impl<T: Default + FreeLink> Slab<T> {
         )
     }
 
+    #[inline]
     fn life_at(&self, index: u32) -> &Life {
         let (page, offset) = self.page(index);
         &page.lives[offset]
@@ -186,6 +192,7 @@ impl<T: Default + FreeLink> Slab<T> {
     }
 
     /// The life word and the cell at `id`'s index, found once.
+    #[inline]
     pub(crate) fn entry(&self, id: Id) -> (&Life, &T) {
         let (page, offset) = self.page(id.index);
         (&page.lives[offset], &page.cells[offset])
@@ -196,6 +203,7 @@ impl<T: Default + FreeLink> Slab<T> {
         id.generation
     }
 
+    #[inline]
     fn cell(&self, index: u32) -> &T {
         let (page, offset) = self.page(index);
         &page.cells[offset]
@@ -213,21 +221,23 @@ impl<T: Default + FreeLink> Slab<T> {
     /// A free index: this stripe's most recently freed, else the top of
     /// another stripe's list (taking that whole list, whose rest becomes this
     /// stripe's: a thread that frees and never registers has no use for its
-    /// list), else a fresh one. `None` at [`CAPACITY`].
-    fn take_index(&self) -> Option<u32> {
+    /// list), else a fresh one; with its page and offset. `None` at
+    /// [`CAPACITY`].
+    fn take_index(&self) -> Option<(u32, &Page<T>, usize)> {
         let mine = &self.free.mine().0;
-        if let Some(i) = self.pop(mine) {
-            return Some(i);
+        if let Some(taken) = self.pop(mine) {
+            return Some(taken);
         }
         let start = Striped::<()>::my_index();
         for k in 1..STRIPES {
             let theirs = &self.free.nth((start + k) % STRIPES).0;
             if let Some(top) = Self::take_all(theirs) {
-                let rest = self.link(top).load(Ordering::Relaxed);
+                let (page, offset) = self.page(top);
+                let rest = page.cells[offset].free_link().load(Ordering::Relaxed);
                 if rest != NIL {
                     self.push_list(mine, rest);
                 }
-                return Some(top);
+                return Some((top, page, offset));
             }
         }
         let fresh = self.next.fetch_add(1, Ordering::Relaxed);
@@ -236,7 +246,8 @@ impl<T: Default + FreeLink> Slab<T> {
             return None;
         }
         self.grow_to(fresh);
-        Some(fresh)
+        let (page, offset) = self.page(fresh);
+        Some((fresh, page, offset))
     }
 
     /// The free-list link of a free cell.
@@ -244,8 +255,8 @@ impl<T: Default + FreeLink> Slab<T> {
         self.cell(index).free_link()
     }
 
-    /// Pops the top of `list`.
-    fn pop(&self, list: &AtomicU64) -> Option<u32> {
+    /// Pops the top of `list`: its index, page and offset.
+    fn pop(&self, list: &AtomicU64) -> Option<(u32, &Page<T>, usize)> {
         let mut head = list.load(Ordering::Acquire);
         loop {
             let top = head as u32;
@@ -254,14 +265,15 @@ impl<T: Default + FreeLink> Slab<T> {
             }
             // Stale if `top` was popped meanwhile; then the head has changed
             // and the exchange fails.
-            let below = self.link(top).load(Ordering::Relaxed);
+            let (page, offset) = self.page(top);
+            let below = page.cells[offset].free_link().load(Ordering::Relaxed);
             match list.compare_exchange_weak(
                 head,
                 head_after(head, below),
                 Ordering::Acquire,
                 Ordering::Acquire,
             ) {
-                Ok(_) => return Some(top),
+                Ok(_) => return Some((top, page, offset)),
                 Err(now) => head = now,
             }
         }
@@ -330,10 +342,9 @@ impl<T: Default + FreeLink> Slab<T> {
         value: V,
         init: impl FnOnce(&T, V) -> R,
     ) -> Result<(Id, R), V> {
-        let Some(index) = self.take_index() else {
+        let Some((index, page, offset)) = self.take_index() else {
             return Err(value);
         };
-        let (page, offset) = self.page(index);
         let out = init(&page.cells[offset], value);
         let generation = page.lives[offset].start();
         Ok((Id { index, generation }, out))
@@ -659,7 +670,7 @@ mod loom_free_lists {
     }
 
     fn pop(s: &Slab<Cell>, list: &FreeList) -> Option<u32> {
-        let i = s.pop(&list.0)?;
+        let (i, ..) = s.pop(&list.0)?;
         assert!(
             !s.cell(i).held.swap(true, Ordering::Relaxed),
             "handed out twice"
