@@ -369,15 +369,23 @@ impl<T: Default + FreeLink> Slab<T> {
 
     /// Drops a reference to `id`'s cell. The last one to a finished cell frees
     /// it, after `clear` has taken out whatever it still held.
+    #[inline]
     pub(crate) fn release(&self, id: Id, clear: impl FnOnce(&T)) {
         let (page, offset) = self.page(id.index);
-        let life = &page.lives[offset];
-        if life.release() == Released::Last {
-            let cell = &page.cells[offset];
-            clear(cell);
-            if life.free() {
-                self.push_free(id.index, cell);
-            }
+        if page.lives[offset].release() == Released::Last {
+            self.free(id.index, page, offset, clear);
+        }
+    }
+
+    /// Frees the cell at `index` (in `page`, at `offset`) after its last
+    /// release. Apart from [`release`](Self::release), which is inlined where
+    /// it is called (most releases free nothing).
+    #[inline(never)]
+    fn free(&self, index: u32, page: &Page<T>, offset: usize, clear: impl FnOnce(&T)) {
+        let cell = &page.cells[offset];
+        clear(cell);
+        if page.lives[offset].free() {
+            self.push_free(index, cell);
         }
     }
 
