@@ -42,6 +42,7 @@ impl Split {
     }
 
     /// `n / tick_ns`, for `n < 2^32`.
+    #[inline]
     fn div(self, n: u32) -> u64 {
         ((n as u128 * self.recip as u128) >> 64) as u64
     }
@@ -58,6 +59,7 @@ impl Clock {
     }
 
     /// Whole ticks in `d`, rounded up when `up`; saturates at `u64::MAX`.
+    #[inline]
     fn ticks(&self, d: Duration, up: bool) -> u64 {
         if let Some(split) = self.split {
             // A second is a whole number of ticks: divide only the part below a
@@ -84,6 +86,7 @@ impl Clock {
 
     /// The tick a deadline falls due in: rounded up, so it is never early.
     /// Saturates at `u64::MAX` ("never").
+    #[inline]
     pub(crate) fn deadline_tick(&self, deadline: Instant) -> u64 {
         self.ticks(deadline.saturating_duration_since(self.origin), true)
     }
@@ -92,6 +95,7 @@ impl Clock {
     /// (never early), except that a deadline already reached is due in `now`'s
     /// own tick, so it runs on the reaper's next turn instead of waiting for the
     /// next tick boundary.
+    #[inline]
     pub(crate) fn tick_for(&self, now: Instant, deadline: Instant) -> u64 {
         if deadline <= now {
             self.now_tick(now)
@@ -101,6 +105,7 @@ impl Clock {
     }
 
     /// The last whole tick that has passed at `now`.
+    #[inline]
     pub(crate) fn now_tick(&self, now: Instant) -> u64 {
         self.ticks(now.saturating_duration_since(self.origin), false)
     }

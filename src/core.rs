@@ -86,6 +86,7 @@ pub(crate) struct TimerKey {
 }
 
 impl TimerKey {
+    #[inline]
     fn new(shard: usize, key: Key) -> TimerKey {
         let shard = u32::try_from(shard + 1).expect("shards fit in a u32");
         TimerKey {
@@ -94,6 +95,7 @@ impl TimerKey {
         }
     }
 
+    #[inline]
     fn shard(self) -> usize {
         self.shard.get() as usize - 1
     }
@@ -101,6 +103,7 @@ impl TimerKey {
     /// The key as a word and its shard's number (at most 1,024 shards, so
     /// it fits in 16 bits), for a holder that keeps it in atomics. The word's
     /// index is never `u32::MAX` (see [`Key::to_bits`]).
+    #[inline]
     pub(crate) fn to_bits(self) -> (u64, u16) {
         let shard = u16::try_from(self.shard.get()).expect("at most 1,024 shards");
         (self.key.to_bits(), shard)
@@ -108,6 +111,7 @@ impl TimerKey {
 
     /// The key [`to_bits`](TimerKey::to_bits) gave these for; `None` for a word
     /// no key has.
+    #[inline]
     pub(crate) fn from_bits(bits: u64, shard: u16) -> Option<TimerKey> {
         Some(TimerKey {
             shard: NonZeroU32::new(u32::from(shard))?,

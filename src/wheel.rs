@@ -58,12 +58,14 @@ impl Key {
     /// The key as one word (index low, generation high). A key's index is
     /// never `u32::MAX`, so words with that index are free for a holder's own
     /// marks (see [`Key::from_bits`]).
+    #[inline]
     pub(crate) fn to_bits(self) -> u64 {
         u64::from(self.generation) << 32 | u64::from(self.index)
     }
 
     /// The key a word from [`to_bits`](Key::to_bits) stands for; `None` for a
     /// word whose index is `u32::MAX`, which no key has.
+    #[inline]
     pub(crate) fn from_bits(bits: u64) -> Option<Key> {
         let index = bits as u32;
         (index != NIL).then_some(Key {

@@ -116,6 +116,7 @@ impl Books {
         }
     }
 
+    #[inline]
     fn mine(&self) -> &Stripe {
         self.stripes.mine()
     }
@@ -125,6 +126,7 @@ impl Books {
     /// the sum are: they pair with the draining flag (see
     /// [`turn_back_if_draining`](Self::turn_back_if_draining)); on x86 a
     /// read-modify-write costs the same with any ordering.
+    #[inline]
     pub(crate) fn admit(&self) -> bool {
         if let Some(max) = self.max_pending {
             if self.admitted.0.fetch_add(1, Ordering::AcqRel) >= max {
@@ -155,6 +157,7 @@ impl Books {
     /// pair with `drain`'s write of the flag and read of the count (all
     /// sequentially consistent): either this sees the flag, or the drainer sees
     /// the operation and waits for it.
+    #[inline]
     pub(crate) fn turn_back_if_draining(&self) -> bool {
         if !self.draining.load(Ordering::SeqCst) {
             return false;
@@ -177,6 +180,7 @@ impl Books {
         }
     }
 
+    #[inline]
     pub(crate) fn is_draining(&self) -> bool {
         self.draining.load(Ordering::Acquire)
     }
@@ -184,6 +188,7 @@ impl Books {
     /// An operation finished with `fate`: its room under the limit is free,
     /// its `keys` list entries are tombstones now, and a drainer may be
     /// waiting for it.
+    #[inline]
     pub(crate) fn finished(&self, fate: Fate, keys: u32) {
         if self.max_pending.is_some() {
             self.admitted.0.fetch_sub(1, Ordering::AcqRel);
@@ -205,6 +210,7 @@ impl Books {
     }
 
     /// `n` watch-list entries became tombstones (negative: were removed).
+    #[inline]
     pub(crate) fn tombstones_changed(&self, n: i64) {
         self.mine()
             .tombstones
@@ -214,6 +220,7 @@ impl Books {
     /// Tombstones (sums the stripes: exact when no call races the read; a
     /// removal counted just before the finish that made its entries
     /// tombstones reads as none rather than below zero).
+    #[inline]
     pub(crate) fn tombstones(&self) -> usize {
         let sum = self.stripes.iter().fold(0u64, |sum, s| {
             sum.wrapping_add(s.tombstones.load(Ordering::Relaxed))

@@ -208,17 +208,20 @@ pub(crate) const NO_TIMER: u64 = u32::MAX as u64;
 const TIMER_TAKEN: u64 = NO_TIMER | 1 << 32;
 
 impl<'a> TimerSlot<'a> {
+    #[inline]
     pub(crate) fn new(word: &'a AtomicU64, shard: &'a AtomicU16) -> Self {
         TimerSlot { word, shard }
     }
 
     /// Makes the slot ready for a new use of its cell (nothing else reaches it).
+    #[inline]
     pub(crate) fn restart(&self) {
         self.word.store(NO_TIMER, Ordering::Relaxed);
     }
 
     /// Records `key` (the registration's entry), unless the finish came first:
     /// then the key comes back, for the caller to remove.
+    #[inline]
     pub(crate) fn set(&self, key: TimerKey) -> Result<(), TimerKey> {
         let (bits, shard) = key.to_bits();
         self.shard.store(shard, Ordering::Relaxed);
@@ -231,6 +234,7 @@ impl<'a> TimerSlot<'a> {
     /// Takes the key for the finish, for good: a registration or a reset that
     /// comes later removes its entry itself. `None` when no key is recorded
     /// (not yet, or a reset holds it: that one removes the entry).
+    #[inline]
     pub(crate) fn take_final(&self) -> Option<TimerKey> {
         let bits = self.word.swap(TIMER_TAKEN, Ordering::Acquire);
         TimerKey::from_bits(bits, self.shard.load(Ordering::Relaxed))

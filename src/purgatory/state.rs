@@ -159,6 +159,7 @@ impl Default for Owner {
 impl Owner {
     /// Sets up a cell being taken into use under `keys` keys, whose check
     /// thread `me` owns from the start (nothing else reaches the cell yet).
+    #[inline]
     pub(crate) fn restart(&self, me: u64, keys: u32) {
         self.fate.store(0, Ordering::Relaxed);
         self.keys.store(keys, Ordering::Relaxed);
@@ -166,33 +167,39 @@ impl Owner {
     }
 
     /// The number of watch lists holding the cell.
+    #[inline]
     pub(crate) fn keys(&self) -> u32 {
         self.keys.load(Ordering::Relaxed)
     }
 
     /// The word the slab links free cells through (the key count's, which a
     /// free cell does not need).
+    #[inline]
     pub(crate) fn free_link(&self) -> &AtomicU32 {
         &self.keys
     }
 
     /// The outcome slot's state word.
+    #[inline]
     pub(crate) fn outcome(&self) -> &AtomicU8 {
         &self.outcome
     }
 
     /// Where the timer entry's shard is kept.
+    #[inline]
     pub(crate) fn timer_shard(&self) -> &AtomicU16 {
         &self.timer_shard
     }
 
     /// Records how the operation finished (`code` > 0), by whoever set
     /// `FINISHED`.
+    #[inline]
     pub(crate) fn record_fate(&self, code: u8) {
         self.fate.store(code, Ordering::Release);
     }
 
     /// The recorded fate code, 0 while none is.
+    #[inline]
     pub(crate) fn fate(&self) -> u8 {
         self.fate.load(Ordering::Acquire)
     }
@@ -235,6 +242,7 @@ impl<I: Hash + Eq> Handed<I> {
     }
 
     /// Takes the level left for `id`, if any.
+    #[inline]
     pub(crate) fn take(&self, id: &I) -> Option<u64> {
         if self.held.load(Ordering::Acquire) == 0 {
             return None;
@@ -252,10 +260,12 @@ impl Life {
         Life(AtomicU64::new(1 << GENERATION_SHIFT | FREE))
     }
 
+    #[inline]
     fn generation(word: u64) -> u32 {
         (word >> GENERATION_SHIFT) as u32
     }
 
+    #[inline]
     fn is_use(word: u64, generation: NonZeroU32) -> bool {
         Self::generation(word) == generation.get() && word & (FREE | FINISHED) == 0
     }
@@ -265,6 +275,7 @@ impl Life {
     /// second check itself once it is watched, so an event meanwhile only asks
     /// for that check to run again). The caller owns the cell until it hands
     /// out the returned generation; it records itself as the checker first.
+    #[inline]
     pub(crate) fn start(&self) -> NonZeroU32 {
         let word = self.0.load(Ordering::Acquire);
         debug_assert!(word & FREE != 0, "only a free cell starts a use");
@@ -278,6 +289,7 @@ impl Life {
 
     /// A new reference to the use `generation`, unless it has finished or the
     /// cell has moved on.
+    #[inline]
     pub(crate) fn acquire(&self, generation: NonZeroU32) -> bool {
         let mut word = self.0.load(Ordering::Acquire);
         loop {
@@ -298,6 +310,7 @@ impl Life {
     }
 
     /// Another reference, from a caller that holds one.
+    #[inline]
     pub(crate) fn add_ref(&self) {
         let before = self.0.fetch_add(1, Ordering::Relaxed);
         if before & REFS >= MAX_REFS {
@@ -306,16 +319,19 @@ impl Life {
     }
 
     /// Whether the use `generation` is over (finished, or the cell moved on).
+    #[inline]
     pub(crate) fn is_over(&self, generation: NonZeroU32) -> bool {
         !Self::is_use(self.0.load(Ordering::Acquire), generation)
     }
 
     /// Whether the operation has finished, for a caller that keeps the cell.
+    #[inline]
     pub(crate) fn is_finished(&self) -> bool {
         self.0.load(Ordering::Acquire) & FINISHED != 0
     }
 
     /// Drops a reference (a holder's, or the finisher's).
+    #[inline]
     pub(crate) fn release(&self) -> Released {
         let before = self.0.fetch_sub(1, Ordering::AcqRel);
         debug_assert!(before & REFS > 0, "a release without a reference");
@@ -335,6 +351,7 @@ impl Life {
     /// it stays free and is never used again, so that no id of an earlier use
     /// (a tombstone nobody walked, a level never reached) can ever name a
     /// later one. One cell in 4 billion uses of it.
+    #[inline]
     pub(crate) fn free(&self) -> bool {
         let word = self.0.load(Ordering::Acquire);
         match Self::generation(word).checked_add(1) {
@@ -407,6 +424,7 @@ impl Life {
     /// The owner's check completed the operation: `FINISHED`, with the
     /// finisher's reference in place of `CHECKING`. Requests left meanwhile
     /// lose (their bits stay, unread: nothing reads requests once finished).
+    #[inline]
     pub(crate) fn complete(&self, owner: &Owner) {
         owner.checker.store(0, Ordering::Release);
         // CHECKING (bit 29) is set and FINISHED (bit 30) is not: adding bit
@@ -424,11 +442,13 @@ impl Life {
 
     /// The owner gives the operation up unfinished (its registration failed):
     /// as [`complete`](Self::complete).
+    #[inline]
     pub(crate) fn abandon(&self, owner: &Owner) {
         self.complete(owner);
     }
 
     /// The owner's check returned "not yet": release, or act on what was asked.
+    #[inline]
     pub(crate) fn end_check(&self, me: u64, owner: &Owner) -> AfterNotYet {
         // Clear the checker first: a thread must never find its own id here unless
         // it really is the one checking (a stale id would make it drop an event).
@@ -461,6 +481,7 @@ impl Life {
 
     /// The word of a use the owner of `CHECKING` finishes: `FINISHED`, no
     /// check, no requests, and the finisher's reference.
+    #[inline]
     fn finished_by_owner(s: u64) -> u64 {
         if s & REFS >= MAX_REFS {
             too_many_references();
@@ -472,6 +493,7 @@ impl Life {
     /// [`EXPIRE`] or [`CANCEL`]) unless a check runs, in which case the
     /// request is left for it. Needs no reference: a claim that wins adds the
     /// finisher's.
+    #[inline]
     pub(crate) fn claim(&self, generation: NonZeroU32, request: u64) -> Claim {
         let mut s = self.0.load(Ordering::Acquire);
         loop {

@@ -60,6 +60,7 @@ type Lists<K, V> = Shards<K, V>;
 const HELD: usize = 4;
 
 /// Adds `n` to the calling thread's stripe of the entry count.
+#[inline]
 fn count_in(stripes: &Striped<AtomicIsize>, n: isize) {
     if n != 0 {
         stripes.mine().fetch_add(n, Ordering::Relaxed);
