@@ -199,6 +199,7 @@ impl<T: Default + FreeLink> Slab<T> {
     }
 
     /// The generation of `id`'s use.
+    #[inline]
     pub(crate) fn generation(id: Id) -> NonZeroU32 {
         id.generation
     }
@@ -353,16 +354,19 @@ impl<T: Default + FreeLink> Slab<T> {
     /// The cell at `id`'s index without a reference: whatever use it is in
     /// now, for reads that only hint (pages are never freed while the slab
     /// lives, so the read is always of a cell).
+    #[inline]
     pub(crate) fn peek(&self, id: Id) -> &T {
         self.cell(id.index)
     }
 
     /// Another reference to `id`'s cell, from a caller holding one.
+    #[inline]
     pub(crate) fn add_ref(&self, id: Id) {
         self.life_at(id.index).add_ref();
     }
 
     /// Whether `id`'s operation has finished (its list entries are tombstones).
+    #[inline]
     pub(crate) fn is_over(&self, id: Id) -> bool {
         self.life_at(id.index).is_over(id.generation)
     }
