@@ -1166,3 +1166,75 @@ fn updates_racing_checks_lose_nothing_and_a_panicking_update_leaves_it_pending()
         assert_eq!(op.update(|s| s.total), None);
     });
 }
+
+/// An operation that waits for its timeout.
+struct Waits;
+
+impl Operation for Waits {
+    type Output = &'static str;
+    fn try_complete(&mut self) -> Option<&'static str> {
+        None
+    }
+    fn on_expiration(self) -> &'static str {
+        "expired"
+    }
+}
+
+thread_local! {
+    /// What the raw waker below runs when it is cloned.
+    static ON_CLONE: std::cell::RefCell<Option<Box<dyn Fn()>>> = const { std::cell::RefCell::new(None) };
+}
+
+/// A waker built from a raw vtable whose `clone` runs `ON_CLONE`: user code
+/// that the crate runs when it keeps the waker of a pending handle.
+fn waker_calling_back() -> std::task::Waker {
+    use std::task::{RawWaker, RawWakerVTable, Waker};
+    fn clone(_: *const ()) -> RawWaker {
+        ON_CLONE.with(|hook| {
+            if let Some(hook) = hook.borrow().as_ref() {
+                hook();
+            }
+        });
+        RawWaker::new(std::ptr::null(), &VTABLE)
+    }
+    fn noop(_: *const ()) {}
+    static VTABLE: RawWakerVTable = RawWakerVTable::new(clone, noop, noop, noop);
+    // SAFETY: every function of the vtable ignores the (null) data pointer.
+    unsafe { Waker::from_raw(RawWaker::new(std::ptr::null(), &VTABLE)) }
+}
+
+#[test]
+fn a_waker_whose_clone_resets_its_own_operation_does_not_deadlock() {
+    within(10, || {
+        paused().block_on(async {
+            let p: Purgatory<u32, Waits> = Purgatory::builder().name("waker").build().unwrap();
+            let start = Instant::now();
+            let mut handle = p
+                .try_complete_else_watch(Waits, Duration::from_secs(1), [1])
+                .unwrap();
+            let r = handle.op_ref().expect("pending");
+            let resets = Arc::new(AtomicUsize::new(0));
+            let seen = resets.clone();
+            ON_CLONE.with(|hook| {
+                *hook.borrow_mut() = Some(Box::new(move || {
+                    // The handle's poll is keeping this waker: move the timeout.
+                    assert!(r.reset(Duration::from_secs(5)), "the reset takes effect");
+                    seen.fetch_add(1, Ordering::SeqCst);
+                }));
+            });
+            let waker = waker_calling_back();
+            let mut cx = std::task::Context::from_waker(&waker);
+            assert!(
+                std::future::Future::poll(std::pin::Pin::new(&mut handle), &mut cx).is_pending()
+            );
+            assert_eq!(resets.load(Ordering::SeqCst), 1, "the waker was kept once");
+            ON_CLONE.with(|hook| *hook.borrow_mut() = None);
+            let out = handle.await;
+            assert_eq!(out, Ok(Completion::Expired("expired")));
+            assert!(
+                Instant::now() >= start + Duration::from_secs(5),
+                "expired at the reset deadline"
+            );
+        })
+    });
+}

@@ -144,19 +144,36 @@ impl<'a, T> Delivery<'a, T> {
 
     /// Takes the outcome, or registers `waker` to be woken when there is one.
     pub(crate) fn poll(&self, waker: &Waker) -> Option<T> {
-        let mut s = lock(self.slot);
-        if let Some(r) = s.result.take() {
-            self.state.fetch_and(!FULL, Ordering::AcqRel);
-            return Some(r);
-        }
-        if s.waker.as_ref().is_some_and(|w| w.will_wake(waker)) {
+        // A waker's `clone` may be user code (a waker built from a raw
+        // vtable), so it is cloned with no lock held: before the lock, unless
+        // an outcome is already there to take.
+        let mut fresh = (self.state.load(Ordering::Acquire) & FULL == 0).then(|| waker.clone());
+        loop {
+            let mut s = lock(self.slot);
+            if let Some(r) = s.result.take() {
+                self.state.fetch_and(!FULL, Ordering::AcqRel);
+                drop(s);
+                drop(fresh);
+                return Some(r);
+            }
+            if s.waker.as_ref().is_some_and(|w| w.will_wake(waker)) {
+                drop(s);
+                drop(fresh);
+                return None;
+            }
+            let Some(new) = fresh.take() else {
+                // (Not reached: polls of one handle never overlap, so an
+                // outcome seen before the lock is still there.)
+                drop(s);
+                fresh = Some(waker.clone());
+                continue;
+            };
+            let old = s.waker.replace(new);
+            self.state.fetch_or(WAITING, Ordering::AcqRel);
+            drop(s);
+            drop(old);
             return None;
         }
-        let old = s.waker.replace(waker.clone());
-        self.state.fetch_or(WAITING, Ordering::AcqRel);
-        drop(s);
-        drop(old);
-        None
     }
 
     /// Nobody will read the outcome: returns any stored one (and the waker) to be
@@ -937,6 +954,52 @@ mod loom_timer_slot {
             t.join().unwrap();
             assert!(lock(&kept.timer).is_empty(), "an entry left behind");
             assert!(!kept.reset(9), "no reset after the finish");
+        });
+    }
+
+    #[test]
+    fn loom_timer_key_moved_racing_an_expiry_is_removed_once() {
+        loom::model(|| {
+            let kept = Kept::new();
+            let key = kept.insert(7);
+            kept.slot().set(key).expect("nothing finished yet");
+            let t = {
+                let kept = kept.clone();
+                // The expiry: the reaper takes the entry out of the timer
+                // (if it is still the one it fires), then the finish takes
+                // the key and removes nothing (the entry has left).
+                thread::spawn(move || {
+                    let fired = {
+                        let mut timer = lock(&kept.timer);
+                        let at = timer.iter().position(|&b| b == 7);
+                        at.map(|at| timer.swap_remove(at)).is_some()
+                    };
+                    if fired {
+                        kept.slot().take_final();
+                    }
+                    fired
+                })
+            };
+            // A reset that finds the entry gone leaves it to the expiry.
+            let moved = {
+                let _resets = lock(&kept.resets);
+                kept.slot().move_with(
+                    |old| {
+                        let mut timer = lock(&kept.timer);
+                        let at = timer.iter().position(|&b| b == old.to_bits().0)?;
+                        timer.swap_remove(at);
+                        timer.push(8);
+                        Some(Kept::key(8))
+                    },
+                    |moved| kept.remove(moved),
+                )
+            };
+            let fired = t.join().unwrap();
+            assert!(moved != fired, "the entry either moved or fired");
+            if !fired {
+                kept.finish(); // the moved entry's job, cancelled instead
+            }
+            assert!(lock(&kept.timer).is_empty(), "an entry left behind");
         });
     }
 

@@ -732,6 +732,44 @@ mod loom_free_lists {
         });
     }
 
+    /// Puts `i` on `list` (a free cell of another stripe's).
+    fn push_onto(s: &Slab<Cell>, list: &FreeList, i: u32) {
+        s.cell(i).held.store(false, Ordering::Relaxed);
+        s.link(i).store(NIL, Ordering::Relaxed);
+        s.push_list(&list.0, i);
+    }
+
+    #[test]
+    fn loom_free_list_rest_pushed_onto_a_list_being_popped() {
+        loom::model(|| {
+            let s = Arc::new(Slab::<Cell>::new());
+            for i in 0..4 {
+                s.next.fetch_add(1, Ordering::Relaxed);
+                s.grow_to(i);
+            }
+            let other = (Striped::<()>::my_index() + 1) % STRIPES;
+            // This stripe holds 2 and 3; another holds 0 and 1.
+            push_onto(&s, s.free.mine(), 2);
+            push_onto(&s, s.free.mine(), 3);
+            push_onto(&s, s.free.nth(other), 0);
+            push_onto(&s, s.free.nth(other), 1);
+            let t = {
+                let s = s.clone();
+                thread::spawn(move || pop(&s, s.free.mine()))
+            };
+            // Takes the other stripe's list and puts its rest onto this
+            // stripe's, which is not empty and is being popped meanwhile.
+            let top = Slab::<Cell>::take_all(&s.free.nth(other).0).expect("two were free");
+            assert!(!s.cell(top).held.swap(true, Ordering::Relaxed));
+            let rest = s.link(top).load(Ordering::Relaxed);
+            s.push_list(&s.free.mine().0, rest);
+            let mut all: Vec<u32> = std::iter::once(top).chain(t.join().unwrap()).collect();
+            drain(&s, &mut all);
+            all.sort_unstable();
+            assert_eq!(all, [0, 1, 2, 3], "each index once, none lost");
+        });
+    }
+
     #[test]
     fn loom_free_list_taken_whole_racing_a_push() {
         loom::model(|| {
