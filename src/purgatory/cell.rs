@@ -473,6 +473,12 @@ where
     /// `reached` (`try_complete_reached`): the check is told it, and so is
     /// the re-run of a check running elsewhere that this call asks for (the
     /// level is handed over before the request is made).
+    ///
+    /// A walk runs this, [`run_checks`](Self::run_checks) and
+    /// [`not_yet`](Self::not_yet) once per live watcher: they are inlined
+    /// into it by force, since the compiler left them as three calls whose
+    /// frames cost about 40 instructions per operation checked.
+    #[inline(always)]
     pub(crate) fn check_reached(&self, me: u64, reached: Option<u64>) -> bool {
         let handed = self.shared.handed();
         let mut offered = false;
@@ -531,6 +537,7 @@ where
 
     /// A check by `me`, the owner of `CHECKING`, said "not yet": what follows,
     /// or `None` when it must check again.
+    #[inline(always)]
     fn not_yet(&self, me: u64) -> Option<Checked<O>> {
         let cell = self.cell;
         Some(match self.life.end_check(me, &cell.owner) {
@@ -564,6 +571,7 @@ where
     /// level of the advance that asked for the check, if one did). A re-run is
     /// told the level handed over by the advances that asked for it, or, when
     /// none did, the level the check before it was told.
+    #[inline(always)]
     pub(crate) fn run_checks(&self, me: u64, mut reached: Option<u64>) -> Checked<O> {
         let cell = self.cell;
         loop {

@@ -38,6 +38,8 @@ const SWEEP_SLICE: usize = 128;
 /// tombstones as live entries (see [`Shared::tidy`]): a map that small is
 /// purged whole.
 const SMALL_LISTS: usize = 1024;
+/// Live cells a walk brings in (reads once, each) before it checks them.
+const WARM: usize = 64;
 
 /// What the purgatory lends its timer core: itself, once built.
 pub(crate) type Lent<K, O> = OnceLock<Weak<Shared<K, O>>>;
@@ -658,23 +660,29 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
             &mut buffers.removed,
         );
         self.drop_removed(&mut buffers.removed);
-        // Read every live cell once before checking any: plain loads, which
-        // the processor overlaps, bring the cells in together, where the
-        // checks' read-modify-writes would take each cache miss one after
-        // another.
-        for id in &buffers.live {
-            cells.peek(*id).warm();
-        }
         let checked = buffers.live.len();
         // A check takes no reference: beginning it names the use by its
         // generation (an operation finished meanwhile is not checked), and
         // the check keeps the cell until it ends.
         let me = thread_index();
-        let completed = buffers
-            .live
-            .iter()
-            .filter(|id| self.op(**id).check_reached(me, reached))
-            .count();
+        let mut completed = 0;
+        for chunk in buffers.live.chunks(WARM) {
+            // Read every live cell of the chunk once before checking any:
+            // plain loads, which the processor overlaps, bring the cells in
+            // together, where the checks' read-modify-writes would take each
+            // cache miss one after another. Each cell is found once.
+            let mut ops: [Option<Op<'_, K, O>>; WARM] = [None; WARM];
+            for (op, id) in ops.iter_mut().zip(chunk) {
+                let found = self.op(*id);
+                found.cell.warm();
+                *op = Some(found);
+            }
+            completed += ops
+                .iter()
+                .flatten()
+                .filter(|op| op.check_reached(me, reached))
+                .count();
+        }
         let kind = if reached.is_some() {
             WalkKind::Level
         } else {

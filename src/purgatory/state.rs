@@ -387,6 +387,10 @@ impl Life {
     /// check again (so that what `ask` leaves for that checker is in place
     /// before the checker can see the request; it may be called more than
     /// once, and also when the request is not made in the end).
+    ///
+    /// Inlined by force into `Op::check_reached` (`cell.rs`), which a
+    /// walk runs once per live watcher.
+    #[inline(always)]
     pub(crate) fn begin_check_or_ask(
         &self,
         generation: NonZeroU32,
