@@ -884,6 +884,20 @@ mod loom_timer_slot {
             Arc::new(k)
         }
 
+        /// A cell whose registration recorded its entry (key 7).
+        fn armed() -> Arc<Kept> {
+            let kept = Kept::new();
+            let key = kept.insert(7);
+            kept.slot().set(key).expect("nothing finished yet");
+            kept
+        }
+
+        /// A reset to the key with `bits`, on a thread of its own.
+        fn spawn_reset(self: &Arc<Kept>, bits: u64) -> thread::JoinHandle<bool> {
+            let kept = self.clone();
+            thread::spawn(move || kept.reset(bits))
+        }
+
         fn slot(&self) -> TimerSlot<'_> {
             TimerSlot::new(&self.word, &self.shard)
         }
@@ -949,13 +963,8 @@ mod loom_timer_slot {
     #[test]
     fn loom_timer_key_moved_racing_the_finish_is_removed_once() {
         loom::model(|| {
-            let kept = Kept::new();
-            let key = kept.insert(7);
-            kept.slot().set(key).expect("nothing finished yet");
-            let t = {
-                let kept = kept.clone();
-                thread::spawn(move || kept.reset(8))
-            };
+            let kept = Kept::armed();
+            let t = kept.spawn_reset(8);
             kept.finish();
             // Moved or not, depending on who came first: either way, no entry
             // is left and no later reset takes effect.
@@ -968,9 +977,7 @@ mod loom_timer_slot {
     #[test]
     fn loom_timer_key_moved_racing_an_expiry_is_removed_once() {
         loom::model(|| {
-            let kept = Kept::new();
-            let key = kept.insert(7);
-            kept.slot().set(key).expect("nothing finished yet");
+            let kept = Kept::armed();
             let t = {
                 let kept = kept.clone();
                 // The expiry: the reaper takes the entry out of the timer
@@ -1014,13 +1021,8 @@ mod loom_timer_slot {
     #[test]
     fn loom_two_resets_both_take_effect() {
         loom::model(|| {
-            let kept = Kept::new();
-            let key = kept.insert(7);
-            kept.slot().set(key).expect("nothing finished yet");
-            let t = {
-                let kept = kept.clone();
-                thread::spawn(move || kept.reset(8))
-            };
+            let kept = Kept::armed();
+            let t = kept.spawn_reset(8);
             assert!(
                 kept.reset(9),
                 "a reset with nothing finished moves the entry"
