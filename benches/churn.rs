@@ -225,8 +225,7 @@ fn main() {
                                 rng.keys(),
                             )
                             .unwrap();
-                        refs.push_back(h.op_ref().expect("pending"));
-                        h.detach();
+                        refs.push_back(h.into_op_ref().expect("pending"));
                         if seq >= window {
                             let r = refs.pop_front().expect("a window");
                             DONE_BELOW.store(seq - window + 1, Ordering::Relaxed);

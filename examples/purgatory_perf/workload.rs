@@ -434,23 +434,26 @@ pub(crate) async fn generate(g: Generator) -> (Instant, Histogram<u64>) {
                     None => p.try_complete_else_watch_at(op, deadline, keys.iter().copied()),
                 }
                 .unwrap();
-                let token = if offsets {
-                    reach
-                } else if key_driven {
-                    Some(Token::Key(keys[0]))
-                } else {
-                    handle.op_ref().map(Token::Op)
-                };
-                if awaited {
+                if offsets || key_driven {
+                    handle.detach();
+                    if offsets {
+                        reach
+                    } else {
+                        Some(Token::Key(keys[0]))
+                    }
+                } else if awaited {
+                    let token = handle.op_ref().map(Token::Op);
                     // Detached: the driver waits until every request has finished,
                     // and a kept JoinHandle would hold the finished task's memory.
                     tokio::spawn(async move {
                         let _ = handle.await;
                     });
+                    token
                 } else {
-                    handle.detach();
+                    // Nobody awaits the outcome: the handle becomes the reference
+                    // the driver completes it by (`None` if it completed at once).
+                    handle.into_op_ref().map(Token::Op)
                 }
-                token
             }
             Target::Task(peer) => {
                 let t = peer.register(op, &keys, !key_driven && !offsets);
