@@ -43,8 +43,14 @@ SESSION_MS = 6000
 SEEN = threading.Lock()
 
 
+# The victim's process, while it runs (killed on the way out).
+VICTIM = None
+
+
 def fail(why):
     print(f"FAIL: {why}", file=sys.stderr, flush=True)
+    if VICTIM is not None:
+        VICTIM.kill()
     # Polling threads may still be inside the client: leave without them.
     os._exit(1)
 
@@ -149,7 +155,16 @@ def records(seen):
 
 def main():
     if len(sys.argv) > 2 and sys.argv[2] == "--victim":
-        # The consumer that gets killed: joins, then waits to be killed.
+        # The consumer that gets killed: joins, then waits to be killed (or
+        # leaves once the scenario that started it is gone).
+        parent = int(sys.argv[3])
+
+        def orphaned():
+            while os.getppid() == parent:
+                time.sleep(0.2)
+            os._exit(1)
+
+        threading.Thread(target=orphaned, daemon=True).start()
         victim = Member("victim", [])
         wait_until([victim], lambda: len(victim.parts()) > 0, "the victim's assignment")
         print("joined", flush=True)
@@ -192,8 +207,11 @@ def main():
     wait_until([c1], lambda: c1.parts() == [0, 1, 2, 3], "c1 to take all four after c2 left")
     timings["rebalance_on_leave_s"] = round(time.monotonic() - t, 3)
 
-    victim = subprocess.Popen(
-        [sys.executable, __file__, SERVER, "--victim"], stdout=subprocess.PIPE, text=True
+    global VICTIM
+    victim = VICTIM = subprocess.Popen(
+        [sys.executable, __file__, SERVER, "--victim", str(os.getpid())],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     wait_until([c1], lambda: len(c1.parts()) < 4, "the victim to take a share")
     line = victim.stdout.readline()
@@ -202,6 +220,7 @@ def main():
     t = time.monotonic()
     victim.kill()
     victim.wait()
+    VICTIM = None
     wait_until(
         [c1],
         lambda: c1.parts() == [0, 1, 2, 3],
