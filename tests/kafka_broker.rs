@@ -785,7 +785,12 @@ async fn a_stuck_follower_leaves_the_isr_and_the_parked_produce_completes() {
         assert_eq!(isr(&mut w, 0).await, [0, 1, 2]);
         // acks=all waits for the stuck follower until it leaves the ISR
         // (300 ms without catching up, checked every 150 ms); then the high
-        // watermark goes on without it and the produce completes.
+        // watermark goes on without it and the produce completes. The last
+        // check before the append found the follower caught up, up to 150 ms
+        // before this produce was sent, so it leaves 150-450 ms after (as in
+        // Kafka, where the clock runs from the follower's last fetch); a
+        // check the machine's load delays may take it out a little sooner.
+        // Well after a produce that did not wait (about a millisecond).
         let t = Instant::now();
         let r = w
             .call(
@@ -797,7 +802,7 @@ async fn a_stuck_follower_leaves_the_isr_and_the_parked_produce_completes() {
         let took = t.elapsed();
         assert_eq!(wire::produce_error(&r), 0);
         assert!(
-            took >= Duration::from_millis(300) && took < Duration::from_secs(2),
+            took >= Duration::from_millis(100) && took < Duration::from_secs(2),
             "{took:?}"
         );
         assert_eq!(isr(&mut w, 0).await, [0, 1]);
