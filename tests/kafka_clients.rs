@@ -2,7 +2,7 @@
 //! client nobody on this project wrote (installed from PyPI, pinned, by
 //! `scripts/install-clients` into `target/clients`, once):
 //! `scripts/group_scenario.py` runs two consumers that split four
-//! partitions, one leaving, one killed with SIGKILL, every record read once,
+//! partitions, one leaving, one killed with SIGKILL, every record read by the group,
 //! commits surviving a restart. Real sockets and real time, bounded.
 
 #[path = "../examples/kafka_broker/broker/mod.rs"]
