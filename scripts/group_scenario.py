@@ -11,7 +11,7 @@ allows); commits survive a consumer restart. Prints one JSON line of timings and
 0, or exits 1 with the reason.
 
 The scenario steers around two races in kafka-python 3.0.12 (the client's,
-not the broker's; they show with Kafka too):
+not the broker's: Kafka answers the joins involved the same way):
 
 - The client throws away the outcome of a join that completes while its
   consumer is outside `poll()`, and joins again. A join from the leader of a
