@@ -283,17 +283,13 @@ impl<'a> TimerSlot<'a> {
         let Some(moved) = move_entry(key) else {
             return false;
         };
-        let (bits, shard) = moved.to_bits();
-        self.shard.store(shard, Ordering::Relaxed);
-        if self
-            .word
-            .compare_exchange(NO_TIMER, bits, Ordering::Release, Ordering::Relaxed)
-            .is_err()
-        {
-            remove(moved); // the finish came meanwhile and found no key
-            return false;
+        match self.set(moved) {
+            Ok(()) => true,
+            Err(moved) => {
+                remove(moved); // the finish came meanwhile and found no key
+                false
+            }
         }
-        true
     }
 }
 
@@ -912,15 +908,16 @@ mod loom_timer_slot {
             Kept::key(bits)
         }
 
+        /// Takes the entry with `bits` out of the timer, if it is there.
+        fn take(&self, bits: u64) -> bool {
+            let mut t = lock(&self.timer);
+            let at = t.iter().position(|&b| b == bits);
+            at.map(|at| t.swap_remove(at)).is_some()
+        }
+
         /// Removes `key`'s entry, which must be there.
         fn remove(&self, key: TimerKey) {
-            let bits = key.to_bits().0;
-            let mut t = lock(&self.timer);
-            let at = t
-                .iter()
-                .position(|&b| b == bits)
-                .expect("removes a current entry");
-            t.swap_remove(at);
+            assert!(self.take(key.to_bits().0), "removes a current entry");
         }
 
         /// A finish: takes the key for good and removes its entry.
@@ -984,11 +981,7 @@ mod loom_timer_slot {
                 // (if it is still the one it fires), then the finish takes
                 // the key and removes nothing (the entry has left).
                 thread::spawn(move || {
-                    let fired = {
-                        let mut timer = lock(&kept.timer);
-                        let at = timer.iter().position(|&b| b == 7);
-                        at.map(|at| timer.swap_remove(at)).is_some()
-                    };
+                    let fired = kept.take(7);
                     if fired {
                         kept.slot().take_final();
                     }
@@ -999,13 +992,7 @@ mod loom_timer_slot {
             let moved = {
                 let _resets = lock(&kept.resets);
                 kept.slot().move_with(
-                    |old| {
-                        let mut timer = lock(&kept.timer);
-                        let at = timer.iter().position(|&b| b == old.to_bits().0)?;
-                        timer.swap_remove(at);
-                        timer.push(8);
-                        Some(Kept::key(8))
-                    },
+                    |old| kept.take(old.to_bits().0).then(|| kept.insert(8)),
                     |moved| kept.remove(moved),
                 )
             };
