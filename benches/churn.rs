@@ -11,8 +11,12 @@
 //! The same steps run against a one-lock purgatory (`DelayQueue`, slab with
 //! generation-checked ids, `HashMap<u32, Vec<Id>>` behind one mutex; it runs
 //! the same checks and prunes its lists once dead ids outnumber
-//! max(1,000, live ones), in one pass). `--impl purgatory|fair` runs one of
-//! them; `--rounds N` (default 5) repeats, printing ns per request for each
+//! max(1,000, live ones), in one pass), and against that purgatory under this
+//! crate's rules (`lean`: no check and no drop of an operation under its lock;
+//! a check takes the operation out under the lock and runs with it released,
+//! registration checks again after it watches, and each reference holds the
+//! purgatory's `Arc`, as an `OpRef` does): what the rules themselves cost.
+//! `--impl purgatory|fair|lean` runs one of them; `--rounds N` (default 5) repeats, printing ns per request for each
 //! round and the median; `--window N` and `--steps N` (default 1,000,000)
 //! size the run. Under `valgrind --tool=callgrind`, the difference between
 //! two `--steps` counts gives instructions per request (see
@@ -181,6 +185,147 @@ impl Fair {
     }
 }
 
+/// The lean peer's request slot: the operation is taken out while a check
+/// runs (with the lock released), and `rerun` records a check asked for
+/// meanwhile.
+#[derive(Default)]
+struct LeanSlot {
+    generation: u32,
+    pending: bool,
+    checking: bool,
+    rerun: bool,
+    op: Option<Op>,
+    timer: Option<delay_queue::Key>,
+    keys: u32,
+}
+
+/// The one-lock purgatory under this crate's rules: no check and no drop of
+/// an operation under the lock. A check takes the operation out under the
+/// lock, runs with it released, and puts it back (or finishes it) under the
+/// lock again; a check asked for meanwhile is recorded and run by the
+/// checker. Registration checks before and after watching, as the crate does.
+#[derive(Default)]
+struct Lean {
+    queue: DelayQueue<Id>,
+    slots: Vec<LeanSlot>,
+    free: Vec<u32>,
+    watchers: HashMap<u32, Vec<Id>>,
+    live: usize,
+    dead: usize,
+}
+
+impl Lean {
+    fn is_live(slots: &[LeanSlot], id: Id) -> bool {
+        let s = &slots[id.index as usize];
+        s.generation == id.generation && s.pending
+    }
+
+    fn finish(&mut self, id: Id) {
+        let slot = &mut self.slots[id.index as usize];
+        slot.pending = false;
+        slot.checking = false;
+        slot.rerun = false;
+        slot.generation = slot.generation.wrapping_add(1);
+        let timer = slot.timer.take().expect("armed");
+        let keys = slot.keys as usize;
+        self.free.push(id.index);
+        self.live -= keys;
+        self.dead += keys;
+        self.queue.remove(&timer);
+    }
+
+    /// The owner's check loop: `op` is out of its slot, `checking` is set.
+    fn settle(lock: &Mutex<Lean>, id: Id, mut op: Op) -> bool {
+        loop {
+            let done = op.check().is_some();
+            let mut s = lock.lock().unwrap();
+            if done {
+                s.finish(id);
+                drop(s);
+                black_box(op);
+                return true;
+            }
+            let slot = &mut s.slots[id.index as usize];
+            if slot.rerun {
+                slot.rerun = false;
+                continue;
+            }
+            slot.checking = false;
+            slot.op = Some(op);
+            return false;
+        }
+    }
+
+    fn register(
+        lock: &Mutex<Lean>,
+        mut op: Op,
+        keys: [u32; 3],
+        deadline: tokio::time::Instant,
+    ) -> Option<Id> {
+        if op.check().is_some() {
+            return None;
+        }
+        let id = {
+            let mut s = lock.lock().unwrap();
+            let index = s.free.pop().unwrap_or_else(|| {
+                s.slots.push(LeanSlot::default());
+                s.slots.len() as u32 - 1
+            });
+            let id = Id {
+                index,
+                generation: s.slots[index as usize].generation,
+            };
+            let timer = s.queue.insert_at(id, deadline);
+            let distinct = |i: usize| !keys[..i].contains(&keys[i]);
+            let n = (0..3).filter(|&i| distinct(i)).count() as u32;
+            s.live += n as usize;
+            let slot = &mut s.slots[index as usize];
+            slot.pending = true;
+            slot.checking = true;
+            slot.timer = Some(timer);
+            slot.keys = n;
+            for (i, k) in keys.iter().enumerate() {
+                if distinct(i) {
+                    s.watchers.entry(*k).or_default().push(id);
+                }
+            }
+            if s.dead > s.live.max(1000) {
+                let Lean {
+                    slots,
+                    watchers,
+                    dead,
+                    ..
+                } = &mut *s;
+                watchers.retain(|_, ids| {
+                    let before = ids.len();
+                    ids.retain(|id| Lean::is_live(slots, *id));
+                    *dead -= before - ids.len();
+                    !ids.is_empty()
+                });
+            }
+            id
+        };
+        (!Lean::settle(lock, id, op)).then_some(id)
+    }
+
+    fn complete(lock: &Mutex<Lean>, id: Id) -> bool {
+        let op = {
+            let mut s = lock.lock().unwrap();
+            let slot = &mut s.slots[id.index as usize];
+            if slot.generation != id.generation || !slot.pending {
+                return false;
+            }
+            if slot.checking {
+                slot.rerun = true;
+                return false;
+            }
+            slot.checking = true;
+            slot.op.take().expect("pending")
+        };
+        Lean::settle(lock, id, op)
+    }
+}
+
 fn arg(name: &str) -> Option<String> {
     let mut args = std::env::args();
     while let Some(a) = args.next() {
@@ -200,7 +345,7 @@ fn main() {
         .enable_all()
         .build()
         .unwrap();
-    for name in ["purgatory", "fair"] {
+    for name in ["purgatory", "fair", "lean"] {
         if which.as_deref().is_some_and(|w| w != name) {
             continue;
         }
@@ -230,6 +375,27 @@ fn main() {
                             let r = refs.pop_front().expect("a window");
                             DONE_BELOW.store(seq - window + 1, Ordering::Relaxed);
                             assert!(black_box(r.try_complete()));
+                        }
+                        if seq % 1024 == 0 {
+                            tokio::task::yield_now().await;
+                        }
+                    }
+                    t0.elapsed().as_nanos() as f64 / steps as f64
+                } else if name == "lean" {
+                    // The handle's reference to the purgatory, as an `OpRef` holds one.
+                    let p = std::sync::Arc::new(Mutex::new(Lean::default()));
+                    let mut ids: VecDeque<(std::sync::Arc<Mutex<Lean>>, Id)> = VecDeque::new();
+                    let mut t0 = Instant::now();
+                    for seq in 0..window + steps {
+                        if seq == window {
+                            t0 = Instant::now();
+                        }
+                        let id = Lean::register(&p, Op { seq, _payload: 0 }, rng.keys(), deadline);
+                        ids.push_back((p.clone(), id.expect("pending")));
+                        if seq >= window {
+                            let (r, id) = ids.pop_front().expect("a window");
+                            DONE_BELOW.store(seq - window + 1, Ordering::Relaxed);
+                            assert!(black_box(Lean::complete(&r, id)));
                         }
                         if seq % 1024 == 0 {
                             tokio::task::yield_now().await;

@@ -29,11 +29,13 @@
 //! - The completion driver's lag (how late it acts on each 1 ms slot) is
 //!   reported beside the generators' registration lag, so a driver falling
 //!   behind is seen rather than guessed.
-//! - `--impl purgatory|task|fair|floor`: this crate; a task per request awaiting
+//! - `--impl purgatory|task|fair|lean|floor`: this crate; a task per request awaiting
 //!   `tokio::time::timeout` on a completion signal with a `DashMap` of key ->
 //!   watchers; the fair one-lock purgatory (a `tokio_util::time::DelayQueue`, a
 //!   slab with generation-checked ids and `HashMap<key, Vec<id>>` lists behind
 //!   one mutex, running every check this crate runs and purging as Kafka); the
+//!   same one-lock purgatory under this crate's rules (`lean`: no check, expiry
+//!   or drop under its lock, registration checked again after the watch); the
 //!   harness alone, with no purgatory (the CPU floor under every run).
 //! - `--runtime current|multi` (multi: 2 workers).
 //! - `--generators N`: N generator tasks share the load, so saturation measures
@@ -109,6 +111,11 @@ pub(crate) enum Imp {
     /// watch lists behind one mutex; it runs every check this crate runs and
     /// purges its lists as Kafka does.
     Fair,
+    /// The fair one-lock purgatory changed only where this crate's rules
+    /// require: no check, expiry or drop of a request under its lock (a check
+    /// takes the request out under the lock and runs with it released), and
+    /// registration checks again after it watches. What the rules cost.
+    Lean,
     /// No purgatory: the harness alone (a request that would expire is counted
     /// expired at registration, one that would complete is counted when the
     /// driver reaches it). Its CPU is the floor under every implementation.

@@ -400,3 +400,350 @@ impl FairPeer {
 }
 
 use std::future::Future;
+
+// ---- peer (c): the one-lock purgatory under this crate's rules
+//
+// The fair peer, changed only where this crate's rules require: no check,
+// expiry or drop of a request runs under the lock. A check takes the request
+// out of its slot under the lock (marking it checked), runs with the lock
+// released, and finishes it or puts it back under the lock again; a check
+// asked for meanwhile (`rerun`) is run by the checker before it puts the
+// request back, and a timeout meanwhile (`expire`) is acted on by the checker
+// once its check says "not yet". Registration checks before it watches and
+// again after, with the lock released, as this crate does. A walk takes the
+// requests of every live id out in one hold of the lock and finishes them in
+// one more. It shows what the rules themselves cost over the fair peer,
+// whatever the design that follows them.
+
+/// A request's slot in the rule-following peer.
+#[derive(Default)]
+pub(crate) struct LeanSlot {
+    pub(crate) generation: u32,
+    pub(crate) pending: bool,
+    pub(crate) checking: bool,
+    pub(crate) rerun: bool,
+    pub(crate) expire: bool,
+    /// `None` while a check runs.
+    pub(crate) op: Option<FakeOp>,
+    /// `None` once the queue has handed the entry out.
+    pub(crate) timer: Option<tokio_util::time::delay_queue::Key>,
+    pub(crate) keys: u32,
+    pub(crate) done: Option<oneshot::Sender<()>>,
+}
+
+#[derive(Default)]
+pub(crate) struct LeanState {
+    pub(crate) queue: tokio_util::time::DelayQueue<Id>,
+    pub(crate) slots: Vec<LeanSlot>,
+    pub(crate) free: Vec<u32>,
+    pub(crate) watchers: HashMap<u32, Vec<Id>>,
+    pub(crate) live: usize,
+    pub(crate) dead: usize,
+    pub(crate) purge: Option<(Vec<u32>, usize)>,
+}
+
+/// What a finished request leaves to be done with the lock released.
+pub(crate) enum Leftover {
+    Completed(FakeOp, Option<oneshot::Sender<()>>),
+    Expired(FakeOp, Option<oneshot::Sender<()>>),
+}
+
+impl Leftover {
+    fn run(self) {
+        match self {
+            Leftover::Completed(op, done) => {
+                drop(op);
+                if let Some(tx) = done {
+                    let _ = tx.send(());
+                }
+            }
+            Leftover::Expired(op, done) => {
+                drop(done);
+                op.on_expiration();
+            }
+        }
+    }
+}
+
+/// A check's result, to act on under the lock.
+enum After {
+    Finished(Leftover),
+    Recheck(FakeOp),
+    Pending,
+}
+
+impl LeanState {
+    fn is_live(slots: &[LeanSlot], id: Id) -> bool {
+        let s = &slots[id.index as usize];
+        s.generation == id.generation && s.pending
+    }
+
+    /// Frees `id`'s slot (its request has finished); its list entries are dead now.
+    fn free_slot(&mut self, id: Id) -> Option<oneshot::Sender<()>> {
+        let slot = &mut self.slots[id.index as usize];
+        slot.pending = false;
+        slot.checking = false;
+        slot.rerun = false;
+        slot.expire = false;
+        slot.generation = slot.generation.wrapping_add(1);
+        let timer = slot.timer.take();
+        let done = slot.done.take();
+        let keys = slot.keys as usize;
+        self.free.push(id.index);
+        self.live -= keys;
+        self.dead += keys;
+        if let Some(t) = timer {
+            self.queue.remove(&t);
+        }
+        done
+    }
+
+    /// The checker of `id` is back with `op` and its check's verdict.
+    fn after_check(&mut self, id: Id, op: FakeOp, completed: bool) -> After {
+        if completed {
+            return After::Finished(Leftover::Completed(op, self.free_slot(id)));
+        }
+        let slot = &mut self.slots[id.index as usize];
+        if slot.rerun {
+            slot.rerun = false;
+            return After::Recheck(op);
+        }
+        if slot.expire {
+            return After::Finished(Leftover::Expired(op, self.free_slot(id)));
+        }
+        slot.checking = false;
+        slot.op = Some(op);
+        After::Pending
+    }
+
+    /// The purge, as the fair peer's.
+    fn maybe_purge(&mut self) {
+        if self.purge.is_none() {
+            if self.dead <= self.live.max(1_000) {
+                return;
+            }
+            self.purge = Some((self.watchers.keys().copied().collect(), 0));
+        }
+        let LeanState {
+            slots,
+            watchers,
+            dead,
+            purge,
+            ..
+        } = self;
+        let (keys, next) = purge.as_mut().expect("a purge under way");
+        let mut budget = 128usize;
+        while budget > 0 && *next < keys.len() {
+            let key = keys[*next];
+            *next += 1;
+            let Some(ids) = watchers.get_mut(&key) else {
+                continue;
+            };
+            let before = ids.len();
+            ids.retain(|id| Self::is_live(slots, *id));
+            *dead -= before - ids.len();
+            budget = budget.saturating_sub(before);
+            if ids.is_empty() {
+                watchers.remove(&key);
+            } else if ids.capacity() > 16 && ids.len() * 4 < ids.capacity() {
+                ids.shrink_to_fit();
+            }
+        }
+        if *next >= keys.len() {
+            *purge = None;
+        }
+    }
+}
+
+#[derive(Default)]
+pub(crate) struct LeanPeer {
+    pub(crate) state: Mutex<LeanState>,
+}
+
+impl LeanPeer {
+    /// Checks `op` held by its checker (the lock released) until it completes
+    /// or stays pending.
+    fn check_loop(&self, id: Id, mut op: FakeOp) {
+        loop {
+            let completed = op.try_complete().is_some();
+            let after = self.state.lock().unwrap().after_check(id, op, completed);
+            match after {
+                After::Finished(left) => return left.run(),
+                After::Recheck(back) => op = back,
+                After::Pending => return,
+            }
+        }
+    }
+
+    /// Checks `op`, and registers it on `keys` unless it completed; checks it
+    /// again once it is watched.
+    pub(crate) fn register(
+        &self,
+        mut op: FakeOp,
+        keys: &[u32],
+        awaited: bool,
+    ) -> (Option<Id>, Option<oneshot::Receiver<()>>) {
+        if op.try_complete().is_some() {
+            return (None, None);
+        }
+        let (done, rx) = if awaited {
+            let (tx, rx) = oneshot::channel();
+            (Some(tx), Some(rx))
+        } else {
+            (None, None)
+        };
+        let distinct = |i: usize| !keys[..i].contains(&keys[i]);
+        let id = {
+            let mut s = self.state.lock().unwrap();
+            let index = s.free.pop().unwrap_or_else(|| {
+                s.slots.push(LeanSlot::default());
+                s.slots.len() as u32 - 1
+            });
+            let id = Id {
+                index,
+                generation: s.slots[index as usize].generation,
+            };
+            let timer = s.queue.insert_at(id, op.deadline);
+            let n = (0..keys.len()).filter(|&i| distinct(i)).count() as u32;
+            s.live += n as usize;
+            let slot = &mut s.slots[index as usize];
+            slot.pending = true;
+            slot.checking = true;
+            slot.timer = Some(timer);
+            slot.keys = n;
+            slot.done = done;
+            for (i, k) in keys.iter().enumerate() {
+                if distinct(i) {
+                    s.watchers.entry(*k).or_default().push(id);
+                }
+            }
+            s.maybe_purge();
+            id
+        };
+        self.check_loop(id, op);
+        (Some(id), rx)
+    }
+
+    /// Completes the request `id` if its check says it can.
+    pub(crate) fn complete(&self, id: Id) {
+        let op = {
+            let mut s = self.state.lock().unwrap();
+            let slot = &mut s.slots[id.index as usize];
+            if slot.generation != id.generation || !slot.pending {
+                return;
+            }
+            if slot.checking {
+                slot.rerun = true;
+                return;
+            }
+            slot.checking = true;
+            slot.op.take().expect("a pending request")
+        };
+        self.check_loop(id, op);
+    }
+
+    /// Runs the check of every live watcher of `key` (those being checked
+    /// elsewhere are asked to check again), completes those that can, and
+    /// drops dead ids from the list.
+    pub(crate) fn complete_key(&self, key: u32) {
+        let mut taken: Vec<(Id, FakeOp)> = Vec::new();
+        {
+            let mut s = self.state.lock().unwrap();
+            let LeanState {
+                slots,
+                watchers,
+                dead,
+                ..
+            } = &mut *s;
+            let Some(ids) = watchers.get_mut(&key) else {
+                return;
+            };
+            ids.retain(|&id| {
+                if !LeanState::is_live(slots, id) {
+                    *dead -= 1;
+                    return false;
+                }
+                let slot = &mut slots[id.index as usize];
+                if slot.checking {
+                    slot.rerun = true;
+                } else {
+                    slot.checking = true;
+                    taken.push((id, slot.op.take().expect("a pending request")));
+                }
+                true
+            });
+            if ids.is_empty() {
+                watchers.remove(&key);
+            }
+            s.maybe_purge();
+        }
+        let mut left = Vec::new();
+        while !taken.is_empty() {
+            let checked: Vec<(Id, FakeOp, bool)> = taken
+                .drain(..)
+                .map(|(id, mut op)| {
+                    let completed = op.try_complete().is_some();
+                    (id, op, completed)
+                })
+                .collect();
+            let mut s = self.state.lock().unwrap();
+            for (id, op, completed) in checked {
+                match s.after_check(id, op, completed) {
+                    After::Finished(l) => left.push(l),
+                    After::Recheck(op) => taken.push((id, op)),
+                    After::Pending => {}
+                }
+            }
+        }
+        for l in left {
+            l.run();
+        }
+    }
+
+    pub(crate) async fn drive(self: Arc<Self>, stop: Arc<tokio::sync::Notify>) {
+        use std::future::poll_fn;
+        use std::task::Poll;
+        let stopped = stop.notified();
+        tokio::pin!(stopped);
+        // Up to 64 due entries per hold of the lock, as the fair peer.
+        let mut due: Vec<Leftover> = Vec::with_capacity(64);
+        loop {
+            let stop = poll_fn(|cx| {
+                if stopped.as_mut().poll(cx).is_ready() {
+                    return Poll::Ready(true);
+                }
+                let mut s = self.state.lock().unwrap();
+                while due.len() < 64 {
+                    match s.queue.poll_expired(cx) {
+                        Poll::Ready(Some(e)) => {
+                            let id = e.into_inner();
+                            let slot = &mut s.slots[id.index as usize];
+                            slot.timer = None;
+                            if slot.checking {
+                                // The checker expires it if its check says "not yet".
+                                slot.expire = true;
+                                continue;
+                            }
+                            let op = slot.op.take().expect("a pending request");
+                            let done = s.free_slot(id);
+                            due.push(Leftover::Expired(op, done));
+                        }
+                        Poll::Ready(None) | Poll::Pending => break,
+                    }
+                }
+                if due.is_empty() {
+                    Poll::Pending
+                } else {
+                    Poll::Ready(false)
+                }
+            })
+            .await;
+            if stop {
+                return;
+            }
+            for l in due.drain(..) {
+                l.run();
+            }
+        }
+    }
+}

@@ -120,9 +120,10 @@ pub(crate) fn child(o: &Opts, imp: Imp, rate: f64) -> Option<String> {
 #[path = "../../tests/support/runs.rs"]
 mod runs;
 
-pub(crate) const IMPS: [Imp; 3] = [Imp::Purgatory, Imp::Task, Imp::Fair];
+pub(crate) const IMPS: [Imp; 4] = [Imp::Purgatory, Imp::Task, Imp::Fair, Imp::Lean];
 /// `--compare` also runs the harness alone, to show the floor under every run.
-pub(crate) const WITH_FLOOR: [Imp; 4] = [Imp::Purgatory, Imp::Task, Imp::Fair, Imp::Floor];
+pub(crate) const WITH_FLOOR: [Imp; 5] =
+    [Imp::Purgatory, Imp::Task, Imp::Fair, Imp::Lean, Imp::Floor];
 
 /// Runs every implementation `o.repeat` times at `rate`, interleaved, and returns
 /// the rows, raw and parsed (printed as they come).
@@ -196,6 +197,18 @@ pub(crate) fn summary(o: &Opts, rows: &[Row]) {
             med(Imp::Purgatory, |r| r.p99) / best_low(|r| r.p99),
         );
     }
+    // What this crate's rules cost a one-lock design, and this crate against
+    // that design.
+    if med(Imp::Lean, |r| r.cpu_ms).is_finite() {
+        println!(
+            "one-lock peer under this crate's rules / one-lock peer: CPU {:.2}, peak RSS {:.2}, lateness p99 {:.2}; tokio-purgatory / it: CPU {:.2}, peak RSS {:.2}",
+            med(Imp::Lean, |r| r.cpu_ms) / med(Imp::Fair, |r| r.cpu_ms),
+            med(Imp::Lean, |r| r.rss_mb) / med(Imp::Fair, |r| r.rss_mb),
+            med(Imp::Lean, |r| r.p99) / med(Imp::Fair, |r| r.p99),
+            med(Imp::Purgatory, |r| r.cpu_ms) / med(Imp::Lean, |r| r.cpu_ms),
+            med(Imp::Purgatory, |r| r.rss_mb) / med(Imp::Lean, |r| r.rss_mb),
+        );
+    }
     // The harness's own CPU is in every run; what each implementation adds is
     // its CPU above the floor's.
     let floor = med(Imp::Floor, |r| r.cpu_ms);
@@ -255,6 +268,7 @@ pub(crate) fn draw(
         RGBColor(214, 39, 40),
         RGBColor(31, 119, 180),
         RGBColor(44, 160, 44),
+        RGBColor(148, 103, 189),
     ];
     for (imp, colour) in IMPS.iter().zip(colours) {
         if !rows.iter().any(|r| r.imp == name(imp)) {
@@ -264,6 +278,7 @@ pub(crate) fn draw(
             Imp::Purgatory => "tokio-purgatory",
             Imp::Task => "task per request + DashMap",
             Imp::Fair => "one-lock purgatory (DelayQueue + slab + lists)",
+            Imp::Lean => "one-lock purgatory, no check under its lock",
             Imp::Floor => "the harness alone",
         };
         // The median of each rate's runs.

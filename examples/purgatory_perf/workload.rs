@@ -132,6 +132,7 @@ pub(crate) enum Target {
     Purgatory(Purgatory<u32, FakeOp>),
     Task(Arc<TaskPeer>),
     Fair(Arc<FairPeer>),
+    Lean(Arc<LeanPeer>),
     Floor,
 }
 
@@ -182,6 +183,11 @@ pub(crate) async fn run(o: Opts) -> RunResult {
             });
             tokio::spawn(peer.clone().drive(stop.clone()));
             Target::Fair(peer)
+        }
+        Imp::Lean => {
+            let peer = Arc::new(LeanPeer::default());
+            tokio::spawn(peer.clone().drive(stop.clone()));
+            Target::Lean(peer)
         }
         Imp::Floor => Target::Floor,
     };
@@ -247,6 +253,12 @@ pub(crate) async fn run(o: Opts) -> RunResult {
                             (Target::Task(peer), Token::Key(k)) => peer.complete_key(k),
                             (Target::Fair(peer), Token::Id(id)) => peer.complete(id),
                             (Target::Fair(peer), Token::Key(k)) => peer.complete_key(k),
+                            (Target::Lean(peer), Token::Id(id)) => peer.complete(id),
+                            (Target::Lean(peer), Token::Key(k)) => peer.complete_key(k),
+                            (Target::Lean(peer), Token::Reach(k, offset)) => {
+                                partitions.cover(k, offset);
+                                peer.complete_key(k);
+                            }
                             (Target::Floor, Token::Signal(tx)) => {
                                 counts.completed.fetch_add(1, Ordering::Relaxed);
                                 let _ = tx.send(());
@@ -466,6 +478,21 @@ pub(crate) async fn generate(g: Generator) -> (Instant, Histogram<u64>) {
                 }
             }
             Target::Fair(peer) => {
+                let (id, rx) = peer.register(op, &keys, awaited);
+                if let Some(rx) = rx {
+                    tokio::spawn(async move {
+                        let _ = rx.await;
+                    });
+                }
+                if offsets {
+                    reach
+                } else if key_driven {
+                    Some(Token::Key(keys[0]))
+                } else {
+                    id.map(Token::Id)
+                }
+            }
+            Target::Lean(peer) => {
                 let (id, rx) = peer.register(op, &keys, awaited);
                 if let Some(rx) = rx {
                     tokio::spawn(async move {
