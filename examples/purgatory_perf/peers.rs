@@ -644,60 +644,69 @@ impl LeanPeer {
 
     /// Runs the check of every live watcher of `key` (those being checked
     /// elsewhere are asked to check again), completes those that can, and
-    /// drops dead ids from the list.
+    /// drops dead ids from the list. The walk's buffers are kept per thread,
+    /// as this crate keeps its own, so a warmed-up walk allocates nothing.
     pub(crate) fn complete_key(&self, key: u32) {
-        let mut taken: Vec<(Id, FakeOp)> = Vec::new();
-        {
-            let mut s = self.state.lock().unwrap();
-            let LeanState {
-                slots,
-                watchers,
-                dead,
-                ..
-            } = &mut *s;
-            let Some(ids) = watchers.get_mut(&key) else {
-                return;
-            };
-            ids.retain(|&id| {
-                if !LeanState::is_live(slots, id) {
-                    *dead -= 1;
-                    return false;
+        type Walk = (Vec<(Id, Option<FakeOp>, bool)>, Vec<Leftover>);
+        thread_local! {
+            static WALK: std::cell::RefCell<Walk> = std::cell::RefCell::default();
+        }
+        WALK.with(|walk| {
+            // The checks and drops below never walk again on this thread.
+            let mut walk = walk.borrow_mut();
+            let (taken, left) = &mut *walk;
+            {
+                let mut s = self.state.lock().unwrap();
+                let LeanState {
+                    slots,
+                    watchers,
+                    dead,
+                    ..
+                } = &mut *s;
+                let Some(ids) = watchers.get_mut(&key) else {
+                    return;
+                };
+                ids.retain(|&id| {
+                    if !LeanState::is_live(slots, id) {
+                        *dead -= 1;
+                        return false;
+                    }
+                    let slot = &mut slots[id.index as usize];
+                    if slot.checking {
+                        slot.rerun = true;
+                    } else {
+                        slot.checking = true;
+                        taken.push((id, slot.op.take(), false));
+                    }
+                    true
+                });
+                if ids.is_empty() {
+                    watchers.remove(&key);
                 }
-                let slot = &mut slots[id.index as usize];
-                if slot.checking {
-                    slot.rerun = true;
-                } else {
-                    slot.checking = true;
-                    taken.push((id, slot.op.take().expect("a pending request")));
-                }
-                true
-            });
-            if ids.is_empty() {
-                watchers.remove(&key);
+                s.maybe_purge();
             }
-            s.maybe_purge();
-        }
-        let mut left = Vec::new();
-        while !taken.is_empty() {
-            let checked: Vec<(Id, FakeOp, bool)> = taken
-                .drain(..)
-                .map(|(id, mut op)| {
-                    let completed = op.try_complete().is_some();
-                    (id, op, completed)
-                })
-                .collect();
-            let mut s = self.state.lock().unwrap();
-            for (id, op, completed) in checked {
-                match s.after_check(id, op, completed) {
-                    After::Finished(l) => left.push(l),
-                    After::Recheck(op) => taken.push((id, op)),
-                    After::Pending => {}
+            while !taken.is_empty() {
+                for (_, op, completed) in taken.iter_mut() {
+                    let op = op.as_mut().expect("a taken request");
+                    *completed = op.try_complete().is_some();
                 }
+                {
+                    let mut s = self.state.lock().unwrap();
+                    for (id, op, completed) in taken.iter_mut() {
+                        let checked = op.take().expect("a taken request");
+                        match s.after_check(*id, checked, *completed) {
+                            After::Finished(l) => left.push(l),
+                            After::Recheck(back) => *op = Some(back),
+                            After::Pending => {}
+                        }
+                    }
+                }
+                taken.retain(|(_, op, _)| op.is_some());
             }
-        }
-        for l in left {
-            l.run();
-        }
+            for l in left.drain(..) {
+                l.run();
+            }
+        });
     }
 
     pub(crate) async fn drive(self: Arc<Self>, stop: Arc<tokio::sync::Notify>) {
