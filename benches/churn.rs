@@ -188,15 +188,82 @@ impl Fair {
 /// The lean peer's request slot: the operation is taken out while a check
 /// runs (with the lock released), and `rerun` records a check asked for
 /// meanwhile.
-#[derive(Default)]
-struct LeanSlot {
+struct LeanSlot<K> {
     generation: u32,
     pending: bool,
     checking: bool,
     rerun: bool,
     op: Option<Op>,
-    timer: Option<delay_queue::Key>,
+    timer: Option<K>,
     keys: u32,
+}
+
+impl<K> Default for LeanSlot<K> {
+    fn default() -> Self {
+        LeanSlot {
+            generation: 0,
+            pending: false,
+            checking: false,
+            rerun: false,
+            op: None,
+            timer: None,
+            keys: 0,
+        }
+    }
+}
+
+/// The lean peer's timer: `DelayQueue`, or this crate's timing wheel
+/// (`src/wheel.rs`, compiled into the bench) under the same lock.
+trait Timers: Default {
+    type Key;
+    fn insert(&mut self, id: Id, deadline: tokio::time::Instant) -> Self::Key;
+    fn remove(&mut self, key: &Self::Key);
+}
+
+impl Timers for DelayQueue<Id> {
+    type Key = delay_queue::Key;
+    fn insert(&mut self, id: Id, deadline: tokio::time::Instant) -> Self::Key {
+        self.insert_at(id, deadline)
+    }
+    fn remove(&mut self, key: &Self::Key) {
+        DelayQueue::remove(self, key);
+    }
+}
+
+#[allow(dead_code)]
+#[path = "../src/wheel.rs"]
+mod wheel;
+// The wheel's own tests, compiled with it here, use the crate's test generator.
+#[cfg(test)]
+#[path = "../tests/support/rng.rs"]
+#[allow(dead_code, unreachable_pub)]
+mod test_rng;
+
+/// This crate's wheel at its default shape (64 slots, 6 levels) and tick
+/// (100 µs), with deadlines in ticks from when it was made.
+struct WheelTimers {
+    wheel: wheel::Wheel<Id>,
+    origin: tokio::time::Instant,
+}
+
+impl Default for WheelTimers {
+    fn default() -> Self {
+        WheelTimers {
+            wheel: wheel::Wheel::new(64, 6).expect("a valid shape"),
+            origin: tokio::time::Instant::now(),
+        }
+    }
+}
+
+impl Timers for WheelTimers {
+    type Key = wheel::Key;
+    fn insert(&mut self, id: Id, deadline: tokio::time::Instant) -> Self::Key {
+        let tick = deadline.saturating_duration_since(self.origin).as_micros() as u64 / 100;
+        self.wheel.insert(tick, id)
+    }
+    fn remove(&mut self, key: &Self::Key) {
+        self.wheel.remove(*key);
+    }
 }
 
 /// The one-lock purgatory under this crate's rules: no check and no drop of
@@ -204,18 +271,30 @@ struct LeanSlot {
 /// lock, runs with it released, and puts it back (or finishes it) under the
 /// lock again; a check asked for meanwhile is recorded and run by the
 /// checker. Registration checks before and after watching, as the crate does.
-#[derive(Default)]
-struct Lean {
-    queue: DelayQueue<Id>,
-    slots: Vec<LeanSlot>,
+struct Lean<Q: Timers> {
+    queue: Q,
+    slots: Vec<LeanSlot<Q::Key>>,
     free: Vec<u32>,
     watchers: HashMap<u32, Vec<Id>>,
     live: usize,
     dead: usize,
 }
 
-impl Lean {
-    fn is_live(slots: &[LeanSlot], id: Id) -> bool {
+impl<Q: Timers> Default for Lean<Q> {
+    fn default() -> Self {
+        Lean {
+            queue: Q::default(),
+            slots: Vec::new(),
+            free: Vec::new(),
+            watchers: HashMap::new(),
+            live: 0,
+            dead: 0,
+        }
+    }
+}
+
+impl<Q: Timers> Lean<Q> {
+    fn is_live(slots: &[LeanSlot<Q::Key>], id: Id) -> bool {
         let s = &slots[id.index as usize];
         s.generation == id.generation && s.pending
     }
@@ -235,7 +314,7 @@ impl Lean {
     }
 
     /// The owner's check loop: `op` is out of its slot, `checking` is set.
-    fn settle(lock: &Mutex<Lean>, id: Id, mut op: Op) -> bool {
+    fn settle(lock: &Mutex<Lean<Q>>, id: Id, mut op: Op) -> bool {
         loop {
             let done = op.check().is_some();
             let mut s = lock.lock().unwrap();
@@ -257,7 +336,7 @@ impl Lean {
     }
 
     fn register(
-        lock: &Mutex<Lean>,
+        lock: &Mutex<Lean<Q>>,
         mut op: Op,
         keys: [u32; 3],
         deadline: tokio::time::Instant,
@@ -275,7 +354,7 @@ impl Lean {
                 index,
                 generation: s.slots[index as usize].generation,
             };
-            let timer = s.queue.insert_at(id, deadline);
+            let timer = s.queue.insert(id, deadline);
             let distinct = |i: usize| !keys[..i].contains(&keys[i]);
             let n = (0..3).filter(|&i| distinct(i)).count() as u32;
             s.live += n as usize;
@@ -298,17 +377,17 @@ impl Lean {
                 } = &mut *s;
                 watchers.retain(|_, ids| {
                     let before = ids.len();
-                    ids.retain(|id| Lean::is_live(slots, *id));
+                    ids.retain(|id| Lean::<Q>::is_live(slots, *id));
                     *dead -= before - ids.len();
                     !ids.is_empty()
                 });
             }
             id
         };
-        (!Lean::settle(lock, id, op)).then_some(id)
+        (!Lean::<Q>::settle(lock, id, op)).then_some(id)
     }
 
-    fn complete(lock: &Mutex<Lean>, id: Id) -> bool {
+    fn complete(lock: &Mutex<Lean<Q>>, id: Id) -> bool {
         let op = {
             let mut s = lock.lock().unwrap();
             let slot = &mut s.slots[id.index as usize];
@@ -322,8 +401,37 @@ impl Lean {
             slot.checking = true;
             slot.op.take().expect("pending")
         };
-        Lean::settle(lock, id, op)
+        Lean::<Q>::settle(lock, id, op)
     }
+}
+
+/// The steps against the lean peer with timer `Q`; ns per request.
+async fn lean<Q: Timers>(
+    window: u64,
+    steps: u64,
+    rng: &mut Rng,
+    deadline: tokio::time::Instant,
+) -> f64 {
+    // Each reference holds the purgatory, as an `OpRef` does.
+    let p = std::sync::Arc::new(Mutex::new(Lean::<Q>::default()));
+    let mut ids: VecDeque<(std::sync::Arc<Mutex<Lean<Q>>>, Id)> = VecDeque::new();
+    let mut t0 = Instant::now();
+    for seq in 0..window + steps {
+        if seq == window {
+            t0 = Instant::now();
+        }
+        let id = Lean::register(&p, Op { seq, _payload: 0 }, rng.keys(), deadline);
+        ids.push_back((p.clone(), id.expect("pending")));
+        if seq >= window {
+            let (r, id) = ids.pop_front().expect("a window");
+            DONE_BELOW.store(seq - window + 1, Ordering::Relaxed);
+            assert!(black_box(Lean::complete(&r, id)));
+        }
+        if seq % 1024 == 0 {
+            tokio::task::yield_now().await;
+        }
+    }
+    t0.elapsed().as_nanos() as f64 / steps as f64
 }
 
 fn arg(name: &str) -> Option<String> {
@@ -345,7 +453,7 @@ fn main() {
         .enable_all()
         .build()
         .unwrap();
-    for name in ["purgatory", "fair", "lean"] {
+    for name in ["purgatory", "fair", "lean", "lean-wheel"] {
         if which.as_deref().is_some_and(|w| w != name) {
             continue;
         }
@@ -382,26 +490,9 @@ fn main() {
                     }
                     t0.elapsed().as_nanos() as f64 / steps as f64
                 } else if name == "lean" {
-                    // The handle's reference to the purgatory, as an `OpRef` holds one.
-                    let p = std::sync::Arc::new(Mutex::new(Lean::default()));
-                    let mut ids: VecDeque<(std::sync::Arc<Mutex<Lean>>, Id)> = VecDeque::new();
-                    let mut t0 = Instant::now();
-                    for seq in 0..window + steps {
-                        if seq == window {
-                            t0 = Instant::now();
-                        }
-                        let id = Lean::register(&p, Op { seq, _payload: 0 }, rng.keys(), deadline);
-                        ids.push_back((p.clone(), id.expect("pending")));
-                        if seq >= window {
-                            let (r, id) = ids.pop_front().expect("a window");
-                            DONE_BELOW.store(seq - window + 1, Ordering::Relaxed);
-                            assert!(black_box(Lean::complete(&r, id)));
-                        }
-                        if seq % 1024 == 0 {
-                            tokio::task::yield_now().await;
-                        }
-                    }
-                    t0.elapsed().as_nanos() as f64 / steps as f64
+                    lean::<DelayQueue<Id>>(window, steps, &mut rng, deadline).await
+                } else if name == "lean-wheel" {
+                    lean::<WheelTimers>(window, steps, &mut rng, deadline).await
                 } else {
                     let p = Mutex::new(Fair::default());
                     let mut ids: VecDeque<Id> = VecDeque::new();

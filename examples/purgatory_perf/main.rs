@@ -29,14 +29,15 @@
 //! - The completion driver's lag (how late it acts on each 1 ms slot) is
 //!   reported beside the generators' registration lag, so a driver falling
 //!   behind is seen rather than guessed.
-//! - `--impl purgatory|task|fair|lean|floor`: this crate; a task per request awaiting
+//! - `--impl purgatory|task|fair|lean|lean-wheel|floor`: this crate; a task per request awaiting
 //!   `tokio::time::timeout` on a completion signal with a `DashMap` of key ->
 //!   watchers; the fair one-lock purgatory (a `tokio_util::time::DelayQueue`, a
 //!   slab with generation-checked ids and `HashMap<key, Vec<id>>` lists behind
 //!   one mutex, running every check this crate runs and purging as Kafka); the
 //!   same one-lock purgatory under this crate's rules (`lean`: no check, expiry
-//!   or drop under its lock, registration checked again after the watch); the
-//!   harness alone, with no purgatory (the CPU floor under every run).
+//!   or drop under its lock, registration checked again after the watch), and
+//!   that one with this crate's timing wheel in place of `DelayQueue`
+//!   (`lean-wheel`); the harness alone, with no purgatory (the CPU floor under every run).
 //! - `--runtime current|multi` (multi: 2 workers).
 //! - `--generators N`: N generator tasks share the load, so saturation measures
 //!   the implementation rather than one generator (default 1, as Kafka's).
@@ -116,6 +117,10 @@ pub(crate) enum Imp {
     /// takes the request out under the lock and runs with it released), and
     /// registration checks again after it watches. What the rules cost.
     Lean,
+    /// As `lean`, with this crate's timing wheel (100 µs ticks) in place of
+    /// `DelayQueue`, under the same lock, and its own expiry task sleeping
+    /// until the wheel's next deadline.
+    LeanWheel,
     /// No purgatory: the harness alone (a request that would expire is counted
     /// expired at registration, one that would complete is counted when the
     /// driver reaches it). Its CPU is the floor under every implementation.

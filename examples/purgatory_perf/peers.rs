@@ -415,9 +415,8 @@ use std::future::Future;
 // one more. It shows what the rules themselves cost over the fair peer,
 // whatever the design that follows them.
 
-/// A request's slot in the rule-following peer.
-#[derive(Default)]
-pub(crate) struct LeanSlot {
+/// A request's slot in the rule-following peer, whose timer's keys are `K`.
+pub(crate) struct LeanSlot<K> {
     pub(crate) generation: u32,
     pub(crate) pending: bool,
     pub(crate) checking: bool,
@@ -425,16 +424,108 @@ pub(crate) struct LeanSlot {
     pub(crate) expire: bool,
     /// `None` while a check runs.
     pub(crate) op: Option<FakeOp>,
-    /// `None` once the queue has handed the entry out.
-    pub(crate) timer: Option<tokio_util::time::delay_queue::Key>,
+    /// `None` once the timer has handed the entry out.
+    pub(crate) timer: Option<K>,
     pub(crate) keys: u32,
     pub(crate) done: Option<oneshot::Sender<()>>,
 }
 
-#[derive(Default)]
-pub(crate) struct LeanState {
-    pub(crate) queue: tokio_util::time::DelayQueue<Id>,
-    pub(crate) slots: Vec<LeanSlot>,
+impl<K> Default for LeanSlot<K> {
+    fn default() -> Self {
+        LeanSlot {
+            generation: 0,
+            pending: false,
+            checking: false,
+            rerun: false,
+            expire: false,
+            op: None,
+            timer: None,
+            keys: 0,
+            done: None,
+        }
+    }
+}
+
+/// The rule-following peer's timer: `DelayQueue`, or this crate's timing
+/// wheel (`src/wheel.rs`, compiled into the benchmark) under the same lock.
+pub(crate) trait LeanTimers: Default + Send + 'static {
+    type Key: Send;
+    /// Arms `id`'s timeout; says whether the driver must be woken for it.
+    fn insert(&mut self, id: Id, deadline: Instant) -> (Self::Key, bool);
+    fn remove(&mut self, key: &Self::Key);
+}
+
+impl LeanTimers for tokio_util::time::DelayQueue<Id> {
+    type Key = tokio_util::time::delay_queue::Key;
+    fn insert(&mut self, id: Id, deadline: Instant) -> (Self::Key, bool) {
+        // The queue wakes its driver itself.
+        (self.insert_at(id, deadline), false)
+    }
+    fn remove(&mut self, key: &Self::Key) {
+        tokio_util::time::DelayQueue::remove(self, key);
+    }
+}
+
+#[allow(dead_code)]
+#[path = "../../src/wheel.rs"]
+mod wheel;
+// The wheel's own tests, compiled with it under `cfg(test)`, use the crate's
+// test generator.
+#[cfg(test)]
+#[path = "../../tests/support/rng.rs"]
+#[allow(dead_code, unreachable_pub)]
+mod test_rng;
+
+/// This crate's wheel at its default shape (64 slots, 6 levels) and tick
+/// (100 µs), with deadlines in ticks from when it was made, and the tick its
+/// driver sleeps until (`u64::MAX`: until woken).
+pub(crate) struct WheelTimers {
+    wheel: wheel::Wheel<Id>,
+    origin: Instant,
+    sleeping_until: u64,
+}
+
+impl Default for WheelTimers {
+    fn default() -> Self {
+        WheelTimers {
+            wheel: wheel::Wheel::new(64, 6).expect("a valid shape"),
+            origin: Instant::now(),
+            sleeping_until: u64::MAX,
+        }
+    }
+}
+
+impl WheelTimers {
+    const TICK_US: u64 = 100;
+
+    fn tick_of(&self, at: Instant) -> u64 {
+        at.saturating_duration_since(self.origin).as_micros() as u64 / Self::TICK_US
+    }
+
+    fn instant_of(&self, tick: u64) -> Instant {
+        self.origin + Duration::from_micros(tick * Self::TICK_US)
+    }
+}
+
+impl LeanTimers for WheelTimers {
+    type Key = wheel::Key;
+    fn insert(&mut self, id: Id, deadline: Instant) -> (Self::Key, bool) {
+        // Rounded up, so an entry never fires before its deadline.
+        let tick = self.tick_of(deadline) + 1;
+        let wake = tick < self.sleeping_until;
+        if wake {
+            self.sleeping_until = tick;
+        }
+        (self.wheel.insert(tick, id), wake)
+    }
+    fn remove(&mut self, key: &Self::Key) {
+        self.wheel.remove(*key);
+    }
+}
+
+pub(crate) struct LeanState<Q: LeanTimers> {
+    pub(crate) timers: Q,
+    pub(crate) slots: Vec<LeanSlot<Q::Key>>,
     pub(crate) free: Vec<u32>,
     pub(crate) watchers: HashMap<u32, Vec<Id>>,
     pub(crate) live: usize,
@@ -472,8 +563,22 @@ enum After {
     Pending,
 }
 
-impl LeanState {
-    fn is_live(slots: &[LeanSlot], id: Id) -> bool {
+impl<Q: LeanTimers> Default for LeanState<Q> {
+    fn default() -> Self {
+        LeanState {
+            timers: Q::default(),
+            slots: Vec::new(),
+            free: Vec::new(),
+            watchers: HashMap::new(),
+            live: 0,
+            dead: 0,
+            purge: None,
+        }
+    }
+}
+
+impl<Q: LeanTimers> LeanState<Q> {
+    fn is_live(slots: &[LeanSlot<Q::Key>], id: Id) -> bool {
         let s = &slots[id.index as usize];
         s.generation == id.generation && s.pending
     }
@@ -493,7 +598,7 @@ impl LeanState {
         self.live -= keys;
         self.dead += keys;
         if let Some(t) = timer {
-            self.queue.remove(&t);
+            self.timers.remove(&t);
         }
         done
     }
@@ -555,12 +660,51 @@ impl LeanState {
     }
 }
 
-#[derive(Default)]
-pub(crate) struct LeanPeer {
-    pub(crate) state: Mutex<LeanState>,
+pub(crate) struct LeanPeer<Q: LeanTimers> {
+    pub(crate) state: Mutex<LeanState<Q>>,
+    /// Wakes the wheel's driver for a deadline earlier than its sleep.
+    pub(crate) wake: tokio::sync::Notify,
 }
 
-impl LeanPeer {
+impl<Q: LeanTimers> Default for LeanPeer<Q> {
+    fn default() -> Self {
+        LeanPeer {
+            state: Mutex::default(),
+            wake: tokio::sync::Notify::new(),
+        }
+    }
+}
+
+/// The rule-following peer, whichever its timer.
+pub(crate) trait Rules: Send + Sync {
+    fn register(
+        &self,
+        op: FakeOp,
+        keys: &[u32],
+        awaited: bool,
+    ) -> (Option<Id>, Option<oneshot::Receiver<()>>);
+    fn complete(&self, id: Id);
+    fn complete_key(&self, key: u32);
+}
+
+impl<Q: LeanTimers> Rules for LeanPeer<Q> {
+    fn register(
+        &self,
+        op: FakeOp,
+        keys: &[u32],
+        awaited: bool,
+    ) -> (Option<Id>, Option<oneshot::Receiver<()>>) {
+        LeanPeer::register(self, op, keys, awaited)
+    }
+    fn complete(&self, id: Id) {
+        LeanPeer::complete(self, id)
+    }
+    fn complete_key(&self, key: u32) {
+        LeanPeer::complete_key(self, key)
+    }
+}
+
+impl<Q: LeanTimers> LeanPeer<Q> {
     /// Checks `op` held by its checker (the lock released) until it completes
     /// or stays pending.
     fn check_loop(&self, id: Id, mut op: FakeOp) {
@@ -593,7 +737,7 @@ impl LeanPeer {
             (None, None)
         };
         let distinct = |i: usize| !keys[..i].contains(&keys[i]);
-        let id = {
+        let (id, wake) = {
             let mut s = self.state.lock().unwrap();
             let index = s.free.pop().unwrap_or_else(|| {
                 s.slots.push(LeanSlot::default());
@@ -603,7 +747,7 @@ impl LeanPeer {
                 index,
                 generation: s.slots[index as usize].generation,
             };
-            let timer = s.queue.insert_at(id, op.deadline);
+            let (timer, wake) = s.timers.insert(id, op.deadline);
             let n = (0..keys.len()).filter(|&i| distinct(i)).count() as u32;
             s.live += n as usize;
             let slot = &mut s.slots[index as usize];
@@ -618,8 +762,11 @@ impl LeanPeer {
                 }
             }
             s.maybe_purge();
-            id
+            (id, wake)
         };
+        if wake {
+            self.wake.notify_one();
+        }
         self.check_loop(id, op);
         (Some(id), rx)
     }
@@ -667,7 +814,7 @@ impl LeanPeer {
                     return;
                 };
                 ids.retain(|&id| {
-                    if !LeanState::is_live(slots, id) {
+                    if !LeanState::<Q>::is_live(slots, id) {
                         *dead -= 1;
                         return false;
                     }
@@ -708,7 +855,9 @@ impl LeanPeer {
             }
         });
     }
+}
 
+impl LeanPeer<tokio_util::time::DelayQueue<Id>> {
     pub(crate) async fn drive(self: Arc<Self>, stop: Arc<tokio::sync::Notify>) {
         use std::future::poll_fn;
         use std::task::Poll;
@@ -723,7 +872,7 @@ impl LeanPeer {
                 }
                 let mut s = self.state.lock().unwrap();
                 while due.len() < 64 {
-                    match s.queue.poll_expired(cx) {
+                    match s.timers.poll_expired(cx) {
                         Poll::Ready(Some(e)) => {
                             let id = e.into_inner();
                             let slot = &mut s.slots[id.index as usize];
@@ -752,6 +901,62 @@ impl LeanPeer {
             }
             for l in due.drain(..) {
                 l.run();
+            }
+        }
+    }
+}
+
+impl LeanPeer<WheelTimers> {
+    /// Expires what is due, up to 64 entries per hold of the lock, and sleeps
+    /// until the wheel's next deadline or a registration's earlier one.
+    pub(crate) async fn drive(self: Arc<Self>, stop: Arc<tokio::sync::Notify>) {
+        let stopped = stop.notified();
+        tokio::pin!(stopped);
+        let mut due: Vec<Leftover> = Vec::with_capacity(64);
+        loop {
+            let sleep_until = {
+                let mut s = self.state.lock().unwrap();
+                let now = s.timers.tick_of(Instant::now());
+                while due.len() < 64 {
+                    let Some((_, id)) = s.timers.wheel.poll(now) else {
+                        break;
+                    };
+                    let slot = &mut s.slots[id.index as usize];
+                    slot.timer = None;
+                    if slot.checking {
+                        // The checker expires it if its check says "not yet".
+                        slot.expire = true;
+                        continue;
+                    }
+                    let op = slot.op.take().expect("a pending request");
+                    let done = s.free_slot(id);
+                    due.push(Leftover::Expired(op, done));
+                }
+                if due.is_empty() {
+                    let next = s.timers.wheel.next_expiration().unwrap_or(u64::MAX);
+                    s.timers.sleeping_until = next;
+                    (next != u64::MAX).then(|| s.timers.instant_of(next))
+                } else {
+                    None
+                }
+            };
+            if !due.is_empty() {
+                for l in due.drain(..) {
+                    l.run();
+                }
+                tokio::task::yield_now().await;
+                continue;
+            }
+            let sleep = async {
+                match sleep_until {
+                    Some(at) => tokio::time::sleep_until(at).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                _ = &mut stopped => return,
+                _ = sleep => {}
+                _ = self.wake.notified() => {}
             }
         }
     }

@@ -120,10 +120,22 @@ pub(crate) fn child(o: &Opts, imp: Imp, rate: f64) -> Option<String> {
 #[path = "../../tests/support/runs.rs"]
 mod runs;
 
-pub(crate) const IMPS: [Imp; 4] = [Imp::Purgatory, Imp::Task, Imp::Fair, Imp::Lean];
+pub(crate) const IMPS: [Imp; 5] = [
+    Imp::Purgatory,
+    Imp::Task,
+    Imp::Fair,
+    Imp::Lean,
+    Imp::LeanWheel,
+];
 /// `--compare` also runs the harness alone, to show the floor under every run.
-pub(crate) const WITH_FLOOR: [Imp; 5] =
-    [Imp::Purgatory, Imp::Task, Imp::Fair, Imp::Lean, Imp::Floor];
+pub(crate) const WITH_FLOOR: [Imp; 6] = [
+    Imp::Purgatory,
+    Imp::Task,
+    Imp::Fair,
+    Imp::Lean,
+    Imp::LeanWheel,
+    Imp::Floor,
+];
 
 /// Runs every implementation `o.repeat` times at `rate`, interleaved, and returns
 /// the rows, raw and parsed (printed as they come).
@@ -209,6 +221,16 @@ pub(crate) fn summary(o: &Opts, rows: &[Row]) {
             med(Imp::Purgatory, |r| r.rss_mb) / med(Imp::Lean, |r| r.rss_mb),
         );
     }
+    if med(Imp::LeanWheel, |r| r.cpu_ms).is_finite() {
+        println!(
+            "the same with this crate's wheel / one-lock peer: CPU {:.2}, peak RSS {:.2}, lateness p99 {:.2}; tokio-purgatory / it: CPU {:.2}, peak RSS {:.2}",
+            med(Imp::LeanWheel, |r| r.cpu_ms) / med(Imp::Fair, |r| r.cpu_ms),
+            med(Imp::LeanWheel, |r| r.rss_mb) / med(Imp::Fair, |r| r.rss_mb),
+            med(Imp::LeanWheel, |r| r.p99) / med(Imp::Fair, |r| r.p99),
+            med(Imp::Purgatory, |r| r.cpu_ms) / med(Imp::LeanWheel, |r| r.cpu_ms),
+            med(Imp::Purgatory, |r| r.rss_mb) / med(Imp::LeanWheel, |r| r.rss_mb),
+        );
+    }
     // The harness's own CPU is in every run; what each implementation adds is
     // its CPU above the floor's.
     let floor = med(Imp::Floor, |r| r.cpu_ms);
@@ -269,6 +291,7 @@ pub(crate) fn draw(
         RGBColor(31, 119, 180),
         RGBColor(44, 160, 44),
         RGBColor(148, 103, 189),
+        RGBColor(140, 86, 75),
     ];
     for (imp, colour) in IMPS.iter().zip(colours) {
         if !rows.iter().any(|r| r.imp == name(imp)) {
@@ -279,6 +302,7 @@ pub(crate) fn draw(
             Imp::Task => "task per request + DashMap",
             Imp::Fair => "one-lock purgatory (DelayQueue + slab + lists)",
             Imp::Lean => "one-lock purgatory, no check under its lock",
+            Imp::LeanWheel => "the same, with this crate's wheel",
             Imp::Floor => "the harness alone",
         };
         // The median of each rate's runs.

@@ -132,7 +132,7 @@ pub(crate) enum Target {
     Purgatory(Purgatory<u32, FakeOp>),
     Task(Arc<TaskPeer>),
     Fair(Arc<FairPeer>),
-    Lean(Arc<LeanPeer>),
+    Lean(Arc<dyn Rules>),
     Floor,
 }
 
@@ -185,7 +185,12 @@ pub(crate) async fn run(o: Opts) -> RunResult {
             Target::Fair(peer)
         }
         Imp::Lean => {
-            let peer = Arc::new(LeanPeer::default());
+            let peer = Arc::new(LeanPeer::<tokio_util::time::DelayQueue<Id>>::default());
+            tokio::spawn(peer.clone().drive(stop.clone()));
+            Target::Lean(peer)
+        }
+        Imp::LeanWheel => {
+            let peer = Arc::new(LeanPeer::<WheelTimers>::default());
             tokio::spawn(peer.clone().drive(stop.clone()));
             Target::Lean(peer)
         }
