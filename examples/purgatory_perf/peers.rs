@@ -473,7 +473,7 @@ mod wheel;
 // test generator.
 #[cfg(test)]
 #[path = "../../tests/support/rng.rs"]
-#[allow(dead_code, unreachable_pub)]
+#[allow(unreachable_pub)]
 mod test_rng;
 
 /// This crate's wheel at its default shape (64 slots, 6 levels) and tick
