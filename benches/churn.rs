@@ -15,8 +15,10 @@
 //! crate's rules (`lean`: no check and no drop of an operation under its lock;
 //! a check takes the operation out under the lock and runs with it released,
 //! registration checks again after it watches, and each reference holds the
-//! purgatory's `Arc`, as an `OpRef` does): what the rules themselves cost.
-//! `--impl purgatory|fair|lean` runs one of them; `--rounds N` (default 5) repeats, printing ns per request for each
+//! purgatory's `Arc`, as an `OpRef` does, two of its ten atomic
+//! read-modify-writes): what the rules cost, with that. `lean-wheel` is the
+//! same with this crate's timing wheel (`src/wheel.rs`) in place of
+//! `DelayQueue`. `--impl purgatory|fair|lean|lean-wheel` runs one of them; `--rounds N` (default 5) repeats, printing ns per request for each
 //! round and the median; `--window N` and `--steps N` (default 1,000,000)
 //! size the run. Under `valgrind --tool=callgrind`, the difference between
 //! two `--steps` counts gives instructions per request (see
@@ -258,7 +260,8 @@ impl Default for WheelTimers {
 impl Timers for WheelTimers {
     type Key = wheel::Key;
     fn insert(&mut self, id: Id, deadline: tokio::time::Instant) -> Self::Key {
-        let tick = deadline.saturating_duration_since(self.origin).as_micros() as u64 / 100;
+        // Rounded up, so an entry never fires before its deadline.
+        let tick = deadline.saturating_duration_since(self.origin).as_micros() as u64 / 100 + 1;
         self.wheel.insert(tick, id)
     }
     fn remove(&mut self, key: &Self::Key) {

@@ -306,9 +306,13 @@ impl FairPeer {
     }
 
     /// Runs the check of every live watcher of `key`, completes those that
-    /// can, and drops dead ids from the list.
+    /// can, and drops dead ids from the list. The buffer of finished requests
+    /// is kept per thread, so a warmed-up walk allocates nothing.
     pub(crate) fn complete_key(&self, key: u32) {
-        let mut finished = Vec::new();
+        thread_local! {
+            static FINISHED: std::cell::RefCell<Vec<Pending>> = const { std::cell::RefCell::new(Vec::new()) };
+        }
+        let mut finished = FINISHED.with(|f| std::mem::take(&mut *f.borrow_mut()));
         {
             let mut s = self.state.lock().unwrap();
             let FairState {
@@ -321,6 +325,8 @@ impl FairPeer {
                 ..
             } = &mut *s;
             let Some(ids) = watchers.get_mut(&key) else {
+                drop(s);
+                FINISHED.with(|f| *f.borrow_mut() = finished);
                 return;
             };
             ids.retain(|&id| {
@@ -343,11 +349,12 @@ impl FairPeer {
             }
             s.maybe_purge();
         }
-        for p in finished {
+        for p in finished.drain(..) {
             if let Some(tx) = p.done {
                 let _ = tx.send(());
             }
         }
+        FINISHED.with(|f| *f.borrow_mut() = finished);
     }
 
     pub(crate) async fn drive(self: Arc<Self>, stop: Arc<tokio::sync::Notify>) {
@@ -412,7 +419,9 @@ use std::future::Future;
 // once its check says "not yet". Registration checks before it watches and
 // again after, with the lock released, as this crate does. A walk takes the
 // requests of every live id out in one hold of the lock and finishes them in
-// one more. It shows what the rules themselves cost over the fair peer,
+// one more (and one more per round of re-checks asked for meanwhile); the ids
+// of those it finishes stay in the walked list until a later walk or the
+// purge drops them. It shows what the rules themselves cost over the fair peer,
 // whatever the design that follows them.
 
 /// A request's slot in the rule-following peer, whose timer's keys are `K`.
@@ -478,7 +487,9 @@ mod test_rng;
 
 /// This crate's wheel at its default shape (64 slots, 6 levels) and tick
 /// (100 µs), with deadlines in ticks from when it was made, and the tick its
-/// driver sleeps until (`u64::MAX`: until woken).
+/// driver last went to sleep until (`u64::MAX`: until woken), lowered by each
+/// registration that wakes it; while the driver works it is stale, and a
+/// registration may wake it needlessly.
 pub(crate) struct WheelTimers {
     wheel: wheel::Wheel<Id>,
     origin: Instant,
@@ -791,7 +802,8 @@ impl<Q: LeanTimers> LeanPeer<Q> {
 
     /// Runs the check of every live watcher of `key` (those being checked
     /// elsewhere are asked to check again), completes those that can, and
-    /// drops dead ids from the list. The walk's buffers are kept per thread,
+    /// drops the ids of requests already finished from the list (those it
+    /// finishes now stay until a later walk or the purge). The walk's buffers are kept per thread,
     /// as this crate keeps its own, so a warmed-up walk allocates nothing.
     pub(crate) fn complete_key(&self, key: u32) {
         type Walk = (Vec<(Id, Option<FakeOp>, bool)>, Vec<Leftover>);
@@ -907,12 +919,14 @@ impl LeanPeer<tokio_util::time::DelayQueue<Id>> {
 }
 
 impl LeanPeer<WheelTimers> {
-    /// Expires what is due, up to 64 entries per hold of the lock, and sleeps
-    /// until the wheel's next deadline or a registration's earlier one.
+    /// Expires what is due, up to 64 entries per hold of the lock and 1,024
+    /// per turn before it yields (as this crate's reaper), and sleeps until
+    /// the wheel's next deadline or a registration's earlier one.
     pub(crate) async fn drive(self: Arc<Self>, stop: Arc<tokio::sync::Notify>) {
         let stopped = stop.notified();
         tokio::pin!(stopped);
         let mut due: Vec<Leftover> = Vec::with_capacity(64);
+        let mut turn = 0usize;
         loop {
             let sleep_until = {
                 let mut s = self.state.lock().unwrap();
@@ -941,12 +955,17 @@ impl LeanPeer<WheelTimers> {
                 }
             };
             if !due.is_empty() {
+                turn += due.len();
                 for l in due.drain(..) {
                     l.run();
                 }
-                tokio::task::yield_now().await;
+                if turn >= 1024 {
+                    turn = 0;
+                    tokio::task::yield_now().await;
+                }
                 continue;
             }
+            turn = 0;
             let sleep = async {
                 match sleep_until {
                     Some(at) => tokio::time::sleep_until(at).await,
