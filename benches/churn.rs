@@ -89,6 +89,24 @@ struct Slot {
     pending: Option<Pending>,
 }
 
+/// Both one-lock purgatories' purge: once dead ids outnumber
+/// max(1,000, live ones), every list is swept in one pass.
+fn purge(
+    watchers: &mut HashMap<u32, Vec<Id>>,
+    live: usize,
+    dead: &mut usize,
+    is_live: impl Fn(Id) -> bool,
+) {
+    if *dead > live.max(1000) {
+        watchers.retain(|_, ids| {
+            let before = ids.len();
+            ids.retain(|id| is_live(*id));
+            *dead -= before - ids.len();
+            !ids.is_empty()
+        });
+    }
+}
+
 #[derive(Default)]
 struct Fair {
     queue: DelayQueue<Id>,
@@ -133,20 +151,14 @@ impl Fair {
                 s.watchers.entry(*k).or_default().push(id);
             }
         }
-        if s.dead > s.live.max(1000) {
-            let Fair {
-                slots,
-                watchers,
-                dead,
-                ..
-            } = &mut *s;
-            watchers.retain(|_, ids| {
-                let before = ids.len();
-                ids.retain(|id| Fair::is_live(slots, *id));
-                *dead -= before - ids.len();
-                !ids.is_empty()
-            });
-        }
+        let Fair {
+            slots,
+            watchers,
+            live,
+            dead,
+            ..
+        } = &mut *s;
+        purge(watchers, *live, dead, |id| Fair::is_live(slots, id));
         Some(id)
     }
 
@@ -371,20 +383,14 @@ impl<Q: Timers> Lean<Q> {
                     s.watchers.entry(*k).or_default().push(id);
                 }
             }
-            if s.dead > s.live.max(1000) {
-                let Lean {
-                    slots,
-                    watchers,
-                    dead,
-                    ..
-                } = &mut *s;
-                watchers.retain(|_, ids| {
-                    let before = ids.len();
-                    ids.retain(|id| Lean::<Q>::is_live(slots, *id));
-                    *dead -= before - ids.len();
-                    !ids.is_empty()
-                });
-            }
+            let Lean {
+                slots,
+                watchers,
+                live,
+                dead,
+                ..
+            } = &mut *s;
+            purge(watchers, *live, dead, |id| Lean::<Q>::is_live(slots, id));
             id
         };
         (!Lean::<Q>::settle(lock, id, op)).then_some(id)

@@ -185,44 +185,57 @@ impl FairState {
         pending
     }
 
-    /// The purge: once dead ids outnumber max(1,000, live ids), sweep every
-    /// list, at most 128 entries per call (a list is visited whole), and give
-    /// back the room of lists that shrank a lot.
+    /// The purge (see [`purge_slice`]).
     pub(crate) fn maybe_purge(&mut self) {
-        if self.purge.is_none() {
-            if self.dead <= self.live.max(1_000) {
-                return;
-            }
-            self.purge = Some((self.watchers.keys().copied().collect(), 0));
-        }
         let FairState {
             slots,
             watchers,
+            live,
             dead,
             purge,
             ..
         } = self;
-        let (keys, next) = purge.as_mut().expect("a purge under way");
-        let mut budget = 128usize;
-        while budget > 0 && *next < keys.len() {
-            let key = keys[*next];
-            *next += 1;
-            let Some(ids) = watchers.get_mut(&key) else {
-                continue;
-            };
-            let before = ids.len();
-            ids.retain(|id| Self::is_live(slots, *id));
-            *dead -= before - ids.len();
-            budget = budget.saturating_sub(before);
-            if ids.is_empty() {
-                watchers.remove(&key);
-            } else if ids.capacity() > 16 && ids.len() * 4 < ids.capacity() {
-                ids.shrink_to_fit();
-            }
+        purge_slice(watchers, purge, *live, dead, |id| Self::is_live(slots, id));
+    }
+}
+
+/// The one-lock peers' purge: once dead ids outnumber max(1,000, live ids),
+/// sweep every list (the keys taken when the purge starts), at most 128
+/// entries per call (a list is visited whole), dropping the ids `is_live`
+/// refuses and giving back the room of lists that shrank a lot.
+fn purge_slice(
+    watchers: &mut HashMap<u32, Vec<Id>>,
+    purge: &mut Option<(Vec<u32>, usize)>,
+    live: usize,
+    dead: &mut usize,
+    is_live: impl Fn(Id) -> bool,
+) {
+    if purge.is_none() {
+        if *dead <= live.max(1_000) {
+            return;
         }
-        if *next >= keys.len() {
-            *purge = None;
+        *purge = Some((watchers.keys().copied().collect(), 0));
+    }
+    let (keys, next) = purge.as_mut().expect("a purge under way");
+    let mut budget = 128usize;
+    while budget > 0 && *next < keys.len() {
+        let key = keys[*next];
+        *next += 1;
+        let Some(ids) = watchers.get_mut(&key) else {
+            continue;
+        };
+        let before = ids.len();
+        ids.retain(|id| is_live(*id));
+        *dead -= before - ids.len();
+        budget = budget.saturating_sub(before);
+        if ids.is_empty() {
+            watchers.remove(&key);
+        } else if ids.capacity() > 16 && ids.len() * 4 < ids.capacity() {
+            ids.shrink_to_fit();
         }
+    }
+    if *next >= keys.len() {
+        *purge = None;
     }
 }
 
@@ -230,10 +243,10 @@ pub(crate) struct FairPeer {
     pub(crate) state: Mutex<FairState>,
 }
 
-impl FairPeer {
+impl Rules for FairPeer {
     /// Checks `op`, and registers it on `keys` unless it completed: one lock
     /// held throughout, so no event is lost between the check and the watch.
-    pub(crate) fn register(
+    fn register(
         &self,
         mut op: FakeOp,
         keys: &[u32],
@@ -274,7 +287,7 @@ impl FairPeer {
     }
 
     /// Completes the request `id` if its check says it can.
-    pub(crate) fn complete(&self, id: Id) {
+    fn complete(&self, id: Id) {
         let finished = {
             let mut s = self.state.lock().unwrap();
             let FairState {
@@ -308,7 +321,7 @@ impl FairPeer {
     /// Runs the check of every live watcher of `key`, completes those that
     /// can, and drops dead ids from the list. The buffer of finished requests
     /// is kept per thread, so a warmed-up walk allocates nothing.
-    pub(crate) fn complete_key(&self, key: u32) {
+    fn complete_key(&self, key: u32) {
         thread_local! {
             static FINISHED: std::cell::RefCell<Vec<Pending>> = const { std::cell::RefCell::new(Vec::new()) };
         }
@@ -356,52 +369,78 @@ impl FairPeer {
         }
         FINISHED.with(|f| *f.borrow_mut() = finished);
     }
+}
 
+impl FairPeer {
     pub(crate) async fn drive(self: Arc<Self>, stop: Arc<tokio::sync::Notify>) {
-        use std::future::poll_fn;
-        use std::task::Poll;
-        let stopped = stop.notified();
-        tokio::pin!(stopped);
-        // Up to 64 due entries per hold of the lock, as this crate's reaper
-        // takes them; run with the lock released.
-        let mut due: Vec<Pending> = Vec::with_capacity(64);
-        loop {
-            let stop = poll_fn(|cx| {
-                if stopped.as_mut().poll(cx).is_ready() {
-                    return Poll::Ready(true);
-                }
-                let mut s = self.state.lock().unwrap();
-                while due.len() < 64 {
-                    match s.queue.poll_expired(cx) {
-                        Poll::Ready(Some(e)) => {
-                            let id = e.into_inner();
-                            let FairState {
-                                slots,
-                                free,
-                                live,
-                                dead,
-                                ..
-                            } = &mut *s;
-                            due.push(FairState::take(slots, free, live, dead, id));
-                        }
-                        Poll::Ready(None) | Poll::Pending => break,
-                    }
-                }
-                if due.is_empty() {
-                    Poll::Pending
-                } else {
-                    Poll::Ready(false)
-                }
-            })
-            .await;
-            if stop {
-                return;
-            }
-            for p in due.drain(..) {
+        drive_queue(
+            &self.state,
+            stop,
+            |s| &mut s.queue,
+            |s, id| {
+                let FairState {
+                    slots,
+                    free,
+                    live,
+                    dead,
+                    ..
+                } = s;
+                Some(FairState::take(slots, free, live, dead, id))
+            },
+            |p: Pending| {
                 // An awaiting task sees the sender dropped: expired.
                 drop(p.done);
                 p.op.on_expiration();
+            },
+        )
+        .await
+    }
+}
+
+/// Expires a one-lock peer's `DelayQueue` from one task: up to 64 due entries
+/// per hold of the lock (as this crate's reaper takes them), each handed to
+/// `take` under the lock (`None`: left to the request's checker), and what it
+/// gives to `run` with the lock released.
+async fn drive_queue<S, D>(
+    state: &Mutex<S>,
+    stop: Arc<tokio::sync::Notify>,
+    queue: impl Fn(&mut S) -> &mut tokio_util::time::DelayQueue<Id>,
+    mut take: impl FnMut(&mut S, Id) -> Option<D>,
+    mut run: impl FnMut(D),
+) {
+    use std::future::poll_fn;
+    use std::task::Poll;
+    let stopped = stop.notified();
+    tokio::pin!(stopped);
+    let mut due: Vec<D> = Vec::with_capacity(64);
+    loop {
+        let stop = poll_fn(|cx| {
+            if stopped.as_mut().poll(cx).is_ready() {
+                return Poll::Ready(true);
             }
+            let mut s = state.lock().unwrap();
+            while due.len() < 64 {
+                match queue(&mut s).poll_expired(cx) {
+                    Poll::Ready(Some(e)) => {
+                        if let Some(d) = take(&mut s, e.into_inner()) {
+                            due.push(d);
+                        }
+                    }
+                    Poll::Ready(None) | Poll::Pending => break,
+                }
+            }
+            if due.is_empty() {
+                Poll::Pending
+            } else {
+                Poll::Ready(false)
+            }
+        })
+        .await;
+        if stop {
+            return;
+        }
+        for d in due.drain(..) {
+            run(d);
         }
     }
 }
@@ -632,42 +671,17 @@ impl<Q: LeanTimers> LeanState<Q> {
         After::Pending
     }
 
-    /// The purge, as the fair peer's.
+    /// The purge, as the fair peer's (see [`purge_slice`]).
     fn maybe_purge(&mut self) {
-        if self.purge.is_none() {
-            if self.dead <= self.live.max(1_000) {
-                return;
-            }
-            self.purge = Some((self.watchers.keys().copied().collect(), 0));
-        }
         let LeanState {
             slots,
             watchers,
+            live,
             dead,
             purge,
             ..
         } = self;
-        let (keys, next) = purge.as_mut().expect("a purge under way");
-        let mut budget = 128usize;
-        while budget > 0 && *next < keys.len() {
-            let key = keys[*next];
-            *next += 1;
-            let Some(ids) = watchers.get_mut(&key) else {
-                continue;
-            };
-            let before = ids.len();
-            ids.retain(|id| Self::is_live(slots, *id));
-            *dead -= before - ids.len();
-            budget = budget.saturating_sub(before);
-            if ids.is_empty() {
-                watchers.remove(&key);
-            } else if ids.capacity() > 16 && ids.len() * 4 < ids.capacity() {
-                ids.shrink_to_fit();
-            }
-        }
-        if *next >= keys.len() {
-            *purge = None;
-        }
+        purge_slice(watchers, purge, *live, dead, |id| Self::is_live(slots, id));
     }
 }
 
@@ -686,7 +700,7 @@ impl<Q: LeanTimers> Default for LeanPeer<Q> {
     }
 }
 
-/// The rule-following peer, whichever its timer.
+/// A one-lock peer: the fair one, or the rule-following one whichever its timer.
 pub(crate) trait Rules: Send + Sync {
     fn register(
         &self,
@@ -696,23 +710,6 @@ pub(crate) trait Rules: Send + Sync {
     ) -> (Option<Id>, Option<oneshot::Receiver<()>>);
     fn complete(&self, id: Id);
     fn complete_key(&self, key: u32);
-}
-
-impl<Q: LeanTimers> Rules for LeanPeer<Q> {
-    fn register(
-        &self,
-        op: FakeOp,
-        keys: &[u32],
-        awaited: bool,
-    ) -> (Option<Id>, Option<oneshot::Receiver<()>>) {
-        LeanPeer::register(self, op, keys, awaited)
-    }
-    fn complete(&self, id: Id) {
-        LeanPeer::complete(self, id)
-    }
-    fn complete_key(&self, key: u32) {
-        LeanPeer::complete_key(self, key)
-    }
 }
 
 impl<Q: LeanTimers> LeanPeer<Q> {
@@ -729,10 +726,12 @@ impl<Q: LeanTimers> LeanPeer<Q> {
             }
         }
     }
+}
 
+impl<Q: LeanTimers> Rules for LeanPeer<Q> {
     /// Checks `op`, and registers it on `keys` unless it completed; checks it
     /// again once it is watched.
-    pub(crate) fn register(
+    fn register(
         &self,
         mut op: FakeOp,
         keys: &[u32],
@@ -783,7 +782,7 @@ impl<Q: LeanTimers> LeanPeer<Q> {
     }
 
     /// Completes the request `id` if its check says it can.
-    pub(crate) fn complete(&self, id: Id) {
+    fn complete(&self, id: Id) {
         let op = {
             let mut s = self.state.lock().unwrap();
             let slot = &mut s.slots[id.index as usize];
@@ -805,7 +804,7 @@ impl<Q: LeanTimers> LeanPeer<Q> {
     /// drops the ids of requests already finished from the list (those it
     /// finishes now stay until a later walk or the purge). The walk's buffers are kept per thread,
     /// as this crate keeps its own, so a warmed-up walk allocates nothing.
-    pub(crate) fn complete_key(&self, key: u32) {
+    fn complete_key(&self, key: u32) {
         type Walk = (Vec<(Id, Option<FakeOp>, bool)>, Vec<Leftover>);
         thread_local! {
             static WALK: std::cell::RefCell<Walk> = std::cell::RefCell::default();
@@ -871,50 +870,25 @@ impl<Q: LeanTimers> LeanPeer<Q> {
 
 impl LeanPeer<tokio_util::time::DelayQueue<Id>> {
     pub(crate) async fn drive(self: Arc<Self>, stop: Arc<tokio::sync::Notify>) {
-        use std::future::poll_fn;
-        use std::task::Poll;
-        let stopped = stop.notified();
-        tokio::pin!(stopped);
-        // Up to 64 due entries per hold of the lock, as the fair peer.
-        let mut due: Vec<Leftover> = Vec::with_capacity(64);
-        loop {
-            let stop = poll_fn(|cx| {
-                if stopped.as_mut().poll(cx).is_ready() {
-                    return Poll::Ready(true);
+        drive_queue(
+            &self.state,
+            stop,
+            |s| &mut s.timers,
+            |s, id| {
+                let slot = &mut s.slots[id.index as usize];
+                slot.timer = None;
+                if slot.checking {
+                    // The checker expires it if its check says "not yet".
+                    slot.expire = true;
+                    return None;
                 }
-                let mut s = self.state.lock().unwrap();
-                while due.len() < 64 {
-                    match s.timers.poll_expired(cx) {
-                        Poll::Ready(Some(e)) => {
-                            let id = e.into_inner();
-                            let slot = &mut s.slots[id.index as usize];
-                            slot.timer = None;
-                            if slot.checking {
-                                // The checker expires it if its check says "not yet".
-                                slot.expire = true;
-                                continue;
-                            }
-                            let op = slot.op.take().expect("a pending request");
-                            let done = s.free_slot(id);
-                            due.push(Leftover::Expired(op, done));
-                        }
-                        Poll::Ready(None) | Poll::Pending => break,
-                    }
-                }
-                if due.is_empty() {
-                    Poll::Pending
-                } else {
-                    Poll::Ready(false)
-                }
-            })
-            .await;
-            if stop {
-                return;
-            }
-            for l in due.drain(..) {
-                l.run();
-            }
-        }
+                let op = slot.op.take().expect("a pending request");
+                let done = s.free_slot(id);
+                Some(Leftover::Expired(op, done))
+            },
+            Leftover::run,
+        )
+        .await
     }
 }
 

@@ -211,25 +211,20 @@ pub(crate) fn summary(o: &Opts, rows: &[Row]) {
     }
     // What this crate's rules cost a one-lock design, and this crate against
     // that design.
-    if med(Imp::Lean, |r| r.cpu_ms).is_finite() {
-        println!(
-            "one-lock peer under this crate's rules / one-lock peer: CPU {:.2}, peak RSS {:.2}, lateness p99 {:.2}; tokio-purgatory / it: CPU {:.2}, peak RSS {:.2}",
-            med(Imp::Lean, |r| r.cpu_ms) / med(Imp::Fair, |r| r.cpu_ms),
-            med(Imp::Lean, |r| r.rss_mb) / med(Imp::Fair, |r| r.rss_mb),
-            med(Imp::Lean, |r| r.p99) / med(Imp::Fair, |r| r.p99),
-            med(Imp::Purgatory, |r| r.cpu_ms) / med(Imp::Lean, |r| r.cpu_ms),
-            med(Imp::Purgatory, |r| r.rss_mb) / med(Imp::Lean, |r| r.rss_mb),
-        );
-    }
-    if med(Imp::LeanWheel, |r| r.cpu_ms).is_finite() {
-        println!(
-            "the same with this crate's wheel / one-lock peer: CPU {:.2}, peak RSS {:.2}, lateness p99 {:.2}; tokio-purgatory / it: CPU {:.2}, peak RSS {:.2}",
-            med(Imp::LeanWheel, |r| r.cpu_ms) / med(Imp::Fair, |r| r.cpu_ms),
-            med(Imp::LeanWheel, |r| r.rss_mb) / med(Imp::Fair, |r| r.rss_mb),
-            med(Imp::LeanWheel, |r| r.p99) / med(Imp::Fair, |r| r.p99),
-            med(Imp::Purgatory, |r| r.cpu_ms) / med(Imp::LeanWheel, |r| r.cpu_ms),
-            med(Imp::Purgatory, |r| r.rss_mb) / med(Imp::LeanWheel, |r| r.rss_mb),
-        );
+    for (imp, what) in [
+        (Imp::Lean, "one-lock peer under this crate's rules"),
+        (Imp::LeanWheel, "the same with this crate's wheel"),
+    ] {
+        if med(imp, |r| r.cpu_ms).is_finite() {
+            println!(
+                "{what} / one-lock peer: CPU {:.2}, peak RSS {:.2}, lateness p99 {:.2}; tokio-purgatory / it: CPU {:.2}, peak RSS {:.2}",
+                med(imp, |r| r.cpu_ms) / med(Imp::Fair, |r| r.cpu_ms),
+                med(imp, |r| r.rss_mb) / med(Imp::Fair, |r| r.rss_mb),
+                med(imp, |r| r.p99) / med(Imp::Fair, |r| r.p99),
+                med(Imp::Purgatory, |r| r.cpu_ms) / med(imp, |r| r.cpu_ms),
+                med(Imp::Purgatory, |r| r.rss_mb) / med(imp, |r| r.rss_mb),
+            );
+        }
     }
     // The harness's own CPU is in every run; what each implementation adds is
     // its CPU above the floor's.

@@ -366,6 +366,27 @@ pub(crate) async fn run(o: Opts) -> RunResult {
     }
 }
 
+/// Registers `op` with a one-lock peer; the token its completion needs.
+fn one_lock(
+    peer: &dyn Rules,
+    op: FakeOp,
+    keys: &[u32],
+    mode: Mode,
+    reach: Option<Token>,
+) -> Option<Token> {
+    let (id, rx) = peer.register(op, keys, mode == Mode::Awaited);
+    if let Some(rx) = rx {
+        tokio::spawn(async move {
+            let _ = rx.await;
+        });
+    }
+    match mode {
+        Mode::Offsets => reach,
+        Mode::Key => Some(Token::Key(keys[0])),
+        Mode::Kafka | Mode::Awaited => id.map(Token::Id),
+    }
+}
+
 /// One generator's share of the load.
 pub(crate) struct Generator {
     pub(crate) o: Opts,
@@ -482,36 +503,8 @@ pub(crate) async fn generate(g: Generator) -> (Instant, Histogram<u64>) {
                     t
                 }
             }
-            Target::Fair(peer) => {
-                let (id, rx) = peer.register(op, &keys, awaited);
-                if let Some(rx) = rx {
-                    tokio::spawn(async move {
-                        let _ = rx.await;
-                    });
-                }
-                if offsets {
-                    reach
-                } else if key_driven {
-                    Some(Token::Key(keys[0]))
-                } else {
-                    id.map(Token::Id)
-                }
-            }
-            Target::Lean(peer) => {
-                let (id, rx) = peer.register(op, &keys, awaited);
-                if let Some(rx) = rx {
-                    tokio::spawn(async move {
-                        let _ = rx.await;
-                    });
-                }
-                if offsets {
-                    reach
-                } else if key_driven {
-                    Some(Token::Key(keys[0]))
-                } else {
-                    id.map(Token::Id)
-                }
-            }
+            Target::Fair(peer) => one_lock(&**peer, op, &keys, o.mode, reach),
+            Target::Lean(peer) => one_lock(&**peer, op, &keys, o.mode, reach),
             Target::Floor => {
                 if completes_at.is_none() {
                     g.counts.expired.fetch_add(1, Ordering::Relaxed);
