@@ -1,5 +1,6 @@
-//! The peers this crate is measured against: a task per request, and the
-//! fair one-lock purgatory.
+//! The peers this crate is measured against: a task per request, the fair
+//! one-lock purgatory, and that purgatory under this crate's rules (no user
+//! code under its lock), with `DelayQueue` or with this crate's wheel.
 
 use super::*;
 
@@ -460,8 +461,9 @@ use std::future::Future;
 // requests of every live id out in one hold of the lock and finishes them in
 // one more (and one more per round of re-checks asked for meanwhile); the ids
 // of those it finishes stay in the walked list until a later walk or the
-// purge drops them. It shows what the rules themselves cost over the fair peer,
-// whatever the design that follows them.
+// purge drops them. With `DelayQueue` (`lean`) it shows what the rules cost a
+// one-lock design; with this crate's timing wheel in its place (`lean-wheel`),
+// what such a design costs with this crate's timer.
 
 /// A request's slot in the rule-following peer, whose timer's keys are `K`.
 pub(crate) struct LeanSlot<K> {
