@@ -71,11 +71,11 @@ impl Rng {
     }
 }
 
-#[derive(Clone, Copy, PartialEq, Eq)]
-struct Id {
-    index: u32,
-    generation: u32,
-}
+#[path = "../tests/support/one_lock.rs"]
+#[allow(unreachable_pub)]
+mod one_lock;
+use one_lock::Id;
+use one_lock::{vacant, watch};
 
 struct Pending {
     op: Op,
@@ -130,27 +130,15 @@ impl Fair {
         deadline: tokio::time::Instant,
     ) -> Option<Id> {
         let mut s = lock.lock().unwrap();
+        let s = &mut *s;
         if op.check().is_some() {
             return None;
         }
-        let index = s.free.pop().unwrap_or_else(|| {
-            s.slots.push(Slot::default());
-            s.slots.len() as u32 - 1
-        });
-        let id = Id {
-            index,
-            generation: s.slots[index as usize].generation,
-        };
+        let id = vacant(&mut s.slots, &mut s.free, |s| s.generation);
         let timer = s.queue.insert_at(id, deadline);
-        let distinct = |i: usize| !keys[..i].contains(&keys[i]);
-        let n = (0..3).filter(|&i| distinct(i)).count() as u32;
+        let n = watch(&mut s.watchers, &keys, id);
         s.live += n as usize;
-        s.slots[index as usize].pending = Some(Pending { op, timer, keys: n });
-        for (i, k) in keys.iter().enumerate() {
-            if distinct(i) {
-                s.watchers.entry(*k).or_default().push(id);
-            }
-        }
+        s.slots[id.index as usize].pending = Some(Pending { op, timer, keys: n });
         let Fair {
             slots,
             watchers,
@@ -361,28 +349,16 @@ impl<Q: Timers> Lean<Q> {
         }
         let id = {
             let mut s = lock.lock().unwrap();
-            let index = s.free.pop().unwrap_or_else(|| {
-                s.slots.push(LeanSlot::default());
-                s.slots.len() as u32 - 1
-            });
-            let id = Id {
-                index,
-                generation: s.slots[index as usize].generation,
-            };
+            let s = &mut *s;
+            let id = vacant(&mut s.slots, &mut s.free, |s| s.generation);
             let timer = s.queue.insert(id, deadline);
-            let distinct = |i: usize| !keys[..i].contains(&keys[i]);
-            let n = (0..3).filter(|&i| distinct(i)).count() as u32;
+            let n = watch(&mut s.watchers, &keys, id);
             s.live += n as usize;
-            let slot = &mut s.slots[index as usize];
+            let slot = &mut s.slots[id.index as usize];
             slot.pending = true;
             slot.checking = true;
             slot.timer = Some(timer);
             slot.keys = n;
-            for (i, k) in keys.iter().enumerate() {
-                if distinct(i) {
-                    s.watchers.entry(*k).or_default().push(id);
-                }
-            }
             let Lean {
                 slots,
                 watchers,

@@ -97,12 +97,11 @@ impl TaskPeer {
 // one lock (there is no other lock to run them under, and checking outside it
 // would race events).
 
-/// A request's id: its slot, and the slot's generation when it was taken.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Id {
-    pub(crate) index: u32,
-    pub(crate) generation: u32,
-}
+#[path = "../../tests/support/one_lock.rs"]
+#[allow(unreachable_pub)]
+mod one_lock;
+pub(crate) use one_lock::Id;
+use one_lock::{vacant, watch};
 
 /// A pending request in the fair peer.
 pub(crate) struct Pending {
@@ -113,6 +112,7 @@ pub(crate) struct Pending {
     pub(crate) done: Option<oneshot::Sender<()>>,
 }
 
+#[derive(Default)]
 pub(crate) struct Slot {
     pub(crate) generation: u32,
     pub(crate) pending: Option<Pending>,
@@ -151,17 +151,7 @@ impl FairState {
     /// An empty slot's id, for [`fill`](Self::fill) (the timer entry is made
     /// between the two, with the id it carries).
     pub(crate) fn vacant(&mut self) -> Id {
-        let index = self.free.pop().unwrap_or_else(|| {
-            self.slots.push(Slot {
-                generation: 0,
-                pending: None,
-            });
-            self.slots.len() as u32 - 1
-        });
-        Id {
-            index,
-            generation: self.slots[index as usize].generation,
-        }
+        vacant(&mut self.slots, &mut self.free, |s| s.generation)
     }
 
     pub(crate) fn fill(&mut self, id: Id, pending: Pending) {
@@ -260,7 +250,6 @@ impl Rules for FairPeer {
         } else {
             (None, None)
         };
-        let distinct = |i: usize| !keys[..i].contains(&keys[i]);
         let mut s = self.state.lock().unwrap();
         if op.try_complete().is_some() {
             drop(s);
@@ -268,21 +257,16 @@ impl Rules for FairPeer {
         }
         let id = s.vacant();
         let timer = s.queue.insert_at(id, op.deadline);
-        let n = (0..keys.len()).filter(|&i| distinct(i)).count();
+        let n = watch(&mut s.watchers, keys, id);
         s.fill(
             id,
             Pending {
                 op,
                 timer,
-                keys: n as u32,
+                keys: n,
                 done,
             },
         );
-        for (i, k) in keys.iter().enumerate() {
-            if distinct(i) {
-                s.watchers.entry(*k).or_default().push(id);
-            }
-        }
         s.maybe_purge();
         (Some(id), rx)
     }
@@ -748,31 +732,19 @@ impl<Q: LeanTimers> Rules for LeanPeer<Q> {
         } else {
             (None, None)
         };
-        let distinct = |i: usize| !keys[..i].contains(&keys[i]);
         let (id, wake) = {
             let mut s = self.state.lock().unwrap();
-            let index = s.free.pop().unwrap_or_else(|| {
-                s.slots.push(LeanSlot::default());
-                s.slots.len() as u32 - 1
-            });
-            let id = Id {
-                index,
-                generation: s.slots[index as usize].generation,
-            };
+            let s = &mut *s;
+            let id = vacant(&mut s.slots, &mut s.free, |s| s.generation);
             let (timer, wake) = s.timers.insert(id, op.deadline);
-            let n = (0..keys.len()).filter(|&i| distinct(i)).count() as u32;
+            let n = watch(&mut s.watchers, keys, id);
             s.live += n as usize;
-            let slot = &mut s.slots[index as usize];
+            let slot = &mut s.slots[id.index as usize];
             slot.pending = true;
             slot.checking = true;
             slot.timer = Some(timer);
             slot.keys = n;
             slot.done = done;
-            for (i, k) in keys.iter().enumerate() {
-                if distinct(i) {
-                    s.watchers.entry(*k).or_default().push(id);
-                }
-            }
             s.maybe_purge();
             (id, wake)
         };
