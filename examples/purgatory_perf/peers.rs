@@ -673,15 +673,16 @@ impl<Q: LeanTimers> LeanState<Q> {
 
 pub(crate) struct LeanPeer<Q: LeanTimers> {
     pub(crate) state: Mutex<LeanState<Q>>,
-    /// Wakes the wheel's driver for a deadline earlier than its sleep.
-    pub(crate) wake: tokio::sync::Notify,
+    /// Wakes the wheel's driver for a deadline earlier than its sleep
+    /// (shared by the shards of a sharded peer, which have one driver).
+    pub(crate) wake: Arc<tokio::sync::Notify>,
 }
 
 impl<Q: LeanTimers> Default for LeanPeer<Q> {
     fn default() -> Self {
         LeanPeer {
             state: Mutex::default(),
-            wake: tokio::sync::Notify::new(),
+            wake: Arc::default(),
         }
     }
 }
@@ -867,64 +868,190 @@ impl LeanPeer<tokio_util::time::DelayQueue<Id>> {
 }
 
 impl LeanPeer<WheelTimers> {
-    /// Expires what is due, up to 64 entries per hold of the lock and 1,024
-    /// per turn before it yields (as this crate's reaper), and sleeps until
-    /// the wheel's next deadline or a registration's earlier one.
+    /// Expires what is due (as [`drive_wheels`]).
     pub(crate) async fn drive(self: Arc<Self>, stop: Arc<tokio::sync::Notify>) {
-        let stopped = stop.notified();
-        tokio::pin!(stopped);
-        let mut due: Vec<Leftover> = Vec::with_capacity(64);
-        let mut turn = 0usize;
-        loop {
-            let sleep_until = {
-                let mut s = self.state.lock().unwrap();
-                let now = s.timers.tick_of(Instant::now());
-                while due.len() < 64 {
-                    let Some((_, id)) = s.timers.wheel.poll(now) else {
-                        break;
-                    };
-                    let slot = &mut s.slots[id.index as usize];
-                    slot.timer = None;
-                    if slot.checking {
-                        // The checker expires it if its check says "not yet".
-                        slot.expire = true;
-                        continue;
-                    }
-                    let op = slot.op.take().expect("a pending request");
-                    let done = s.free_slot(id);
-                    due.push(Leftover::Expired(op, done));
-                }
-                if due.is_empty() {
-                    let next = s.timers.wheel.next_expiration().unwrap_or(u64::MAX);
-                    s.timers.sleeping_until = next;
-                    (next != u64::MAX).then(|| s.timers.instant_of(next))
-                } else {
-                    None
-                }
+        drive_wheels(&[&*self], &self.wake, stop).await
+    }
+
+    /// Takes up to 64 due requests out under one hold of the lock (those
+    /// being checked are left to their checker) into `due`. When none is due,
+    /// records that the driver sleeps until the wheel's next deadline (a
+    /// registration before it wakes the driver) and returns that deadline
+    /// (`None`: nothing pending).
+    fn take_due(&self, due: &mut Vec<Leftover>) -> Option<Option<Instant>> {
+        let mut s = self.state.lock().unwrap();
+        let now = s.timers.tick_of(Instant::now());
+        let before = due.len();
+        while due.len() < before + 64 {
+            let Some((_, id)) = s.timers.wheel.poll(now) else {
+                break;
             };
-            if !due.is_empty() {
-                turn += due.len();
-                for l in due.drain(..) {
-                    l.run();
-                }
-                if turn >= 1024 {
-                    turn = 0;
-                    tokio::task::yield_now().await;
-                }
+            let slot = &mut s.slots[id.index as usize];
+            slot.timer = None;
+            if slot.checking {
+                // The checker expires it if its check says "not yet".
+                slot.expire = true;
                 continue;
             }
-            turn = 0;
-            let sleep = async {
-                match sleep_until {
-                    Some(at) => tokio::time::sleep_until(at).await,
-                    None => std::future::pending().await,
+            let op = slot.op.take().expect("a pending request");
+            let done = s.free_slot(id);
+            due.push(Leftover::Expired(op, done));
+        }
+        if due.len() > before {
+            return None;
+        }
+        let next = s.timers.wheel.next_expiration().unwrap_or(u64::MAX);
+        s.timers.sleeping_until = next;
+        Some((next != u64::MAX).then(|| s.timers.instant_of(next)))
+    }
+}
+
+/// The expiry task of the wheel peers: visits each shard's wheel in turn,
+/// expiring up to 64 entries per hold of its lock and yielding after 1,024
+/// per turn (as this crate's reaper), and sleeps until the earliest deadline
+/// of all shards or a registration's earlier one (`wake`). A shard found with
+/// nothing due records its own next deadline as the driver's sleep; the
+/// driver sleeps until the earliest, so a registration later than its own
+/// shard's next deadline needs no wake.
+async fn drive_wheels(
+    shards: &[&LeanPeer<WheelTimers>],
+    wake: &tokio::sync::Notify,
+    stop: Arc<tokio::sync::Notify>,
+) {
+    let stopped = stop.notified();
+    tokio::pin!(stopped);
+    let mut due: Vec<Leftover> = Vec::with_capacity(64);
+    let mut turn = 0usize;
+    loop {
+        let mut earliest: Option<Instant> = None;
+        let mut expired = false;
+        for shard in shards {
+            match shard.take_due(&mut due) {
+                None => {
+                    expired = true;
+                    turn += due.len();
+                    for l in due.drain(..) {
+                        l.run();
+                    }
                 }
-            };
-            tokio::select! {
-                _ = &mut stopped => return,
-                _ = sleep => {}
-                _ = self.wake.notified() => {}
+                Some(next) => {
+                    earliest = match (earliest, next) {
+                        (Some(a), Some(b)) => Some(a.min(b)),
+                        (a, b) => a.or(b),
+                    };
+                }
             }
+        }
+        if expired {
+            if turn >= 1024 {
+                turn = 0;
+                tokio::task::yield_now().await;
+            }
+            continue;
+        }
+        turn = 0;
+        let sleep = async {
+            match earliest {
+                Some(at) => tokio::time::sleep_until(at).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            _ = &mut stopped => return,
+            _ = sleep => {}
+            _ = wake.notified() => {}
+        }
+    }
+}
+
+// ---- peer (d): the rule-following wheel peer, split into shards
+//
+// The prototype of a layout for this crate: `lean-wheel`, one per shard, each
+// shard its own lock over its slab, its wheel and the watch lists of the
+// requests it holds. A registration goes to the shard of its thread (threads
+// take shards in turn), so registrations on different threads never meet, and
+// it takes that one lock twice, as `lean-wheel` does, whatever its keys. A
+// completion by reference goes to the request's shard. A walk of a key walks
+// that key's list in every shard, one shard after another (two holds of each
+// shard's lock, and a hash lookup that misses in a shard with no watcher of
+// the key). One expiry task visits every shard's wheel. A shard's purge reads
+// only its own slab. An id names its shard in its index's top 8 bits.
+
+/// `#[repr(align(128))]`: a shard's lock on cache lines of its own.
+#[repr(align(128))]
+pub(crate) struct Padded<T>(pub(crate) T);
+
+pub(crate) struct ShardedPeer {
+    pub(crate) shards: Box<[Padded<LeanPeer<WheelTimers>>]>,
+    wake: Arc<tokio::sync::Notify>,
+}
+
+impl ShardedPeer {
+    const SHIFT: u32 = 24;
+
+    pub(crate) fn new(shards: usize) -> Self {
+        assert!((1..=256).contains(&shards), "1 to 256 shards");
+        let wake: Arc<tokio::sync::Notify> = Arc::default();
+        let shards = (0..shards)
+            .map(|_| {
+                Padded(LeanPeer {
+                    state: Mutex::default(),
+                    wake: wake.clone(),
+                })
+            })
+            .collect();
+        ShardedPeer { shards, wake }
+    }
+
+    /// The calling thread's shard: threads take shards in turn, on first use.
+    fn mine(&self) -> usize {
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        thread_local! {
+            static STRIPE: usize = NEXT.fetch_add(1, Ordering::Relaxed);
+        }
+        STRIPE.with(|s| *s) % self.shards.len()
+    }
+
+    pub(crate) async fn drive(self: Arc<Self>, stop: Arc<tokio::sync::Notify>) {
+        // The shards without their padding, for the driver.
+        let shards: Vec<&LeanPeer<WheelTimers>> = self.shards.iter().map(|p| &p.0).collect();
+        drive_wheels(&shards, &self.wake, stop).await
+    }
+}
+
+impl Rules for ShardedPeer {
+    fn register(
+        &self,
+        op: FakeOp,
+        keys: &[u32],
+        awaited: bool,
+    ) -> (Option<Id>, Option<oneshot::Receiver<()>>) {
+        let shard = self.mine();
+        let (id, rx) = self.shards[shard].0.register(op, keys, awaited);
+        let id = id.map(|id| {
+            assert!(
+                id.index < 1 << Self::SHIFT,
+                "fewer than 2^24 requests per shard"
+            );
+            Id {
+                index: id.index | (shard as u32) << Self::SHIFT,
+                generation: id.generation,
+            }
+        });
+        (id, rx)
+    }
+
+    fn complete(&self, id: Id) {
+        let shard = (id.index >> Self::SHIFT) as usize;
+        self.shards[shard].0.complete(Id {
+            index: id.index & ((1 << Self::SHIFT) - 1),
+            generation: id.generation,
+        });
+    }
+
+    fn complete_key(&self, key: u32) {
+        for shard in self.shards.iter() {
+            shard.0.complete_key(key);
         }
     }
 }

@@ -103,6 +103,8 @@ pub(crate) fn child(o: &Opts, imp: Imp, rate: f64) -> Option<String> {
         &name(&o.runtime),
         "--generators",
         &o.generators.to_string(),
+        "--shards",
+        &o.shards.to_string(),
         "--quiet",
     ]
     .iter()
@@ -120,20 +122,22 @@ pub(crate) fn child(o: &Opts, imp: Imp, rate: f64) -> Option<String> {
 #[path = "../../tests/support/runs.rs"]
 mod runs;
 
-pub(crate) const IMPS: [Imp; 5] = [
+pub(crate) const IMPS: [Imp; 6] = [
     Imp::Purgatory,
     Imp::Task,
     Imp::Fair,
     Imp::Lean,
     Imp::LeanWheel,
+    Imp::Sharded,
 ];
 /// `--compare` also runs the harness alone, to show the floor under every run.
-pub(crate) const WITH_FLOOR: [Imp; 6] = [
+pub(crate) const WITH_FLOOR: [Imp; 7] = [
     Imp::Purgatory,
     Imp::Task,
     Imp::Fair,
     Imp::Lean,
     Imp::LeanWheel,
+    Imp::Sharded,
     Imp::Floor,
 ];
 
@@ -212,8 +216,15 @@ pub(crate) fn summary(o: &Opts, rows: &[Row]) {
     // What this crate's rules cost a one-lock design, and this crate against
     // that design.
     for (imp, what) in [
-        (Imp::Lean, "one-lock peer under this crate's rules"),
-        (Imp::LeanWheel, "the same with this crate's wheel"),
+        (
+            Imp::Lean,
+            "one-lock peer under this crate's rules".to_string(),
+        ),
+        (
+            Imp::LeanWheel,
+            "the same with this crate's wheel".to_string(),
+        ),
+        (Imp::Sharded, format!("that one in {} shards", o.shards)),
     ] {
         if med(imp, |r| r.cpu_ms).is_finite() {
             println!(
@@ -298,6 +309,7 @@ pub(crate) fn draw(
             Imp::Fair => "one-lock purgatory (DelayQueue + slab + lists)",
             Imp::Lean => "one-lock purgatory, no check under its lock",
             Imp::LeanWheel => "the same, with this crate's wheel",
+            Imp::Sharded => "that one in shards",
             Imp::Floor => "the harness alone",
         };
         // The median of each rate's runs.

@@ -194,6 +194,11 @@ pub(crate) async fn run(o: Opts) -> RunResult {
             tokio::spawn(peer.clone().drive(stop.clone()));
             Target::Lean(peer)
         }
+        Imp::Sharded => {
+            let peer = Arc::new(ShardedPeer::new(o.shards as usize));
+            tokio::spawn(peer.clone().drive(stop.clone()));
+            Target::Lean(peer)
+        }
         Imp::Floor => Target::Floor,
     };
     let target = Arc::new(target);
