@@ -157,7 +157,9 @@ pub(crate) struct Shared<K: WatchKey, O: Operation> {
     handed: Handed<Id>,
 }
 
-/// What walks of one kind did on one stripe (see [`WalkMetrics`]).
+/// What walks of one kind did on one stripe (see [`WalkMetrics`]). A check by
+/// reference counts one of `walks` (it did not complete) or `completed`, so
+/// it costs one read-modify-write; its walks are their sum.
 #[derive(Debug, Default)]
 struct WalkStripe {
     walks: AtomicU64,
@@ -306,10 +308,19 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
     /// completed `completed` of them.
     pub(crate) fn count_walk(&self, kind: WalkKind, checked: usize, completed: usize) {
         let w = &self.walks.mine()[kind as usize];
+        if matches!(kind, WalkKind::Reference) {
+            // One walk of one operation: its checks are its walks, and it
+            // counts as completed or not (see `walk_metrics`).
+            let counter = if completed > 0 {
+                &w.completed
+            } else {
+                &w.walks
+            };
+            counter.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
         w.walks.fetch_add(1, Ordering::Relaxed);
-        // A check by reference is one walk of one operation: its checks are
-        // its walks (see `walk_metrics`), one count fewer per call.
-        if checked > 0 && !matches!(kind, WalkKind::Reference) {
+        if checked > 0 {
             w.checked.fetch_add(checked as u64, Ordering::Relaxed);
         }
         if completed > 0 {
@@ -326,6 +337,7 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
             m.completed += w.completed.load(Ordering::Relaxed);
         }
         if matches!(kind, WalkKind::Reference) {
+            m.walks += m.completed;
             m.checked = m.walks;
         }
         m
