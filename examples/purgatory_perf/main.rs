@@ -29,7 +29,7 @@
 //! - The completion driver's lag (how late it acts on each 1 ms slot) is
 //!   reported beside the generators' registration lag, so a driver falling
 //!   behind is seen rather than guessed.
-//! - `--impl purgatory|task|fair|lean|lean-wheel|sharded|floor`: this crate; a task per request awaiting
+//! - `--impl purgatory|task|fair|lean|lean-wheel|sharded|key-sharded|floor`: this crate; a task per request awaiting
 //!   `tokio::time::timeout` on a completion signal with a `DashMap` of key ->
 //!   watchers; the fair one-lock purgatory (a `tokio_util::time::DelayQueue`, a
 //!   slab with generation-checked ids and `HashMap<key, Vec<id>>` lists behind
@@ -39,7 +39,8 @@
 //!   that one with this crate's timing wheel in place of `DelayQueue`
 //!   (`lean-wheel`); that one split into `--shards` shards (`sharded`, default
 //!   2: a registration goes to its thread's shard, which holds its slab, wheel
-//!   and watch lists; a walk visits every shard); the harness alone, with no
+//!   and watch lists; a walk visits every shard); the same with each key's
+//!   list in the shard its key hashes to (`key-sharded`); the harness alone, with no
 //!   purgatory (the CPU floor under every run).
 //! - `--runtime current|multi` (multi: 2 workers).
 //! - `--generators N`: N generator tasks share the load, so saturation measures
@@ -129,6 +130,11 @@ pub(crate) enum Imp {
     /// its thread's shard, a walk walks the key in every shard, and one task
     /// expires every shard's wheel.
     Sharded,
+    /// As `sharded`, with each key's watch list in the shard the key hashes
+    /// to (one list per key): a registration takes its own shard's lock twice
+    /// and each other shard of its keys once; a walk reads one list, then
+    /// takes each shard holding a request on it twice.
+    KeySharded,
     /// No purgatory: the harness alone (a request that would expire is counted
     /// expired at registration, one that would complete is counted when the
     /// driver reaches it). Its CPU is the floor under every implementation.
@@ -189,7 +195,7 @@ pub(crate) struct Opts {
     /// This crate's wheel tick, in microseconds (default: the crate's default).
     #[arg(long)]
     pub(crate) tick_us: Option<u64>,
-    /// `--impl sharded`: its number of shards.
+    /// `--impl sharded` and `key-sharded`: their number of shards.
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=256))]
     pub(crate) shards: u32,
     /// Generator tasks sharing the load (1, as Kafka's).

@@ -567,6 +567,13 @@ pub(crate) struct LeanState<Q: LeanTimers> {
     pub(crate) live: usize,
     pub(crate) dead: usize,
     pub(crate) purge: Option<(Vec<u32>, usize)>,
+    /// `key-sharded`: the shard's lock-free record of which of its slots
+    /// are live, for the other shards' lists (`None` for the other peers).
+    pub(crate) lives: Option<Arc<Lives>>,
+    /// `key-sharded`: ids on this shard's lists, and how many its last
+    /// purge kept.
+    pub(crate) entries: usize,
+    pub(crate) kept: usize,
 }
 
 /// What a finished request leaves to be done with the lock released.
@@ -609,6 +616,9 @@ impl<Q: LeanTimers> Default for LeanState<Q> {
             live: 0,
             dead: 0,
             purge: None,
+            lives: None,
+            entries: 0,
+            kept: 0,
         }
     }
 }
@@ -630,6 +640,9 @@ impl<Q: LeanTimers> LeanState<Q> {
         let timer = slot.timer.take();
         let done = slot.done.take();
         let keys = slot.keys as usize;
+        if let Some(lives) = &self.lives {
+            lives.set(id.index, id.generation, false);
+        }
         self.free.push(id.index);
         self.live -= keys;
         self.dead += keys;
@@ -1003,13 +1016,14 @@ impl ShardedPeer {
         ShardedPeer { shards, wake }
     }
 
-    /// The calling thread's shard: threads take shards in turn, on first use.
-    fn mine(&self) -> usize {
+    /// The calling thread's shard of `shards`: threads take shards in turn,
+    /// on first use.
+    fn mine(shards: usize) -> usize {
         static NEXT: AtomicUsize = AtomicUsize::new(0);
         thread_local! {
             static STRIPE: usize = NEXT.fetch_add(1, Ordering::Relaxed);
         }
-        STRIPE.with(|s| *s) % self.shards.len()
+        STRIPE.with(|s| *s) % shards
     }
 
     pub(crate) async fn drive(self: Arc<Self>, stop: Arc<tokio::sync::Notify>) {
@@ -1026,7 +1040,7 @@ impl Rules for ShardedPeer {
         keys: &[u32],
         awaited: bool,
     ) -> (Option<Id>, Option<oneshot::Receiver<()>>) {
-        let shard = self.mine();
+        let shard = Self::mine(self.shards.len());
         let (id, rx) = self.shards[shard].0.register(op, keys, awaited);
         let id = id.map(|id| {
             assert!(
@@ -1053,5 +1067,342 @@ impl Rules for ShardedPeer {
         for shard in self.shards.iter() {
             shard.0.complete_key(key);
         }
+    }
+}
+
+// ---- peer (e): the rule-following wheel peer in shards, each key's list in one shard
+//
+// As `sharded`, except that a key's watch list lives in the shard its key
+// hashes to, whichever thread registered the requests on it: one list per
+// key. A registration takes its own shard's lock twice (its slot, its timer,
+// and the lists of its keys that hash there; then its second check's
+// outcome), plus the lock of each other shard its keys hash to, once. A walk
+// takes its key's shard once to read the list, then each shard holding one
+// of the requests on it twice (take them out; put back or finish them). A
+// slot's liveness is also kept lock-free beside its shard ([`Lives`]), so
+// that a list's shard can tell dead ids from live ones, whatever shard they
+// live in, when it walks or purges. A shard purges its lists once the ids
+// added since its last purge outnumber max(1,000, the ids it kept then).
+
+/// Which slots of a shard are live: a word per slot (its generation, and
+/// whether it is live), written under the shard's lock and read by any
+/// thread without it. Pages of 16,384 words, made as the shard's slab grows.
+pub(crate) struct Lives {
+    pages: Box<[std::sync::OnceLock<Box<[std::sync::atomic::AtomicU32]>>]>,
+}
+
+impl Lives {
+    const PAGE: usize = 1 << 14;
+
+    fn new() -> Self {
+        Lives {
+            pages: (0..(1 << ShardedPeer::SHIFT) / Self::PAGE)
+                .map(|_| std::sync::OnceLock::new())
+                .collect(),
+        }
+    }
+
+    fn word(generation: u32, live: bool) -> u32 {
+        generation << 1 | live as u32
+    }
+
+    /// Under the shard's lock.
+    fn set(&self, index: u32, generation: u32, live: bool) {
+        let page = self.pages[index as usize / Self::PAGE].get_or_init(|| {
+            (0..Self::PAGE)
+                .map(|_| std::sync::atomic::AtomicU32::new(0))
+                .collect()
+        });
+        page[index as usize % Self::PAGE].store(Self::word(generation, live), Ordering::Release);
+    }
+
+    fn is_live(&self, index: u32, generation: u32) -> bool {
+        self.pages[index as usize / Self::PAGE]
+            .get()
+            .is_some_and(|p| {
+                p[index as usize % Self::PAGE].load(Ordering::Acquire)
+                    == Self::word(generation, true)
+            })
+    }
+}
+
+/// A key-sharded shard: the rule-following wheel peer's state (its slab and
+/// wheel for the requests homed here, its lists for the keys that hash
+/// here), and its record of live slots.
+pub(crate) struct KeyShard {
+    peer: LeanPeer<WheelTimers>,
+    lives: Arc<Lives>,
+}
+
+pub(crate) struct KeyShardedPeer {
+    shards: Box<[Padded<KeyShard>]>,
+    wake: Arc<tokio::sync::Notify>,
+}
+
+/// A walk's buffers, kept per thread: the live ids read from the list; the
+/// requests taken out, each with its shard, its op and its check's verdict;
+/// what finished.
+type KeyWalk = (
+    Vec<Id>,
+    Vec<(usize, Id, Option<FakeOp>, bool)>,
+    Vec<Leftover>,
+);
+
+impl KeyShardedPeer {
+    pub(crate) fn new(shards: usize) -> Self {
+        assert!((1..=256).contains(&shards), "1 to 256 shards");
+        let wake: Arc<tokio::sync::Notify> = Arc::default();
+        let shards: Box<[Padded<KeyShard>]> = (0..shards)
+            .map(|_| {
+                let lives = Arc::new(Lives::new());
+                let state = LeanState::<WheelTimers> {
+                    lives: Some(lives.clone()),
+                    ..LeanState::default()
+                };
+                Padded(KeyShard {
+                    peer: LeanPeer {
+                        state: Mutex::new(state),
+                        wake: wake.clone(),
+                    },
+                    lives,
+                })
+            })
+            .collect();
+        KeyShardedPeer { shards, wake }
+    }
+
+    fn key_shard(&self, key: u32) -> usize {
+        // A multiplicative hash: keys that are consecutive numbers spread.
+        ((key as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32) as usize % self.shards.len()
+    }
+
+    fn split(id: Id) -> (usize, Id) {
+        (
+            (id.index >> ShardedPeer::SHIFT) as usize,
+            Id {
+                index: id.index & ((1 << ShardedPeer::SHIFT) - 1),
+                generation: id.generation,
+            },
+        )
+    }
+
+    fn is_live(&self, id: Id) -> bool {
+        let (shard, local) = Self::split(id);
+        self.shards[shard]
+            .0
+            .lives
+            .is_live(local.index, local.generation)
+    }
+
+    /// Puts `id` on the lists of the `keys` that hash to `shard` (each key
+    /// once), in `state`, the shard's state under its lock; purges a slice of
+    /// the shard's lists when due. Returns how many lists it went on.
+    fn watch_here(
+        &self,
+        shard: usize,
+        state: &mut LeanState<WheelTimers>,
+        keys: &[u32],
+        id: Id,
+    ) -> u32 {
+        let mut n = 0;
+        for (i, k) in keys.iter().enumerate() {
+            if self.key_shard(*k) == shard && !keys[..i].contains(k) {
+                state.watchers.entry(*k).or_default().push(id);
+                n += 1;
+            }
+        }
+        state.entries += n as usize;
+        self.maybe_purge(state);
+        n
+    }
+
+    /// The purge of one shard's lists: once the ids added since its last
+    /// purge outnumber max(1,000, the ids it kept then), every list is swept
+    /// (at most 128 entries per call, a list whole), dropping dead ids.
+    fn maybe_purge(&self, state: &mut LeanState<WheelTimers>) {
+        if state.purge.is_none() {
+            if state.entries.saturating_sub(state.kept) <= state.kept.max(1_000) {
+                return;
+            }
+            state.purge = Some((state.watchers.keys().copied().collect(), 0));
+        }
+        let LeanState {
+            watchers,
+            purge,
+            entries,
+            kept,
+            ..
+        } = state;
+        let (keys, next) = purge.as_mut().expect("a purge under way");
+        let mut budget = 128usize;
+        while budget > 0 && *next < keys.len() {
+            let key = keys[*next];
+            *next += 1;
+            let Some(ids) = watchers.get_mut(&key) else {
+                continue;
+            };
+            let before = ids.len();
+            ids.retain(|id| self.is_live(*id));
+            *entries -= before - ids.len();
+            budget = budget.saturating_sub(before);
+            if ids.is_empty() {
+                watchers.remove(&key);
+            } else if ids.capacity() > 16 && ids.len() * 4 < ids.capacity() {
+                ids.shrink_to_fit();
+            }
+        }
+        if *next >= keys.len() {
+            *purge = None;
+            *kept = *entries;
+        }
+    }
+
+    pub(crate) async fn drive(self: Arc<Self>, stop: Arc<tokio::sync::Notify>) {
+        let shards: Vec<&LeanPeer<WheelTimers>> = self.shards.iter().map(|p| &p.0.peer).collect();
+        drive_wheels(&shards, &self.wake, stop).await
+    }
+}
+
+impl Rules for KeyShardedPeer {
+    fn register(
+        &self,
+        mut op: FakeOp,
+        keys: &[u32],
+        awaited: bool,
+    ) -> (Option<Id>, Option<oneshot::Receiver<()>>) {
+        if op.try_complete().is_some() {
+            return (None, None);
+        }
+        let (done, rx) = if awaited {
+            let (tx, rx) = oneshot::channel();
+            (Some(tx), Some(rx))
+        } else {
+            (None, None)
+        };
+        let home = ShardedPeer::mine(self.shards.len());
+        let shard = &self.shards[home].0;
+        let (id, global, wake) = {
+            let mut s = shard.peer.state.lock().unwrap();
+            let s = &mut *s;
+            let id = vacant(&mut s.slots, &mut s.free, |s| s.generation);
+            assert!(
+                id.index < 1 << ShardedPeer::SHIFT,
+                "fewer than 2^24 requests per shard"
+            );
+            let global = Id {
+                index: id.index | (home as u32) << ShardedPeer::SHIFT,
+                generation: id.generation,
+            };
+            let (timer, wake) = s.timers.insert(id, op.deadline);
+            shard.lives.set(id.index, id.generation, true);
+            self.watch_here(home, s, keys, global);
+            let slot = &mut s.slots[id.index as usize];
+            slot.pending = true;
+            slot.checking = true;
+            slot.timer = Some(timer);
+            slot.done = done;
+            (id, global, wake)
+        };
+        // The other shards its keys hash to, each once.
+        for (i, k) in keys.iter().enumerate() {
+            let other = self.key_shard(*k);
+            if other == home || keys[..i].iter().any(|k| self.key_shard(*k) == other) {
+                continue;
+            }
+            let mut s = self.shards[other].0.peer.state.lock().unwrap();
+            self.watch_here(other, &mut s, keys, global);
+        }
+        if wake {
+            self.wake.notify_one();
+        }
+        shard.peer.check_loop(id, op);
+        (Some(global), rx)
+    }
+
+    fn complete(&self, id: Id) {
+        let (shard, local) = Self::split(id);
+        self.shards[shard].0.peer.complete(local);
+    }
+
+    /// Reads the live ids on `key`'s list (dropping dead ones) under its
+    /// shard's lock; takes the requests out of their shards, one hold of each
+    /// shard's lock (those being checked are asked to check again); checks
+    /// them with no lock; puts back or finishes them, one more hold of each
+    /// shard's lock (and one more per round of re-checks asked for meanwhile).
+    fn complete_key(&self, key: u32) {
+        thread_local! {
+            static WALK: std::cell::RefCell<KeyWalk> = std::cell::RefCell::default();
+        }
+        WALK.with(|walk| {
+            let mut walk = walk.borrow_mut();
+            let (ids, taken, left) = &mut *walk;
+            {
+                let ks = self.key_shard(key);
+                let mut s = self.shards[ks].0.peer.state.lock().unwrap();
+                let Some(list) = s.watchers.get_mut(&key) else {
+                    return;
+                };
+                let before = list.len();
+                list.retain(|id| {
+                    let live = self.is_live(*id);
+                    if live {
+                        ids.push(*id);
+                    }
+                    live
+                });
+                let dropped = before - list.len();
+                if list.is_empty() {
+                    s.watchers.remove(&key);
+                }
+                s.entries -= dropped;
+                self.maybe_purge(&mut s);
+            }
+            if ids.is_empty() {
+                return;
+            }
+            // Grouped by shard, so that each shard's lock is taken once per pass.
+            ids.sort_unstable_by_key(|id| id.index >> ShardedPeer::SHIFT);
+            for group in
+                ids.chunk_by(|a, b| a.index >> ShardedPeer::SHIFT == b.index >> ShardedPeer::SHIFT)
+            {
+                let shard = (group[0].index >> ShardedPeer::SHIFT) as usize;
+                let mut s = self.shards[shard].0.peer.state.lock().unwrap();
+                for &id in group {
+                    let (_, local) = Self::split(id);
+                    let slot = &mut s.slots[local.index as usize];
+                    if slot.generation != local.generation || !slot.pending {
+                        continue;
+                    }
+                    if slot.checking {
+                        slot.rerun = true;
+                    } else {
+                        slot.checking = true;
+                        taken.push((shard, local, slot.op.take(), false));
+                    }
+                }
+            }
+            ids.clear();
+            while !taken.is_empty() {
+                for (_, _, op, completed) in taken.iter_mut() {
+                    let op = op.as_mut().expect("a taken request");
+                    *completed = op.try_complete().is_some();
+                }
+                for group in taken.chunk_by_mut(|a, b| a.0 == b.0) {
+                    let mut s = self.shards[group[0].0].0.peer.state.lock().unwrap();
+                    for (_, id, op, completed) in group.iter_mut() {
+                        let checked = op.take().expect("a taken request");
+                        match s.after_check(*id, checked, *completed) {
+                            After::Finished(l) => left.push(l),
+                            After::Recheck(back) => *op = Some(back),
+                            After::Pending => {}
+                        }
+                    }
+                }
+                taken.retain(|(_, _, op, _)| op.is_some());
+            }
+            for l in left.drain(..) {
+                l.run();
+            }
+        });
     }
 }

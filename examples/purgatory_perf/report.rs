@@ -122,22 +122,24 @@ pub(crate) fn child(o: &Opts, imp: Imp, rate: f64) -> Option<String> {
 #[path = "../../tests/support/runs.rs"]
 mod runs;
 
-pub(crate) const IMPS: [Imp; 6] = [
+pub(crate) const IMPS: [Imp; 7] = [
     Imp::Purgatory,
     Imp::Task,
     Imp::Fair,
     Imp::Lean,
     Imp::LeanWheel,
     Imp::Sharded,
+    Imp::KeySharded,
 ];
 /// `--compare` also runs the harness alone, to show the floor under every run.
-pub(crate) const WITH_FLOOR: [Imp; 7] = [
+pub(crate) const WITH_FLOOR: [Imp; 8] = [
     Imp::Purgatory,
     Imp::Task,
     Imp::Fair,
     Imp::Lean,
     Imp::LeanWheel,
     Imp::Sharded,
+    Imp::KeySharded,
     Imp::Floor,
 ];
 
@@ -225,6 +227,10 @@ pub(crate) fn summary(o: &Opts, rows: &[Row]) {
             "the same with this crate's wheel".to_string(),
         ),
         (Imp::Sharded, format!("that one in {} shards", o.shards)),
+        (
+            Imp::KeySharded,
+            format!("in {} shards, lists by key", o.shards),
+        ),
     ] {
         if med(imp, |r| r.cpu_ms).is_finite() {
             println!(
@@ -310,6 +316,7 @@ pub(crate) fn draw(
             Imp::Lean => "one-lock purgatory, no check under its lock",
             Imp::LeanWheel => "the same, with this crate's wheel",
             Imp::Sharded => "that one in shards",
+            Imp::KeySharded => "in shards, lists by key",
             Imp::Floor => "the harness alone",
         };
         // The median of each rate's runs.

@@ -199,6 +199,11 @@ pub(crate) async fn run(o: Opts) -> RunResult {
             tokio::spawn(peer.clone().drive(stop.clone()));
             Target::Lean(peer)
         }
+        Imp::KeySharded => {
+            let peer = Arc::new(KeyShardedPeer::new(o.shards as usize));
+            tokio::spawn(peer.clone().drive(stop.clone()));
+            Target::Lean(peer)
+        }
         Imp::Floor => Target::Floor,
     };
     let target = Arc::new(target);
