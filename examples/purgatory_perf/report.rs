@@ -243,6 +243,42 @@ pub(crate) fn summary(o: &Opts, rows: &[Row]) {
             );
         }
     }
+    // Each repetition runs every implementation in turn, so the runs of one
+    // repetition met the same machine: on a noisy one, the median of their
+    // ratios is steadier than the ratio of the medians.
+    let cpus = |imp: Imp| -> Vec<f64> {
+        rows.iter()
+            .filter(|r| r.imp == name(&imp))
+            .map(|r| r.cpu_ms)
+            .collect()
+    };
+    let mut paired = Vec::new();
+    for (a, b) in [
+        (Imp::Purgatory, Imp::Fair),
+        (Imp::LeanWheel, Imp::Fair),
+        (Imp::Purgatory, Imp::LeanWheel),
+        (Imp::Sharded, Imp::LeanWheel),
+        (Imp::KeySharded, Imp::LeanWheel),
+    ] {
+        let (x, y) = (cpus(a), cpus(b));
+        // Only when no run of either failed, so that the i-th runs of both
+        // are of the same repetition.
+        if !x.is_empty() && x.len() == y.len() && x.len() == o.repeat as usize {
+            let ratios = x.iter().zip(&y).map(|(x, y)| x / y);
+            paired.push(format!(
+                "{} / {} {}",
+                name(&a),
+                name(&b),
+                cell(runs::spread(ratios), 2)
+            ));
+        }
+    }
+    if !paired.is_empty() {
+        println!(
+            "CPU ratios paired by repetition, median [min..max]: {}",
+            paired.join("; ")
+        );
+    }
     // The harness's own CPU is in every run; what each implementation adds is
     // its CPU above the floor's.
     let floor = med(Imp::Floor, |r| r.cpu_ms);

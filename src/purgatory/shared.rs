@@ -311,6 +311,7 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         if matches!(kind, WalkKind::Reference) {
             // One walk of one operation: its checks are its walks, and it
             // counts as completed or not (see `walk_metrics`).
+            debug_assert!(checked == 1 && completed <= 1, "one check by reference");
             let counter = if completed > 0 {
                 &w.completed
             } else {
