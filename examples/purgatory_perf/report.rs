@@ -246,36 +246,40 @@ pub(crate) fn summary(o: &Opts, rows: &[Row]) {
     // Each repetition runs every implementation in turn, so the runs of one
     // repetition met the same machine: on a noisy one, the median of their
     // ratios is steadier than the ratio of the medians.
-    let cpus = |imp: Imp| -> Vec<f64> {
-        rows.iter()
-            .filter(|r| r.imp == name(&imp))
-            .map(|r| r.cpu_ms)
-            .collect()
+    let of = |imp: Imp, f: fn(&Row) -> f64| -> Vec<f64> {
+        rows.iter().filter(|r| r.imp == name(&imp)).map(f).collect()
     };
-    let mut paired = Vec::new();
-    for (a, b) in [
-        (Imp::Purgatory, Imp::Fair),
-        (Imp::LeanWheel, Imp::Fair),
-        (Imp::Purgatory, Imp::LeanWheel),
-        (Imp::Sharded, Imp::LeanWheel),
-        (Imp::KeySharded, Imp::LeanWheel),
-    ] {
-        let (x, y) = (cpus(a), cpus(b));
-        // Only when no run of either failed, so that the i-th runs of both
-        // are of the same repetition.
-        if !x.is_empty() && x.len() == y.len() && x.len() == o.repeat as usize {
-            let ratios = x.iter().zip(&y).map(|(x, y)| x / y);
+    let present: Vec<Imp> = WITH_FLOOR
+        .into_iter()
+        .filter(|&i| i != Imp::Floor && !of(i, |r| r.cpu_ms).is_empty())
+        .collect();
+    for base in [Imp::Fair, Imp::LeanWheel] {
+        if !present.contains(&base) {
+            continue;
+        }
+        let mut paired = Vec::new();
+        for &imp in present.iter().filter(|&&i| i != base) {
+            let (cpu, base_cpu) = (of(imp, |r| r.cpu_ms), of(base, |r| r.cpu_ms));
+            let (rss, base_rss) = (of(imp, |r| r.rss_mb), of(base, |r| r.rss_mb));
+            // Only when every run of both succeeded, so that the i-th runs
+            // of both are of the same repetition.
+            let n = o.repeat as usize;
+            if cpu.len() != n || base_cpu.len() != n {
+                paired.push(format!("{} (a run failed: not paired)", name(&imp)));
+                continue;
+            }
+            let ratio =
+                |a: &[f64], b: &[f64]| cell(runs::spread(a.iter().zip(b).map(|(a, b)| a / b)), 2);
             paired.push(format!(
-                "{} / {} {}",
-                name(&a),
-                name(&b),
-                cell(runs::spread(ratios), 2)
+                "{} CPU {}, peak RSS {}",
+                name(&imp),
+                ratio(&cpu, &base_cpu),
+                ratio(&rss, &base_rss)
             ));
         }
-    }
-    if !paired.is_empty() {
         println!(
-            "CPU ratios paired by repetition, median [min..max]: {}",
+            "paired by repetition, median [min..max] of each repetition's ratio to {}: {}",
+            name(&base),
             paired.join("; ")
         );
     }
