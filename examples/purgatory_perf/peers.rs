@@ -207,6 +207,20 @@ fn purge_slice(
         }
         *purge = Some((watchers.keys().copied().collect(), 0));
     }
+    sweep_slice(watchers, purge, dead, is_live);
+}
+
+/// Goes on with the purge under way in `purge` (the keys taken when it
+/// started, and the next to visit): at most 128 entries per call (a list is
+/// visited whole), dropping the ids `is_live` refuses (each counted off
+/// `count`) and giving back the room of lists that shrank a lot. Returns
+/// whether the purge is done.
+fn sweep_slice(
+    watchers: &mut HashMap<u32, Vec<Id>>,
+    purge: &mut Option<(Vec<u32>, usize)>,
+    count: &mut usize,
+    is_live: impl Fn(Id) -> bool,
+) -> bool {
     let (keys, next) = purge.as_mut().expect("a purge under way");
     let mut budget = 128usize;
     while budget > 0 && *next < keys.len() {
@@ -217,7 +231,7 @@ fn purge_slice(
         };
         let before = ids.len();
         ids.retain(|id| is_live(*id));
-        *dead -= before - ids.len();
+        *count -= before - ids.len();
         budget = budget.saturating_sub(before);
         if ids.is_empty() {
             watchers.remove(&key);
@@ -225,9 +239,11 @@ fn purge_slice(
             ids.shrink_to_fit();
         }
     }
-    if *next >= keys.len() {
+    let done = *next >= keys.len();
+    if done {
         *purge = None;
     }
+    done
 }
 
 pub(crate) struct FairPeer {
@@ -478,6 +494,37 @@ impl<K> Default for LeanSlot<K> {
             done: None,
         }
     }
+}
+
+impl<K> LeanSlot<K> {
+    /// A registration's slot, from the registration's hold of the lock: pending,
+    /// checked by the registration (its second check), on `keys` lists.
+    fn start(&mut self, timer: K, keys: u32, done: Option<oneshot::Sender<()>>) {
+        self.pending = true;
+        self.checking = true;
+        self.timer = Some(timer);
+        self.keys = keys;
+        self.done = done;
+    }
+}
+
+/// A rule-following registration's first check, before it takes any lock:
+/// `None` when `op` completed at once, else the request's completion
+/// signal (a channel when its outcome is awaited).
+#[allow(clippy::type_complexity)]
+fn first_check(
+    op: &mut FakeOp,
+    awaited: bool,
+) -> Option<(Option<oneshot::Sender<()>>, Option<oneshot::Receiver<()>>)> {
+    if op.try_complete().is_some() {
+        return None;
+    }
+    Some(if awaited {
+        let (tx, rx) = oneshot::channel();
+        (Some(tx), Some(rx))
+    } else {
+        (None, None)
+    })
 }
 
 /// The rule-following peer's timer: `DelayQueue`, or this crate's timing
@@ -737,14 +784,8 @@ impl<Q: LeanTimers> Rules for LeanPeer<Q> {
         keys: &[u32],
         awaited: bool,
     ) -> (Option<Id>, Option<oneshot::Receiver<()>>) {
-        if op.try_complete().is_some() {
+        let Some((done, rx)) = first_check(&mut op, awaited) else {
             return (None, None);
-        }
-        let (done, rx) = if awaited {
-            let (tx, rx) = oneshot::channel();
-            (Some(tx), Some(rx))
-        } else {
-            (None, None)
         };
         let (id, wake) = {
             let mut s = self.state.lock().unwrap();
@@ -753,12 +794,7 @@ impl<Q: LeanTimers> Rules for LeanPeer<Q> {
             let (timer, wake) = s.timers.insert(id, op.deadline);
             let n = watch(&mut s.watchers, keys, id);
             s.live += n as usize;
-            let slot = &mut s.slots[id.index as usize];
-            slot.pending = true;
-            slot.checking = true;
-            slot.timer = Some(timer);
-            slot.keys = n;
-            slot.done = done;
+            s.slots[id.index as usize].start(timer, n, done);
             s.maybe_purge();
             (id, wake)
         };
@@ -1233,26 +1269,7 @@ impl KeyShardedPeer {
             kept,
             ..
         } = state;
-        let (keys, next) = purge.as_mut().expect("a purge under way");
-        let mut budget = 128usize;
-        while budget > 0 && *next < keys.len() {
-            let key = keys[*next];
-            *next += 1;
-            let Some(ids) = watchers.get_mut(&key) else {
-                continue;
-            };
-            let before = ids.len();
-            ids.retain(|id| self.is_live(*id));
-            *entries -= before - ids.len();
-            budget = budget.saturating_sub(before);
-            if ids.is_empty() {
-                watchers.remove(&key);
-            } else if ids.capacity() > 16 && ids.len() * 4 < ids.capacity() {
-                ids.shrink_to_fit();
-            }
-        }
-        if *next >= keys.len() {
-            *purge = None;
+        if sweep_slice(watchers, purge, entries, |id| self.is_live(id)) {
             *kept = *entries;
         }
     }
@@ -1270,14 +1287,8 @@ impl Rules for KeyShardedPeer {
         keys: &[u32],
         awaited: bool,
     ) -> (Option<Id>, Option<oneshot::Receiver<()>>) {
-        if op.try_complete().is_some() {
+        let Some((done, rx)) = first_check(&mut op, awaited) else {
             return (None, None);
-        }
-        let (done, rx) = if awaited {
-            let (tx, rx) = oneshot::channel();
-            (Some(tx), Some(rx))
-        } else {
-            (None, None)
         };
         let home = ShardedPeer::mine(self.shards.len());
         let shard = &self.shards[home].0;
@@ -1296,11 +1307,8 @@ impl Rules for KeyShardedPeer {
             let (timer, wake) = s.timers.insert(id, op.deadline);
             shard.lives.set(id.index, id.generation, true);
             self.watch_here(home, s, keys, global);
-            let slot = &mut s.slots[id.index as usize];
-            slot.pending = true;
-            slot.checking = true;
-            slot.timer = Some(timer);
-            slot.done = done;
+            // Its lists' purge is its key shards' own: `keys` is not counted.
+            s.slots[id.index as usize].start(timer, 0, done);
             (id, global, wake)
         };
         // The other shards its keys hash to, each once.
