@@ -50,9 +50,10 @@
 //!   RSS are its own, and prints medians with [min..max] and the ratios of this
 //!   crate against the best peer. The load average is printed before each run.
 //!   It runs the harness alone too, and prints each one's CPU above that floor.
-//!   It also prints CPU ratios paired by repetition (the median of the ratios
-//!   of runs made one after the other), steadier than the ratio of the
-//!   medians on a noisy machine.
+//!   It also prints each implementation's CPU and peak RSS paired by
+//!   repetition against the fair one-lock purgatory's and `lean-wheel`'s (the
+//!   median of the ratios of runs made one after the other), steadier than
+//!   the ratio of the medians on a noisy machine.
 //! - `--sweep R1,R2,...`: runs every implementation at each target rate and writes
 //!   `--out` (default `target/purgatory-perf`) `.csv` and `.svg`: achieved against
 //!   target rate, as in Kafka's 2015 purgatory redesign write-up.
