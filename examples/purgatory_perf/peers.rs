@@ -1113,11 +1113,11 @@ impl Rules for ShardedPeer {
 // key. A registration takes its own shard's lock twice (its slot, its timer,
 // and the lists of its keys that hash there; then its second check's
 // outcome), plus the lock of each other shard its keys hash to, once. A walk
-// takes its key's shard once to read the list, then each shard holding one
-// of the requests on it twice (take them out; put back or finish them). A
-// slot's liveness is also kept lock-free beside its shard ([`Lives`]), so
-// that a list's shard can tell dead ids from live ones, whatever shard they
-// live in, when it walks or purges. A shard purges its lists once the ids
+// takes its key's shard twice, as `lean-wheel` does, for the list and that
+// shard's own requests on it (out, then back or finished), and each other
+// shard holding one of them twice too. A slot's liveness is also kept
+// lock-free beside its shard ([`Lives`]), so that a list's shard can tell
+// another shard's dead ids from live ones when it walks or purges. A shard purges its lists once the ids
 // added since its last purge outnumber max(1,000, the ids it kept then).
 
 /// Which slots of a shard are live: a word per slot (its generation, and
@@ -1332,11 +1332,12 @@ impl Rules for KeyShardedPeer {
         self.shards[shard].0.peer.complete(local);
     }
 
-    /// Reads the live ids on `key`'s list (dropping dead ones) under its
-    /// shard's lock; takes the requests out of their shards, one hold of each
-    /// shard's lock (those being checked are asked to check again); checks
-    /// them with no lock; puts back or finishes them, one more hold of each
-    /// shard's lock (and one more per round of re-checks asked for meanwhile).
+    /// Under the lock of `key`'s shard, drops the dead ids from its list and
+    /// takes out that shard's own live requests (those being checked are
+    /// asked to check again); takes the other shards' requests out, one hold
+    /// of each such shard's lock; checks them all with no lock; puts back or
+    /// finishes them, one more hold of each shard's lock (and one more per
+    /// round of re-checks asked for meanwhile).
     fn complete_key(&self, key: u32) {
         thread_local! {
             static WALK: std::cell::RefCell<KeyWalk> = std::cell::RefCell::default();
@@ -1346,29 +1347,50 @@ impl Rules for KeyShardedPeer {
             let (ids, taken, left) = &mut *walk;
             {
                 let ks = self.key_shard(key);
-                let mut s = self.shards[ks].0.peer.state.lock().unwrap();
-                let Some(list) = s.watchers.get_mut(&key) else {
+                let mut guard = self.shards[ks].0.peer.state.lock().unwrap();
+                let LeanState {
+                    watchers,
+                    slots,
+                    entries,
+                    ..
+                } = &mut *guard;
+                let Some(list) = watchers.get_mut(&key) else {
                     return;
                 };
                 let before = list.len();
-                list.retain(|id| {
-                    let live = self.is_live(*id);
-                    if live {
-                        ids.push(*id);
+                list.retain(|&id| {
+                    let (home, local) = Self::split(id);
+                    if home != ks {
+                        // Another shard's request: taken out below, under
+                        // its shard's lock.
+                        let live = self.is_live(id);
+                        if live {
+                            ids.push(id);
+                        }
+                        return live;
                     }
-                    live
+                    // This shard's own: taken out in this hold.
+                    let slot = &mut slots[local.index as usize];
+                    if slot.generation != local.generation || !slot.pending {
+                        return false;
+                    }
+                    if slot.checking {
+                        slot.rerun = true;
+                    } else {
+                        slot.checking = true;
+                        taken.push((ks, local, slot.op.take(), false));
+                    }
+                    true
                 });
-                let dropped = before - list.len();
+                *entries -= before - list.len();
                 if list.is_empty() {
-                    s.watchers.remove(&key);
+                    watchers.remove(&key);
                 }
-                s.entries -= dropped;
-                self.maybe_purge(&mut s);
+                self.maybe_purge(&mut guard);
             }
-            if ids.is_empty() {
-                return;
-            }
-            // Grouped by shard, so that each shard's lock is taken once per pass.
+            // Other shards' requests, grouped by shard, so that each shard's
+            // lock is taken once per pass (after this shard's, which come
+            // first in `taken`).
             ids.sort_unstable_by_key(|id| id.index >> ShardedPeer::SHIFT);
             for group in
                 ids.chunk_by(|a, b| a.index >> ShardedPeer::SHIFT == b.index >> ShardedPeer::SHIFT)
