@@ -122,16 +122,9 @@ pub(crate) fn child(o: &Opts, imp: Imp, rate: f64) -> Option<String> {
 #[path = "../../tests/support/runs.rs"]
 mod runs;
 
-pub(crate) const IMPS: [Imp; 7] = [
-    Imp::Purgatory,
-    Imp::Task,
-    Imp::Fair,
-    Imp::Lean,
-    Imp::LeanWheel,
-    Imp::Sharded,
-    Imp::KeySharded,
-];
-/// `--compare` also runs the harness alone, to show the floor under every run.
+/// Every implementation, in the order runs take them; the harness alone
+/// (`Floor`) last: `--compare` runs it to show the floor under every run,
+/// `--sweep` leaves it out ([`imps`]).
 pub(crate) const WITH_FLOOR: [Imp; 8] = [
     Imp::Purgatory,
     Imp::Task,
@@ -143,12 +136,17 @@ pub(crate) const WITH_FLOOR: [Imp; 8] = [
     Imp::Floor,
 ];
 
+/// The implementations a sweep runs and draws: all but the harness alone.
+pub(crate) fn imps() -> impl Iterator<Item = Imp> {
+    WITH_FLOOR.into_iter().filter(|&i| i != Imp::Floor)
+}
+
 /// Runs every implementation `o.repeat` times at `rate`, interleaved, and returns
 /// the rows, raw and parsed (printed as they come).
 pub(crate) fn interleaved(o: &Opts, rate: f64, floor: bool) -> Vec<(String, Row)> {
-    let imps: Vec<Imp> = (if floor { &WITH_FLOOR[..] } else { &IMPS[..] })
-        .iter()
-        .copied()
+    let imps: Vec<Imp> = WITH_FLOOR
+        .into_iter()
+        .filter(|&i| floor || i != Imp::Floor)
         .filter(|i| o.impls.as_ref().is_none_or(|only| only.contains(i)))
         .collect();
     runs::interleave(
@@ -338,15 +336,19 @@ pub(crate) fn draw(
             ))
             .unwrap();
     }
-    let colours = [
+    // One colour per implementation drawn (the length is checked at compile
+    // time: a zip with fewer would leave the last ones out of the chart).
+    let colours: [RGBColor; WITH_FLOOR.len() - 1] = [
         RGBColor(214, 39, 40),
         RGBColor(31, 119, 180),
         RGBColor(44, 160, 44),
         RGBColor(148, 103, 189),
         RGBColor(140, 86, 75),
+        RGBColor(227, 119, 194),
+        RGBColor(127, 127, 127),
     ];
-    for (imp, colour) in IMPS.iter().zip(colours) {
-        if !rows.iter().any(|r| r.imp == name(imp)) {
+    for (imp, colour) in imps().zip(colours) {
+        if !rows.iter().any(|r| r.imp == name(&imp)) {
             continue; // left out of this sweep (`--impls`)
         }
         let label = match imp {
@@ -362,7 +364,7 @@ pub(crate) fn draw(
         // The median of each rate's runs.
         let mut rates: Vec<f64> = rows
             .iter()
-            .filter(|r| r.imp == name(imp))
+            .filter(|r| r.imp == name(&imp))
             .map(|r| r.target_rate.round())
             .collect();
         rates.sort_by(f64::total_cmp);
@@ -372,7 +374,7 @@ pub(crate) fn draw(
             .map(|&t| {
                 let ys = rows
                     .iter()
-                    .filter(|r| r.imp == name(imp) && r.target_rate.round() == t)
+                    .filter(|r| r.imp == name(&imp) && r.target_rate.round() == t)
                     .map(y);
                 (t, runs::spread(ys).0)
             })
