@@ -122,12 +122,7 @@ pub(crate) struct FairState {
     pub(crate) queue: tokio_util::time::DelayQueue<Id>,
     pub(crate) slots: Vec<Slot>,
     pub(crate) free: Vec<u32>,
-    pub(crate) watchers: HashMap<u32, Vec<Id>>,
-    /// Ids in the lists whose request is pending, and whose request finished.
-    pub(crate) live: usize,
-    pub(crate) dead: usize,
-    /// A purge under way: the keys it will visit, and the next one.
-    pub(crate) purge: Option<(Vec<u32>, usize)>,
+    pub(crate) lists: Lists,
 }
 
 impl FairState {
@@ -136,10 +131,7 @@ impl FairState {
             queue: tokio_util::time::DelayQueue::new(),
             slots: Vec::new(),
             free: Vec::new(),
-            watchers: HashMap::new(),
-            live: 0,
-            dead: 0,
-            purge: None,
+            lists: Lists::default(),
         }
     }
 
@@ -155,7 +147,6 @@ impl FairState {
     }
 
     pub(crate) fn fill(&mut self, id: Id, pending: Pending) {
-        self.live += pending.keys as usize;
         self.slots[id.index as usize].pending = Some(pending);
     }
 
@@ -176,38 +167,45 @@ impl FairState {
         pending
     }
 
-    /// The purge (see [`purge_slice`]).
+    /// The purge (see [`Lists::maybe_purge`]).
     pub(crate) fn maybe_purge(&mut self) {
-        let FairState {
-            slots,
-            watchers,
-            live,
-            dead,
-            purge,
-            ..
-        } = self;
-        purge_slice(watchers, purge, *live, dead, |id| Self::is_live(slots, id));
+        let slots = &self.slots;
+        self.lists.maybe_purge(|id| Self::is_live(slots, id));
     }
 }
 
-/// The one-lock peers' purge: once dead ids outnumber max(1,000, live ids),
-/// sweep every list (the keys taken when the purge starts), at most 128
-/// entries per call (a list is visited whole), dropping the ids `is_live`
-/// refuses and giving back the room of lists that shrank a lot.
-fn purge_slice(
-    watchers: &mut HashMap<u32, Vec<Id>>,
-    purge: &mut Option<(Vec<u32>, usize)>,
-    live: usize,
-    dead: &mut usize,
-    is_live: impl Fn(Id) -> bool,
-) {
-    if purge.is_none() {
-        if *dead <= live.max(1_000) {
-            return;
-        }
-        *purge = Some((watchers.keys().copied().collect(), 0));
+/// The watch lists of a one-lock peer: each key's ids, how many ids are of
+/// pending requests (`live`) and how many of finished ones (`dead`), and a
+/// purge under way (the keys it will visit, and the next one).
+#[derive(Default)]
+pub(crate) struct Lists {
+    pub(crate) watchers: HashMap<u32, Vec<Id>>,
+    pub(crate) live: usize,
+    pub(crate) dead: usize,
+    pub(crate) purge: Option<(Vec<u32>, usize)>,
+}
+
+impl Lists {
+    /// Puts `id` on the list of each of `keys` once; returns how many lists
+    /// it went on.
+    fn watch(&mut self, keys: &[u32], id: Id) -> u32 {
+        let n = watch(&mut self.watchers, keys, id);
+        self.live += n as usize;
+        n
     }
-    sweep_slice(watchers, purge, dead, is_live);
+
+    /// The one-lock peers' purge: once dead ids outnumber max(1,000, live
+    /// ids), sweep every list (the keys taken when the purge starts), a slice
+    /// per call ([`sweep_slice`]), dropping the ids `is_live` refuses.
+    fn maybe_purge(&mut self, is_live: impl Fn(Id) -> bool) {
+        if self.purge.is_none() {
+            if self.dead <= self.live.max(1_000) {
+                return;
+            }
+            self.purge = Some((self.watchers.keys().copied().collect(), 0));
+        }
+        sweep_slice(&mut self.watchers, &mut self.purge, &mut self.dead, is_live);
+    }
 }
 
 /// Goes on with the purge under way in `purge` (the keys taken when it
@@ -273,7 +271,7 @@ impl Rules for FairPeer {
         }
         let id = s.vacant();
         let timer = s.queue.insert_at(id, op.deadline);
-        let n = watch(&mut s.watchers, keys, id);
+        let n = s.lists.watch(keys, id);
         s.fill(
             id,
             Pending {
@@ -295,8 +293,7 @@ impl Rules for FairPeer {
                 queue,
                 slots,
                 free,
-                live,
-                dead,
+                lists: Lists { live, dead, .. },
                 ..
             } = &mut *s;
             let slot = &mut slots[id.index as usize];
@@ -333,10 +330,13 @@ impl Rules for FairPeer {
                 queue,
                 slots,
                 free,
-                watchers,
-                live,
-                dead,
-                ..
+                lists:
+                    Lists {
+                        watchers,
+                        live,
+                        dead,
+                        ..
+                    },
             } = &mut *s;
             let Some(ids) = watchers.get_mut(&key) else {
                 drop(s);
@@ -382,8 +382,7 @@ impl FairPeer {
                 let FairState {
                     slots,
                     free,
-                    live,
-                    dead,
+                    lists: Lists { live, dead, .. },
                     ..
                 } = s;
                 Some(FairState::take(slots, free, live, dead, id))
@@ -610,10 +609,7 @@ pub(crate) struct LeanState<Q: LeanTimers> {
     pub(crate) timers: Q,
     pub(crate) slots: Vec<LeanSlot<Q::Key>>,
     pub(crate) free: Vec<u32>,
-    pub(crate) watchers: HashMap<u32, Vec<Id>>,
-    pub(crate) live: usize,
-    pub(crate) dead: usize,
-    pub(crate) purge: Option<(Vec<u32>, usize)>,
+    pub(crate) lists: Lists,
     /// `key-sharded`: the shard's lock-free record of which of its slots
     /// are live, for the other shards' lists (`None` for the other peers).
     pub(crate) lives: Option<Arc<Lives>>,
@@ -659,10 +655,7 @@ impl<Q: LeanTimers> Default for LeanState<Q> {
             timers: Q::default(),
             slots: Vec::new(),
             free: Vec::new(),
-            watchers: HashMap::new(),
-            live: 0,
-            dead: 0,
-            purge: None,
+            lists: Lists::default(),
             lives: None,
             entries: 0,
             kept: 0,
@@ -691,8 +684,8 @@ impl<Q: LeanTimers> LeanState<Q> {
             lives.set(id.index, id.generation, false);
         }
         self.free.push(id.index);
-        self.live -= keys;
-        self.dead += keys;
+        self.lists.live -= keys;
+        self.lists.dead += keys;
         if let Some(t) = timer {
             self.timers.remove(&t);
         }
@@ -717,17 +710,10 @@ impl<Q: LeanTimers> LeanState<Q> {
         After::Pending
     }
 
-    /// The purge, as the fair peer's (see [`purge_slice`]).
+    /// The purge, as the fair peer's (see [`Lists::maybe_purge`]).
     fn maybe_purge(&mut self) {
-        let LeanState {
-            slots,
-            watchers,
-            live,
-            dead,
-            purge,
-            ..
-        } = self;
-        purge_slice(watchers, purge, *live, dead, |id| Self::is_live(slots, id));
+        let slots = &self.slots;
+        self.lists.maybe_purge(|id| Self::is_live(slots, id));
     }
 }
 
@@ -792,8 +778,7 @@ impl<Q: LeanTimers> Rules for LeanPeer<Q> {
             let s = &mut *s;
             let id = vacant(&mut s.slots, &mut s.free, |s| s.generation);
             let (timer, wake) = s.timers.insert(id, op.deadline);
-            let n = watch(&mut s.watchers, keys, id);
-            s.live += n as usize;
+            let n = s.lists.watch(keys, id);
             s.slots[id.index as usize].start(timer, n, done);
             s.maybe_purge();
             (id, wake)
@@ -841,8 +826,7 @@ impl<Q: LeanTimers> Rules for LeanPeer<Q> {
                 let mut s = self.state.lock().unwrap();
                 let LeanState {
                     slots,
-                    watchers,
-                    dead,
+                    lists: Lists { watchers, dead, .. },
                     ..
                 } = &mut *s;
                 let Some(ids) = watchers.get_mut(&key) else {
@@ -1243,7 +1227,7 @@ impl KeyShardedPeer {
         let mut n = 0;
         for (i, k) in keys.iter().enumerate() {
             if self.key_shard(*k) == shard && !keys[..i].contains(k) {
-                state.watchers.entry(*k).or_default().push(id);
+                state.lists.watchers.entry(*k).or_default().push(id);
                 n += 1;
             }
         }
@@ -1256,19 +1240,20 @@ impl KeyShardedPeer {
     /// purge outnumber max(1,000, the ids it kept then), every list is swept
     /// (at most 128 entries per call, a list whole), dropping dead ids.
     fn maybe_purge(&self, state: &mut LeanState<WheelTimers>) {
-        if state.purge.is_none() {
-            if state.entries.saturating_sub(state.kept) <= state.kept.max(1_000) {
-                return;
-            }
-            state.purge = Some((state.watchers.keys().copied().collect(), 0));
-        }
         let LeanState {
-            watchers,
-            purge,
+            lists: Lists {
+                watchers, purge, ..
+            },
             entries,
             kept,
             ..
         } = state;
+        if purge.is_none() {
+            if entries.saturating_sub(*kept) <= (*kept).max(1_000) {
+                return;
+            }
+            *purge = Some((watchers.keys().copied().collect(), 0));
+        }
         if sweep_slice(watchers, purge, entries, |id| self.is_live(id)) {
             *kept = *entries;
         }
@@ -1349,7 +1334,7 @@ impl Rules for KeyShardedPeer {
                 let ks = self.key_shard(key);
                 let mut guard = self.shards[ks].0.peer.state.lock().unwrap();
                 let LeanState {
-                    watchers,
+                    lists: Lists { watchers, .. },
                     slots,
                     entries,
                     ..
