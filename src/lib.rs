@@ -332,10 +332,12 @@
 //! - **A lost reaper is detected.** If the reaper's runtime shuts down or the task
 //!   is aborted, pending handles resolve with [`OperationError::ReaperGone`] and
 //!   registration fails with the operation handed back.
-//! - **User panics are contained.** A panicking check, expiry or timer task, and
-//!   a panicking `Drop` of any operation, output, key or task the crate drops, is
-//!   caught, counted and reported through `tracing`; the call that ran it finishes
-//!   its work, every handle resolves, other operations still complete and expire.
+//! - **User panics are contained.** A panicking check, expiry or timer task, a
+//!   panicking `Drop` of any operation, output, key or task the crate drops, and
+//!   a waker (one built from a raw vtable) whose `wake` or `Drop` panics when the
+//!   crate wakes or drops it, is caught, counted and reported through `tracing`;
+//!   the call that ran it finishes its work, every handle resolves, other
+//!   operations still complete and expire.
 //!   A panic in a key's `Hash`, `Eq` or `Clone` propagates to the caller, with the
 //!   purgatory left as it was before the call.
 //! - **No lock of ours is held while operation code runs**, nor while the crate

@@ -1238,3 +1238,98 @@ fn a_waker_whose_clone_resets_its_own_operation_does_not_deadlock() {
         })
     });
 }
+
+/// A waker built from a raw vtable whose `wake` (or, with `DROP_PANICS`, its
+/// `Drop`) panics.
+fn waker_panicking_on_wake() -> std::task::Waker {
+    use std::task::{RawWaker, RawWakerVTable, Waker};
+    fn clone(_: *const ()) -> RawWaker {
+        RawWaker::new(std::ptr::null(), &VTABLE)
+    }
+    fn wake(_: *const ()) {
+        panic!("hostile wake");
+    }
+    fn drop_it(_: *const ()) {
+        if DROP_PANICS.with(|d| d.get()) {
+            panic!("hostile waker drop");
+        }
+    }
+    static VTABLE: RawWakerVTable = RawWakerVTable::new(clone, wake, wake, drop_it);
+    // SAFETY: every function of the vtable ignores the (null) data pointer.
+    unsafe { Waker::from_raw(RawWaker::new(std::ptr::null(), &VTABLE)) }
+}
+
+thread_local! {
+    /// Whether the waker above panics when dropped.
+    static DROP_PANICS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Completes once its flag is set.
+struct Flagged(Arc<AtomicBool>);
+
+impl Operation for Flagged {
+    type Output = ();
+    fn try_complete(&mut self) -> Option<()> {
+        self.0.load(Ordering::SeqCst).then_some(())
+    }
+    fn on_expiration(self) {}
+}
+
+/// A walk completes several operations and wakes their handles: one whose
+/// waker panics in `wake` does not keep the walk from checking and
+/// completing the others, and its own outcome is delivered too.
+#[test]
+fn a_waker_that_panics_on_wake_during_a_walk_leaves_the_others_finished() {
+    within(10, || {
+        paused().block_on(async {
+            let p: Purgatory<u32, Flagged> = Purgatory::builder().name("wake").build().unwrap();
+            let ready = Arc::new(AtomicBool::new(false));
+            let mut handles: Vec<_> = (0..4)
+                .map(|_| {
+                    p.try_complete_else_watch(Flagged(ready.clone()), Duration::from_secs(1), [1])
+                        .unwrap()
+                })
+                .collect();
+            let waker = waker_panicking_on_wake();
+            let mut cx = std::task::Context::from_waker(&waker);
+            for h in &mut handles[..2] {
+                assert!(std::future::Future::poll(std::pin::Pin::new(h), &mut cx).is_pending());
+            }
+            ready.store(true, Ordering::SeqCst);
+            assert_eq!(p.try_complete_watched(&1), 4, "every one completed");
+            assert_eq!(p.metrics().panicked, 2, "both wakes caught");
+            assert_eq!(p.delayed(), 0);
+            for h in handles {
+                assert_eq!(h.await, Ok(Completion::Completed(())));
+            }
+        })
+    });
+}
+
+/// A handle kept a waker whose `Drop` panics: detaching the handle drops the
+/// waker, and the panic is contained there; the operation goes on and
+/// completes.
+#[test]
+fn a_waker_that_panics_on_drop_is_contained_when_the_handle_detaches() {
+    within(10, || {
+        paused().block_on(async {
+            let p: Purgatory<u32, Flagged> = Purgatory::builder().name("drop").build().unwrap();
+            let ready = Arc::new(AtomicBool::new(false));
+            let mut h = p
+                .try_complete_else_watch(Flagged(ready.clone()), Duration::from_secs(1), [1])
+                .unwrap();
+            let r = h.op_ref().unwrap();
+            let waker = waker_panicking_on_wake();
+            let mut cx = std::task::Context::from_waker(&waker);
+            assert!(std::future::Future::poll(std::pin::Pin::new(&mut h), &mut cx).is_pending());
+            DROP_PANICS.with(|d| d.set(true));
+            h.detach();
+            DROP_PANICS.with(|d| d.set(false));
+            assert_eq!(p.metrics().panicked, 1, "the waker's drop was caught");
+            ready.store(true, Ordering::SeqCst);
+            assert!(r.try_complete());
+            assert_eq!(p.delayed(), 0);
+            drop(waker);
+        })
+    });
+}

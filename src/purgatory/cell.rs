@@ -663,8 +663,7 @@ where
     /// nobody will read, wakes the handle, and lets go of the finisher's
     /// reference (which may free the cell: the caller uses it no more).
     pub(crate) fn finish(&self, result: Outcome<O::Output>, fate: Fate, cancel_timer: bool) {
-        /// Lets go of the finisher's reference however this ends (a waker's
-        /// `wake` may panic).
+        /// Lets go of the finisher's reference however this ends.
         struct Finisher<'a, K: WatchKey, O: Operation>(&'a Shared<K, O>, Id);
         impl<K: WatchKey, O: Operation> Drop for Finisher<'_, K, O> {
             fn drop(&mut self) {
@@ -687,7 +686,13 @@ where
             }
         }
         if let Some(w) = d.waker {
-            w.wake();
+            // A waker is user code (one built from a raw vtable): a `wake`
+            // that panics is contained and counted, so that the walk, expiry
+            // run or cancel that finished this operation goes on with the
+            // others.
+            if let Err(panic) = catch_unwind(AssertUnwindSafe(|| w.wake())) {
+                self.shared.panics().caught("wake of a handle", panic);
+            }
         }
     }
 
@@ -722,7 +727,7 @@ where
     /// Nobody will read the outcome: drop any stored and don't store one later.
     pub(crate) fn detach(&self) {
         let (stale, waker) = self.cell.delivery().detach();
-        drop(waker);
+        self.shared.drop_contained("drop of a waker", waker);
         if let Some(stale) = stale {
             self.shared.drop_contained("drop of an output", stale);
         }

@@ -288,7 +288,8 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         self.cells.release(id, |cell| {
             let (out, waker) = cell.clear();
             self.drop_contained("drop of an output", out);
-            drop(waker);
+            // Contained: a panic here would leave the cell off the free list.
+            self.drop_contained("drop of a waker", waker);
         });
     }
 
