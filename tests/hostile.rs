@@ -1333,3 +1333,70 @@ fn a_waker_that_panics_on_drop_is_contained_when_the_handle_detaches() {
         })
     });
 }
+
+/// A task waits in `drain()` with a waker whose `wake` panics: the finish that
+/// wakes it is not cut short (the operation's outcome is delivered, and the
+/// walk goes on to the other operations), the panic is counted, and the drain
+/// still ends.
+#[test]
+fn a_drain_waker_that_panics_on_wake_cuts_no_finish_short() {
+    within(10, || {
+        paused().block_on(async {
+            let p: Purgatory<u32, Flagged> = Purgatory::builder().name("drain").build().unwrap();
+            let ready = Arc::new(AtomicBool::new(false));
+            let handles: Vec<_> = (0..3)
+                .map(|_| {
+                    p.try_complete_else_watch(Flagged(ready.clone()), Duration::from_secs(1), [1])
+                        .unwrap()
+                })
+                .collect();
+            let mut drain = Box::pin(p.drain());
+            let waker = waker_panicking_on_wake();
+            let mut cx = std::task::Context::from_waker(&waker);
+            assert!(std::future::Future::poll(drain.as_mut(), &mut cx).is_pending());
+            ready.store(true, Ordering::SeqCst);
+            assert_eq!(p.try_complete_watched(&1), 3, "every one completed");
+            assert!(p.metrics().panicked >= 1, "the drainer's wake was caught");
+            assert_eq!(p.delayed(), 0);
+            for h in handles {
+                assert_eq!(h.await, Ok(Completion::Completed(())));
+            }
+            drain.await;
+        })
+    });
+}
+
+/// A sleep waits with a waker whose `wake` panics when the timer shuts down:
+/// the shutdown still hands back every unrun task and tells every other
+/// sleep, and the panic is counted.
+#[test]
+fn a_sleep_waker_that_panics_on_wake_cuts_no_shutdown_short() {
+    within(10, || {
+        paused().block_on(async {
+            let timer = Timer::new();
+            let ran = Arc::new(AtomicUsize::new(0));
+            for _ in 0..2 {
+                let ran = ran.clone();
+                timer
+                    .schedule(Duration::from_secs(1), move || {
+                        ran.fetch_add(1, Ordering::SeqCst);
+                    })
+                    .unwrap();
+            }
+            let mut hostile = Box::pin(timer.sleep(Duration::from_secs(1)));
+            let waker = waker_panicking_on_wake();
+            let mut cx = std::task::Context::from_waker(&waker);
+            assert!(std::future::Future::poll(hostile.as_mut(), &mut cx).is_pending());
+            let other = timer.sleep(Duration::from_secs(1));
+            let unrun = timer.shutdown();
+            assert_eq!(unrun.len(), 2, "both tasks handed back");
+            assert_eq!(timer.metrics().panicked, 1, "the wake was caught");
+            assert!(other.await.is_err(), "the other sleep was told");
+            for t in unrun {
+                t.run();
+            }
+            assert_eq!(ran.load(Ordering::SeqCst), 2);
+            drop(hostile);
+        })
+    });
+}

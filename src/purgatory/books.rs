@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 use tokio::sync::Notify;
 
+use crate::contain::Panics;
 use crate::sync::{Padded, Striped};
 
 /// How a finished operation is counted.
@@ -138,22 +139,31 @@ impl Books {
         true
     }
 
-    /// Undoes [`admit`](Self::admit) for an operation that never registered,
-    /// and wakes a drainer that may be waiting for it: a registration admitted
-    /// before `drain` began and turned back after (a key that panicked) is the
-    /// last thing that drainer waits for.
-    pub(crate) fn unadmit(&self) {
+    /// Undoes [`admit`](Self::admit) for an operation that never registered.
+    /// Returns whether a drainer may be waiting for it (a registration
+    /// admitted before `drain` began and turned back after, say by a key that
+    /// panicked, is the last thing that drainer waits for): the caller then
+    /// wakes the drainers ([`wake_drainers`](Self::wake_drainers)).
+    #[must_use]
+    pub(crate) fn unadmit(&self) -> bool {
         if self.max_pending.is_some() {
             self.admitted.0.fetch_sub(1, Ordering::AcqRel);
         }
         self.mine().turned_back.fetch_add(1, Ordering::SeqCst);
-        if self.draining.load(Ordering::SeqCst) {
-            self.drained.notify_waiters();
-        }
+        self.draining.load(Ordering::SeqCst)
+    }
+
+    /// Wakes the tasks waiting in `drain`. Their wakers are user code (a
+    /// waker built from a raw vtable may panic in `wake`): a panic is caught
+    /// and counted in `panics`, so that the finish or refusal that woke them
+    /// goes on.
+    pub(crate) fn wake_drainers(&self, panics: &Panics) {
+        panics.run("wake of a drain", || self.drained.notify_waiters());
     }
 
     /// Whether an admitted registration must turn back because the purgatory is
-    /// draining; then it is unadmitted here. The admission's count and this read
+    /// draining; then it is unadmitted here, and the caller wakes the
+    /// drainers ([`wake_drainers`](Self::wake_drainers)). The admission's count and this read
     /// pair with `drain`'s write of the flag and read of the count (all
     /// sequentially consistent): either this sees the flag, or the drainer sees
     /// the operation and waits for it.
@@ -162,7 +172,7 @@ impl Books {
         if !self.draining.load(Ordering::SeqCst) {
             return false;
         }
-        self.unadmit();
+        let _draining = self.unadmit();
         true
     }
 
@@ -186,10 +196,12 @@ impl Books {
     }
 
     /// An operation finished with `fate`: its room under the limit is free,
-    /// its `keys` list entries are tombstones now, and a drainer may be
-    /// waiting for it.
+    /// and its `keys` list entries are tombstones now. Returns whether a
+    /// drainer may be waiting for it: the caller then wakes the drainers
+    /// ([`wake_drainers`](Self::wake_drainers)).
     #[inline]
-    pub(crate) fn finished(&self, fate: Fate, keys: u32) {
+    #[must_use]
+    pub(crate) fn finished(&self, fate: Fate, keys: u32) -> bool {
         if self.max_pending.is_some() {
             self.admitted.0.fetch_sub(1, Ordering::AcqRel);
         }
@@ -204,9 +216,7 @@ impl Books {
         if keys > 0 {
             self.tombstones_changed(i64::from(keys));
         }
-        if self.draining.load(Ordering::SeqCst) {
-            self.drained.notify_waiters();
-        }
+        self.draining.load(Ordering::SeqCst)
     }
 
     /// `n` watch-list entries became tombstones (negative: were removed).
@@ -269,7 +279,7 @@ mod tests {
     #[test]
     fn tombstones_are_counted_once_and_a_dip_reads_as_none() {
         let b = Books::new(None);
-        b.finished(Fate::Completed, 3); // a three-key operation finished
+        assert!(!b.finished(Fate::Completed, 3), "not draining"); // a three-key operation finished
         assert_eq!(b.tombstones(), 3);
         b.tombstones_changed(-2); // two removed by walks
         assert_eq!(b.tombstones(), 1);
@@ -285,9 +295,9 @@ mod tests {
         for _ in 0..5 {
             assert!(b.admit());
         }
-        b.unadmit();
-        b.finished(Fate::Completed, 0);
-        b.finished(Fate::Expired, 0);
+        assert!(!b.unadmit(), "not draining");
+        assert!(!b.finished(Fate::Completed, 0), "not draining");
+        assert!(!b.finished(Fate::Expired, 0), "not draining");
         let t = b.totals();
         assert_eq!((t.registered, t.delayed), (4, 2));
         assert_eq!(
@@ -307,9 +317,9 @@ mod limit_tests {
         assert!(b.admit());
         assert!(b.admit());
         assert!(!b.admit(), "at the limit");
-        b.finished(Fate::Completed, 1);
+        assert!(!b.finished(Fate::Completed, 1), "not draining");
         assert!(b.admit(), "a finish freed room");
-        b.unadmit();
+        assert!(!b.unadmit(), "not draining");
         assert!(b.admit(), "turning back freed room");
         assert_eq!(b.totals().delayed, 2);
     }

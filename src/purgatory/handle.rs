@@ -626,7 +626,10 @@ where
     /// `try_complete_reached`) or `cancel_for_key` on one, nor `shutdown` of
     /// its purgatory: each would check it or take it out, and wait on the
     /// lock `f` holds. Call those after `update` returns. Other operations and
-    /// purgatories are fine. A panic in `f` reaches the caller; the
+    /// purgatories are fine, as long as the calls never wait for each other
+    /// in a cycle: an `f` that updates (or checks) operation B while B's own
+    /// update or check updates this one waits forever, as two locks taken in
+    /// opposite orders do. A panic in `f` reaches the caller; the
     /// operation stays registered with whatever `f` changed.
     ///
     /// # Examples

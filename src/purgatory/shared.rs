@@ -387,6 +387,7 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         } else if !self.books.admit() {
             Err(Refusal::AtCapacity)
         } else if self.books.turn_back_if_draining() {
+            self.books.wake_drainers(&self.panics);
             Err(Refusal::Draining)
         } else {
             Ok(())
@@ -395,7 +396,9 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
 
     /// Turns back a registration admitted and then refused (the slab is full).
     pub(crate) fn refuse_admitted(&self) {
-        self.books.unadmit();
+        if self.books.unadmit() {
+            self.books.wake_drainers(&self.panics);
+        }
     }
 
     /// A registration's first check, before anything is watched; a panic in
@@ -432,7 +435,9 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         if let Err(panic) = watched {
             self.op(id).abandon_registration();
             self.books.tombstones_changed(added as i64);
-            self.books.unadmit();
+            if self.books.unadmit() {
+                self.books.wake_drainers(&self.panics);
+            }
             return Err(panic);
         }
         Ok(())
@@ -524,7 +529,9 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
 
     /// Counts a finished operation; its `keys` list entries are now tombstones.
     pub(crate) fn on_finished(&self, fate: Fate, keys: u32) {
-        self.books.finished(fate, keys);
+        if self.books.finished(fate, keys) {
+            self.books.wake_drainers(&self.panics);
+        }
         tracing::trace!(purgatory = &*self.name, ?fate, "operation finished");
         // No purge here: this runs on the reaper too, and a purge walks every
         // list. Registration and key walks purge instead (Kafka's places).

@@ -771,13 +771,24 @@ impl Timer {
     /// # }
     /// ```
     pub fn shutdown(&self) -> Vec<UnrunTask> {
-        let Some(jobs) = self.core().close(Closed::Shutdown) else {
+        let core = self.core();
+        let Some(jobs) = core.close(Closed::Shutdown) else {
             return Vec::new();
         };
-        jobs.into_iter()
-            .filter_map(|job| job.0.stopped(Closed::Shutdown))
-            .map(|task| UnrunTask { task })
-            .collect()
+        let mut unrun = Vec::new();
+        for job in jobs {
+            // A sleep's entry wakes its task, whose waker is user code (one
+            // built from a raw vtable may panic in `wake`): caught and counted,
+            // so that every other task is still handed back and every other
+            // sleep told.
+            let mut job = Some(job);
+            core.panics.run("wake of a sleep", || {
+                if let Some(task) = job.take().and_then(|j| j.0.stopped(Closed::Shutdown)) {
+                    unrun.push(UnrunTask { task });
+                }
+            });
+        }
+        unrun
     }
 }
 
