@@ -11,17 +11,7 @@ use tokio::time::{advance, timeout};
 use tokio_purgatory::{Completion, Operation, OperationError, Purgatory, Timer};
 
 mod support;
-use support::{ms, settle};
-
-struct Flag(Arc<AtomicBool>);
-
-impl Operation for Flag {
-    type Output = ();
-    fn try_complete(&mut self) -> Option<()> {
-        self.0.load(Ordering::SeqCst).then_some(())
-    }
-    fn on_expiration(self) {}
-}
+use support::{ms, settle, FlagOp as Flag};
 
 /// A timer task that schedules, cancels and shuts down its own timer.
 #[tokio::test(start_paused = true)]

@@ -15,7 +15,7 @@ use tokio::time::{advance, Instant};
 use tokio_purgatory::{Completion, Operation, OperationError, Purgatory, Timer, Watch};
 
 mod support;
-use support::{balanced, ms, settle};
+use support::{balanced, ms, settle, FlagOp};
 
 /// Runs `f` on its own thread and fails if it has not returned within `secs`
 /// seconds (a deadlock), re-raising its panic if it panicked.
@@ -1264,17 +1264,6 @@ thread_local! {
     static DROP_PANICS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
-/// Completes once its flag is set.
-struct Flagged(Arc<AtomicBool>);
-
-impl Operation for Flagged {
-    type Output = ();
-    fn try_complete(&mut self) -> Option<()> {
-        self.0.load(Ordering::SeqCst).then_some(())
-    }
-    fn on_expiration(self) {}
-}
-
 /// A walk completes several operations and wakes their handles: one whose
 /// waker panics in `wake` does not keep the walk from checking and
 /// completing the others, and its own outcome is delivered too.
@@ -1282,11 +1271,11 @@ impl Operation for Flagged {
 fn a_waker_that_panics_on_wake_during_a_walk_leaves_the_others_finished() {
     within(10, || {
         paused().block_on(async {
-            let p: Purgatory<u32, Flagged> = Purgatory::builder().name("wake").build().unwrap();
+            let p: Purgatory<u32, FlagOp> = Purgatory::builder().name("wake").build().unwrap();
             let ready = Arc::new(AtomicBool::new(false));
             let mut handles: Vec<_> = (0..4)
                 .map(|_| {
-                    p.try_complete_else_watch(Flagged(ready.clone()), Duration::from_secs(1), [1])
+                    p.try_complete_else_watch(FlagOp(ready.clone()), Duration::from_secs(1), [1])
                         .unwrap()
                 })
                 .collect();
@@ -1313,10 +1302,10 @@ fn a_waker_that_panics_on_wake_during_a_walk_leaves_the_others_finished() {
 fn a_waker_that_panics_on_drop_is_contained_when_the_handle_detaches() {
     within(10, || {
         paused().block_on(async {
-            let p: Purgatory<u32, Flagged> = Purgatory::builder().name("drop").build().unwrap();
+            let p: Purgatory<u32, FlagOp> = Purgatory::builder().name("drop").build().unwrap();
             let ready = Arc::new(AtomicBool::new(false));
             let mut h = p
-                .try_complete_else_watch(Flagged(ready.clone()), Duration::from_secs(1), [1])
+                .try_complete_else_watch(FlagOp(ready.clone()), Duration::from_secs(1), [1])
                 .unwrap();
             let r = h.op_ref().unwrap();
             let waker = waker_panicking_on_wake();
@@ -1342,11 +1331,11 @@ fn a_waker_that_panics_on_drop_is_contained_when_the_handle_detaches() {
 fn a_drain_waker_that_panics_on_wake_cuts_no_finish_short() {
     within(10, || {
         paused().block_on(async {
-            let p: Purgatory<u32, Flagged> = Purgatory::builder().name("drain").build().unwrap();
+            let p: Purgatory<u32, FlagOp> = Purgatory::builder().name("drain").build().unwrap();
             let ready = Arc::new(AtomicBool::new(false));
             let handles: Vec<_> = (0..3)
                 .map(|_| {
-                    p.try_complete_else_watch(Flagged(ready.clone()), Duration::from_secs(1), [1])
+                    p.try_complete_else_watch(FlagOp(ready.clone()), Duration::from_secs(1), [1])
                         .unwrap()
                 })
                 .collect();
