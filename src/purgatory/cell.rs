@@ -690,9 +690,7 @@ where
             // that panics is contained and counted, so that the walk, expiry
             // run or cancel that finished this operation goes on with the
             // others.
-            if let Err(panic) = catch_unwind(AssertUnwindSafe(|| w.wake())) {
-                self.shared.panics().caught("wake of a handle", panic);
-            }
+            self.shared.panics().run("wake of a handle", || w.wake());
         }
     }
 
