@@ -345,8 +345,9 @@
 //!   (including `shutdown()`) from their code and their `Drop`. Two locks do
 //!   surround user code, by design: an operation's own lock around its
 //!   `try_complete` (checks of one operation never overlap), and a watcher-map
-//!   shard lock around a key's `Eq`, which must not call back in (its `Hash`
-//!   and `Clone` run before any lock).
+//!   shard lock around a key's `Eq` (and its `Borrow`, when a method looks it
+//!   up by a borrowed form), which must not call back in (its `Hash` and
+//!   `Clone` run before any lock).
 //! - **Finished operations free their memory at once**: the operation at once, an
 //!   output as soon as its handle reads it or is dropped. Its cell
 //!   ([`Purgatory::cell_bytes`]) is reused by the next registration; the

@@ -1389,3 +1389,191 @@ fn a_sleep_waker_that_panics_on_wake_cuts_no_shutdown_short() {
         })
     });
 }
+
+/// An operation done at its first check gives a ready handle holding its
+/// output: however that handle goes without being awaited, an output whose
+/// `Drop` panics is dropped contained (counted, not raised).
+#[tokio::test(start_paused = true)]
+async fn an_output_that_panics_on_drop_is_contained_when_a_ready_handle_goes() {
+    let p = purgatory::<u32>();
+    let ready = || {
+        let hooks = Hooks {
+            out_drop_panics: true,
+            ..Hooks::default()
+        };
+        hooks.set_ready();
+        let h = p
+            .try_complete_else_watch(Op(hooks.clone()), ms(100), [1])
+            .unwrap();
+        assert!(h.is_finished(), "done at the first check");
+        (hooks, h)
+    };
+    let (a, h) = ready();
+    drop(h);
+    let (b, h) = ready();
+    h.detach();
+    let (c, h) = ready();
+    assert!(h.cancel().is_none(), "nothing left to cancel");
+    let (d, h) = ready();
+    assert!(h.into_op_ref().is_none(), "nothing left to reference");
+    for hooks in [a, b, c, d] {
+        assert_eq!(hooks.out_drops(), 1, "each output dropped once");
+    }
+    let m = p.metrics();
+    assert_eq!(m.panicked, 4, "each drop caught: {m:?}");
+    assert_eq!(m.completed, 4, "{m:?}");
+}
+
+/// A handle polled again with another waker replaces the first, which is
+/// dropped; polled again with the same one, the clone made for it is not
+/// needed and is dropped. A waker whose `Drop` panics there is contained, and
+/// the outcome is still read.
+#[test]
+fn a_waker_that_panics_on_drop_in_a_poll_loses_no_outcome() {
+    within(10, || {
+        paused().block_on(async {
+            let p: Purgatory<u32, FlagOp> = Purgatory::builder().name("poll").build().unwrap();
+            let ready = Arc::new(AtomicBool::new(false));
+            let mut h = p
+                .try_complete_else_watch(FlagOp(ready.clone()), Duration::from_secs(1), [1])
+                .unwrap();
+            let hostile = waker_panicking_on_wake();
+            let mut cx = std::task::Context::from_waker(&hostile);
+            assert!(std::future::Future::poll(std::pin::Pin::new(&mut h), &mut cx).is_pending());
+            DROP_PANICS.with(|d| d.set(true));
+            // The same waker: the spare clone is dropped.
+            assert!(std::future::Future::poll(std::pin::Pin::new(&mut h), &mut cx).is_pending());
+            // Another waker: the kept hostile one is dropped.
+            let plain = futures::task::noop_waker();
+            let mut plain_cx = std::task::Context::from_waker(&plain);
+            let polled = std::future::Future::poll(std::pin::Pin::new(&mut h), &mut plain_cx);
+            DROP_PANICS.with(|d| d.set(false));
+            assert!(polled.is_pending());
+            assert_eq!(p.metrics().panicked, 2, "both waker drops caught");
+            ready.store(true, Ordering::SeqCst);
+            assert_eq!(p.try_complete_watched(&1), 1);
+            assert_eq!(h.await, Ok(Completion::Completed(())));
+            drop(hostile);
+        })
+    });
+}
+
+/// A value whose `Drop` always panics, even while another panic unwinds.
+struct AlwaysPanicsOnDrop(Arc<AtomicUsize>);
+
+impl Drop for AlwaysPanicsOnDrop {
+    fn drop(&mut self) {
+        self.0.fetch_add(1, Ordering::SeqCst);
+        panic!("hostile drop");
+    }
+}
+
+/// A repeating task whose closure panics and whose own `Drop` panics as well
+/// (while the first panic would be unwinding) used to abort the process.
+/// Both panics are counted; the chain ends; the timer goes on.
+#[test]
+fn a_repeating_task_that_panics_and_panics_again_on_drop_is_contained() {
+    within(10, || {
+        paused().block_on(async {
+            let timer = Timer::new();
+            let drops = Arc::new(AtomicUsize::new(0));
+            let guard = AlwaysPanicsOnDrop(drops.clone());
+            let t = timer
+                .schedule_repeating(ms(10), move || {
+                    let _keep = &guard;
+                    panic!("hostile repeating task");
+                })
+                .unwrap();
+            let ran = Arc::new(AtomicBool::new(false));
+            let flag = ran.clone();
+            timer
+                .schedule(ms(20), move || flag.store(true, Ordering::SeqCst))
+                .unwrap();
+            advance(ms(30)).await;
+            settle().await;
+            assert_eq!(drops.load(Ordering::SeqCst), 1, "the task was dropped once");
+            assert_eq!(timer.metrics().panicked, 2, "its run and its drop");
+            assert!(ran.load(Ordering::SeqCst), "the other task still ran");
+            assert!(!t.cancel(), "the chain ended");
+        })
+    });
+}
+
+/// Cancelling an async task before its deadline drops its future unpolled:
+/// a future whose `Drop` panics is contained there.
+#[tokio::test(start_paused = true)]
+async fn an_async_task_whose_future_panics_on_drop_is_cancelled_contained() {
+    let timer = Timer::new();
+    let drops = Arc::new(AtomicUsize::new(0));
+    let guard = AlwaysPanicsOnDrop(drops.clone());
+    let t = timer
+        .schedule_async(ms(10), async move {
+            let _keep = &guard;
+        })
+        .unwrap();
+    assert!(t.cancel(), "cancelled before its deadline");
+    assert_eq!(drops.load(Ordering::SeqCst), 1);
+    assert_eq!(timer.metrics().panicked, 1);
+    advance(ms(20)).await;
+    settle().await;
+    assert_eq!(timer.metrics().panicked, 1, "nothing ran later");
+}
+
+/// A key whose `Drop` always panics.
+#[derive(Clone)]
+struct LoudKey(u32, Arc<AtomicUsize>);
+
+impl PartialEq for LoudKey {
+    fn eq(&self, o: &Self) -> bool {
+        self.0 == o.0
+    }
+}
+
+impl Eq for LoudKey {}
+
+impl Hash for LoudKey {
+    fn hash<H: Hasher>(&self, h: &mut H) {
+        self.0.hash(h);
+    }
+}
+
+impl Drop for LoudKey {
+    fn drop(&mut self) {
+        self.1.fetch_add(1, Ordering::SeqCst);
+        panic!("hostile key drop");
+    }
+}
+
+/// The caller's key iterator panics after giving two keys whose `Drop`
+/// panics: the keys taken so far used to be dropped while the iterator's
+/// panic unwound, which aborted the process. Now the iterator's panic reaches
+/// the caller, each key's drop is contained, and nothing is registered.
+#[tokio::test(start_paused = true)]
+async fn a_key_iterator_that_panics_drops_the_keys_taken_contained() {
+    let p: Purgatory<LoudKey, Op> = purgatory();
+    let drops = Arc::new(AtomicUsize::new(0));
+    let hooks = Hooks::default();
+    let keys = {
+        let drops = drops.clone();
+        (0..3u32).map(move |i| {
+            if i == 2 {
+                panic!("hostile key iterator");
+            }
+            LoudKey(i, drops.clone())
+        })
+    };
+    let r = catch_unwind(AssertUnwindSafe(|| {
+        let _ = p.try_complete_else_watch(Op(hooks.clone()), ms(100), keys);
+    }));
+    let panic = r.expect_err("the iterator's panic reaches the caller");
+    assert_eq!(
+        panic.downcast_ref::<&str>(),
+        Some(&"hostile key iterator"),
+        "the first panic, not a key's"
+    );
+    assert_eq!(drops.load(Ordering::SeqCst), 2, "both keys dropped");
+    assert_eq!(hooks.op_drops(), 1, "the operation dropped");
+    let m = p.metrics();
+    assert_eq!(m.panicked, 2, "{m:?}");
+    assert_eq!((m.registered, m.delayed, m.watched), (0, 0, 0), "{m:?}");
+}

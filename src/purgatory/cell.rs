@@ -143,7 +143,11 @@ impl<'a, T> Delivery<'a, T> {
     }
 
     /// Takes the outcome, or registers `waker` to be woken when there is one.
-    pub(crate) fn poll(&self, waker: &Waker) -> Option<T> {
+    /// Also returns a waker the slot holds no more (a clone that was not
+    /// needed, or the one `waker` replaced), for the caller to drop contained:
+    /// a waker's `Drop` may be user code, and a panic in it must not lose the
+    /// outcome taken here.
+    pub(crate) fn poll(&self, waker: &Waker) -> (Option<T>, Option<Waker>) {
         // A waker's `clone` may be user code (a waker built from a raw
         // vtable), so it is cloned with no lock held: before the lock, unless
         // an outcome is already there to take.
@@ -152,14 +156,10 @@ impl<'a, T> Delivery<'a, T> {
             let mut s = lock(self.slot);
             if let Some(r) = s.result.take() {
                 self.state.fetch_and(!FULL, Ordering::AcqRel);
-                drop(s);
-                drop(fresh);
-                return Some(r);
+                return (Some(r), fresh);
             }
             if s.waker.as_ref().is_some_and(|w| w.will_wake(waker)) {
-                drop(s);
-                drop(fresh);
-                return None;
+                return (None, fresh);
             }
             let Some(new) = fresh.take() else {
                 // (Not reached: polls of one handle never overlap, so an
@@ -170,9 +170,7 @@ impl<'a, T> Delivery<'a, T> {
             };
             let old = s.waker.replace(new);
             self.state.fetch_or(WAITING, Ordering::AcqRel);
-            drop(s);
-            drop(old);
-            return None;
+            return (None, old);
         }
     }
 
@@ -719,7 +717,9 @@ where
 
     /// Takes the outcome, or registers `waker` to be woken when there is one.
     pub(crate) fn poll_outcome(&self, waker: &Waker) -> Option<Outcome<O::Output>> {
-        self.cell.delivery().poll(waker)
+        let (outcome, spare) = self.cell.delivery().poll(waker);
+        self.shared.drop_contained("drop of a waker", spare);
+        outcome
     }
 
     /// Nobody will read the outcome: drop any stored and don't store one later.
@@ -819,7 +819,7 @@ mod loom_delivery {
                 thread::spawn(move || finish(&kept.delivery(), Value(drops)))
             };
             let d = kept.delivery();
-            let first = d.poll(&waker);
+            let first = d.poll(&waker).0;
             t.join().unwrap();
             match first {
                 Some(v) => drop(v),
@@ -827,7 +827,7 @@ mod loom_delivery {
                     // Pending at the first poll: the delivery came after the waker
                     // was registered, so the task was woken and the next poll reads.
                     assert_eq!(woken.0.load(Ordering::SeqCst), 1, "lost wake-up");
-                    drop(d.poll(&waker).expect("delivered"));
+                    drop(d.poll(&waker).0.expect("delivered"));
                 }
             }
             assert_eq!(drops.load(Ordering::SeqCst), 1);

@@ -126,8 +126,9 @@ pub struct OperationHandle<K: WatchKey, O: Operation> {
 }
 
 enum Inner<K: WatchKey, O: Operation> {
-    /// Completed by the first check, before anything was registered.
-    Ready(Completion<O::Output>),
+    /// Completed by the first check, before anything was registered. The
+    /// purgatory is kept to drop an unread output contained.
+    Ready(Completion<O::Output>, Arc<Shared<K, O>>),
     Waiting(CellRef<K, O>),
     Taken,
 }
@@ -135,7 +136,7 @@ enum Inner<K: WatchKey, O: Operation> {
 impl<K: WatchKey, O: Operation> fmt::Debug for OperationHandle<K, O> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let state = match &self.inner {
-            Inner::Ready(_) => "ready",
+            Inner::Ready(..) => "ready",
             Inner::Waiting(_) => "waiting",
             Inner::Taken => "taken",
         };
@@ -150,9 +151,9 @@ where
     K: WatchKey,
     O: Operation,
 {
-    pub(crate) fn ready(c: Completion<O::Output>) -> Self {
+    pub(crate) fn ready(c: Completion<O::Output>, shared: Arc<Shared<K, O>>) -> Self {
         OperationHandle {
-            inner: Inner::Ready(c),
+            inner: Inner::Ready(c, shared),
         }
     }
 
@@ -185,7 +186,7 @@ where
     pub fn is_finished(&self) -> bool {
         match &self.inner {
             Inner::Waiting(cell) => cell.op().is_finished(),
-            Inner::Ready(_) | Inner::Taken => true,
+            Inner::Ready(..) | Inner::Taken => true,
         }
     }
 
@@ -224,7 +225,7 @@ where
     pub fn op_ref(&self) -> Option<OpRef<K, O>> {
         match &self.inner {
             Inner::Waiting(cell) => Some(OpRef { cell: cell.clone() }),
-            Inner::Ready(_) | Inner::Taken => None,
+            Inner::Ready(..) | Inner::Taken => None,
         }
     }
 
@@ -297,7 +298,7 @@ where
     fn reset_from(&self, now: Instant, deadline: Instant) -> bool {
         match &self.inner {
             Inner::Waiting(cell) => cell.op().reset(now, deadline),
-            Inner::Ready(_) | Inner::Taken => false,
+            Inner::Ready(..) | Inner::Taken => false,
         }
     }
 
@@ -338,7 +339,11 @@ where
                 cell.shared.tidy();
                 taken
             }
-            Inner::Ready(_) | Inner::Taken => None,
+            Inner::Ready(c, shared) => {
+                shared.drop_contained("drop of an output", c);
+                None
+            }
+            Inner::Taken => None,
         }
     }
 
@@ -369,8 +374,10 @@ where
     /// # }
     /// ```
     pub fn detach(mut self) {
-        if let Inner::Waiting(cell) = std::mem::replace(&mut self.inner, Inner::Taken) {
-            cell.op().detach();
+        match std::mem::replace(&mut self.inner, Inner::Taken) {
+            Inner::Waiting(cell) => cell.op().detach(),
+            Inner::Ready(c, shared) => shared.drop_contained("drop of an output", c),
+            Inner::Taken => {}
         }
     }
 
@@ -423,7 +430,11 @@ where
                 cell.op().detach();
                 Some(OpRef { cell })
             }
-            Inner::Ready(_) | Inner::Taken => None,
+            Inner::Ready(c, shared) => {
+                shared.drop_contained("drop of an output", c);
+                None
+            }
+            Inner::Taken => None,
         }
     }
 }
@@ -445,8 +456,8 @@ where
                 Some(out) => out,
                 None => return Poll::Pending,
             },
-            Inner::Ready(_) => match std::mem::replace(&mut this.inner, Inner::Taken) {
-                Inner::Ready(c) => return Poll::Ready(Ok(c)),
+            Inner::Ready(..) => match std::mem::replace(&mut this.inner, Inner::Taken) {
+                Inner::Ready(c, _) => return Poll::Ready(Ok(c)),
                 _ => unreachable!(),
             },
             Inner::Taken => panic!("OperationHandle polled after it returned Ready"),
@@ -458,6 +469,12 @@ where
 
 impl<K: WatchKey, O: Operation> Drop for OperationHandle<K, O> {
     fn drop(&mut self) {
+        if let Inner::Ready(..) = &self.inner {
+            if let Inner::Ready(c, shared) = std::mem::replace(&mut self.inner, Inner::Taken) {
+                shared.drop_contained("drop of an output", c);
+            }
+            return;
+        }
         if let Inner::Waiting(cell) = &self.inner {
             // Nobody awaits it any more. Detach first, so an outcome delivered by a
             // check that races this cancel is dropped at once rather than kept.

@@ -4,6 +4,8 @@
 use std::any::Any;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
+use crate::contain::drop_payload;
+
 use super::WatchKey;
 
 /// A key with its hash by the watcher map's hasher.
@@ -26,7 +28,24 @@ impl<K> KeyPanic<K> {
         dups: Vec<K>,
         rest: impl IntoIterator<Item = K>,
     ) -> KeyPanic<K> {
-        let keys = list.into_iter().chain(dups).chain(rest).collect();
+        let mut keys: Vec<K> = list.into_iter().chain(dups).collect();
+        // The rest comes from the caller's iterator, which may panic again:
+        // that stops the collecting (the first panic is the one that goes
+        // on), and nothing taken is dropped while a panic unwinds.
+        let mut rest = rest.into_iter();
+        loop {
+            match catch_unwind(AssertUnwindSafe(|| rest.next())) {
+                Ok(Some(k)) => keys.push(k),
+                Ok(None) => break,
+                Err(again) => {
+                    drop_payload(again);
+                    break;
+                }
+            }
+        }
+        if let Err(again) = catch_unwind(AssertUnwindSafe(move || drop(rest))) {
+            drop_payload(again);
+        }
         KeyPanic { panic, keys }
     }
 }
@@ -64,7 +83,20 @@ impl<K: WatchKey> KeyList<K> {
         let mut list = KeyList::Inline([const { None }; INLINE], 0);
         let mut dups = Vec::new();
         let mut keys = keys.into_iter();
-        while let Some(k) = keys.next() {
+        loop {
+            // The caller's iterator is user code too: a panic in it comes
+            // back with the keys taken so far, as one in `Eq` or `Hash` does.
+            let k = match catch_unwind(AssertUnwindSafe(|| keys.next())) {
+                Ok(Some(k)) => k,
+                Ok(None) => break,
+                Err(panic) => {
+                    // Not drained further: dropped, a panic in that caught.
+                    if let Err(again) = catch_unwind(AssertUnwindSafe(move || drop(keys))) {
+                        drop_payload(again);
+                    }
+                    return Err(KeyPanic::new(panic, list, dups, None));
+                }
+            };
             // Key code (`Eq`, `Hash`) decides; the list changes after it.
             let decided = catch_unwind(AssertUnwindSafe(|| {
                 let same = |(_, sk): &(u64, K)| *sk == k;

@@ -80,8 +80,10 @@ impl<K: WatchKey, O: Operation> Drop for Owner<K, O> {
 ///   checks of one operation never overlap; an event that arrives while one runs
 ///   makes it check again.
 /// - A key's `Eq` runs under the lock of the watcher-map shard that holds the
-///   key (see [`WatchKey`]): it must not call back into the purgatory. Its
-///   `Clone` and `Hash`, and the chosen hasher, run before any lock is taken.
+///   key (see [`WatchKey`]): it must not call back into the purgatory. So do
+///   the key's `Borrow::borrow` and the borrowed form's `Eq`, for the methods
+///   that look a key up by a borrowed form (`&Q`). Its `Clone` and `Hash`, and
+///   the chosen hasher, run before any lock is taken.
 ///
 /// # Panics in user code
 ///
@@ -709,7 +711,10 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
             shared.on_finished(Fate::Completed, 0);
             shared.drop_contained("drop of an operation", op);
             shared.drop_keys(keys);
-            return Ok(OperationHandle::ready(Completion::Completed(output)));
+            return Ok(OperationHandle::ready(
+                Completion::Completed(output),
+                shared.clone(),
+            ));
         }
 
         // Watch. The cell starts owned by this thread's check: until the

@@ -262,7 +262,9 @@ impl<T> Completion<T> {
 /// A key's `Eq` (to find its watch list) runs under the lock of the
 /// watcher-map shard that holds the key (a registration may hold the shards of
 /// its other keys too): it must not call back into the purgatory; keep it
-/// plain. Its `Clone` (when a key is first watched, the map keeps a copy) runs
+/// plain. The same holds for the key's `Borrow::borrow` and the borrowed
+/// form's `Eq`, which the methods taking a key as `&Q` run under that lock to
+/// compare. Its `Clone` (when a key is first watched, the map keeps a copy) runs
 /// before that lock is taken, and its `Hash` once per call, before any lock,
 /// and never for a key the map already holds. If any of the three panics, the panic reaches the caller of
 /// the method that ran it, and the purgatory is left as it was before that call.

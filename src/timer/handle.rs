@@ -419,7 +419,8 @@ impl AsyncTaskHandle {
                 // state cancelled and does not spawn it.
                 let taken = self.timeout.cancel_and_take();
                 drop(s);
-                drop(taken);
+                // The future, unpolled: the user's value, its drop contained.
+                self.timeout.core.panics.drop_value("drop of a task", taken);
                 true
             }
             Start::Running(abort) => {

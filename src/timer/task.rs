@@ -3,6 +3,7 @@
 
 use std::any::Any;
 use std::fmt;
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 
 use futures::task::AtomicWaker;
@@ -13,6 +14,7 @@ use tokio::time::Instant;
 
 use super::error::{ScheduleError, TimerError};
 use crate::clock::deadline_after;
+use crate::contain::drop_payload;
 use crate::core::{Closed, Core, Job, Refused, TimerKey};
 use crate::sync::{lock, Mutex};
 
@@ -160,7 +162,9 @@ impl<F: FnMut() -> Option<Duration> + Send + 'static> TaskFn for Repeating<F> {
     fn call(self: Box<Self>) {
         let mut me = self;
         if me.handed_back {
-            let _ = (me.f)();
+            if let Err(panic) = catch_unwind(AssertUnwindSafe(|| (me.f)())) {
+                drop_then_resume(me, panic);
+            }
             return;
         }
         // The entry left the wheel: its key is stale.
@@ -169,13 +173,20 @@ impl<F: FnMut() -> Option<Duration> + Send + 'static> TaskFn for Repeating<F> {
             return;
         }
         // Declared after `me`, so dropped before it: the chain reads as ended
-        // before the task (user code) is dropped. A panic in `f` unwinds through
-        // it too (the reaper contains and counts the panic).
+        // before the task (user code) is dropped. A panic in `f` ends the
+        // chain too (the reaper contains and counts the panic).
         let mut end = EndsChain {
             chain: me.chain.clone(),
             settled: false,
         };
-        let Some(delay) = (me.f)() else {
+        let delay = match catch_unwind(AssertUnwindSafe(|| (me.f)())) {
+            Ok(delay) => delay,
+            Err(panic) => {
+                drop(end);
+                drop_then_resume(me, panic);
+            }
+        };
+        let Some(delay) = delay else {
             return;
         };
         let Some(core) = me.core.upgrade() else {
@@ -215,6 +226,21 @@ impl<F: FnMut() -> Option<Duration> + Send + 'static> TaskFn for Repeating<F> {
         self.handed_back = true;
         Some(self)
     }
+}
+
+/// A repeating task's closure panicked: drops the task with a panic in its
+/// `Drop` caught and counted (one raised while the first unwound would abort
+/// the process), then lets the first panic go on to the reaper, which counts
+/// it too.
+fn drop_then_resume<F>(me: Box<Repeating<F>>, panic: Box<dyn Any + Send>) -> ! {
+    let core = me.core.clone();
+    if let Err(again) = catch_unwind(AssertUnwindSafe(move || drop(me))) {
+        match core.upgrade() {
+            Some(core) => core.panics.caught("drop of a task", again),
+            None => drop_payload(again),
+        }
+    }
+    resume_unwind(panic)
 }
 
 /// A task as the wheel holds it.
