@@ -7,7 +7,8 @@
 //! The loom-checked protocols: each cell's life word, its operation's state
 //! machine and reference count together (`purgatory/state.rs`), the handle's
 //! delivery slot and the timer key's slot (`purgatory/cell.rs`), the slab's
-//! free lists (`purgatory/slab.rs`), and the reaper's wake target
+//! free lists (`purgatory/slab.rs`), the drain's waiting tasks against the
+//! last finish (`purgatory/books.rs`), and the reaper's wake target
 //! (`wake.rs`). Under loom
 //! those types work only inside `loom::model`, so that build runs the loom tests
 //! alone (`cargo test --release --lib loom`).

@@ -1577,3 +1577,84 @@ async fn a_key_iterator_that_panics_drops_the_keys_taken_contained() {
     assert_eq!(m.panicked, 2, "{m:?}");
     assert_eq!((m.registered, m.delayed, m.watched), (0, 0, 0), "{m:?}");
 }
+
+/// Two tasks wait in `drain()`, one with a waker that panics in `wake`: the
+/// other is still woken, and both drains end.
+#[test]
+fn a_drain_waker_that_panics_on_wake_leaves_the_other_drainers_woken() {
+    use std::future::Future;
+    within(10, || {
+        paused().block_on(async {
+            let p: Purgatory<u32, FlagOp> = Purgatory::builder().name("drains").build().unwrap();
+            let ready = Arc::new(AtomicBool::new(false));
+            let h = p
+                .try_complete_else_watch(FlagOp(ready.clone()), Duration::from_secs(1), [1])
+                .unwrap();
+            let woken = Arc::new(AtomicUsize::new(0));
+            let counting = {
+                struct Count(Arc<AtomicUsize>);
+                impl std::task::Wake for Count {
+                    fn wake(self: Arc<Self>) {
+                        self.0.fetch_add(1, Ordering::SeqCst);
+                    }
+                }
+                std::task::Waker::from(Arc::new(Count(woken.clone())))
+            };
+            let hostile = waker_panicking_on_wake();
+            // Both orders: the hostile drainer first, then last.
+            let mut first = Box::pin(p.drain());
+            let mut second = Box::pin(p.drain());
+            let mut third = Box::pin(p.drain());
+            let mut hostile_cx = std::task::Context::from_waker(&hostile);
+            let mut counting_cx = std::task::Context::from_waker(&counting);
+            assert!(first.as_mut().poll(&mut counting_cx).is_pending());
+            assert!(second.as_mut().poll(&mut hostile_cx).is_pending());
+            assert!(third.as_mut().poll(&mut counting_cx).is_pending());
+            ready.store(true, Ordering::SeqCst);
+            assert_eq!(p.try_complete_watched(&1), 1);
+            assert_eq!(p.metrics().panicked, 1, "the hostile wake was caught");
+            assert_eq!(woken.load(Ordering::SeqCst), 2, "both other drainers woken");
+            assert!(first.as_mut().poll(&mut counting_cx).is_ready());
+            assert!(third.as_mut().poll(&mut counting_cx).is_ready());
+            assert!(second.as_mut().poll(&mut counting_cx).is_ready());
+            assert_eq!(h.await, Ok(Completion::Completed(())));
+        })
+    });
+}
+
+/// A task waits in `drain()` with a waker whose `clone` finishes the last
+/// pending operation (calls back into the purgatory): no deadlock, and the
+/// drain ends.
+#[test]
+fn a_drain_waker_whose_clone_calls_back_in_does_not_deadlock() {
+    use std::future::Future;
+    within(10, || {
+        paused().block_on(async {
+            let p: Purgatory<u32, FlagOp> = Purgatory::builder().name("drain").build().unwrap();
+            let ready = Arc::new(AtomicBool::new(false));
+            let h = p
+                .try_complete_else_watch(FlagOp(ready.clone()), Duration::from_secs(1), [1])
+                .unwrap();
+            let calls = Arc::new(AtomicUsize::new(0));
+            {
+                let (p, ready, calls) = (p.clone(), ready.clone(), calls.clone());
+                ON_CLONE.with(|hook| {
+                    *hook.borrow_mut() = Some(Box::new(move || {
+                        calls.fetch_add(1, Ordering::SeqCst);
+                        ready.store(true, Ordering::SeqCst);
+                        p.try_complete_watched(&1);
+                    }))
+                });
+            }
+            let waker = waker_calling_back();
+            let mut cx = std::task::Context::from_waker(&waker);
+            let mut drain = Box::pin(p.drain());
+            // The poll clones the waker, which completes the operation: the
+            // drain finds nothing pending.
+            assert!(drain.as_mut().poll(&mut cx).is_ready());
+            ON_CLONE.with(|hook| hook.borrow_mut().take());
+            assert!(calls.load(Ordering::SeqCst) >= 1);
+            assert_eq!(h.await, Ok(Completion::Completed(())));
+        })
+    });
+}

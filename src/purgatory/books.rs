@@ -2,12 +2,13 @@
 //! finished with each fate, the tombstones their finishes left in watch lists,
 //! the limit on pending operations, and the drain flag.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-
-use tokio::sync::Notify;
+use std::task::{Context, Poll, Waker};
 
 use crate::contain::Panics;
-use crate::sync::{Padded, Striped};
+use crate::sync::{lock, Mutex, Padded, Striped};
 
 /// How a finished operation is counted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -92,7 +93,89 @@ pub(crate) struct Books {
     /// Set by `drain`: registrations are refused, and each finish wakes the
     /// drainers. Read by every registration and finish, written once.
     draining: AtomicBool,
-    drained: Notify,
+    drainers: Mutex<Drainers>,
+}
+
+/// The tasks waiting in `drain`, each under its own id. Ours rather than
+/// tokio's `Notify`, because a waker is user code: `Notify` clones a waker
+/// under its own lock (a clone that calls back in and finishes an operation
+/// would wait for that lock forever), and when one waker panics in `wake` it
+/// drops the others it had taken without waking them. Here wakers are cloned,
+/// woken and dropped with no lock held, each on its own.
+#[derive(Debug, Default)]
+struct Drainers {
+    /// The id the next drain takes.
+    next: u64,
+    waiting: Vec<(u64, Waker)>,
+}
+
+/// The future of [`Books::drain`].
+#[derive(Debug)]
+pub(crate) struct Drain<'a> {
+    books: &'a Books,
+    panics: &'a Panics,
+    /// Its id among the drainers, from its first wait on.
+    id: Option<u64>,
+}
+
+impl Drain<'_> {
+    /// Takes this drain's waker out of the list, to be dropped contained.
+    fn leave(&mut self) -> Option<Waker> {
+        let id = self.id.take()?;
+        let mut d = lock(&self.books.drainers);
+        let at = d.waiting.iter().position(|(i, _)| *i == id)?;
+        Some(d.waiting.swap_remove(at).1)
+    }
+}
+
+impl Future for Drain<'_> {
+    type Output = ();
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        let this = self.get_mut();
+        if this.id.is_none() {
+            this.books.draining.store(true, Ordering::SeqCst);
+            if this.books.delayed_now() == 0 {
+                return Poll::Ready(());
+            }
+        }
+        // Waiting, then looking again: a finish counted after the look below
+        // takes the waker left here (the list's lock orders the two), and one
+        // counted before it is seen.
+        let fresh = cx.waker().clone();
+        let replaced = {
+            let mut d = lock(&this.books.drainers);
+            let id = match this.id {
+                Some(id) => id,
+                None => {
+                    d.next += 1;
+                    this.id = Some(d.next);
+                    d.next
+                }
+            };
+            match d.waiting.iter_mut().find(|(i, _)| *i == id) {
+                Some((_, w)) => Some(std::mem::replace(w, fresh)),
+                None => {
+                    d.waiting.push((id, fresh));
+                    None
+                }
+            }
+        };
+        this.panics.drop_value("drop of a waker", replaced);
+        if this.books.delayed_now() == 0 {
+            let left = this.leave();
+            this.panics.drop_value("drop of a waker", left);
+            return Poll::Ready(());
+        }
+        Poll::Pending
+    }
+}
+
+impl Drop for Drain<'_> {
+    fn drop(&mut self) {
+        let left = self.leave();
+        self.panics.drop_value("drop of a waker", left);
+    }
 }
 
 /// A sum of the per-operation counts.
@@ -113,7 +196,7 @@ impl Books {
             admitted: Padded(AtomicUsize::new(0)),
             max_pending,
             draining: AtomicBool::new(false),
-            drained: Notify::new(),
+            drainers: Mutex::new(Drainers::default()),
         }
     }
 
@@ -158,7 +241,10 @@ impl Books {
     /// and counted in `panics`, so that the finish or refusal that woke them
     /// goes on.
     pub(crate) fn wake_drainers(&self, panics: &Panics) {
-        panics.run("wake of a drain", || self.drained.notify_waiters());
+        let waiting = std::mem::take(&mut lock(&self.drainers).waiting);
+        for (_, waker) in waiting {
+            panics.run("wake of a drain", move || waker.wake());
+        }
     }
 
     /// Whether an admitted registration must turn back because the purgatory is
@@ -176,17 +262,14 @@ impl Books {
         true
     }
 
-    /// Stops taking operations and waits until none is pending.
-    pub(crate) async fn drain(&self) {
-        self.draining.store(true, Ordering::SeqCst);
-        loop {
-            let finished = self.drained.notified();
-            let mut finished = std::pin::pin!(finished);
-            finished.as_mut().enable();
-            if self.delayed_now() == 0 {
-                return;
-            }
-            finished.await;
+    /// Stops taking operations (from the first poll) and waits until none is
+    /// pending. A panic in the waker's `clone` reaches the poller, with
+    /// nothing kept; one in its `Drop` is contained in `panics`.
+    pub(crate) fn drain<'a>(&'a self, panics: &'a Panics) -> Drain<'a> {
+        Drain {
+            books: self,
+            panics,
+            id: None,
         }
     }
 
@@ -322,5 +405,81 @@ mod limit_tests {
         assert!(!b.unadmit(), "not draining");
         assert!(b.admit(), "turning back freed room");
         assert_eq!(b.totals().delayed, 2);
+    }
+}
+
+#[cfg(all(test, purgatory_loom))]
+mod loom_drain {
+    //! A drain racing the last finish: it either sees nothing pending or is
+    //! woken, and a drain dropped while waiting leaves no waker behind.
+
+    use super::*;
+    use loom::thread;
+    use std::sync::Arc;
+    use std::task::Wake;
+
+    struct Counter(loom::sync::atomic::AtomicUsize);
+
+    impl Wake for Counter {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, loom::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
+    fn finish(books: &Books, panics: &Panics) {
+        if books.finished(Fate::Completed, 0) {
+            books.wake_drainers(panics);
+        }
+    }
+
+    #[test]
+    fn loom_a_drain_racing_the_last_finish_returns_or_is_woken() {
+        loom::model(|| {
+            let books = Arc::new(Books::new(None));
+            let panics = Arc::new(Panics::new("purgatory", "loom".into()));
+            assert!(books.admit());
+            let t = {
+                let (books, panics) = (books.clone(), panics.clone());
+                thread::spawn(move || finish(&books, &panics))
+            };
+            let woken = Arc::new(Counter(loom::sync::atomic::AtomicUsize::new(0)));
+            let waker = Waker::from(woken.clone());
+            let mut cx = Context::from_waker(&waker);
+            let mut drain = std::pin::pin!(books.drain(&panics));
+            let first = drain.as_mut().poll(&mut cx);
+            t.join().unwrap();
+            if first.is_pending() {
+                // Waiting when the finish came: it took the waker and woke it.
+                assert_eq!(
+                    woken.0.load(loom::sync::atomic::Ordering::SeqCst),
+                    1,
+                    "lost wake-up"
+                );
+                assert!(drain.as_mut().poll(&mut cx).is_ready());
+            }
+            assert!(lock(&books.drainers).waiting.is_empty(), "no waker left");
+        });
+    }
+
+    #[test]
+    fn loom_a_drain_dropped_while_a_finish_wakes_leaves_nothing() {
+        loom::model(|| {
+            let books = Arc::new(Books::new(None));
+            let panics = Arc::new(Panics::new("purgatory", "loom".into()));
+            assert!(books.admit());
+            assert!(books.admit());
+            let waker = Waker::from(Arc::new(Counter(loom::sync::atomic::AtomicUsize::new(0))));
+            let mut cx = Context::from_waker(&waker);
+            let mut drain = Box::pin(books.drain(&panics));
+            assert!(drain.as_mut().poll(&mut cx).is_pending());
+            let t = {
+                let (books, panics) = (books.clone(), panics.clone());
+                thread::spawn(move || finish(&books, &panics))
+            };
+            drop(drain);
+            t.join().unwrap();
+            assert!(lock(&books.drainers).waiting.is_empty(), "no waker left");
+            assert_eq!(books.delayed_now(), 1);
+        });
     }
 }

@@ -496,7 +496,7 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
 
     /// Stops taking operations and waits until none is pending.
     pub(crate) async fn drain(&self) {
-        self.books.drain().await;
+        self.books.drain(&self.panics).await;
     }
 
     pub(crate) fn is_draining(&self) -> bool {
