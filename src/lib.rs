@@ -381,8 +381,8 @@
 //!   names.
 //!
 //! Without it the crate uses `tokio` (`rt`, `time`, `sync`), `hashbrown` (the
-//! watcher map's tables), `futures` (for `AtomicWaker`), `pin-project-lite` and
-//! `tracing`, each with no more features than it needs.
+//! watcher map's tables), `pin-project-lite` and `tracing`, each with no more
+//! features than it needs.
 
 #![forbid(unsafe_code)]
 #![warn(

@@ -1658,3 +1658,56 @@ fn a_drain_waker_whose_clone_calls_back_in_does_not_deadlock() {
         })
     });
 }
+
+/// A waker built from a raw vtable whose `clone` panics; waking or dropping
+/// it does nothing.
+fn waker_panicking_on_clone() -> std::task::Waker {
+    use std::task::{RawWaker, RawWakerVTable, Waker};
+    fn clone(_: *const ()) -> RawWaker {
+        panic!("hostile waker clone");
+    }
+    fn noop(_: *const ()) {}
+    static VTABLE: RawWakerVTable = RawWakerVTable::new(clone, noop, noop, noop);
+    // SAFETY: every function of the vtable ignores the (null) data pointer.
+    unsafe { Waker::from_raw(RawWaker::new(std::ptr::null(), &VTABLE)) }
+}
+
+/// A sleep polled with a waker whose `clone` panics: the panic reaches that
+/// poll, and the sleep is left as it was, so a task awaiting it later is
+/// still woken at its deadline. Polled with a waker whose `Drop` panics and
+/// then another, the first is dropped contained.
+#[test]
+fn a_sleep_polled_with_hostile_wakers_still_wakes_its_task() {
+    use std::future::Future;
+    within(10, || {
+        paused().block_on(async {
+            let timer = Timer::new();
+            let mut sleep = Box::pin(timer.sleep(ms(10)));
+            let bad_clone = waker_panicking_on_clone();
+            let r = catch_unwind(AssertUnwindSafe(|| {
+                let mut cx = std::task::Context::from_waker(&bad_clone);
+                let _ = sleep.as_mut().poll(&mut cx);
+            }));
+            assert!(r.is_err(), "the clone's panic reaches the poll");
+            let bad_drop = waker_panicking_on_wake();
+            let mut cx = std::task::Context::from_waker(&bad_drop);
+            assert!(sleep.as_mut().poll(&mut cx).is_pending());
+            DROP_PANICS.with(|d| d.set(true));
+            let plain = futures::task::noop_waker();
+            let polled = sleep
+                .as_mut()
+                .poll(&mut std::task::Context::from_waker(&plain));
+            DROP_PANICS.with(|d| d.set(false));
+            assert!(polled.is_pending());
+            assert_eq!(
+                timer.metrics().panicked,
+                1,
+                "the replaced waker's drop was caught"
+            );
+            // Awaited now: woken at the deadline (the runtime's clock moves
+            // on by itself only when the task would otherwise never wake).
+            sleep.await.unwrap();
+            drop(bad_drop);
+        })
+    });
+}

@@ -106,7 +106,7 @@ impl Future for Sleep {
             Ok(r) => r,
             Err(e) => return Poll::Ready(Err(*e)),
         };
-        match r.signal.poll_outcome(cx.waker()) {
+        match r.signal.poll_outcome(cx.waker(), &r.core.panics) {
             Some(out) => Poll::Ready(out),
             None => Poll::Pending,
         }

@@ -6,15 +6,15 @@ use std::fmt;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 
-use futures::task::AtomicWaker;
 use std::sync::{Arc, Weak};
+use std::task::Waker;
 use std::time::Duration;
 
 use tokio::time::Instant;
 
 use super::error::{ScheduleError, TimerError};
 use crate::clock::deadline_after;
-use crate::contain::drop_payload;
+use crate::contain::{drop_payload, Panics};
 use crate::core::{Closed, Core, Job, Refused, TimerKey};
 use crate::sync::{lock, Mutex};
 
@@ -50,10 +50,16 @@ const SHUT_DOWN: u8 = 2;
 const REAPER_GONE: u8 = 3;
 
 /// What the wheel holds for a [`Sleep`]: the outcome and the waker to call.
+///
+/// The waker is kept under a plain lock, not in an `AtomicWaker`: a waker's
+/// `clone`, `wake` and `Drop` are user code (a waker built from a raw vtable),
+/// so they run here with no lock held, and a panic in one leaves the signal
+/// as it was (an `AtomicWaker` whose `register` unwound out of a `clone`
+/// stays locked, and never wakes anyone again).
 #[derive(Debug, Default)]
 pub(crate) struct SleepSignal {
     state: AtomicU8,
-    waker: AtomicWaker,
+    waker: Mutex<Option<Waker>>,
 }
 
 impl SleepSignal {
@@ -74,17 +80,35 @@ impl SleepSignal {
             .compare_exchange(WAITING, state, Ordering::AcqRel, Ordering::Acquire)
             .is_ok()
         {
-            self.waker.wake();
+            let waker = lock(&self.waker).take();
+            if let Some(waker) = waker {
+                waker.wake();
+            }
         }
     }
 
     /// The outcome, or `None` after registering `waker` to be woken with it.
-    pub(super) fn poll_outcome(&self, waker: &std::task::Waker) -> Option<Result<(), TimerError>> {
+    /// The waker it replaces is dropped in `panics`.
+    pub(super) fn poll_outcome(
+        &self,
+        waker: &Waker,
+        panics: &Panics,
+    ) -> Option<Result<(), TimerError>> {
         if let Some(out) = self.outcome() {
             return Some(out);
         }
-        self.waker.register(waker);
-        // Re-check: the reaper may have fired between the load and the register.
+        let kept = lock(&self.waker)
+            .as_ref()
+            .is_some_and(|w| w.will_wake(waker));
+        if !kept {
+            // Cloned with no lock held; the one replaced, dropped likewise.
+            let fresh = waker.clone();
+            let old = lock(&self.waker).replace(fresh);
+            panics.drop_value("drop of a waker", old);
+        }
+        // Looked at again: the reaper may have fired before the waker was
+        // there (the lock orders its take after this store, or this look
+        // after its state).
         self.outcome()
     }
 
