@@ -35,16 +35,24 @@ impl Panics {
         self.count.load(Ordering::Relaxed)
     }
 
-    /// Counts and reports a panic caught in `what`.
+    /// Counts and reports a panic caught in `what`. The report goes through
+    /// the application's `tracing` subscriber, code of its own: a panic there
+    /// is swallowed (the panic is counted already), so that it cannot unwind
+    /// out of the code that caught the first one.
     pub(crate) fn note(&self, what: &str, panic: &(dyn Any + Send)) {
         self.count.fetch_add(1, Ordering::Relaxed);
-        tracing::error!(
-            owner = self.kind,
-            name = &*self.name,
-            callback = what,
-            panic = panic_message(panic),
-            "user code panicked; carrying on"
-        );
+        let report = catch_unwind(AssertUnwindSafe(|| {
+            tracing::error!(
+                owner = self.kind,
+                name = &*self.name,
+                callback = what,
+                panic = panic_message(panic),
+                "user code panicked; carrying on"
+            );
+        }));
+        if let Err(again) = report {
+            drop_payload(again);
+        }
     }
 
     /// Counts and reports a panic caught in `what`, then drops its payload

@@ -19,6 +19,7 @@
 //!   deadline anyway), so that a deadline already past is due at once instead of
 //!   being rounded up to the next tick.
 
+use std::fmt;
 use std::num::NonZeroU32;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -154,7 +155,6 @@ impl Counters {
 }
 
 /// Shards of wheels, the clock and the reaper's wake-up state.
-#[derive(Debug)]
 pub(crate) struct Core<J, C = ()> {
     shards: Box<[Padded<Mutex<Shard<J>>>]>,
     clock: Clock,
@@ -187,6 +187,25 @@ pub(crate) struct Core<J, C = ()> {
     /// What the jobs are lent when they run (`J::Ctx`; a parameter of its
     /// own so that the core's auto traits do not go through `J`'s impl).
     pub(crate) ctx: C,
+}
+
+/// Names the core and says whether it is open. The wheels are not printed:
+/// they may hold millions of entries, and reading them takes the shard
+/// locks, which must not be held while a formatter writes (the writer is
+/// the caller's code).
+impl<J, C> fmt::Debug for Core<J, C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let state = match self.state.load(Ordering::Acquire) {
+            RUNNING => "running",
+            SHUT_DOWN => "shut down",
+            _ => "reaper gone",
+        };
+        f.debug_struct("Core")
+            .field("name", &&*self.name)
+            .field("state", &state)
+            .field("shards", &self.shards.len())
+            .finish_non_exhaustive()
+    }
 }
 
 impl<J: Job<Ctx = C>, C: Send + Sync + 'static> Core<J, C> {
@@ -254,6 +273,11 @@ impl<J: Job<Ctx = C>, C: Send + Sync + 'static> Core<J, C> {
     }
 
     /// Why the core is closed, if it is.
+    /// The runtime its reaper task runs on.
+    pub(crate) fn runtime(&self) -> &tokio::runtime::Handle {
+        self.hub.runtime()
+    }
+
     pub(crate) fn closed(&self) -> Option<Closed> {
         match self.state.load(Ordering::Acquire) {
             RUNNING => None,

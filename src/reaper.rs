@@ -94,10 +94,20 @@ pub struct ReaperMetrics {
 
 /// What one reaper task serves: its cores, the [`Reaper`] handles that keep it
 /// running, and the notification that wakes it.
-#[derive(Debug)]
 pub(crate) struct Hub {
     notify: Notify,
     inner: Mutex<HubInner>,
+    /// The runtime the reaper task runs on, where the timer's async tasks
+    /// are spawned (so that one handed back by a shutdown and run outside
+    /// any runtime still starts there).
+    runtime: tokio::runtime::Handle,
+}
+
+/// Nothing behind its lock, which is not held while a formatter writes.
+impl std::fmt::Debug for Hub {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Hub").finish_non_exhaustive()
+    }
 }
 
 #[derive(Default)]
@@ -121,18 +131,24 @@ impl std::fmt::Debug for HubInner {
 }
 
 impl Hub {
-    fn new() -> Hub {
+    fn new(runtime: tokio::runtime::Handle) -> Hub {
         Hub {
             notify: Notify::new(),
             inner: Mutex::new(HubInner::default()),
+            runtime,
         }
+    }
+
+    /// The runtime the reaper task runs on.
+    pub(crate) fn runtime(&self) -> &tokio::runtime::Handle {
+        &self.runtime
     }
 
     /// The hub a new core is served by: a new one for a reaper of its own, or
     /// the shared reaper's.
     pub(crate) fn for_host(host: &Host<'_>) -> Arc<Hub> {
         match host {
-            Host::Own(_) => Arc::new(Hub::new()),
+            Host::Own(rt) => Arc::new(Hub::new(rt.clone())),
             Host::Shared(reaper) => reaper.hub.clone(),
         }
     }
@@ -232,9 +248,20 @@ impl Hub {
 /// assert_eq!(reaper.serving(), 2);
 /// # }
 /// ```
-#[derive(Debug)]
 pub struct Reaper {
     hub: Arc<Hub>,
+}
+
+/// What it serves and whether it stopped, read before anything is written
+/// (no lock of the reaper's is held while the formatter writes).
+impl std::fmt::Debug for Reaper {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (serving, stopped) = (self.serving(), self.is_stopped());
+        f.debug_struct("Reaper")
+            .field("serving", &serving)
+            .field("stopped", &stopped)
+            .finish()
+    }
 }
 
 impl Reaper {
@@ -268,7 +295,7 @@ impl Reaper {
     /// assert!(!timer.is_shutdown());
     /// ```
     pub fn start_on(handle: &tokio::runtime::Handle) -> Reaper {
-        let hub = Arc::new(Hub::new());
+        let hub = Arc::new(Hub::new(handle.clone()));
         lock(&hub.inner).handles = 1;
         handle.spawn(run_reaper(ReaperGuard(hub.clone())));
         Reaper { hub }

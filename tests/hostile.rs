@@ -1711,3 +1711,118 @@ fn a_sleep_polled_with_hostile_wakers_still_wakes_its_task() {
         })
     });
 }
+
+/// A sleep polled once keeps a clone of the poller's waker; dropping the
+/// sleep before it fires drops that clone, and a `Drop` that panics there is
+/// contained (and counted) instead of escaping the sleep's drop.
+#[test]
+fn a_sleep_dropped_with_a_waker_that_panics_on_drop_is_contained() {
+    use std::future::Future;
+    within(10, || {
+        paused().block_on(async {
+            let timer = Timer::new();
+            let mut sleep = Box::pin(timer.sleep(ms(10)));
+            let hostile = waker_panicking_on_wake();
+            let mut cx = std::task::Context::from_waker(&hostile);
+            assert!(sleep.as_mut().poll(&mut cx).is_pending());
+            DROP_PANICS.with(|d| d.set(true));
+            drop(sleep);
+            DROP_PANICS.with(|d| d.set(false));
+            assert_eq!(
+                timer.metrics().panicked,
+                1,
+                "the kept waker's drop was caught"
+            );
+            assert!(timer.is_empty(), "its entry left the wheel");
+            timer.sleep(ms(10)).await.unwrap();
+            drop(hostile);
+        })
+    });
+}
+
+/// A timer's `Debug` does not print its wheel (a million entries would be
+/// printed, behind locks held while the formatter writes).
+#[tokio::test(start_paused = true)]
+async fn a_timers_debug_output_does_not_grow_with_its_entries() {
+    let timer = Timer::builder().name("debug").build().unwrap();
+    let empty = format!("{timer:?}");
+    let handles: Vec<_> = (0..1000)
+        .map(|i| timer.schedule(ms(1000 + i), || {}).unwrap())
+        .collect();
+    let sleep = timer.sleep(ms(10));
+    assert_eq!(format!("{timer:?}"), empty);
+    assert!(format!("{:?}", handles[0]).len() < 200, "{:?}", handles[0]);
+    assert!(format!("{sleep:?}").len() < 400, "{sleep:?}");
+}
+
+/// A future scheduled with `schedule_async` and handed back by a shutdown is
+/// spawned on the timer's runtime when run, even from a thread outside any
+/// runtime (it used to panic there, in `tokio::spawn`).
+#[test]
+fn an_async_task_handed_back_runs_on_the_timers_runtime_from_any_thread() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let timer = rt.block_on(async { Timer::new() });
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let t = rt
+        .block_on(async {
+            timer.schedule_async(Duration::from_secs(60), async move {
+                let _ = tx.send("ran");
+            })
+        })
+        .unwrap();
+    let unrun = timer.shutdown();
+    assert_eq!(unrun.len(), 1);
+    // Here, on a thread with no runtime entered.
+    for task in unrun {
+        task.run();
+    }
+    let got = rt.block_on(async { tokio::time::timeout(Duration::from_secs(5), rx).await });
+    assert_eq!(got.unwrap(), Ok("ran"));
+    assert!(t.is_finished());
+}
+
+/// A `tracing` subscriber whose `event` panics: the application's code too.
+struct PanickingSubscriber;
+
+impl tracing::Subscriber for PanickingSubscriber {
+    fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+        true
+    }
+    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        tracing::span::Id::from_u64(1)
+    }
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+    fn event(&self, e: &tracing::Event<'_>) {
+        if *e.metadata().level() == tracing::Level::ERROR {
+            panic!("hostile subscriber");
+        }
+    }
+    fn enter(&self, _: &tracing::span::Id) {}
+    fn exit(&self, _: &tracing::span::Id) {}
+}
+
+/// A caught panic is reported through `tracing`; a subscriber that panics
+/// on that report does not unwind out of the walk that caught the first
+/// panic: the other operations are still checked and completed.
+#[tokio::test(start_paused = true)]
+async fn a_subscriber_that_panics_on_the_report_cuts_no_walk_short() {
+    let p = purgatory::<u32>();
+    let (hooks, handles) = plain_ops_on(&p, 1, 3);
+    hooks[0].check_panics.store(true, Ordering::SeqCst);
+    for h in &hooks[1..] {
+        h.set_ready();
+    }
+    let completed =
+        tracing::subscriber::with_default(PanickingSubscriber, || p.try_complete_watched(&1));
+    assert_eq!(completed, 2, "the other two completed");
+    assert_eq!(p.metrics().panicked, 1);
+    let mut handles = handles.into_iter();
+    drop(handles.next());
+    for h in handles {
+        assert!(h.await.unwrap().is_completed());
+    }
+}

@@ -120,6 +120,11 @@ impl Drop for Sleep {
                 // The job holds only a signal: dropping it under no lock is harmless.
                 drop(r.core.remove(r.key));
             }
+            // The waker kept from the last poll is a clone the timer made:
+            // dropped here, contained, not with the signal's last reference.
+            r.core
+                .panics
+                .drop_value("drop of a waker", r.signal.take_waker());
         }
     }
 }

@@ -34,11 +34,22 @@ pub enum TaskStatus {
 /// touch a newer task that reuses the slot. Dropping the handle does **not**
 /// cancel the task. Its methods take `&self`, so it can be shared (in an `Arc`)
 /// between the code that resets a timeout and the code that cancels it.
-#[derive(Debug)]
 pub struct TaskHandle {
     core: Arc<Core<TimerJob>>,
     entry: Entry,
     cancelled: AtomicBool,
+}
+
+/// Its status and kind, read before anything is written (no lock of the
+/// timer's is held while the formatter writes).
+impl std::fmt::Debug for TaskHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let status = self.status();
+        f.debug_struct("TaskHandle")
+            .field("status", &status)
+            .field("repeating", &matches!(self.entry, Entry::Repeating(_)))
+            .finish_non_exhaustive()
+    }
 }
 
 /// Where the task's entry is.
@@ -349,10 +360,21 @@ pub(super) enum Start {
 /// assert_eq!(rx.await, Ok("retried"));
 /// # }
 /// ```
-#[derive(Debug)]
 pub struct AsyncTaskHandle {
     timeout: TaskHandle,
     start: Arc<Mutex<Start>>,
+}
+
+/// Where the future stands, read before anything is written (no lock of the
+/// timer's is held while the formatter writes).
+impl std::fmt::Debug for AsyncTaskHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (pending, finished) = (self.is_pending(), self.is_finished());
+        f.debug_struct("AsyncTaskHandle")
+            .field("pending", &pending)
+            .field("finished", &finished)
+            .finish_non_exhaustive()
+    }
 }
 
 impl AsyncTaskHandle {
@@ -364,9 +386,10 @@ impl AsyncTaskHandle {
         Arc::new(Mutex::new(Start::Waiting))
     }
 
-    /// Spawns `future` unless it was cancelled first: what the wheel's task
-    /// does at the deadline, on the reaper task (inside the runtime).
-    pub(super) fn start<Fut>(start: &Mutex<Start>, future: Fut)
+    /// Spawns `future` on `runtime` (the reaper's) unless it was cancelled
+    /// first: what the wheel's task does at the deadline, on the reaper task,
+    /// or wherever a task handed back by a shutdown is run.
+    pub(super) fn start<Fut>(start: &Mutex<Start>, future: Fut, runtime: &tokio::runtime::Handle)
     where
         Fut: std::future::Future<Output = ()> + Send + 'static,
     {
@@ -377,7 +400,7 @@ impl AsyncTaskHandle {
         // Spawned with no lock held (a runtime shutting down drops the
         // future inside `spawn`); a cancel that lands meanwhile finds it
         // `Waiting`, marks it cancelled, and the task is aborted here.
-        let abort = tokio::spawn(future).abort_handle();
+        let abort = runtime.spawn(future).abort_handle();
         let mut s = lock(start);
         if matches!(*s, Start::Cancelled) {
             drop(s);

@@ -351,10 +351,11 @@ impl Timer {
         // Kept where a refusal can take it back.
         let slot = Arc::new(Mutex::new(Some(future)));
         let (s, f) = (start.clone(), slot.clone());
+        let runtime = self.owner.core.runtime().clone();
         let task = move || {
             let future = lock(&f).take();
             if let Some(future) = future {
-                AsyncTaskHandle::start(&s, future);
+                AsyncTaskHandle::start(&s, future, &runtime);
             }
         };
         match self.schedule(delay, task) {

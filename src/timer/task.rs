@@ -56,10 +56,19 @@ const REAPER_GONE: u8 = 3;
 /// so they run here with no lock held, and a panic in one leaves the signal
 /// as it was (an `AtomicWaker` whose `register` unwound out of a `clone`
 /// stays locked, and never wakes anyone again).
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub(crate) struct SleepSignal {
     state: AtomicU8,
     waker: Mutex<Option<Waker>>,
+}
+
+/// The outcome only: the waker's lock is not held while a formatter writes.
+impl fmt::Debug for SleepSignal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SleepSignal")
+            .field("outcome", &self.outcome())
+            .finish_non_exhaustive()
+    }
 }
 
 impl SleepSignal {
@@ -110,6 +119,11 @@ impl SleepSignal {
         // there (the lock orders its take after this store, or this look
         // after its state).
         self.outcome()
+    }
+
+    /// The waker kept from the last poll, if the reaper has not taken it.
+    pub(super) fn take_waker(&self) -> Option<Waker> {
+        lock(&self.waker).take()
     }
 
     pub(super) fn outcome(&self) -> Option<Result<(), TimerError>> {
@@ -318,7 +332,10 @@ pub struct UnrunTask {
 }
 
 impl UnrunTask {
-    /// Runs the task now, on the calling thread.
+    /// Runs the task now, on the calling thread. A future scheduled with
+    /// [`Timer::schedule_async`](super::Timer::schedule_async) is spawned
+    /// on the timer's runtime, as at its deadline, from any thread (inside a
+    /// runtime or not); if that runtime has shut down, it is dropped unrun.
     ///
     /// # Examples
     ///
