@@ -355,7 +355,7 @@
 //!   so registering allocates nothing in the steady state. What stays in other
 //!   keys' lists is a tombstone of 8 bytes (24 at a level), removed by the next walk of that key,
 //!   an amortised purge, or the purge an expiry or cancellation starts once
-//!   tombstones are as many as live entries, and counted in
+//!   tombstones are as many as live entries (and at least 16), and counted in
 //!   [`PurgatoryMetrics::tombstones`].
 //! - **Handles are safe to share and to keep.** Polling from several tasks wakes
 //!   the latest; a timer handle whose slot was reused can never touch the newer

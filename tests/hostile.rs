@@ -1826,3 +1826,214 @@ async fn a_subscriber_that_panics_on_the_report_cuts_no_walk_short() {
         assert!(h.await.unwrap().is_completed());
     }
 }
+
+/// A key whose `Eq` answers "different" on its first call and panics on the
+/// second (from then on, armed), and whose `Drop` panics while armed.
+#[derive(Clone)]
+struct FickleKey(u32, Arc<FickleState>);
+
+#[derive(Default)]
+struct FickleState {
+    armed: AtomicBool,
+    eqs: AtomicUsize,
+    drops: AtomicUsize,
+}
+
+impl PartialEq for FickleKey {
+    fn eq(&self, o: &Self) -> bool {
+        if self.1.armed.load(Ordering::SeqCst) {
+            if self.1.eqs.fetch_add(1, Ordering::SeqCst) >= 1 {
+                panic!("hostile key eq");
+            }
+            return false;
+        }
+        self.0 == o.0
+    }
+}
+
+impl Eq for FickleKey {}
+
+impl Hash for FickleKey {
+    fn hash<H: Hasher>(&self, h: &mut H) {
+        self.0.hash(h);
+    }
+}
+
+impl Drop for FickleKey {
+    fn drop(&mut self) {
+        if self.1.armed.load(Ordering::SeqCst) {
+            self.1.drops.fetch_add(1, Ordering::SeqCst);
+            panic!("hostile key drop");
+        }
+    }
+}
+
+/// A key already watched, registered again by a key whose `Eq` first says
+/// "not this one" (so the map makes a copy to add it as new) and then
+/// panics when the map looks again: the copy used to be dropped while that
+/// panic unwound, and a copy whose `Drop` panics aborted the process. Now the
+/// panic reaches the caller, every drop is contained, and the purgatory is
+/// as it was.
+#[tokio::test(start_paused = true)]
+async fn a_key_whose_eq_panics_on_the_second_look_drops_its_copy_contained() {
+    let state = Arc::new(FickleState::default());
+    let p: Purgatory<FickleKey, Op> = purgatory();
+    let first = Hooks::default();
+    let h = p
+        .try_complete_else_watch(Op(first.clone()), ms(100), [FickleKey(1, state.clone())])
+        .unwrap();
+    state.armed.store(true, Ordering::SeqCst);
+    let second = Hooks::default();
+    let r = catch_unwind(AssertUnwindSafe(|| {
+        let _ =
+            p.try_complete_else_watch(Op(second.clone()), ms(100), [FickleKey(1, state.clone())]);
+    }));
+    let panic = r.expect_err("the key's panic reaches the caller");
+    assert_eq!(panic.downcast_ref::<&str>(), Some(&"hostile key eq"));
+    assert_eq!(
+        state.drops.load(Ordering::SeqCst),
+        2,
+        "the copy and the key itself"
+    );
+    state.armed.store(false, Ordering::SeqCst);
+    let m = p.metrics();
+    assert_eq!(m.panicked, 2, "both key drops caught: {m:?}");
+    assert_eq!((m.registered, m.delayed), (1, 1), "{m:?}");
+    assert_eq!(second.op_drops(), 1, "the refused operation was dropped");
+    first.set_ready();
+    assert_eq!(p.try_complete_watched(&FickleKey(1, state.clone())), 1);
+    assert!(h.await.unwrap().is_completed());
+}
+
+/// An operation that keeps its own `OpRef` and updates itself from its
+/// `try_complete` (it has itself by `&mut` there already) gets `None`
+/// instead of waiting forever for the lock its own check holds.
+#[test]
+fn an_update_of_an_operation_from_its_own_check_does_not_deadlock() {
+    struct SelfUpdating {
+        me: Arc<OnceLock<tokio_purgatory::OpRef<u32, SelfUpdating>>>,
+        saw: Arc<AtomicUsize>,
+        ready: Arc<AtomicBool>,
+    }
+    impl Operation for SelfUpdating {
+        type Output = ();
+        fn try_complete(&mut self) -> Option<()> {
+            if let Some(me) = self.me.get() {
+                assert!(me.update(|_| ()).is_none(), "not from its own check");
+                self.saw.fetch_add(1, Ordering::SeqCst);
+            }
+            self.ready.load(Ordering::SeqCst).then_some(())
+        }
+        fn on_expiration(self) {}
+    }
+    within(10, || {
+        paused().block_on(async {
+            let p: Purgatory<u32, SelfUpdating> =
+                Purgatory::builder().name("self").build().unwrap();
+            let me = Arc::new(OnceLock::new());
+            let saw = Arc::new(AtomicUsize::new(0));
+            let ready = Arc::new(AtomicBool::new(false));
+            let op = SelfUpdating {
+                me: me.clone(),
+                saw: saw.clone(),
+                ready: ready.clone(),
+            };
+            let h = p.try_complete_else_watch(op, ms(1000), [1]).unwrap();
+            let r = h.op_ref().unwrap();
+            assert!(me.set(r.clone()).is_ok());
+            assert_eq!(p.try_complete_watched(&1), 0, "checked, not ready");
+            assert_eq!(r.update(|_| 7), Some(7), "from outside, it runs");
+            ready.store(true, Ordering::SeqCst);
+            assert!(r.try_complete());
+            assert_eq!(saw.load(Ordering::SeqCst), 2);
+            assert_eq!(p.metrics().panicked, 0);
+            assert_eq!(h.await, Ok(Completion::Completed(())));
+        })
+    });
+}
+
+/// An operation whose first check shuts its purgatory down: the
+/// registration goes on past the shutdown (the shutdown emptied the watch
+/// lists before this registration added to them), and is refused with the
+/// operation handed back. Its watch-list entries and key copies go too:
+/// nothing is left watched after the shutdown.
+#[tokio::test(start_paused = true)]
+async fn a_registration_racing_a_shutdown_leaves_nothing_watched() {
+    struct ShutsDown(Arc<OnceLock<Purgatory<u32, ShutsDown>>>, u32);
+    impl Operation for ShutsDown {
+        type Output = ();
+        fn try_complete(&mut self) -> Option<()> {
+            // The first check only (a second shutdown would empty the lists
+            // again).
+            if let Some(p) = self.0.get().filter(|p| !p.is_shutdown()) {
+                assert!(p.shutdown().is_empty(), "nothing pending yet");
+            }
+            None
+        }
+        fn on_expiration(self) {}
+    }
+    let slot = Arc::new(OnceLock::new());
+    let p: Purgatory<u32, ShutsDown> = Purgatory::builder().name("race").build().unwrap();
+    assert!(slot.set(p.clone()).is_ok());
+    let refused = p.try_complete_else_watch(ShutsDown(slot.clone(), 7), ms(100), [1, 2, 3]);
+    match refused {
+        Err(tokio_purgatory::WatchError::Shutdown(op)) => assert_eq!(op.1, 7, "handed back"),
+        other => panic!(
+            "expected a refusal: {:?}",
+            other.map(|_| ()).map_err(|e| e.to_string())
+        ),
+    }
+    let m = p.metrics();
+    assert_eq!((m.watched, m.tombstones, m.keys), (0, 0, 0), "{m:?}");
+    assert!(balanced(&m), "{m:?}");
+}
+
+/// Keys whose `Hash` is the same for all (every key collides, whatever the
+/// hasher): finished operations' entries and emptied keys still go, by
+/// walks and by the purge, as with any keys.
+#[tokio::test(start_paused = true)]
+async fn keys_that_all_hash_alike_are_purged_like_any_others() {
+    #[derive(Clone, PartialEq, Eq, Debug)]
+    struct Same(u32);
+    impl Hash for Same {
+        fn hash<H: Hasher>(&self, h: &mut H) {
+            0u8.hash(h);
+        }
+    }
+    let p: Purgatory<Same, Op> = purgatory();
+    // A key watched throughout, first in the table.
+    let stays = p
+        .try_complete_else_watch(Op(Hooks::default()), ms(10_000), [Same(999)])
+        .unwrap();
+    let hooks: Vec<Hooks> = (0..40).map(|_| Hooks::default()).collect();
+    let handles: Vec<_> = hooks
+        .iter()
+        .enumerate()
+        .map(|(i, h)| {
+            let i = i as u32;
+            p.try_complete_else_watch(Op(h.clone()), ms(100), [Same(i), Same(i + 100)])
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(p.metrics().keys, 81);
+    // Half complete by their first key; the rest expire.
+    for (i, h) in hooks.iter().enumerate().take(20) {
+        h.set_ready();
+        assert_eq!(p.try_complete_watched(&Same(i as u32)), 1);
+    }
+    advance(ms(101)).await;
+    settle().await;
+    for h in handles {
+        assert!(h.await.is_ok());
+    }
+    // The expiries left tombstones in most lists: the purge they started
+    // went through every key (the one watched throughout comes first in
+    // the probe order of their common hash, and used to be the only one
+    // visited), leaving fewer than the 16 it waits for (as keys that
+    // hash apart do).
+    let m = p.metrics();
+    assert!(m.purged > 40, "{m:?}");
+    assert!(m.tombstones < 16, "{m:?}");
+    assert_eq!(m.keys, m.watched, "each key left holds one entry: {m:?}");
+    drop(stays);
+}

@@ -444,9 +444,11 @@ where
     }
 
     /// Runs `f` on the pending operation under its lock (the lock its checks
-    /// hold: `f` never overlaps a check); `None` once it has finished.
+    /// hold: `f` never overlaps a check); `None` once it has finished, and
+    /// when called from the operation's own check on the thread running it
+    /// (which holds that lock: waiting for it would never end).
     pub(crate) fn update<R>(&self, f: impl FnOnce(&mut O) -> R) -> Option<R> {
-        if self.life.is_finished() {
+        if self.life.is_finished() || self.life.is_checked_by(thread_index(), &self.cell.owner) {
             return None;
         }
         lock(&self.cell.op).as_mut().map(f)

@@ -748,6 +748,10 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
             Err((op, why)) => {
                 cell.op().detach();
                 drop(cell);
+                // A shutdown emptied the lists before this watch added to
+                // them: its entries, tombstones now, go as any cancelled
+                // operation's do (the map holds nothing else once closed).
+                shared.tidy();
                 Err(closed_refusal(op, why))
             }
         }

@@ -372,6 +372,16 @@ impl Life {
         }
     }
 
+    /// Whether thread `me` is running this cell's check right now (so code it
+    /// calls is inside that check). A thread reads its own id in `checker`
+    /// only while it owns `CHECKING`: the word is cleared before `CHECKING`
+    /// goes, and written by the next owner only after it set `CHECKING`.
+    #[inline]
+    pub(crate) fn is_checked_by(&self, me: u64, owner: &Owner) -> bool {
+        self.0.load(Ordering::Acquire) & CHECKING != 0
+            && owner.checker.load(Ordering::Acquire) == me
+    }
+
     /// Tries to become the checker of the use `generation` (thread `me`, never
     /// 0). Returns `false` when the use is over, when another caller checks it
     /// (it is asked to check again), or when `me` is that caller re-entering

@@ -44,6 +44,7 @@ mod map;
 
 use std::borrow::Borrow;
 use std::hash::Hash;
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicIsize, AtomicUsize, Ordering};
 
 use hashbrown::hash_table::Entry;
@@ -114,10 +115,17 @@ pub(crate) struct Removed<K, V> {
 /// has gone into a key's list is kept in the list (`List::hole`).
 #[derive(Debug)]
 pub(crate) struct Sweep {
-    /// The keys in the table when the purge began, by stored hash.
+    /// The keys in the table when the purge began, by stored hash: each
+    /// shard's in order of their low bits (about the order of their buckets),
+    /// so that keys of one hash lie side by side.
     hashes: Vec<u64>,
     /// The next key to visit.
     next: usize,
+    /// Which of the keys of the next one's hash it is, in the table's probe
+    /// order, counting only those the sweep kept: keys whose hashes are
+    /// equal in all 64 bits (a `Hash` that says little, a weak hasher) are
+    /// told apart this way, so each is visited, not the first one each time.
+    nth: usize,
     /// Whether a slice has visited that key's list already: a list found with
     /// no progress then was rewritten (or replaced) since, and is clean.
     begun: bool,
@@ -135,6 +143,7 @@ impl Sweep {
         Sweep {
             hashes: Vec::new(),
             next: 0,
+            nth: 0,
             begun: false,
         }
     }
@@ -343,9 +352,26 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
         // to keep the lock short.
         let own = key.clone();
         let first = List::first(level, v.clone());
-        let probe = Probe { hash, key: &own };
+        let probe = Probe { hash, key };
         let mut table = self.lists.lock_for(hash);
-        match table.entry(hash, |s| probe.matches(s.hash, &s.key), stored) {
+        // The lookup runs the key's `Eq` (when a key of the same hash is
+        // there, say one another caller added meanwhile). If it panics, the
+        // copy goes to `spare`, dropped contained by the caller, rather than
+        // while the panic unwinds (a `Drop` that panicked then would abort).
+        let held: &mut map::Table<K, V> = &mut table;
+        let entry = catch_unwind(AssertUnwindSafe(move || {
+            let held = held; // moved in, so the entry may borrow it
+            held.entry(hash, |s| probe.matches(s.hash, &s.key), stored)
+        }));
+        let entry = match entry {
+            Ok(entry) => entry,
+            Err(panic) => {
+                drop(table);
+                spare.push(own);
+                resume_unwind(panic);
+            }
+        };
+        match entry {
             Entry::Occupied(mut slot) => {
                 slot.get_mut().list.add(level, v.clone());
                 drop(table);
@@ -496,10 +522,17 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
     pub(crate) fn restart_sweep(&self, sweep: &mut Sweep) {
         sweep.hashes.clear();
         for i in 0..self.lists.count() {
-            let table = self.lists.lock(i);
-            sweep.hashes.extend(table.iter().map(|s| s.hash));
+            let from = sweep.hashes.len();
+            {
+                let table = self.lists.lock(i);
+                sweep.hashes.extend(table.iter().map(|s| s.hash));
+            }
+            // Equal hashes are in one shard: sorting each shard's part
+            // brings them together.
+            sweep.hashes[from..].sort_unstable_by_key(|h| h.reverse_bits());
         }
         sweep.next = 0;
+        sweep.nth = 0;
         sweep.begun = false;
     }
 
@@ -525,8 +558,14 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
             let entries = &mut removed.entries;
             let begun = sweep.begun;
             let mut table = self.lists.lock_for(hash);
-            // By hash alone: taking another list of the same hash is as good.
-            let emptied = match table.find_entry(hash, |s| s.hash == hash) {
+            // By hash alone (no key code runs): the `nth` list of that hash.
+            let (nth, mut seen) = (sweep.nth, 0);
+            let found = table.find_entry(hash, |s| {
+                let hit = s.hash == hash && seen == nth;
+                seen += usize::from(s.hash == hash);
+                hit
+            });
+            let emptied = match found {
                 Ok(mut slot) => {
                     let list = &mut slot.get_mut().list;
                     if !(begun && list.hole.1 == 0) {
@@ -541,6 +580,7 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
                 Err(_) => None,
             };
             drop(table);
+            let kept = emptied.is_none();
             if let Some(slot) = emptied {
                 removed.keys.push(slot.key);
                 self.key_removed();
@@ -548,6 +588,10 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
             if key_done {
                 sweep.next += 1;
                 sweep.begun = false;
+                // The next key of the same hash is the one after this, or
+                // the one that took this one's place once it was removed.
+                let same = sweep.hashes.get(sweep.next) == Some(&hash);
+                sweep.nth = if same { nth + usize::from(kept) } else { 0 };
             } else {
                 sweep.begun = true;
             }
