@@ -273,11 +273,6 @@ impl<J: Job<Ctx = C>, C: Send + Sync + 'static> Core<J, C> {
     }
 
     /// Why the core is closed, if it is.
-    /// The runtime its reaper task runs on.
-    pub(crate) fn runtime(&self) -> &tokio::runtime::Handle {
-        self.hub.runtime()
-    }
-
     pub(crate) fn closed(&self) -> Option<Closed> {
         match self.state.load(Ordering::Acquire) {
             RUNNING => None,

@@ -97,10 +97,6 @@ pub struct ReaperMetrics {
 pub(crate) struct Hub {
     notify: Notify,
     inner: Mutex<HubInner>,
-    /// The runtime the reaper task runs on, where the timer's async tasks
-    /// are spawned (so that one handed back by a shutdown and run outside
-    /// any runtime still starts there).
-    runtime: tokio::runtime::Handle,
 }
 
 /// Nothing behind its lock, which is not held while a formatter writes.
@@ -131,24 +127,18 @@ impl std::fmt::Debug for HubInner {
 }
 
 impl Hub {
-    fn new(runtime: tokio::runtime::Handle) -> Hub {
+    fn new() -> Hub {
         Hub {
             notify: Notify::new(),
             inner: Mutex::new(HubInner::default()),
-            runtime,
         }
-    }
-
-    /// The runtime the reaper task runs on.
-    pub(crate) fn runtime(&self) -> &tokio::runtime::Handle {
-        &self.runtime
     }
 
     /// The hub a new core is served by: a new one for a reaper of its own, or
     /// the shared reaper's.
     pub(crate) fn for_host(host: &Host<'_>) -> Arc<Hub> {
         match host {
-            Host::Own(rt) => Arc::new(Hub::new(rt.clone())),
+            Host::Own(_) => Arc::new(Hub::new()),
             Host::Shared(reaper) => reaper.hub.clone(),
         }
     }
@@ -295,7 +285,7 @@ impl Reaper {
     /// assert!(!timer.is_shutdown());
     /// ```
     pub fn start_on(handle: &tokio::runtime::Handle) -> Reaper {
-        let hub = Arc::new(Hub::new(handle.clone()));
+        let hub = Arc::new(Hub::new());
         lock(&hub.inner).handles = 1;
         handle.spawn(run_reaper(ReaperGuard(hub.clone())));
         Reaper { hub }

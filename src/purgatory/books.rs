@@ -135,9 +135,11 @@ impl Future for Drain<'_> {
         let this = self.get_mut();
         if this.id.is_none() {
             this.books.draining.store(true, Ordering::SeqCst);
-            if this.books.delayed_now() == 0 {
-                return Poll::Ready(());
-            }
+        }
+        if this.books.delayed_now() == 0 {
+            let left = this.leave();
+            this.panics.drop_value("drop of a waker", left);
+            return Poll::Ready(());
         }
         // Waiting, then looking again: a finish counted after the look below
         // takes the waker left here (the list's lock orders the two), and one

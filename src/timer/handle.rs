@@ -386,17 +386,34 @@ impl AsyncTaskHandle {
         Arc::new(Mutex::new(Start::Waiting))
     }
 
-    /// Spawns `future` on `runtime` (the reaper's) unless it was cancelled
-    /// first: what the wheel's task does at the deadline, on the reaper task,
-    /// or wherever a task handed back by a shutdown is run.
-    pub(super) fn start<Fut>(start: &Mutex<Start>, future: Fut, runtime: &tokio::runtime::Handle)
-    where
+    /// Spawns `future` unless it was cancelled first: what the wheel's task
+    /// does at the deadline, on the reaper task (inside the timer's runtime),
+    /// or wherever a task handed back by a shutdown is run: on the runtime
+    /// current there, else on `scheduled_on` (the one current when it was
+    /// scheduled). With neither, it cannot start: it is dropped unrun, and
+    /// its handle reads cancelled.
+    pub(super) fn start<Fut>(
+        start: &Mutex<Start>,
+        future: Fut,
+        scheduled_on: Option<&tokio::runtime::Handle>,
+    ) where
         Fut: std::future::Future<Output = ()> + Send + 'static,
     {
         if matches!(*lock(start), Start::Cancelled) {
             drop(future); // the user's value, with no lock of ours held
             return;
         }
+        let runtime = match tokio::runtime::Handle::try_current() {
+            Ok(current) => current,
+            Err(_) => match scheduled_on {
+                Some(handle) => handle.clone(),
+                None => {
+                    *lock(start) = Start::Cancelled;
+                    drop(future); // with no lock of ours held
+                    return;
+                }
+            },
+        };
         // Spawned with no lock held (a runtime shutting down drops the
         // future inside `spawn`); a cancel that lands meanwhile finds it
         // `Waiting`, marks it cancelled, and the task is aborted here.

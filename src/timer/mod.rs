@@ -351,11 +351,13 @@ impl Timer {
         // Kept where a refusal can take it back.
         let slot = Arc::new(Mutex::new(Some(future)));
         let (s, f) = (start.clone(), slot.clone());
-        let runtime = self.owner.core.runtime().clone();
+        // The runtime current here, for a task handed back by a shutdown
+        // and run outside any runtime (the reaper runs it inside its own).
+        let scheduled_on = tokio::runtime::Handle::try_current().ok();
         let task = move || {
             let future = lock(&f).take();
             if let Some(future) = future {
-                AsyncTaskHandle::start(&s, future, &runtime);
+                AsyncTaskHandle::start(&s, future, scheduled_on.as_ref());
             }
         };
         match self.schedule(delay, task) {

@@ -59,6 +59,9 @@ const REAPER_GONE: u8 = 3;
 #[derive(Default)]
 pub(crate) struct SleepSignal {
     state: AtomicU8,
+    /// Set once a poll has kept a waker: a sleep never polled (or done at
+    /// its first poll) is dropped without taking the waker's lock.
+    polled: AtomicBool,
     waker: Mutex<Option<Waker>>,
 }
 
@@ -112,6 +115,7 @@ impl SleepSignal {
         if !kept {
             // Cloned with no lock held; the one replaced, dropped likewise.
             let fresh = waker.clone();
+            self.polled.store(true, Ordering::Relaxed);
             let old = lock(&self.waker).replace(fresh);
             panics.drop_value("drop of a waker", old);
         }
@@ -122,7 +126,12 @@ impl SleepSignal {
     }
 
     /// The waker kept from the last poll, if the reaper has not taken it.
+    /// Called by the sleep's owner, which also polls it: it sees its own
+    /// polls' flag.
     pub(super) fn take_waker(&self) -> Option<Waker> {
+        if !self.polled.load(Ordering::Relaxed) {
+            return None;
+        }
         lock(&self.waker).take()
     }
 
@@ -333,9 +342,11 @@ pub struct UnrunTask {
 
 impl UnrunTask {
     /// Runs the task now, on the calling thread. A future scheduled with
-    /// [`Timer::schedule_async`](super::Timer::schedule_async) is spawned
-    /// on the timer's runtime, as at its deadline, from any thread (inside a
-    /// runtime or not); if that runtime has shut down, it is dropped unrun.
+    /// [`Timer::schedule_async`](super::Timer::schedule_async) is spawned as
+    /// a Tokio task: on the runtime the calling thread is in, or, called
+    /// outside any runtime, on the one that was current where it was
+    /// scheduled. If there is none (or that runtime has shut down), it is
+    /// dropped unrun and its handle reads finished.
     ///
     /// # Examples
     ///

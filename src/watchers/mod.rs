@@ -125,6 +125,9 @@ pub(crate) struct Sweep {
     /// order, counting only those the sweep kept: keys whose hashes are
     /// equal in all 64 bits (a `Hash` that says little, a weak hasher) are
     /// told apart this way, so each is visited, not the first one each time.
+    /// A key of that hash added or removed by others meanwhile (or a table
+    /// resized) can shift the count: a key is then visited twice, or left
+    /// for the next purge, as keys added meanwhile are.
     nth: usize,
     /// Whether a slice has visited that key's list already: a list found with
     /// no progress then was rewritten (or replaced) since, and is clean.
