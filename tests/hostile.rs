@@ -1239,6 +1239,22 @@ fn a_waker_whose_clone_resets_its_own_operation_does_not_deadlock() {
     });
 }
 
+/// A purgatory of flag operations named `name`, and the flag they share
+/// (inside a runtime).
+fn flagged(name: &str) -> (Purgatory<u32, FlagOp>, Arc<AtomicBool>) {
+    let p = Purgatory::builder().name(name).build().unwrap();
+    (p, Arc::new(AtomicBool::new(false)))
+}
+
+/// Registers a flag operation on key 1, a second away.
+fn watch_flag(
+    p: &Purgatory<u32, FlagOp>,
+    ready: &Arc<AtomicBool>,
+) -> tokio_purgatory::OperationHandle<u32, FlagOp> {
+    p.try_complete_else_watch(FlagOp(ready.clone()), Duration::from_secs(1), [1])
+        .unwrap()
+}
+
 /// A waker built from a raw vtable whose `wake` (or, with `DROP_PANICS`, its
 /// `Drop`) panics.
 fn waker_panicking_on_wake() -> std::task::Waker {
@@ -1271,14 +1287,8 @@ thread_local! {
 fn a_waker_that_panics_on_wake_during_a_walk_leaves_the_others_finished() {
     within(10, || {
         paused().block_on(async {
-            let p: Purgatory<u32, FlagOp> = Purgatory::builder().name("wake").build().unwrap();
-            let ready = Arc::new(AtomicBool::new(false));
-            let mut handles: Vec<_> = (0..4)
-                .map(|_| {
-                    p.try_complete_else_watch(FlagOp(ready.clone()), Duration::from_secs(1), [1])
-                        .unwrap()
-                })
-                .collect();
+            let (p, ready) = flagged("wake");
+            let mut handles: Vec<_> = (0..4).map(|_| watch_flag(&p, &ready)).collect();
             let waker = waker_panicking_on_wake();
             let mut cx = std::task::Context::from_waker(&waker);
             for h in &mut handles[..2] {
@@ -1302,11 +1312,8 @@ fn a_waker_that_panics_on_wake_during_a_walk_leaves_the_others_finished() {
 fn a_waker_that_panics_on_drop_is_contained_when_the_handle_detaches() {
     within(10, || {
         paused().block_on(async {
-            let p: Purgatory<u32, FlagOp> = Purgatory::builder().name("drop").build().unwrap();
-            let ready = Arc::new(AtomicBool::new(false));
-            let mut h = p
-                .try_complete_else_watch(FlagOp(ready.clone()), Duration::from_secs(1), [1])
-                .unwrap();
+            let (p, ready) = flagged("drop");
+            let mut h = watch_flag(&p, &ready);
             let r = h.op_ref().unwrap();
             let waker = waker_panicking_on_wake();
             let mut cx = std::task::Context::from_waker(&waker);
@@ -1331,14 +1338,8 @@ fn a_waker_that_panics_on_drop_is_contained_when_the_handle_detaches() {
 fn a_drain_waker_that_panics_on_wake_cuts_no_finish_short() {
     within(10, || {
         paused().block_on(async {
-            let p: Purgatory<u32, FlagOp> = Purgatory::builder().name("drain").build().unwrap();
-            let ready = Arc::new(AtomicBool::new(false));
-            let handles: Vec<_> = (0..3)
-                .map(|_| {
-                    p.try_complete_else_watch(FlagOp(ready.clone()), Duration::from_secs(1), [1])
-                        .unwrap()
-                })
-                .collect();
+            let (p, ready) = flagged("drain");
+            let handles: Vec<_> = (0..3).map(|_| watch_flag(&p, &ready)).collect();
             let mut drain = Box::pin(p.drain());
             let waker = waker_panicking_on_wake();
             let mut cx = std::task::Context::from_waker(&waker);
@@ -1432,11 +1433,8 @@ async fn an_output_that_panics_on_drop_is_contained_when_a_ready_handle_goes() {
 fn a_waker_that_panics_on_drop_in_a_poll_loses_no_outcome() {
     within(10, || {
         paused().block_on(async {
-            let p: Purgatory<u32, FlagOp> = Purgatory::builder().name("poll").build().unwrap();
-            let ready = Arc::new(AtomicBool::new(false));
-            let mut h = p
-                .try_complete_else_watch(FlagOp(ready.clone()), Duration::from_secs(1), [1])
-                .unwrap();
+            let (p, ready) = flagged("poll");
+            let mut h = watch_flag(&p, &ready);
             let hostile = waker_panicking_on_wake();
             let mut cx = std::task::Context::from_waker(&hostile);
             assert!(std::future::Future::poll(std::pin::Pin::new(&mut h), &mut cx).is_pending());
@@ -1585,11 +1583,8 @@ fn a_drain_waker_that_panics_on_wake_leaves_the_other_drainers_woken() {
     use std::future::Future;
     within(10, || {
         paused().block_on(async {
-            let p: Purgatory<u32, FlagOp> = Purgatory::builder().name("drains").build().unwrap();
-            let ready = Arc::new(AtomicBool::new(false));
-            let h = p
-                .try_complete_else_watch(FlagOp(ready.clone()), Duration::from_secs(1), [1])
-                .unwrap();
+            let (p, ready) = flagged("drains");
+            let h = watch_flag(&p, &ready);
             let woken = Arc::new(AtomicUsize::new(0));
             let counting = {
                 struct Count(Arc<AtomicUsize>);
@@ -1630,11 +1625,8 @@ fn a_drain_waker_whose_clone_calls_back_in_does_not_deadlock() {
     use std::future::Future;
     within(10, || {
         paused().block_on(async {
-            let p: Purgatory<u32, FlagOp> = Purgatory::builder().name("drain").build().unwrap();
-            let ready = Arc::new(AtomicBool::new(false));
-            let h = p
-                .try_complete_else_watch(FlagOp(ready.clone()), Duration::from_secs(1), [1])
-                .unwrap();
+            let (p, ready) = flagged("drain");
+            let h = watch_flag(&p, &ready);
             let calls = Arc::new(AtomicUsize::new(0));
             {
                 let (p, ready, calls) = (p.clone(), ready.clone(), calls.clone());
