@@ -630,10 +630,10 @@ where
 
     /// Changes the pending operation: `f` gets it by `&mut` and its result is
     /// returned, or `None` (and `f` does not run) once the operation has
-    /// finished, or when called from the operation's own `try_complete`
-    /// (which has it by `&mut` already). What the check reads can so live in the operation itself,
-    /// with no side table: a payment that waits until enough has been paid
-    /// adds each part, then asks for a check with
+    /// finished, or when called from the operation's own `try_complete` (which
+    /// has it by `&mut` already). What the check reads can so live in the
+    /// operation itself, with no side table: a payment that waits until
+    /// enough has been paid adds each part, then asks for a check with
     /// [`try_complete`](OpRef::try_complete).
     ///
     /// `f` runs on the calling thread under the operation's own lock, the
