@@ -544,8 +544,11 @@ impl<J: Job<Ctx = C>, C: Send + Sync + 'static> Core<J, C> {
                     if let Some(due) = self.clock.instant_of(deadline) {
                         let late = started.saturating_duration_since(due);
                         self.counters.lateness.record(late);
+                        // The application's recorder, code of its own.
                         #[cfg(feature = "metrics")]
-                        self.lateness_export.record(late.as_secs_f64());
+                        self.panics.run("the metrics recorder", || {
+                            self.lateness_export.record(late.as_secs_f64())
+                        });
                     }
                     self.panics.run("an expiry", || job.expire(&self.ctx));
                 }

@@ -151,3 +151,85 @@ async fn every_metric_reaches_the_recorder_with_its_labels() {
         [0.009]
     );
 }
+
+/// A recorder whose histograms panic when they record: the application's
+/// code, which the reaper runs at each expiry.
+struct PanickingRecorder;
+
+struct PanickingHistogram;
+
+impl metrics::HistogramFn for PanickingHistogram {
+    fn record(&self, _: f64) {
+        panic!("hostile recorder");
+    }
+}
+
+impl metrics::Recorder for PanickingRecorder {
+    fn describe_counter(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_gauge(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_histogram(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn register_counter(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
+        metrics::Counter::noop()
+    }
+    fn register_gauge(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
+        metrics::Gauge::noop()
+    }
+    fn register_histogram(
+        &self,
+        _: &metrics::Key,
+        _: &metrics::Metadata<'_>,
+    ) -> metrics::Histogram {
+        metrics::Histogram::from_arc(std::sync::Arc::new(PanickingHistogram))
+    }
+}
+
+/// The lateness histogram is recorded on the reaper at each expiry: a
+/// recorder that panics there stops no expiry (each is counted as a caught
+/// panic) and does not end the reaper.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_recorder_that_panics_stops_no_expiry() {
+    let p = metrics::with_local_recorder(&PanickingRecorder, || {
+        Purgatory::<u32, Op>::builder()
+            .name("hostile")
+            .build()
+            .unwrap()
+    });
+    let handles: Vec<_> = (0..3)
+        .map(|i| {
+            p.try_complete_else_watch(Op, Duration::from_millis(10), [i])
+                .unwrap()
+        })
+        .collect();
+    tokio::time::advance(Duration::from_millis(11)).await;
+    for h in handles {
+        let out = tokio::time::timeout(Duration::from_secs(60), h).await;
+        assert!(out.expect("resolved").unwrap().is_expired());
+    }
+    let m = p.metrics();
+    assert_eq!((m.expired, m.panicked), (3, 3), "{m:?}");
+    // The reaper goes on.
+    let later = p
+        .try_complete_else_watch(Op, Duration::from_millis(10), [9])
+        .unwrap();
+    tokio::time::advance(Duration::from_millis(11)).await;
+    let out = tokio::time::timeout(Duration::from_secs(60), later).await;
+    assert!(out.expect("resolved").unwrap().is_expired());
+}

@@ -604,7 +604,9 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
             cancelled: t.cancelled,
             handed_back: t.handed_back,
             purged: self.purge.0.purged.load(Ordering::Relaxed),
-            panicked: self.panics.count(),
+            // With those the reaper caught around expiries (the metrics
+            // recorder's, say).
+            panicked: self.panics.count() + self.core.panics.count(),
             reaper_wakeups: self.core.wakeups(),
             checks: ChecksMetrics {
                 key_walks: self.walk_metrics(WalkKind::Key),
