@@ -2018,3 +2018,40 @@ async fn keys_that_all_hash_alike_are_purged_like_any_others() {
     assert_eq!(m.keys, m.watched, "each key left holds one entry: {m:?}");
     drop(stays);
 }
+
+/// Two `shutdown()` calls, the second made once `is_shutdown()` is true
+/// while the first is still handing back: "Returns an empty list when
+/// already shut down." The second used to take part of the first one's
+/// operations (the first then handed back only some of them).
+#[test]
+fn a_second_shutdown_takes_nothing_from_the_first() {
+    within(60, || {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let _entered = rt.enter();
+        for _ in 0..5 {
+            let p: Purgatory<u32, Op> = purgatory();
+            let handles: Vec<_> = (0..20_000u32)
+                .map(|i| {
+                    p.try_complete_else_watch(Op(Hooks::default()), ms(30_000), [i % 64])
+                        .unwrap()
+                })
+                .collect();
+            let second = {
+                let p = p.clone();
+                std::thread::spawn(move || {
+                    while !p.is_shutdown() {
+                        std::hint::spin_loop();
+                    }
+                    p.shutdown().len()
+                })
+            };
+            let first = p.shutdown().len();
+            assert_eq!((first, second.join().unwrap()), (20_000, 0));
+            drop(handles);
+        }
+    });
+}

@@ -860,10 +860,22 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
     }
 
     /// Closes the timer and empties the watch lists; returns the operations taken.
-    /// Empties the lists even when the timer was closed already, so that entries a
-    /// registration racing the close left behind do not outlive the purgatory.
+    /// When the last handle goes (`fate` is `Cancelled`), empties the lists even
+    /// if the timer was closed already, so that entries a registration racing
+    /// the close left behind do not outlive the purgatory (such a registration
+    /// also tidies them itself). A second `shutdown()` takes nothing: the call
+    /// that closed the timer hands back every pending operation.
     pub(crate) fn close(&self, fate: Fate) -> Vec<O> {
-        let jobs = self.core.close(Closed::Shutdown).unwrap_or_default();
+        let jobs = match self.core.close(Closed::Shutdown) {
+            Some(jobs) => jobs,
+            // Shut down already, by another call, which hands back every
+            // pending operation (it may be at it still): a second
+            // `shutdown()` takes none of them. When the last handle goes
+            // (`Cancelled`), no other call can be at work, and what the
+            // lists still hold goes.
+            None if fate == Fate::HandedBack => return Vec::new(),
+            None => Vec::new(),
+        };
         let mut ops = Vec::with_capacity(jobs.len());
         let mut cancel = |id: Id| {
             if let Some(Some(op)) = self.with_op(id, |op| op.cancel(OperationError::Shutdown, fate))
