@@ -157,7 +157,9 @@ impl<T> Wheel<T> {
         if !(2..=64).contains(&slots) {
             return Err(ShapeError::Slots);
         }
-        if levels == 0 {
+        // With at least 2 slots, more than 61 levels span 2^62 ticks or more:
+        // refused before anything is sized by the count.
+        if levels == 0 || levels > 62 {
             return Err(ShapeError::Levels);
         }
         let mut span = Vec::with_capacity(levels + 1);

@@ -2055,3 +2055,65 @@ fn a_second_shutdown_takes_nothing_from_the_first() {
         }
     });
 }
+
+/// "Bad input gets a clear error": a level count far too large for any
+/// wheel is refused by both builders, not met with an overflow, a capacity
+/// panic or an allocation that aborts the process.
+#[tokio::test(start_paused = true)]
+async fn a_huge_level_count_is_a_clear_error() {
+    for levels in [63, 1 << 40, 1 << 60, usize::MAX / 2, usize::MAX] {
+        let e = Timer::builder().levels(levels).build().unwrap_err();
+        assert!(e.to_string().contains("levels"), "{levels}: {e}");
+        let e = Purgatory::<u32, Op>::builder()
+            .levels(levels)
+            .build()
+            .unwrap_err();
+        assert!(e.to_string().contains("levels"), "{levels}: {e}");
+    }
+    assert!(Timer::builder()
+        .slots_per_level(2)
+        .levels(61)
+        .build()
+        .is_ok());
+}
+
+/// `cancel_for_key` is a cancellation like the others: when it leaves
+/// nothing pending, or as many tombstones (at least 16) as live entries, the
+/// tombstones it left in the operations' other keys are purged at once,
+/// whatever the purge interval.
+#[tokio::test(start_paused = true)]
+async fn cancel_for_key_purges_at_once_like_other_cancellations() {
+    // Nothing left pending.
+    let p = purgatory::<u32>();
+    let handles: Vec<_> = (0..3)
+        .map(|i| {
+            p.try_complete_else_watch(Op(Hooks::default()), ms(1000), [7, 100 + i])
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(p.cancel_for_key(&7).len(), 3);
+    let m = p.metrics();
+    assert_eq!(
+        (m.delayed, m.watched, m.tombstones, m.keys),
+        (0, 0, 0, 0),
+        "{m:?}"
+    );
+    drop(handles);
+    // Half the entries left are tombstones.
+    let p = purgatory::<u32>();
+    let handles: Vec<_> = (0..100u32)
+        .map(|i| {
+            let keys: Vec<u32> = if i < 50 {
+                vec![i, 1000 + i, 5000]
+            } else {
+                vec![i, 1000 + i]
+            };
+            p.try_complete_else_watch(Op(Hooks::default()), ms(1000), keys)
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(p.cancel_for_key(&5000).len(), 50);
+    let m = p.metrics();
+    assert_eq!((m.delayed, m.tombstones, m.watched), (50, 0, 100), "{m:?}");
+    drop(handles);
+}

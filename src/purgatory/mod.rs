@@ -543,7 +543,9 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
     /// again after, so an event between the two is not missed: one registered at
     /// level 100 on a key already at 120 completes here if its check says so.
     /// Plain duplicate keys are watched once; a key given at several levels is
-    /// watched at each.
+    /// watched at each, and an advance past several of them checks the
+    /// operation once for each (the first check that completes it ends the
+    /// others). Give each key once, at the lowest level that matters.
     ///
     /// # Errors
     ///
@@ -778,8 +780,10 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
     /// watching `key` one level above `level`: it is checked again by the next
     /// call whose level is higher than this one, and not by calls that do not
     /// move the key past `level`. Its other watches and its timeout are
-    /// unchanged. Such operations are re-checked once per advance until they
-    /// complete, time out or are cancelled; the others are never touched.
+    /// unchanged. Such operations are re-checked once per advance (once per
+    /// watch the advance reaches, for one watching the key at several levels,
+    /// or at a level and plainly) until they complete, time out or are
+    /// cancelled; the others are never touched.
     ///
     /// **A level lower than before** (a leader change truncating the log)
     /// checks what watches the key at or below it, and the plain watchers, as
@@ -1363,7 +1367,9 @@ pub struct ChecksMetrics {
 pub struct WalkMetrics {
     /// Walks (calls).
     pub walks: u64,
-    /// Operations asked to check. One already being checked by another
+    /// Operations asked to check, one for each watch the walk reached (an
+    /// operation watching the key at several levels, or at a level and
+    /// plainly, counts once for each). One already being checked by another
     /// thread is asked to check again rather than checked twice at once.
     pub checked: u64,
     /// Operations those walks completed.

@@ -750,6 +750,10 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
             })
             .collect();
         self.drop_removed(&mut removed);
+        // The operations' other keys now hold tombstones: as after any
+        // cancellation, a purge at once when they are as many as the live
+        // entries, or nothing is left pending.
+        self.tidy();
         self.maybe_purge();
         ops
     }
