@@ -2117,3 +2117,41 @@ async fn cancel_for_key_purges_at_once_like_other_cancellations() {
     assert_eq!((m.delayed, m.tombstones, m.watched), (50, 0, 100), "{m:?}");
     drop(handles);
 }
+
+/// An advance that completes a key's watchers at a level takes their
+/// entries out as a walk does (and the key, once its list empties), rather
+/// than leaving them as tombstones one level up until a later advance or a
+/// purge.
+#[tokio::test(start_paused = true)]
+async fn an_advance_takes_out_what_it_completed_as_a_walk_does() {
+    let p = purgatory::<u32>();
+    let hooks: Vec<Hooks> = (0..8).map(|_| Hooks::default()).collect();
+    let handles: Vec<_> = hooks
+        .iter()
+        .enumerate()
+        .map(|(i, h)| {
+            p.try_complete_else_watch_levels(
+                Op(h.clone()),
+                ms(1000),
+                [Watch::level(2, 10 + i as u64)],
+            )
+            .unwrap()
+        })
+        .collect();
+    for h in &hooks {
+        h.set_ready();
+    }
+    assert_eq!(p.try_complete_reached(&2, 13), 4, "the four at 10..=13");
+    let m = p.metrics();
+    assert_eq!((m.watched, m.tombstones, m.keys), (4, 0, 1), "{m:?}");
+    assert_eq!(p.try_complete_reached(&2, 100), 4, "the rest");
+    let m = p.metrics();
+    assert_eq!(
+        (m.delayed, m.watched, m.tombstones, m.keys),
+        (0, 0, 0, 0),
+        "{m:?}"
+    );
+    for h in handles {
+        assert!(h.await.unwrap().is_completed());
+    }
+}

@@ -713,12 +713,21 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         };
         self.count_walk(kind, checked, completed);
         buffers.live.clear();
-        if reached.is_none() && completed > 0 && completed * 4 >= checked {
+        // An advance's completions sit among the level entries it put back one
+        // level up: they go too, when few enough to look at.
+        if completed > 0 && (reached.is_some() || completed * 4 >= checked) {
             // Room for every entry the walk completed, before the list is locked.
             buffers.removed.entries.reserve(completed);
-            let pruned = catch_unwind(AssertUnwindSafe(|| {
-                self.watchers
-                    .prune(&key, |id| cells.is_over(*id), &mut buffers.removed)
+            let pruned = catch_unwind(AssertUnwindSafe(|| match reached {
+                None => self
+                    .watchers
+                    .prune(&key, |id| cells.is_over(*id), &mut buffers.removed),
+                Some(_) => self.watchers.prune_reached(
+                    &key,
+                    completed,
+                    |id| cells.is_over(*id),
+                    &mut buffers.removed,
+                ),
             }));
             if let Err(panic) = pruned {
                 self.panics.caught("eq of a key", panic);

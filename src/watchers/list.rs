@@ -138,6 +138,29 @@ impl<V> List<V> {
         n
     }
 
+    /// Takes the finished level entries out into `out`, in place, when there
+    /// are at most `max` level entries to look at (an advance that completed
+    /// a quarter as many pays for the pass).
+    pub(super) fn prune_levels(
+        &mut self,
+        max: usize,
+        finished: impl Fn(&V) -> bool,
+        out: &mut Vec<V>,
+    ) where
+        V: Clone,
+    {
+        if self.levels.is_empty() || self.levels.len() > max {
+            return;
+        }
+        self.levels.retain(|e| {
+            let done = finished(&e.v);
+            if done {
+                out.push(e.v.clone());
+            }
+            !done
+        });
+    }
+
     pub(super) fn is_empty(&self) -> bool {
         self.len() == 0
     }

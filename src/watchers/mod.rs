@@ -422,6 +422,41 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
         self.retain(key, None, finished, |_| {}, removed)
     }
 
+    /// After an advance of `key` that completed `completed` operations: takes
+    /// its finished plain entries out, and its finished level entries when
+    /// there are at most four times `completed` of them (so the pass costs no
+    /// more than the completions paid for), and the key once its list empties.
+    pub(crate) fn prune_reached<Q>(
+        &self,
+        probe: &Probe<'_, Q>,
+        completed: usize,
+        finished: impl Fn(&V) -> bool,
+        removed: &mut Removed<K, V>,
+    ) where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        let before = removed.entries.len();
+        let entries = &mut removed.entries;
+        let mut table = self.lists.lock_for(probe.hash);
+        let found = table.find_entry(probe.hash, |s| probe.matches(s.hash, &s.key));
+        let emptied = match found {
+            Ok(mut slot) => {
+                let list = &mut slot.get_mut().list;
+                list.retain(&finished, |_| {}, entries);
+                list.prune_levels(completed.saturating_mul(4), &finished, entries);
+                list.is_empty().then(|| slot.remove().0)
+            }
+            Err(_) => None,
+        };
+        drop(table);
+        self.counted(-((removed.entries.len() - before) as isize));
+        if let Some(slot) = emptied {
+            removed.keys.push(slot.key);
+            self.key_removed();
+        }
+    }
+
     /// Hashes `key` (its `Hash` and the hasher run here, with no lock held), for
     /// [`collect_live`](Self::collect_live) and [`prune`](Self::prune).
     pub(crate) fn probe<'q, Q>(&self, key: &'q Q) -> Probe<'q, Q>
