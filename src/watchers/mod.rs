@@ -436,25 +436,10 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
         K: Borrow<Q>,
         Q: Hash + Eq + ?Sized,
     {
-        let before = removed.entries.len();
-        let entries = &mut removed.entries;
-        let mut table = self.lists.lock_for(probe.hash);
-        let found = table.find_entry(probe.hash, |s| probe.matches(s.hash, &s.key));
-        let emptied = match found {
-            Ok(mut slot) => {
-                let list = &mut slot.get_mut().list;
-                list.retain(&finished, |_| {}, entries);
-                list.prune_levels(completed.saturating_mul(4), &finished, entries);
-                list.is_empty().then(|| slot.remove().0)
-            }
-            Err(_) => None,
-        };
-        drop(table);
-        self.counted(-((removed.entries.len() - before) as isize));
-        if let Some(slot) = emptied {
-            removed.keys.push(slot.key);
-            self.key_removed();
-        }
+        self.take_out(probe, removed, |list, entries| {
+            list.retain(&finished, |_| {}, entries);
+            list.prune_levels(completed.saturating_mul(4), &finished, entries);
+        });
     }
 
     /// Hashes `key` (its `Hash` and the hasher run here, with no lock held), for
@@ -485,17 +470,34 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
         K: Borrow<Q>,
         Q: Hash + Eq + ?Sized,
     {
+        self.take_out(probe, removed, |list, entries| {
+            list.retain(&finished, &mut kept, entries);
+            if let Some(level) = reached {
+                list.reach(level, &finished, &mut kept, entries);
+            }
+        });
+    }
+
+    /// Runs `edit` on `probe`'s list under its shard lock, taking entries out
+    /// into `removed`, and takes the key out too if its list is left empty
+    /// (in the same critical section, so a concurrent watch of the key cannot
+    /// be lost).
+    fn take_out<Q>(
+        &self,
+        probe: &Probe<'_, Q>,
+        removed: &mut Removed<K, V>,
+        edit: impl FnOnce(&mut List<V>, &mut Vec<V>),
+    ) where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
         let before = removed.entries.len();
-        let entries = &mut removed.entries;
         let mut table = self.lists.lock_for(probe.hash);
         let found = table.find_entry(probe.hash, |s| probe.matches(s.hash, &s.key));
         let emptied = match found {
             Ok(mut slot) => {
                 let list = &mut slot.get_mut().list;
-                list.retain(&finished, &mut kept, entries);
-                if let Some(level) = reached {
-                    list.reach(level, &finished, &mut kept, entries);
-                }
+                edit(list, &mut removed.entries);
                 list.is_empty().then(|| slot.remove().0)
             }
             Err(_) => None,
