@@ -1517,49 +1517,32 @@ async fn an_async_task_whose_future_panics_on_drop_is_cancelled_contained() {
     assert_eq!(timer.metrics().panicked, 1, "nothing ran later");
 }
 
-/// A key whose `Drop` always panics.
-#[derive(Clone)]
-struct LoudKey(u32, Arc<AtomicUsize>);
-
-impl PartialEq for LoudKey {
-    fn eq(&self, o: &Self) -> bool {
-        self.0 == o.0
-    }
-}
-
-impl Eq for LoudKey {}
-
-impl Hash for LoudKey {
-    fn hash<H: Hasher>(&self, h: &mut H) {
-        self.0.hash(h);
-    }
-}
-
-impl Drop for LoudKey {
-    fn drop(&mut self) {
-        self.1.fetch_add(1, Ordering::SeqCst);
-        panic!("hostile key drop");
-    }
-}
-
 /// The caller's key iterator panics after giving two keys whose `Drop`
 /// panics: the keys taken so far used to be dropped while the iterator's
 /// panic unwound, which aborted the process. Now the iterator's panic reaches
 /// the caller, each key's drop is contained, and nothing is registered.
 #[tokio::test(start_paused = true)]
 async fn a_key_iterator_that_panics_drops_the_keys_taken_contained() {
-    let p: Purgatory<LoudKey, Op> = purgatory();
+    let p: Purgatory<HookKey, Op> = purgatory();
     let drops = Arc::new(AtomicUsize::new(0));
     let hooks = Hooks::default();
-    let keys = {
+    // Each key's `Drop` panics, even while another panic unwinds.
+    let loud: Hook = {
         let drops = drops.clone();
-        (0..3u32).map(move |i| {
-            if i == 2 {
-                panic!("hostile key iterator");
-            }
-            LoudKey(i, drops.clone())
+        Arc::new(move || {
+            drops.fetch_add(1, Ordering::SeqCst);
+            panic!("hostile key drop");
         })
     };
+    let keys = (0..3u32).map(move |id| {
+        if id == 2 {
+            panic!("hostile key iterator");
+        }
+        HookKey {
+            id,
+            on_drop: Some(loud.clone()),
+        }
+    });
     let r = catch_unwind(AssertUnwindSafe(|| {
         let _ = p.try_complete_else_watch(Op(hooks.clone()), ms(100), keys);
     }));
