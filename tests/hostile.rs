@@ -31,6 +31,17 @@ fn within<T: Send + 'static>(secs: u64, f: impl FnOnce() -> T + Send + 'static) 
     }
 }
 
+/// Runs the future `make` gives on a paused current-thread runtime of its
+/// own thread, failing as [`within`] does if it has not ended in `secs`
+/// seconds.
+fn paused_within<T, F>(secs: u64, make: impl FnOnce() -> F + Send + 'static) -> T
+where
+    T: Send + 'static,
+    F: std::future::Future<Output = T>,
+{
+    within(secs, move || paused().block_on(make()))
+}
+
 /// A paused current-thread runtime.
 fn paused() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread()
@@ -200,61 +211,57 @@ impl Drop for HookKey {
 /// shard lock: an output whose `Drop` walked the key again deadlocked.
 #[test]
 fn an_output_dropped_by_a_later_walk_may_call_back_in() {
-    within(20, || {
-        paused().block_on(async {
-            let slot = Arc::new(OnceLock::new());
-            let p = purgatory::<u32>();
-            slot.set(p.clone()).ok();
-            let hooks = Hooks {
-                on_out_drop: Some(calls_back(&slot, 2)),
-                ..Hooks::default()
-            };
-            let handle = p
-                .try_complete_else_watch(Op(hooks.clone()), ms(1000), [1, 2])
-                .unwrap();
-            hooks.set_ready();
-            assert_eq!(p.try_complete_watched(&1), 1);
-            drop(handle); // never polled
-            p.try_complete_watched(&2);
-            assert_eq!(hooks.out_drops(), 1);
-            assert_eq!(p.metrics().watched, 0);
-            drop(slot);
-        })
+    paused_within(20, || async {
+        let slot = Arc::new(OnceLock::new());
+        let p = purgatory::<u32>();
+        slot.set(p.clone()).ok();
+        let hooks = Hooks {
+            on_out_drop: Some(calls_back(&slot, 2)),
+            ..Hooks::default()
+        };
+        let handle = p
+            .try_complete_else_watch(Op(hooks.clone()), ms(1000), [1, 2])
+            .unwrap();
+        hooks.set_ready();
+        assert_eq!(p.try_complete_watched(&1), 1);
+        drop(handle); // never polled
+        p.try_complete_watched(&2);
+        assert_eq!(hooks.out_drops(), 1);
+        assert_eq!(p.metrics().watched, 0);
+        drop(slot);
     });
 }
 
 /// The same through the amortised purge, which walks every key.
 #[test]
 fn an_output_dropped_by_the_purge_may_call_back_in() {
-    within(20, || {
-        paused().block_on(async {
-            let slot = Arc::new(OnceLock::new());
-            let p: Purgatory<u32, Op> = Purgatory::builder()
-                .name("hostile")
-                .purge_interval(0)
-                .build()
-                .unwrap();
-            slot.set(p.clone()).ok();
-            let hooks = Hooks {
-                on_out_drop: Some(calls_back(&slot, 2)),
-                ..Hooks::default()
-            };
-            let handle = p
-                .try_complete_else_watch(Op(hooks.clone()), ms(1000), [1, 2])
-                .unwrap();
-            hooks.set_ready();
-            // Completed through its reference: both entries become tombstones.
-            assert!(handle.op_ref().unwrap().try_complete());
-            drop(handle);
-            // Registration purges (tombstones exceed the live entries).
-            let other = Hooks::default();
-            let h2 = p
-                .try_complete_else_watch(Op(other.clone()), ms(1000), [3])
-                .unwrap();
-            assert_eq!(hooks.out_drops(), 1);
-            drop(h2);
-            drop(slot);
-        })
+    paused_within(20, || async {
+        let slot = Arc::new(OnceLock::new());
+        let p: Purgatory<u32, Op> = Purgatory::builder()
+            .name("hostile")
+            .purge_interval(0)
+            .build()
+            .unwrap();
+        slot.set(p.clone()).ok();
+        let hooks = Hooks {
+            on_out_drop: Some(calls_back(&slot, 2)),
+            ..Hooks::default()
+        };
+        let handle = p
+            .try_complete_else_watch(Op(hooks.clone()), ms(1000), [1, 2])
+            .unwrap();
+        hooks.set_ready();
+        // Completed through its reference: both entries become tombstones.
+        assert!(handle.op_ref().unwrap().try_complete());
+        drop(handle);
+        // Registration purges (tombstones exceed the live entries).
+        let other = Hooks::default();
+        let h2 = p
+            .try_complete_else_watch(Op(other.clone()), ms(1000), [3])
+            .unwrap();
+        assert_eq!(hooks.out_drops(), 1);
+        drop(h2);
+        drop(slot);
     });
 }
 
@@ -262,48 +269,46 @@ fn an_output_dropped_by_the_purge_may_call_back_in() {
 /// read the metrics deadlocked on the shard lock it was dropped under.
 #[test]
 fn a_key_dropped_by_the_map_may_call_back_in() {
-    within(20, || {
-        paused().block_on(async {
-            let slot: Arc<OnceLock<Purgatory<HookKey, Op>>> = Arc::new(OnceLock::new());
-            let p = purgatory::<HookKey>();
-            slot.set(p.clone()).ok();
-            let reads_metrics: Hook = {
-                let slot = slot.clone();
-                Arc::new(move || {
-                    if let Some(p) = slot.get() {
-                        let _ = p.metrics();
-                    }
-                })
-            };
-            let key = |id| HookKey {
-                id,
-                on_drop: Some(reads_metrics.clone()),
-            };
-            let a = Hooks::default();
-            let b = Hooks::default();
-            // A second watch of a key already in the map (the map keeps its own copy).
-            let ha = p
-                .try_complete_else_watch(Op(a.clone()), ms(100), [key(1), key(2)])
-                .unwrap();
-            let hb = p
-                .try_complete_else_watch(Op(b.clone()), ms(100), [key(1)])
-                .unwrap();
-            a.set_ready();
-            b.set_ready();
-            assert_eq!(p.try_complete_watched(&key(1)), 2); // key 1's list empties
-            assert!(p.cancel_for_key(&key(2)).is_empty()); // key 2 taken
-            assert!(ha.await.unwrap().is_completed());
-            assert!(hb.await.unwrap().is_completed());
-            assert_eq!(p.metrics().keys, 0);
-            // Shutdown drains the map too.
-            let c = Hooks::default();
-            let hc = p
-                .try_complete_else_watch(Op(c.clone()), ms(100), [key(3)])
-                .unwrap();
-            assert_eq!(p.shutdown().len(), 1);
-            assert_eq!(hc.await.unwrap_err(), OperationError::Shutdown);
-            drop(slot);
-        })
+    paused_within(20, || async {
+        let slot: Arc<OnceLock<Purgatory<HookKey, Op>>> = Arc::new(OnceLock::new());
+        let p = purgatory::<HookKey>();
+        slot.set(p.clone()).ok();
+        let reads_metrics: Hook = {
+            let slot = slot.clone();
+            Arc::new(move || {
+                if let Some(p) = slot.get() {
+                    let _ = p.metrics();
+                }
+            })
+        };
+        let key = |id| HookKey {
+            id,
+            on_drop: Some(reads_metrics.clone()),
+        };
+        let a = Hooks::default();
+        let b = Hooks::default();
+        // A second watch of a key already in the map (the map keeps its own copy).
+        let ha = p
+            .try_complete_else_watch(Op(a.clone()), ms(100), [key(1), key(2)])
+            .unwrap();
+        let hb = p
+            .try_complete_else_watch(Op(b.clone()), ms(100), [key(1)])
+            .unwrap();
+        a.set_ready();
+        b.set_ready();
+        assert_eq!(p.try_complete_watched(&key(1)), 2); // key 1's list empties
+        assert!(p.cancel_for_key(&key(2)).is_empty()); // key 2 taken
+        assert!(ha.await.unwrap().is_completed());
+        assert!(hb.await.unwrap().is_completed());
+        assert_eq!(p.metrics().keys, 0);
+        // Shutdown drains the map too.
+        let c = Hooks::default();
+        let hc = p
+            .try_complete_else_watch(Op(c.clone()), ms(100), [key(3)])
+            .unwrap();
+        assert_eq!(p.shutdown().len(), 1);
+        assert_eq!(hc.await.unwrap_err(), OperationError::Shutdown);
+        drop(slot);
     });
 }
 
@@ -572,69 +577,67 @@ async fn dropping_a_handle_contains_a_panicking_operation_drop() {
 /// register, read metrics) wherever the crate drops them.
 #[test]
 fn operation_and_output_drops_may_call_back_in_everywhere() {
-    within(20, || {
-        paused().block_on(async {
-            let slot = Arc::new(OnceLock::new());
-            let p = purgatory::<u32>();
-            slot.set(p.clone()).ok();
-            let hooks = || Hooks {
-                on_op_drop: Some(calls_back(&slot, 9)),
-                on_out_drop: Some(calls_back(&slot, 9)),
-                ..Hooks::default()
-            };
-            // Completed by a walk, by reference, at registration; expired;
-            // cancelled by key, by handle; shut down.
-            let a = hooks();
-            let ha = p
-                .try_complete_else_watch(Op(a.clone()), ms(50), [1, 9])
-                .unwrap();
-            let b = hooks();
-            let hb = p
-                .try_complete_else_watch(Op(b.clone()), ms(50), [2, 9])
-                .unwrap();
-            let c = hooks();
-            c.set_ready();
-            let hc = p
-                .try_complete_else_watch(Op(c.clone()), ms(50), [3])
-                .unwrap();
-            let d = hooks();
-            let hd = p
-                .try_complete_else_watch(Op(d.clone()), ms(5), [4, 9])
-                .unwrap();
-            let e = hooks();
-            let he = p
-                .try_complete_else_watch(Op(e.clone()), ms(50), [5, 9])
-                .unwrap();
-            let f = hooks();
-            let hf = p
-                .try_complete_else_watch(Op(f.clone()), ms(50), [6, 9])
-                .unwrap();
-            let g = hooks();
-            let hg = p
-                .try_complete_else_watch(Op(g.clone()), ms(50), [7, 9])
-                .unwrap();
-            a.set_ready();
-            assert_eq!(p.try_complete_watched(&1), 1);
-            b.set_ready();
-            assert!(hb.op_ref().unwrap().try_complete());
-            advance(ms(6)).await;
-            settle().await;
-            assert_eq!(p.cancel_for_key(&5).len(), 1);
-            drop(hf);
-            assert_eq!(p.shutdown().len(), 1);
-            for h in [ha, hb, hc, hd] {
-                drop(h.await.unwrap());
-            }
-            assert_eq!(he.await.unwrap_err(), OperationError::Cancelled);
-            assert_eq!(hg.await.unwrap_err(), OperationError::Shutdown);
-            for x in [&a, &b, &c, &d, &e, &f, &g] {
-                assert_eq!(x.op_drops(), 1);
-            }
-            for x in [&a, &b, &c, &d] {
-                assert_eq!(x.out_drops(), 1);
-            }
-            drop(slot);
-        })
+    paused_within(20, || async {
+        let slot = Arc::new(OnceLock::new());
+        let p = purgatory::<u32>();
+        slot.set(p.clone()).ok();
+        let hooks = || Hooks {
+            on_op_drop: Some(calls_back(&slot, 9)),
+            on_out_drop: Some(calls_back(&slot, 9)),
+            ..Hooks::default()
+        };
+        // Completed by a walk, by reference, at registration; expired;
+        // cancelled by key, by handle; shut down.
+        let a = hooks();
+        let ha = p
+            .try_complete_else_watch(Op(a.clone()), ms(50), [1, 9])
+            .unwrap();
+        let b = hooks();
+        let hb = p
+            .try_complete_else_watch(Op(b.clone()), ms(50), [2, 9])
+            .unwrap();
+        let c = hooks();
+        c.set_ready();
+        let hc = p
+            .try_complete_else_watch(Op(c.clone()), ms(50), [3])
+            .unwrap();
+        let d = hooks();
+        let hd = p
+            .try_complete_else_watch(Op(d.clone()), ms(5), [4, 9])
+            .unwrap();
+        let e = hooks();
+        let he = p
+            .try_complete_else_watch(Op(e.clone()), ms(50), [5, 9])
+            .unwrap();
+        let f = hooks();
+        let hf = p
+            .try_complete_else_watch(Op(f.clone()), ms(50), [6, 9])
+            .unwrap();
+        let g = hooks();
+        let hg = p
+            .try_complete_else_watch(Op(g.clone()), ms(50), [7, 9])
+            .unwrap();
+        a.set_ready();
+        assert_eq!(p.try_complete_watched(&1), 1);
+        b.set_ready();
+        assert!(hb.op_ref().unwrap().try_complete());
+        advance(ms(6)).await;
+        settle().await;
+        assert_eq!(p.cancel_for_key(&5).len(), 1);
+        drop(hf);
+        assert_eq!(p.shutdown().len(), 1);
+        for h in [ha, hb, hc, hd] {
+            drop(h.await.unwrap());
+        }
+        assert_eq!(he.await.unwrap_err(), OperationError::Cancelled);
+        assert_eq!(hg.await.unwrap_err(), OperationError::Shutdown);
+        for x in [&a, &b, &c, &d, &e, &f, &g] {
+            assert_eq!(x.op_drops(), 1);
+        }
+        for x in [&a, &b, &c, &d] {
+            assert_eq!(x.out_drops(), 1);
+        }
+        drop(slot);
     });
 }
 
@@ -1205,37 +1208,33 @@ fn waker_calling_back() -> std::task::Waker {
 
 #[test]
 fn a_waker_whose_clone_resets_its_own_operation_does_not_deadlock() {
-    within(10, || {
-        paused().block_on(async {
-            let p: Purgatory<u32, Waits> = Purgatory::builder().name("waker").build().unwrap();
-            let start = Instant::now();
-            let mut handle = p
-                .try_complete_else_watch(Waits, Duration::from_secs(1), [1])
-                .unwrap();
-            let r = handle.op_ref().expect("pending");
-            let resets = Arc::new(AtomicUsize::new(0));
-            let seen = resets.clone();
-            ON_CLONE.with(|hook| {
-                *hook.borrow_mut() = Some(Box::new(move || {
-                    // The handle's poll is keeping this waker: move the timeout.
-                    assert!(r.reset(Duration::from_secs(5)), "the reset takes effect");
-                    seen.fetch_add(1, Ordering::SeqCst);
-                }));
-            });
-            let waker = waker_calling_back();
-            let mut cx = std::task::Context::from_waker(&waker);
-            assert!(
-                std::future::Future::poll(std::pin::Pin::new(&mut handle), &mut cx).is_pending()
-            );
-            assert_eq!(resets.load(Ordering::SeqCst), 1, "the waker was kept once");
-            ON_CLONE.with(|hook| *hook.borrow_mut() = None);
-            let out = handle.await;
-            assert_eq!(out, Ok(Completion::Expired("expired")));
-            assert!(
-                Instant::now() >= start + Duration::from_secs(5),
-                "expired at the reset deadline"
-            );
-        })
+    paused_within(10, || async {
+        let p: Purgatory<u32, Waits> = Purgatory::builder().name("waker").build().unwrap();
+        let start = Instant::now();
+        let mut handle = p
+            .try_complete_else_watch(Waits, Duration::from_secs(1), [1])
+            .unwrap();
+        let r = handle.op_ref().expect("pending");
+        let resets = Arc::new(AtomicUsize::new(0));
+        let seen = resets.clone();
+        ON_CLONE.with(|hook| {
+            *hook.borrow_mut() = Some(Box::new(move || {
+                // The handle's poll is keeping this waker: move the timeout.
+                assert!(r.reset(Duration::from_secs(5)), "the reset takes effect");
+                seen.fetch_add(1, Ordering::SeqCst);
+            }));
+        });
+        let waker = waker_calling_back();
+        let mut cx = std::task::Context::from_waker(&waker);
+        assert!(std::future::Future::poll(std::pin::Pin::new(&mut handle), &mut cx).is_pending());
+        assert_eq!(resets.load(Ordering::SeqCst), 1, "the waker was kept once");
+        ON_CLONE.with(|hook| *hook.borrow_mut() = None);
+        let out = handle.await;
+        assert_eq!(out, Ok(Completion::Expired("expired")));
+        assert!(
+            Instant::now() >= start + Duration::from_secs(5),
+            "expired at the reset deadline"
+        );
     });
 }
 
@@ -1285,23 +1284,21 @@ thread_local! {
 /// completing the others, and its own outcome is delivered too.
 #[test]
 fn a_waker_that_panics_on_wake_during_a_walk_leaves_the_others_finished() {
-    within(10, || {
-        paused().block_on(async {
-            let (p, ready) = flagged("wake");
-            let mut handles: Vec<_> = (0..4).map(|_| watch_flag(&p, &ready)).collect();
-            let waker = waker_panicking_on_wake();
-            let mut cx = std::task::Context::from_waker(&waker);
-            for h in &mut handles[..2] {
-                assert!(std::future::Future::poll(std::pin::Pin::new(h), &mut cx).is_pending());
-            }
-            ready.store(true, Ordering::SeqCst);
-            assert_eq!(p.try_complete_watched(&1), 4, "every one completed");
-            assert_eq!(p.metrics().panicked, 2, "both wakes caught");
-            assert_eq!(p.delayed(), 0);
-            for h in handles {
-                assert_eq!(h.await, Ok(Completion::Completed(())));
-            }
-        })
+    paused_within(10, || async {
+        let (p, ready) = flagged("wake");
+        let mut handles: Vec<_> = (0..4).map(|_| watch_flag(&p, &ready)).collect();
+        let waker = waker_panicking_on_wake();
+        let mut cx = std::task::Context::from_waker(&waker);
+        for h in &mut handles[..2] {
+            assert!(std::future::Future::poll(std::pin::Pin::new(h), &mut cx).is_pending());
+        }
+        ready.store(true, Ordering::SeqCst);
+        assert_eq!(p.try_complete_watched(&1), 4, "every one completed");
+        assert_eq!(p.metrics().panicked, 2, "both wakes caught");
+        assert_eq!(p.delayed(), 0);
+        for h in handles {
+            assert_eq!(h.await, Ok(Completion::Completed(())));
+        }
     });
 }
 
@@ -1310,23 +1307,21 @@ fn a_waker_that_panics_on_wake_during_a_walk_leaves_the_others_finished() {
 /// completes.
 #[test]
 fn a_waker_that_panics_on_drop_is_contained_when_the_handle_detaches() {
-    within(10, || {
-        paused().block_on(async {
-            let (p, ready) = flagged("drop");
-            let mut h = watch_flag(&p, &ready);
-            let r = h.op_ref().unwrap();
-            let waker = waker_panicking_on_wake();
-            let mut cx = std::task::Context::from_waker(&waker);
-            assert!(std::future::Future::poll(std::pin::Pin::new(&mut h), &mut cx).is_pending());
-            DROP_PANICS.with(|d| d.set(true));
-            h.detach();
-            DROP_PANICS.with(|d| d.set(false));
-            assert_eq!(p.metrics().panicked, 1, "the waker's drop was caught");
-            ready.store(true, Ordering::SeqCst);
-            assert!(r.try_complete());
-            assert_eq!(p.delayed(), 0);
-            drop(waker);
-        })
+    paused_within(10, || async {
+        let (p, ready) = flagged("drop");
+        let mut h = watch_flag(&p, &ready);
+        let r = h.op_ref().unwrap();
+        let waker = waker_panicking_on_wake();
+        let mut cx = std::task::Context::from_waker(&waker);
+        assert!(std::future::Future::poll(std::pin::Pin::new(&mut h), &mut cx).is_pending());
+        DROP_PANICS.with(|d| d.set(true));
+        h.detach();
+        DROP_PANICS.with(|d| d.set(false));
+        assert_eq!(p.metrics().panicked, 1, "the waker's drop was caught");
+        ready.store(true, Ordering::SeqCst);
+        assert!(r.try_complete());
+        assert_eq!(p.delayed(), 0);
+        drop(waker);
     });
 }
 
@@ -1336,23 +1331,21 @@ fn a_waker_that_panics_on_drop_is_contained_when_the_handle_detaches() {
 /// still ends.
 #[test]
 fn a_drain_waker_that_panics_on_wake_cuts_no_finish_short() {
-    within(10, || {
-        paused().block_on(async {
-            let (p, ready) = flagged("drain");
-            let handles: Vec<_> = (0..3).map(|_| watch_flag(&p, &ready)).collect();
-            let mut drain = Box::pin(p.drain());
-            let waker = waker_panicking_on_wake();
-            let mut cx = std::task::Context::from_waker(&waker);
-            assert!(std::future::Future::poll(drain.as_mut(), &mut cx).is_pending());
-            ready.store(true, Ordering::SeqCst);
-            assert_eq!(p.try_complete_watched(&1), 3, "every one completed");
-            assert!(p.metrics().panicked >= 1, "the drainer's wake was caught");
-            assert_eq!(p.delayed(), 0);
-            for h in handles {
-                assert_eq!(h.await, Ok(Completion::Completed(())));
-            }
-            drain.await;
-        })
+    paused_within(10, || async {
+        let (p, ready) = flagged("drain");
+        let handles: Vec<_> = (0..3).map(|_| watch_flag(&p, &ready)).collect();
+        let mut drain = Box::pin(p.drain());
+        let waker = waker_panicking_on_wake();
+        let mut cx = std::task::Context::from_waker(&waker);
+        assert!(std::future::Future::poll(drain.as_mut(), &mut cx).is_pending());
+        ready.store(true, Ordering::SeqCst);
+        assert_eq!(p.try_complete_watched(&1), 3, "every one completed");
+        assert!(p.metrics().panicked >= 1, "the drainer's wake was caught");
+        assert_eq!(p.delayed(), 0);
+        for h in handles {
+            assert_eq!(h.await, Ok(Completion::Completed(())));
+        }
+        drain.await;
     });
 }
 
@@ -1361,33 +1354,31 @@ fn a_drain_waker_that_panics_on_wake_cuts_no_finish_short() {
 /// sleep, and the panic is counted.
 #[test]
 fn a_sleep_waker_that_panics_on_wake_cuts_no_shutdown_short() {
-    within(10, || {
-        paused().block_on(async {
-            let timer = Timer::new();
-            let ran = Arc::new(AtomicUsize::new(0));
-            for _ in 0..2 {
-                let ran = ran.clone();
-                timer
-                    .schedule(Duration::from_secs(1), move || {
-                        ran.fetch_add(1, Ordering::SeqCst);
-                    })
-                    .unwrap();
-            }
-            let mut hostile = Box::pin(timer.sleep(Duration::from_secs(1)));
-            let waker = waker_panicking_on_wake();
-            let mut cx = std::task::Context::from_waker(&waker);
-            assert!(std::future::Future::poll(hostile.as_mut(), &mut cx).is_pending());
-            let other = timer.sleep(Duration::from_secs(1));
-            let unrun = timer.shutdown();
-            assert_eq!(unrun.len(), 2, "both tasks handed back");
-            assert_eq!(timer.metrics().panicked, 1, "the wake was caught");
-            assert!(other.await.is_err(), "the other sleep was told");
-            for t in unrun {
-                t.run();
-            }
-            assert_eq!(ran.load(Ordering::SeqCst), 2);
-            drop(hostile);
-        })
+    paused_within(10, || async {
+        let timer = Timer::new();
+        let ran = Arc::new(AtomicUsize::new(0));
+        for _ in 0..2 {
+            let ran = ran.clone();
+            timer
+                .schedule(Duration::from_secs(1), move || {
+                    ran.fetch_add(1, Ordering::SeqCst);
+                })
+                .unwrap();
+        }
+        let mut hostile = Box::pin(timer.sleep(Duration::from_secs(1)));
+        let waker = waker_panicking_on_wake();
+        let mut cx = std::task::Context::from_waker(&waker);
+        assert!(std::future::Future::poll(hostile.as_mut(), &mut cx).is_pending());
+        let other = timer.sleep(Duration::from_secs(1));
+        let unrun = timer.shutdown();
+        assert_eq!(unrun.len(), 2, "both tasks handed back");
+        assert_eq!(timer.metrics().panicked, 1, "the wake was caught");
+        assert!(other.await.is_err(), "the other sleep was told");
+        for t in unrun {
+            t.run();
+        }
+        assert_eq!(ran.load(Ordering::SeqCst), 2);
+        drop(hostile);
     });
 }
 
@@ -1431,28 +1422,26 @@ async fn an_output_that_panics_on_drop_is_contained_when_a_ready_handle_goes() {
 /// the outcome is still read.
 #[test]
 fn a_waker_that_panics_on_drop_in_a_poll_loses_no_outcome() {
-    within(10, || {
-        paused().block_on(async {
-            let (p, ready) = flagged("poll");
-            let mut h = watch_flag(&p, &ready);
-            let hostile = waker_panicking_on_wake();
-            let mut cx = std::task::Context::from_waker(&hostile);
-            assert!(std::future::Future::poll(std::pin::Pin::new(&mut h), &mut cx).is_pending());
-            DROP_PANICS.with(|d| d.set(true));
-            // The same waker: the spare clone is dropped.
-            assert!(std::future::Future::poll(std::pin::Pin::new(&mut h), &mut cx).is_pending());
-            // Another waker: the kept hostile one is dropped.
-            let plain = futures::task::noop_waker();
-            let mut plain_cx = std::task::Context::from_waker(&plain);
-            let polled = std::future::Future::poll(std::pin::Pin::new(&mut h), &mut plain_cx);
-            DROP_PANICS.with(|d| d.set(false));
-            assert!(polled.is_pending());
-            assert!(p.metrics().panicked >= 1, "the waker drops were caught");
-            ready.store(true, Ordering::SeqCst);
-            assert_eq!(p.try_complete_watched(&1), 1);
-            assert_eq!(h.await, Ok(Completion::Completed(())));
-            drop(hostile);
-        })
+    paused_within(10, || async {
+        let (p, ready) = flagged("poll");
+        let mut h = watch_flag(&p, &ready);
+        let hostile = waker_panicking_on_wake();
+        let mut cx = std::task::Context::from_waker(&hostile);
+        assert!(std::future::Future::poll(std::pin::Pin::new(&mut h), &mut cx).is_pending());
+        DROP_PANICS.with(|d| d.set(true));
+        // The same waker: the spare clone is dropped.
+        assert!(std::future::Future::poll(std::pin::Pin::new(&mut h), &mut cx).is_pending());
+        // Another waker: the kept hostile one is dropped.
+        let plain = futures::task::noop_waker();
+        let mut plain_cx = std::task::Context::from_waker(&plain);
+        let polled = std::future::Future::poll(std::pin::Pin::new(&mut h), &mut plain_cx);
+        DROP_PANICS.with(|d| d.set(false));
+        assert!(polled.is_pending());
+        assert!(p.metrics().panicked >= 1, "the waker drops were caught");
+        ready.store(true, Ordering::SeqCst);
+        assert_eq!(p.try_complete_watched(&1), 1);
+        assert_eq!(h.await, Ok(Completion::Completed(())));
+        drop(hostile);
     });
 }
 
@@ -1471,29 +1460,27 @@ impl Drop for AlwaysPanicsOnDrop {
 /// Both panics are counted; the chain ends; the timer goes on.
 #[test]
 fn a_repeating_task_that_panics_and_panics_again_on_drop_is_contained() {
-    within(10, || {
-        paused().block_on(async {
-            let timer = Timer::new();
-            let drops = Arc::new(AtomicUsize::new(0));
-            let guard = AlwaysPanicsOnDrop(drops.clone());
-            let t = timer
-                .schedule_repeating(ms(10), move || {
-                    let _keep = &guard;
-                    panic!("hostile repeating task");
-                })
-                .unwrap();
-            let ran = Arc::new(AtomicBool::new(false));
-            let flag = ran.clone();
-            timer
-                .schedule(ms(20), move || flag.store(true, Ordering::SeqCst))
-                .unwrap();
-            advance(ms(30)).await;
-            settle().await;
-            assert_eq!(drops.load(Ordering::SeqCst), 1, "the task was dropped once");
-            assert_eq!(timer.metrics().panicked, 2, "its run and its drop");
-            assert!(ran.load(Ordering::SeqCst), "the other task still ran");
-            assert!(!t.cancel(), "the chain ended");
-        })
+    paused_within(10, || async {
+        let timer = Timer::new();
+        let drops = Arc::new(AtomicUsize::new(0));
+        let guard = AlwaysPanicsOnDrop(drops.clone());
+        let t = timer
+            .schedule_repeating(ms(10), move || {
+                let _keep = &guard;
+                panic!("hostile repeating task");
+            })
+            .unwrap();
+        let ran = Arc::new(AtomicBool::new(false));
+        let flag = ran.clone();
+        timer
+            .schedule(ms(20), move || flag.store(true, Ordering::SeqCst))
+            .unwrap();
+        advance(ms(30)).await;
+        settle().await;
+        assert_eq!(drops.load(Ordering::SeqCst), 1, "the task was dropped once");
+        assert_eq!(timer.metrics().panicked, 2, "its run and its drop");
+        assert!(ran.load(Ordering::SeqCst), "the other task still ran");
+        assert!(!t.cancel(), "the chain ended");
     });
 }
 
@@ -1564,39 +1551,37 @@ async fn a_key_iterator_that_panics_drops_the_keys_taken_contained() {
 #[test]
 fn a_drain_waker_that_panics_on_wake_leaves_the_other_drainers_woken() {
     use std::future::Future;
-    within(10, || {
-        paused().block_on(async {
-            let (p, ready) = flagged("drains");
-            let h = watch_flag(&p, &ready);
-            let woken = Arc::new(AtomicUsize::new(0));
-            let counting = {
-                struct Count(Arc<AtomicUsize>);
-                impl std::task::Wake for Count {
-                    fn wake(self: Arc<Self>) {
-                        self.0.fetch_add(1, Ordering::SeqCst);
-                    }
+    paused_within(10, || async {
+        let (p, ready) = flagged("drains");
+        let h = watch_flag(&p, &ready);
+        let woken = Arc::new(AtomicUsize::new(0));
+        let counting = {
+            struct Count(Arc<AtomicUsize>);
+            impl std::task::Wake for Count {
+                fn wake(self: Arc<Self>) {
+                    self.0.fetch_add(1, Ordering::SeqCst);
                 }
-                std::task::Waker::from(Arc::new(Count(woken.clone())))
-            };
-            let hostile = waker_panicking_on_wake();
-            // The hostile drainer between two others.
-            let mut first = Box::pin(p.drain());
-            let mut second = Box::pin(p.drain());
-            let mut third = Box::pin(p.drain());
-            let mut hostile_cx = std::task::Context::from_waker(&hostile);
-            let mut counting_cx = std::task::Context::from_waker(&counting);
-            assert!(first.as_mut().poll(&mut counting_cx).is_pending());
-            assert!(second.as_mut().poll(&mut hostile_cx).is_pending());
-            assert!(third.as_mut().poll(&mut counting_cx).is_pending());
-            ready.store(true, Ordering::SeqCst);
-            assert_eq!(p.try_complete_watched(&1), 1);
-            assert_eq!(p.metrics().panicked, 1, "the hostile wake was caught");
-            assert_eq!(woken.load(Ordering::SeqCst), 2, "both other drainers woken");
-            assert!(first.as_mut().poll(&mut counting_cx).is_ready());
-            assert!(third.as_mut().poll(&mut counting_cx).is_ready());
-            assert!(second.as_mut().poll(&mut counting_cx).is_ready());
-            assert_eq!(h.await, Ok(Completion::Completed(())));
-        })
+            }
+            std::task::Waker::from(Arc::new(Count(woken.clone())))
+        };
+        let hostile = waker_panicking_on_wake();
+        // The hostile drainer between two others.
+        let mut first = Box::pin(p.drain());
+        let mut second = Box::pin(p.drain());
+        let mut third = Box::pin(p.drain());
+        let mut hostile_cx = std::task::Context::from_waker(&hostile);
+        let mut counting_cx = std::task::Context::from_waker(&counting);
+        assert!(first.as_mut().poll(&mut counting_cx).is_pending());
+        assert!(second.as_mut().poll(&mut hostile_cx).is_pending());
+        assert!(third.as_mut().poll(&mut counting_cx).is_pending());
+        ready.store(true, Ordering::SeqCst);
+        assert_eq!(p.try_complete_watched(&1), 1);
+        assert_eq!(p.metrics().panicked, 1, "the hostile wake was caught");
+        assert_eq!(woken.load(Ordering::SeqCst), 2, "both other drainers woken");
+        assert!(first.as_mut().poll(&mut counting_cx).is_ready());
+        assert!(third.as_mut().poll(&mut counting_cx).is_ready());
+        assert!(second.as_mut().poll(&mut counting_cx).is_ready());
+        assert_eq!(h.await, Ok(Completion::Completed(())));
     });
 }
 
@@ -1606,31 +1591,29 @@ fn a_drain_waker_that_panics_on_wake_leaves_the_other_drainers_woken() {
 #[test]
 fn a_drain_waker_whose_clone_calls_back_in_does_not_deadlock() {
     use std::future::Future;
-    within(10, || {
-        paused().block_on(async {
-            let (p, ready) = flagged("drain");
-            let h = watch_flag(&p, &ready);
-            let calls = Arc::new(AtomicUsize::new(0));
-            {
-                let (p, ready, calls) = (p.clone(), ready.clone(), calls.clone());
-                ON_CLONE.with(|hook| {
-                    *hook.borrow_mut() = Some(Box::new(move || {
-                        calls.fetch_add(1, Ordering::SeqCst);
-                        ready.store(true, Ordering::SeqCst);
-                        p.try_complete_watched(&1);
-                    }))
-                });
-            }
-            let waker = waker_calling_back();
-            let mut cx = std::task::Context::from_waker(&waker);
-            let mut drain = Box::pin(p.drain());
-            // The poll clones the waker, which completes the operation: the
-            // drain finds nothing pending.
-            assert!(drain.as_mut().poll(&mut cx).is_ready());
-            ON_CLONE.with(|hook| hook.borrow_mut().take());
-            assert!(calls.load(Ordering::SeqCst) >= 1);
-            assert_eq!(h.await, Ok(Completion::Completed(())));
-        })
+    paused_within(10, || async {
+        let (p, ready) = flagged("drain");
+        let h = watch_flag(&p, &ready);
+        let calls = Arc::new(AtomicUsize::new(0));
+        {
+            let (p, ready, calls) = (p.clone(), ready.clone(), calls.clone());
+            ON_CLONE.with(|hook| {
+                *hook.borrow_mut() = Some(Box::new(move || {
+                    calls.fetch_add(1, Ordering::SeqCst);
+                    ready.store(true, Ordering::SeqCst);
+                    p.try_complete_watched(&1);
+                }))
+            });
+        }
+        let waker = waker_calling_back();
+        let mut cx = std::task::Context::from_waker(&waker);
+        let mut drain = Box::pin(p.drain());
+        // The poll clones the waker, which completes the operation: the
+        // drain finds nothing pending.
+        assert!(drain.as_mut().poll(&mut cx).is_ready());
+        ON_CLONE.with(|hook| hook.borrow_mut().take());
+        assert!(calls.load(Ordering::SeqCst) >= 1);
+        assert_eq!(h.await, Ok(Completion::Completed(())));
     });
 }
 
@@ -1641,38 +1624,36 @@ fn a_drain_waker_whose_clone_calls_back_in_does_not_deadlock() {
 #[test]
 fn a_sleep_polled_with_hostile_wakers_still_wakes_its_task() {
     use std::future::Future;
-    within(10, || {
-        paused().block_on(async {
-            let timer = Timer::new();
-            let mut sleep = Box::pin(timer.sleep(ms(10)));
-            let bad_clone = waker_calling_back();
-            ON_CLONE.with(|hook| *hook.borrow_mut() = Some(Box::new(|| panic!("hostile clone"))));
-            let r = catch_unwind(AssertUnwindSafe(|| {
-                let mut cx = std::task::Context::from_waker(&bad_clone);
-                let _ = sleep.as_mut().poll(&mut cx);
-            }));
-            ON_CLONE.with(|hook| hook.borrow_mut().take());
-            assert!(r.is_err(), "the clone's panic reaches the poll");
-            let bad_drop = waker_panicking_on_wake();
-            let mut cx = std::task::Context::from_waker(&bad_drop);
-            assert!(sleep.as_mut().poll(&mut cx).is_pending());
-            DROP_PANICS.with(|d| d.set(true));
-            let plain = futures::task::noop_waker();
-            let polled = sleep
-                .as_mut()
-                .poll(&mut std::task::Context::from_waker(&plain));
-            DROP_PANICS.with(|d| d.set(false));
-            assert!(polled.is_pending());
-            assert_eq!(
-                timer.metrics().panicked,
-                1,
-                "the replaced waker's drop was caught"
-            );
-            // Awaited now: woken at the deadline (the runtime's clock moves
-            // on by itself only when the task would otherwise never wake).
-            sleep.await.unwrap();
-            drop(bad_drop);
-        })
+    paused_within(10, || async {
+        let timer = Timer::new();
+        let mut sleep = Box::pin(timer.sleep(ms(10)));
+        let bad_clone = waker_calling_back();
+        ON_CLONE.with(|hook| *hook.borrow_mut() = Some(Box::new(|| panic!("hostile clone"))));
+        let r = catch_unwind(AssertUnwindSafe(|| {
+            let mut cx = std::task::Context::from_waker(&bad_clone);
+            let _ = sleep.as_mut().poll(&mut cx);
+        }));
+        ON_CLONE.with(|hook| hook.borrow_mut().take());
+        assert!(r.is_err(), "the clone's panic reaches the poll");
+        let bad_drop = waker_panicking_on_wake();
+        let mut cx = std::task::Context::from_waker(&bad_drop);
+        assert!(sleep.as_mut().poll(&mut cx).is_pending());
+        DROP_PANICS.with(|d| d.set(true));
+        let plain = futures::task::noop_waker();
+        let polled = sleep
+            .as_mut()
+            .poll(&mut std::task::Context::from_waker(&plain));
+        DROP_PANICS.with(|d| d.set(false));
+        assert!(polled.is_pending());
+        assert_eq!(
+            timer.metrics().panicked,
+            1,
+            "the replaced waker's drop was caught"
+        );
+        // Awaited now: woken at the deadline (the runtime's clock moves
+        // on by itself only when the task would otherwise never wake).
+        sleep.await.unwrap();
+        drop(bad_drop);
     });
 }
 
@@ -1682,25 +1663,23 @@ fn a_sleep_polled_with_hostile_wakers_still_wakes_its_task() {
 #[test]
 fn a_sleep_dropped_with_a_waker_that_panics_on_drop_is_contained() {
     use std::future::Future;
-    within(10, || {
-        paused().block_on(async {
-            let timer = Timer::new();
-            let mut sleep = Box::pin(timer.sleep(ms(10)));
-            let hostile = waker_panicking_on_wake();
-            let mut cx = std::task::Context::from_waker(&hostile);
-            assert!(sleep.as_mut().poll(&mut cx).is_pending());
-            DROP_PANICS.with(|d| d.set(true));
-            drop(sleep);
-            DROP_PANICS.with(|d| d.set(false));
-            assert_eq!(
-                timer.metrics().panicked,
-                1,
-                "the kept waker's drop was caught"
-            );
-            assert!(timer.is_empty(), "its entry left the wheel");
-            timer.sleep(ms(10)).await.unwrap();
-            drop(hostile);
-        })
+    paused_within(10, || async {
+        let timer = Timer::new();
+        let mut sleep = Box::pin(timer.sleep(ms(10)));
+        let hostile = waker_panicking_on_wake();
+        let mut cx = std::task::Context::from_waker(&hostile);
+        assert!(sleep.as_mut().poll(&mut cx).is_pending());
+        DROP_PANICS.with(|d| d.set(true));
+        drop(sleep);
+        DROP_PANICS.with(|d| d.set(false));
+        assert_eq!(
+            timer.metrics().panicked,
+            1,
+            "the kept waker's drop was caught"
+        );
+        assert!(timer.is_empty(), "its entry left the wheel");
+        timer.sleep(ms(10)).await.unwrap();
+        drop(hostile);
     });
 }
 
@@ -1890,29 +1869,26 @@ fn an_update_of_an_operation_from_its_own_check_does_not_deadlock() {
         }
         fn on_expiration(self) {}
     }
-    within(10, || {
-        paused().block_on(async {
-            let p: Purgatory<u32, SelfUpdating> =
-                Purgatory::builder().name("self").build().unwrap();
-            let me = Arc::new(OnceLock::new());
-            let saw = Arc::new(AtomicUsize::new(0));
-            let ready = Arc::new(AtomicBool::new(false));
-            let op = SelfUpdating {
-                me: me.clone(),
-                saw: saw.clone(),
-                ready: ready.clone(),
-            };
-            let h = p.try_complete_else_watch(op, ms(1000), [1]).unwrap();
-            let r = h.op_ref().unwrap();
-            assert!(me.set(r.clone()).is_ok());
-            assert_eq!(p.try_complete_watched(&1), 0, "checked, not ready");
-            assert_eq!(r.update(|_| 7), Some(7), "from outside, it runs");
-            ready.store(true, Ordering::SeqCst);
-            assert!(r.try_complete());
-            assert_eq!(saw.load(Ordering::SeqCst), 2);
-            assert_eq!(p.metrics().panicked, 0);
-            assert_eq!(h.await, Ok(Completion::Completed(())));
-        })
+    paused_within(10, || async {
+        let p: Purgatory<u32, SelfUpdating> = Purgatory::builder().name("self").build().unwrap();
+        let me = Arc::new(OnceLock::new());
+        let saw = Arc::new(AtomicUsize::new(0));
+        let ready = Arc::new(AtomicBool::new(false));
+        let op = SelfUpdating {
+            me: me.clone(),
+            saw: saw.clone(),
+            ready: ready.clone(),
+        };
+        let h = p.try_complete_else_watch(op, ms(1000), [1]).unwrap();
+        let r = h.op_ref().unwrap();
+        assert!(me.set(r.clone()).is_ok());
+        assert_eq!(p.try_complete_watched(&1), 0, "checked, not ready");
+        assert_eq!(r.update(|_| 7), Some(7), "from outside, it runs");
+        ready.store(true, Ordering::SeqCst);
+        assert!(r.try_complete());
+        assert_eq!(saw.load(Ordering::SeqCst), 2);
+        assert_eq!(p.metrics().panicked, 0);
+        assert_eq!(h.await, Ok(Completion::Completed(())));
     });
 }
 
