@@ -119,12 +119,15 @@ pub(crate) struct Drain<'a> {
 }
 
 impl Drain<'_> {
-    /// Takes this drain's waker out of the list, to be dropped contained.
-    fn leave(&mut self) -> Option<Waker> {
-        let id = self.id.take()?;
-        let mut d = lock(&self.books.drainers);
-        let at = d.waiting.iter().position(|(i, _)| *i == id)?;
-        Some(d.waiting.swap_remove(at).1)
+    /// Takes this drain's waker out of the list, and drops it contained.
+    fn leave(&mut self) {
+        let Some(id) = self.id.take() else { return };
+        let left = {
+            let mut d = lock(&self.books.drainers);
+            let at = d.waiting.iter().position(|(i, _)| *i == id);
+            at.map(|at| d.waiting.swap_remove(at).1)
+        };
+        self.panics.drop_value("drop of a waker", left);
     }
 }
 
@@ -137,8 +140,7 @@ impl Future for Drain<'_> {
             this.books.draining.store(true, Ordering::SeqCst);
         }
         if this.books.delayed_now() == 0 {
-            let left = this.leave();
-            this.panics.drop_value("drop of a waker", left);
+            this.leave();
             return Poll::Ready(());
         }
         // Waiting, then looking again: a finish counted after the look below
@@ -165,8 +167,7 @@ impl Future for Drain<'_> {
         };
         this.panics.drop_value("drop of a waker", replaced);
         if this.books.delayed_now() == 0 {
-            let left = this.leave();
-            this.panics.drop_value("drop of a waker", left);
+            this.leave();
             return Poll::Ready(());
         }
         Poll::Pending
@@ -175,8 +176,7 @@ impl Future for Drain<'_> {
 
 impl Drop for Drain<'_> {
     fn drop(&mut self) {
-        let left = self.leave();
-        self.panics.drop_value("drop of a waker", left);
+        self.leave();
     }
 }
 
