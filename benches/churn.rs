@@ -23,6 +23,13 @@
 //! size the run. Under `valgrind --tool=callgrind`, the difference between
 //! two `--steps` counts gives instructions per request (see
 //! `docs/performance.md`).
+//!
+//! `--walks N` measures key walks instead: the window's requests are
+//! registered and left pending, then N walks of keys drawn at random run
+//! every live watcher's check (none completes) and drop dead ids, printing ns
+//! per check. The fair peer runs the checks under its lock; the lean ones take
+//! each operation out under the lock and check it with the lock released, as
+//! this crate does.
 
 use std::collections::{HashMap, VecDeque};
 use std::hint::black_box;
@@ -184,6 +191,54 @@ impl Fair {
         };
         black_box(done);
         true
+    }
+}
+
+impl Fair {
+    /// Runs the check of every live watcher of `key` under the lock,
+    /// completing those that say so and dropping dead ids; returns how many
+    /// it checked.
+    fn walk(lock: &Mutex<Fair>, key: u32) -> usize {
+        let mut done = Vec::new();
+        let mut checked = 0;
+        {
+            let mut s = lock.lock().unwrap();
+            let Fair {
+                queue,
+                slots,
+                free,
+                watchers,
+                live,
+                dead,
+            } = &mut *s;
+            if let Some(ids) = watchers.get_mut(&key) {
+                ids.retain(|id| {
+                    let slot = &mut slots[id.index as usize];
+                    let Some(p) = slot
+                        .pending
+                        .as_mut()
+                        .filter(|_| slot.generation == id.generation)
+                    else {
+                        *dead -= 1;
+                        return false;
+                    };
+                    checked += 1;
+                    if p.op.check().is_none() {
+                        return true;
+                    }
+                    let p = slot.pending.take().expect("checked");
+                    slot.generation = slot.generation.wrapping_add(1);
+                    free.push(id.index);
+                    *live -= p.keys as usize;
+                    *dead += p.keys as usize - 1;
+                    queue.remove(&p.timer);
+                    done.push(p);
+                    false
+                });
+            }
+        }
+        black_box(done);
+        checked
     }
 }
 
@@ -390,6 +445,71 @@ impl<Q: Timers> Lean<Q> {
     }
 }
 
+/// A walk's requests taken out of their slots: the id, the operation while
+/// taken, and whether its check completed it.
+type Taken = Vec<(Id, Option<Op>, bool)>;
+
+impl<Q: Timers> Lean<Q> {
+    /// Takes the operation of every live watcher of `key` out in one hold of
+    /// the lock (asking one being checked elsewhere to check again, and
+    /// dropping dead ids), checks them with the lock released, and finishes
+    /// or puts them back in one more hold (one more per round of re-checks
+    /// asked for meanwhile); returns how many it checked.
+    fn walk(lock: &Mutex<Lean<Q>>, key: u32, taken: &mut Taken) -> usize {
+        {
+            let mut s = lock.lock().unwrap();
+            let Lean {
+                slots,
+                watchers,
+                dead,
+                ..
+            } = &mut *s;
+            if let Some(ids) = watchers.get_mut(&key) {
+                ids.retain(|&id| {
+                    if !Lean::<Q>::is_live(slots, id) {
+                        *dead -= 1;
+                        return false;
+                    }
+                    let slot = &mut slots[id.index as usize];
+                    if slot.checking {
+                        slot.rerun = true;
+                    } else {
+                        slot.checking = true;
+                        taken.push((id, slot.op.take(), false));
+                    }
+                    true
+                });
+            }
+        }
+        let checked = taken.len();
+        let mut finished = Vec::new();
+        while !taken.is_empty() {
+            for (_, op, done) in taken.iter_mut() {
+                *done = op.as_mut().expect("taken").check().is_some();
+            }
+            let mut s = lock.lock().unwrap();
+            for (id, op, done) in taken.iter_mut() {
+                if *done {
+                    s.finish(*id);
+                    finished.push(op.take());
+                    continue;
+                }
+                let slot = &mut s.slots[id.index as usize];
+                if slot.rerun {
+                    slot.rerun = false;
+                } else {
+                    slot.checking = false;
+                    slot.op = op.take();
+                }
+            }
+            drop(s);
+            taken.retain(|(_, op, _)| op.is_some());
+        }
+        black_box(finished);
+        checked
+    }
+}
+
 /// The steps against the lean peer with timer `Q`; ns per request.
 async fn lean<Q: Timers>(
     window: u64,
@@ -419,6 +539,79 @@ async fn lean<Q: Timers>(
     t0.elapsed().as_nanos() as f64 / steps as f64
 }
 
+/// `--walks`: registers `window` requests that stay pending, then walks
+/// `walks` keys drawn at random; ns per check.
+async fn walk_round(name: &str, window: u64, walks: u64) -> f64 {
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(3600);
+    let mut keys = Rng(0x2545_f491_4f6c_dd1d);
+    let mut checked = 0;
+    let t0;
+    match name {
+        "purgatory" => {
+            let p: Purgatory<u32, Op> = Purgatory::new();
+            let mut handles = Vec::new();
+            for seq in 0..window {
+                let op = Op { seq, _payload: 0 };
+                handles.push(
+                    p.try_complete_else_watch_at(op, deadline, rng.keys())
+                        .unwrap(),
+                );
+            }
+            let before = p.metrics().checks.key_walks.checked;
+            t0 = Instant::now();
+            for _ in 0..walks / 3 {
+                for k in keys.keys() {
+                    black_box(p.try_complete_watched(&k));
+                }
+            }
+            checked = (p.metrics().checks.key_walks.checked - before) as usize;
+        }
+        "fair" => {
+            let p = Mutex::new(Fair::default());
+            for seq in 0..window {
+                Fair::register(&p, Op { seq, _payload: 0 }, rng.keys(), deadline).expect("pending");
+            }
+            t0 = Instant::now();
+            for _ in 0..walks / 3 {
+                for k in keys.keys() {
+                    checked += Fair::walk(&p, k);
+                }
+            }
+        }
+        _ => {
+            async fn lean_walks<Q: Timers>(
+                window: u64,
+                walks: u64,
+                rng: &mut Rng,
+                keys: &mut Rng,
+                deadline: tokio::time::Instant,
+            ) -> (Instant, usize) {
+                let p = Mutex::new(Lean::<Q>::default());
+                for seq in 0..window {
+                    Lean::register(&p, Op { seq, _payload: 0 }, rng.keys(), deadline)
+                        .expect("pending");
+                }
+                let mut taken = Vec::new();
+                let mut checked = 0;
+                let t0 = Instant::now();
+                for _ in 0..walks / 3 {
+                    for k in keys.keys() {
+                        checked += Lean::walk(&p, k, &mut taken);
+                    }
+                }
+                (t0, checked)
+            }
+            (t0, checked) = if name == "lean" {
+                lean_walks::<DelayQueue<Id>>(window, walks, &mut rng, &mut keys, deadline).await
+            } else {
+                lean_walks::<WheelTimers>(window, walks, &mut rng, &mut keys, deadline).await
+            };
+        }
+    }
+    t0.elapsed().as_nanos() as f64 / checked.max(1) as f64
+}
+
 fn arg(name: &str) -> Option<String> {
     let mut args = std::env::args();
     while let Some(a) = args.next() {
@@ -434,6 +627,7 @@ fn main() {
     let steps: u64 = arg("--steps").map_or(1_000_000, |v| v.parse().unwrap());
     let rounds: usize = arg("--rounds").map_or(5, |v| v.parse().unwrap());
     let which = arg("--impl");
+    let walks: Option<u64> = arg("--walks").map(|v| v.parse().unwrap());
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -446,6 +640,9 @@ fn main() {
         for _ in 0..rounds {
             let ns = rt.block_on(async {
                 DONE_BELOW.store(0, Ordering::Relaxed);
+                if let Some(walks) = walks {
+                    return walk_round(name, window, walks).await;
+                }
                 let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
                 let deadline = tokio::time::Instant::now() + Duration::from_secs(3600);
                 if name == "purgatory" {
@@ -504,9 +701,13 @@ fn main() {
         }
         let mut sorted = per.clone();
         sorted.sort_by(f64::total_cmp);
-        let rounds: Vec<String> = per.iter().map(|v| format!("{v:.0}")).collect();
+        let (digits, unit) = match walks {
+            Some(_) => (1, "check"),
+            None => (0, "request"),
+        };
+        let rounds: Vec<String> = per.iter().map(|v| format!("{v:.digits$}")).collect();
         println!(
-            "{name}: median {:.0} ns per request [{:.0}..{:.0}] ({})",
+            "{name}: median {:.digits$} ns per {unit} [{:.digits$}..{:.digits$}] ({})",
             sorted[sorted.len() / 2],
             sorted[0],
             sorted[sorted.len() - 1],
