@@ -238,3 +238,34 @@ async fn a_registration_turned_back_by_a_panicking_key_ends_a_drain_it_held() {
     assert_eq!(p.delayed(), 0);
     assert!(balanced(&p.metrics()));
 }
+
+/// The call itself drains: before its future is polled, and when the future
+/// is dropped unpolled (a `select!` branch never reached), registrations are
+/// refused and handed back, and the purgatory reads draining.
+#[tokio::test(start_paused = true)]
+async fn the_call_drains_before_its_future_is_polled() {
+    let p = fetches();
+    let pending = p
+        .try_complete_else_watch(Fetch::default(), ms(100), [1])
+        .unwrap();
+    let drain = p.drain();
+    assert!(p.is_draining());
+    match p.try_complete_else_watch(Fetch::default(), ms(100), [1]) {
+        Err(WatchError::Draining(_)) => {}
+        _ => panic!("a registration after drain() was called was not refused"),
+    }
+    drop(drain);
+    assert!(p.is_draining(), "dropping the future undoes nothing");
+    assert!(matches!(
+        p.try_complete_else_watch(Fetch::default(), ms(100), [2]),
+        Err(WatchError::Draining(_))
+    ));
+    // A drain polled later still waits for what was pending.
+    let mut later = task::spawn(p.drain());
+    assert_pending!(later.poll());
+    advance(ms(100)).await;
+    settle().await;
+    assert!(later.is_woken());
+    assert_ready!(later.poll());
+    assert!(matches!(pending.await, Ok(Completion::Expired("empty"))));
+}

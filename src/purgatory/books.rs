@@ -136,9 +136,6 @@ impl Future for Drain<'_> {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
         let this = self.get_mut();
-        if this.id.is_none() {
-            this.books.draining.store(true, Ordering::SeqCst);
-        }
         if this.books.delayed_now() == 0 {
             this.leave();
             return Poll::Ready(());
@@ -264,10 +261,12 @@ impl Books {
         true
     }
 
-    /// Stops taking operations (from the first poll) and waits until none is
-    /// pending. A panic in the waker's `clone` reaches the poller, with
-    /// nothing kept; one in its `Drop` is contained in `panics`.
+    /// Stops taking operations (from this call on, whether or not the future
+    /// is ever polled) and waits until none is pending. A panic in the
+    /// waker's `clone` reaches the poller, with nothing kept; one in its
+    /// `Drop` is contained in `panics`.
     pub(crate) fn drain<'a>(&'a self, panics: &'a Panics) -> Drain<'a> {
+        self.draining.store(true, Ordering::SeqCst);
         Drain {
             books: self,
             panics,

@@ -1225,8 +1225,9 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
 
     /// Stops taking operations and waits until every pending one has finished
     /// on its own (completed by an event, expired, or cancelled): how a broker
-    /// or server stops without cutting requests short. From the first call on,
-    /// registrations are refused with [`WatchError::Draining`] (the operation is
+    /// or server stops without cutting requests short. From the first call on
+    /// (the call itself, before the returned future is polled, and whether or
+    /// not it ever is), registrations are refused with [`WatchError::Draining`] (the operation is
     /// handed back), while events, expiries and cancellations go on as before.
     /// To bound the wait, race it with a timeout and call
     /// [`shutdown`](Self::shutdown) for what is left.
@@ -1269,8 +1270,8 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
     /// drop(fetches.shutdown());
     /// # }
     /// ```
-    pub async fn drain(&self) {
-        self.shared().drain().await
+    pub fn drain(&self) -> impl std::future::Future<Output = ()> + Send + Sync + '_ {
+        self.shared().drain()
     }
 
     /// Whether [`drain`](Self::drain) was called.

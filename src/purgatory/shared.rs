@@ -494,9 +494,9 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         self.books.delayed_now()
     }
 
-    /// Stops taking operations and waits until none is pending.
-    pub(crate) async fn drain(&self) {
-        self.books.drain(&self.panics).await;
+    /// Stops taking operations (at once) and waits until none is pending.
+    pub(crate) fn drain(&self) -> super::books::Drain<'_> {
+        self.books.drain(&self.panics)
     }
 
     pub(crate) fn is_draining(&self) -> bool {
