@@ -1025,3 +1025,65 @@ async fn async_tasks_await_on_their_own_task_and_cancel_before_or_during() {
         other => panic!("{:?}", other.err().map(|e| e.to_string())),
     }
 }
+
+/// A future that can no longer start (its timer dropped, or the task a
+/// shutdown handed back dropped by its owner) is dropped unrun, and its
+/// handle reads finished: not pending, nothing left to cancel or reset.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn an_async_task_dropped_unrun_reads_finished() {
+    struct Flag(Arc<AtomicUsize>);
+    impl Drop for Flag {
+        fn drop(&mut self) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+    let dropped = Arc::new(AtomicUsize::new(0));
+
+    // The last timer clone dropped.
+    let timer = Timer::new();
+    let flag = Flag(dropped.clone());
+    let t = timer
+        .schedule_async(ms(100), async move {
+            let _flag = flag;
+            unreachable!("its timer is gone");
+        })
+        .unwrap();
+    drop(timer);
+    settle().await;
+    assert_eq!(dropped.load(Ordering::SeqCst), 1, "dropped unrun");
+    assert!(!t.is_pending());
+    assert!(t.is_finished());
+    assert!(!t.cancel(), "nothing left to cancel");
+    assert!(!t.reset(ms(10)));
+
+    // Handed back by a shutdown, then dropped.
+    let timer = Timer::new();
+    let flag = Flag(dropped.clone());
+    let t = timer
+        .schedule_async(ms(100), async move {
+            let _flag = flag;
+            unreachable!("handed back and dropped");
+        })
+        .unwrap();
+    let back = timer.shutdown();
+    assert_eq!(back.len(), 1);
+    assert!(!t.is_finished(), "handed back: it may still be run");
+    drop(back);
+    assert_eq!(dropped.load(Ordering::SeqCst), 2);
+    assert!(!t.is_pending() && t.is_finished() && !t.cancel());
+
+    // Handed back and run: it starts as usual.
+    let timer = Timer::new();
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let t = timer
+        .schedule_async(ms(100), async move {
+            let _ = tx.send(());
+        })
+        .unwrap();
+    for task in timer.shutdown() {
+        task.run();
+    }
+    rx.await.unwrap();
+    settle().await;
+    assert!(t.is_finished() && !t.cancel());
+}

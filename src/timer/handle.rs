@@ -328,7 +328,7 @@ pub(super) enum Start {
     Waiting,
     /// Spawned as a Tokio task.
     Running(tokio::task::AbortHandle),
-    /// Cancelled, before or after it started.
+    /// Cancelled, before or after it started, or dropped unrun.
     Cancelled,
 }
 
@@ -508,7 +508,9 @@ impl AsyncTaskHandle {
         matches!(*lock(&self.start), Start::Waiting) && self.timeout.is_pending()
     }
 
-    /// Whether the future has finished: run to completion, or cancelled.
+    /// Whether the future has finished: run to completion, cancelled, or
+    /// dropped unrun because it can no longer start (its last `Timer` clone
+    /// was dropped, or a shutdown handed it back and that task was dropped).
     ///
     /// # Examples
     ///

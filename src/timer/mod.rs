@@ -354,10 +354,11 @@ impl Timer {
         // The runtime current here, for a task handed back by a shutdown
         // and run outside any runtime (the reaper runs it inside its own).
         let scheduled_on = tokio::runtime::Handle::try_current().ok();
+        let unrun = Unrun(s);
         let task = move || {
             let future = lock(&f).take();
             if let Some(future) = future {
-                AsyncTaskHandle::start(&s, future, scheduled_on.as_ref());
+                AsyncTaskHandle::start(&unrun.0, future, scheduled_on.as_ref());
             }
         };
         match self.schedule(delay, task) {
@@ -811,4 +812,20 @@ pub struct TimerMetrics {
     pub reaper_wakeups: u64,
     /// The reaper's turns on this timer's entries.
     pub reaper: ReaperMetrics,
+}
+
+/// Owned by a [`Timer::schedule_async`] entry: when the entry is dropped
+/// without having run (the last `Timer` clone dropped, or a task handed back
+/// by a shutdown and dropped), the future's handle reads cancelled instead
+/// of waiting for a start that will never come. After a run the start has
+/// moved on from `Waiting`, and this changes nothing.
+struct Unrun(Arc<Mutex<handle::Start>>);
+
+impl Drop for Unrun {
+    fn drop(&mut self) {
+        let mut start = lock(&self.0);
+        if matches!(*start, handle::Start::Waiting) {
+            *start = handle::Start::Cancelled;
+        }
+    }
 }
