@@ -12,6 +12,13 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+/// The last tick the clock counts: about 2^63 ticks after its origin (292
+/// years at a 1 ns tick, 29 million years at the default 100 µs), the last
+/// below the reaper's wake target's "nothing scheduled" (its top bit is a
+/// flag). A deadline past it never falls due, and "now" stops there: what
+/// was due by then still runs, and nothing is ever early.
+pub(crate) const HORIZON: u64 = crate::wake::NEVER - 1;
+
 /// Ticks since an origin, in whole ticks of `tick_ns` nanoseconds.
 #[derive(Debug)]
 pub(crate) struct Clock {
@@ -70,25 +77,33 @@ impl Clock {
                 .saturating_mul(split.per_sec)
                 .saturating_add(split.div(sub));
         }
-        // Whole seconds and nanoseconds separately: no u128 division.
+        // Whole seconds and nanoseconds separately: no u128 division while
+        // the nanoseconds fit in 64 bits (584 years).
         let ns = d
             .as_secs()
-            .saturating_mul(1_000_000_000)
-            .saturating_add(d.subsec_nanos() as u64);
-        if ns == u64::MAX {
-            u64::MAX
-        } else if up {
-            ns.div_ceil(self.tick_ns)
-        } else {
-            ns / self.tick_ns
+            .checked_mul(1_000_000_000)
+            .and_then(|s| s.checked_add(d.subsec_nanos() as u64));
+        match ns {
+            Some(ns) if up => ns.div_ceil(self.tick_ns),
+            Some(ns) => ns / self.tick_ns,
+            None => {
+                let (ns, tick) = (d.as_nanos(), u128::from(self.tick_ns));
+                let t = if up { ns.div_ceil(tick) } else { ns / tick };
+                u64::try_from(t).unwrap_or(u64::MAX)
+            }
         }
     }
 
     /// The tick a deadline falls due in: rounded up, so it is never early.
-    /// Saturates at `u64::MAX` ("never").
+    /// A deadline past the [`HORIZON`] is "never" (`u64::MAX`).
     #[inline]
     pub(crate) fn deadline_tick(&self, deadline: Instant) -> u64 {
-        self.ticks(deadline.saturating_duration_since(self.origin), true)
+        let t = self.ticks(deadline.saturating_duration_since(self.origin), true);
+        if t > HORIZON {
+            u64::MAX
+        } else {
+            t
+        }
     }
 
     /// The tick an entry inserted at `now` with `deadline` is due in: rounded up
@@ -104,16 +119,27 @@ impl Clock {
         }
     }
 
-    /// The last whole tick that has passed at `now`.
+    /// The last whole tick that has passed at `now`; it stops at the
+    /// [`HORIZON`].
     #[inline]
     pub(crate) fn now_tick(&self, now: Instant) -> u64 {
         self.ticks(now.saturating_duration_since(self.origin), false)
+            .min(HORIZON)
     }
 
     /// The instant tick `t` begins, or `None` when it is beyond what `Instant` holds.
     pub(crate) fn instant_of(&self, t: u64) -> Option<Instant> {
-        let ns = t.checked_mul(self.tick_ns)?;
-        self.origin.checked_add(Duration::from_nanos(ns))
+        let since = match t.checked_mul(self.tick_ns) {
+            Some(ns) => Duration::from_nanos(ns),
+            None => {
+                let ns = u128::from(t) * u128::from(self.tick_ns);
+                Duration::new(
+                    u64::try_from(ns / 1_000_000_000).ok()?,
+                    (ns % 1_000_000_000) as u32,
+                )
+            }
+        };
+        self.origin.checked_add(since)
     }
 }
 
@@ -213,14 +239,59 @@ mod tests {
         }
     }
 
+    /// Past 2^64 ns (584 years) after the origin, ticks that do not divide
+    /// a second still count exactly: a deadline an hour after "now" is an
+    /// hour of ticks after it, not the same saturated tick.
+    #[test]
+    fn ticks_past_584_years_stay_exact() {
+        let o = Instant::now();
+        let year = Duration::from_secs(365 * 86_400);
+        let c = Clock::new(o, Duration::from_millis(3));
+        let now = o + year * 585;
+        let t = c.now_tick(now);
+        assert_eq!(u128::from(t), (year * 585).as_nanos() / 3_000_000);
+        assert_eq!(
+            c.deadline_tick(now + Duration::from_secs(3600)),
+            t + 1_200_000
+        );
+        assert!(c
+            .instant_of(t)
+            .is_some_and(|at| at <= now && now - at < Duration::from_millis(3)));
+    }
+
+    /// At a 1 ns tick the clock counts up to its horizon (292 years): a
+    /// deadline past it is "never", and "now" stops there.
+    #[test]
+    fn the_horizon_bounds_ticks() {
+        let o = Instant::now();
+        let year = Duration::from_secs(365 * 86_400);
+        let c = Clock::new(o, Duration::from_nanos(1));
+        let before = o + year * 250;
+        assert_eq!(u128::from(c.deadline_tick(before)), (year * 250).as_nanos());
+        assert_eq!(c.now_tick(before), c.deadline_tick(before));
+        assert_eq!(c.deadline_tick(o + year * 300), u64::MAX);
+        assert_eq!(c.now_tick(o + year * 300), HORIZON);
+        assert_eq!(
+            c.tick_for(o + year * 300, o + year * 299),
+            HORIZON,
+            "due at once"
+        );
+    }
+
     #[test]
     fn far_deadlines_saturate() {
         let (o, c) = clock();
         let far = deadline_after(o, Duration::MAX);
         assert!(far > o + Duration::from_secs(86_400 * 365 * 29));
         assert!(c.deadline_tick(far) > 0);
-        assert_eq!(c.instant_of(u64::MAX), None);
+        assert_eq!(
+            c.instant_of(u64::MAX),
+            Some(o + Duration::from_millis(u64::MAX)),
+            "past 2^64 ns, exact"
+        );
         assert_eq!(c.instant_of(5), Some(o + Duration::from_millis(5)));
+        let huge = Clock::new(o, Duration::MAX);
+        assert_eq!(huge.instant_of(u64::MAX), None, "past what Instant holds");
         let fine = Clock::new(o, Duration::ZERO);
         assert_eq!(
             fine.deadline_tick(o + Duration::from_nanos(7)),

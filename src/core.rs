@@ -27,7 +27,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::clock::Clock;
+use crate::clock::{far_future, Clock};
 use crate::contain::Panics;
 use crate::histogram::Recorder;
 use crate::reaper::{Host, Hub, Next, ReaperMetrics, Served};
@@ -611,11 +611,13 @@ impl<J: Job<Ctx = C>, C: Send + Sync + 'static> Served for Core<J, C> {
             return Next::Again;
         }
         tracing::trace!(timer = &*self.name, target, "core idle until its target");
-        Next::Sleep(
-            (target != NEVER)
-                .then(|| self.clock.instant_of(target))
-                .flatten(),
-        )
+        // A target past what `Instant` holds (a tick of centuries) sleeps as
+        // long as a sleep can, then looks again.
+        Next::Sleep((target != NEVER).then(|| {
+            self.clock
+                .instant_of(target)
+                .unwrap_or_else(|| far_future(Instant::now()))
+        }))
     }
 
     fn is_closed(&self) -> bool {

@@ -320,10 +320,13 @@
 //!   promised order.
 //! - **Far deadlines saturate.** `Duration::MAX` and deadlines past the wheel's top
 //!   level never panic or overflow, and never fire early; a deadline past what
-//!   `Instant` can hold becomes about 30 years.
+//!   `Instant` can hold becomes about 30 years. The wheel counts up to about
+//!   2^63 ticks from its start (292 years at a 1 ns tick, 29 million years at
+//!   the default): a deadline past that never fires.
 //! - **Idle costs nothing.** The reaper wakes once per distinct due time, and not
-//!   at all while nothing is scheduled; a task rescheduling itself from inside its
-//!   own run costs one wake-up per run.
+//!   at all while nothing is scheduled; an entry due before everything else
+//!   pending wakes a sleeping reaper once more, to set its alarm earlier; a task
+//!   rescheduling itself from inside its own run costs one wake-up per run.
 //! - **Nothing is lost on rejection.** A refused operation or task is handed back
 //!   in the error ([`WatchError`], [`timer::ScheduleError`]).
 //! - **Shutdown loses nothing.** `shutdown()` hands back every pending operation or
