@@ -148,10 +148,23 @@ pub(crate) fn deadline_after(now: Instant, delay: Duration) -> Instant {
     now.checked_add(delay).unwrap_or_else(|| far_future(now))
 }
 
-/// An instant later than any deadline the wheel can reach (about 30 years on).
+/// An instant later than any deadline the wheel can reach (about 30 years
+/// on), or, on a clock that cannot hold that, the latest it holds (never
+/// `now` itself, which would make a "never" due at once).
 pub(crate) fn far_future(now: Instant) -> Instant {
     const THIRTY_YEARS: Duration = Duration::from_secs(86_400 * 365 * 30);
-    now.checked_add(THIRTY_YEARS).unwrap_or(now)
+    let mut step = THIRTY_YEARS;
+    let mut far = now;
+    while !step.is_zero() {
+        match far.checked_add(step) {
+            Some(later) => far = later,
+            None => step /= 2,
+        }
+        if far - now >= THIRTY_YEARS {
+            break;
+        }
+    }
+    far
 }
 
 #[cfg(all(test, not(purgatory_loom)))]

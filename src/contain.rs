@@ -41,7 +41,7 @@ impl Panics {
     /// out of the code that caught the first one.
     pub(crate) fn note(&self, what: &str, panic: &(dyn Any + Send)) {
         self.count.fetch_add(1, Ordering::Relaxed);
-        let report = catch_unwind(AssertUnwindSafe(|| {
+        quietly(|| {
             tracing::error!(
                 owner = self.kind,
                 name = &*self.name,
@@ -49,10 +49,7 @@ impl Panics {
                 panic = panic_message(panic),
                 "user code panicked; carrying on"
             );
-        }));
-        if let Err(again) = report {
-            drop_payload(again);
-        }
+        });
     }
 
     /// Counts and reports a panic caught in `what`, then drops its payload
@@ -85,6 +82,22 @@ impl Panics {
             for v in values {
                 self.drop_value(what, v);
             }
+        }
+    }
+}
+
+/// Runs `f`, a call into the application's `tracing` subscriber (an event, a
+/// span made, entered, left, recorded or closed): code of the application's
+/// own, which may panic. Such a panic is swallowed, not counted as a panic of
+/// a purgatory's or timer's user code, so that a subscriber that panics on
+/// some events cannot unwind out of a walk, an expiry or the reaper and leave
+/// an operation half finished. `None` when it panicked.
+pub(crate) fn quietly<R>(f: impl FnOnce() -> R) -> Option<R> {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(r) => Some(r),
+        Err(panic) => {
+            drop_payload(panic);
+            None
         }
     }
 }

@@ -28,7 +28,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::clock::{far_future, Clock};
-use crate::contain::Panics;
+use crate::contain::{quietly, Panics};
 use crate::histogram::Recorder;
 use crate::reaper::{Host, Hub, Next, ReaperMetrics, Served};
 use crate::settings::{BuildError, Settings};
@@ -571,7 +571,9 @@ impl<J: Job<Ctx = C>, C: Send + Sync + 'static> Core<J, C> {
         c.turn_nanos.fetch_add(nanos, Ordering::Relaxed);
         c.longest_turn_nanos.fetch_max(nanos, Ordering::Relaxed);
         c.largest_batch.fetch_max(expired as u64, Ordering::Relaxed);
-        tracing::Span::current().record("expired", expired);
+        quietly(|| {
+            tracing::Span::current().record("expired", expired);
+        });
         (more || next <= now, next, now)
     }
 
@@ -594,30 +596,41 @@ impl<J: Job<Ctx = C>, C: Send + Sync + 'static> Served for Core<J, C> {
     fn serve(&self) -> Next {
         // The buffer is taken out of its lock: the jobs run with no lock held.
         let mut scratch = std::mem::take(&mut *lock(&self.scratch));
-        let span = tracing::debug_span!(
-            "reaper turn",
-            kind = J::KIND,
-            name = &*self.name,
-            expired = tracing::field::Empty
-        );
-        let _entered = span.enter();
+        // The turn's span: made, entered, left and closed by the application's
+        // subscriber, each call contained (see `quietly`).
+        let span = quietly(|| {
+            tracing::debug_span!(
+                "reaper turn",
+                kind = J::KIND,
+                name = &*self.name,
+                expired = tracing::field::Empty
+            )
+        })
+        .unwrap_or_else(tracing::Span::none);
+        let entered = quietly(|| span.enter());
         self.wake.begin_turn();
         let (more, next, now) = self.turn(&mut scratch);
         let target = self.wake.end_turn(next);
         *lock(&self.scratch) = scratch;
-        if more || target <= now {
+        let next = if more || target <= now {
             // A batch was cut short, or a task run this turn scheduled work
             // already due.
-            return Next::Again;
-        }
-        tracing::trace!(timer = &*self.name, target, "core idle until its target");
-        // A target past what `Instant` holds (a tick of centuries) sleeps as
-        // long as a sleep can, then looks again.
-        Next::Sleep((target != NEVER).then(|| {
-            self.clock
-                .instant_of(target)
-                .unwrap_or_else(|| far_future(Instant::now()))
-        }))
+            Next::Again
+        } else {
+            quietly(|| {
+                tracing::trace!(timer = &*self.name, target, "core idle until its target");
+            });
+            // A target past what `Instant` holds (a tick of centuries) sleeps
+            // as long as a sleep can, then looks again.
+            Next::Sleep((target != NEVER).then(|| {
+                self.clock
+                    .instant_of(target)
+                    .unwrap_or_else(|| far_future(Instant::now()))
+            }))
+        };
+        quietly(move || drop(entered));
+        quietly(move || drop(span));
+        next
     }
 
     fn is_closed(&self) -> bool {
@@ -630,16 +643,19 @@ impl<J: Job<Ctx = C>, C: Send + Sync + 'static> Served for Core<J, C> {
 
     fn reaper_gone(&self) {
         if let Some(jobs) = self.close(Closed::ReaperGone) {
-            tracing::warn!(
-                timer = &*self.name,
-                abandoned = jobs.len(),
-                "timer reaper stopped without a shutdown"
-            );
+            let abandoned = jobs.len();
             for job in jobs {
                 self.panics.run("an abandoned job", || {
                     job.abandon(&self.ctx, Closed::ReaperGone)
                 });
             }
+            quietly(|| {
+                tracing::warn!(
+                    timer = &*self.name,
+                    abandoned,
+                    "timer reaper stopped without a shutdown"
+                );
+            });
         }
     }
 }

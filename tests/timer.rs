@@ -1087,3 +1087,43 @@ async fn an_async_task_dropped_unrun_reads_finished() {
     settle().await;
     assert!(t.is_finished() && !t.cancel());
 }
+
+/// A timeout that resolved to an error says the same when polled again, and
+/// does not poll the inner future again.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_timeout_that_ended_does_not_poll_its_future_again() {
+    use std::future::Future;
+    use std::task::{Context, Poll};
+    use tokio_purgatory::timer::TimeoutError;
+    struct CountsPolls(Arc<AtomicUsize>);
+    impl Future for CountsPolls {
+        type Output = ();
+        fn poll(self: std::pin::Pin<&mut Self>, _: &mut Context<'_>) -> Poll<()> {
+            self.0.fetch_add(1, Ordering::SeqCst);
+            Poll::Pending
+        }
+    }
+    let timer = Timer::new();
+    let polls = Arc::new(AtomicUsize::new(0));
+    let mut f = Box::pin(timer.timeout(ms(10), CountsPolls(polls.clone())));
+    assert_eq!((&mut f).await, Err(TimeoutError::Elapsed));
+    let before = polls.load(Ordering::SeqCst);
+    let waker = futures::task::noop_waker();
+    let again = f.as_mut().poll(&mut Context::from_waker(&waker));
+    assert_eq!(again, Poll::Ready(Err(TimeoutError::Elapsed)));
+    assert_eq!(polls.load(Ordering::SeqCst), before, "not polled again");
+
+    // Ended by a shutdown: the same.
+    let mut f = Box::pin(timer.timeout(ms(10), CountsPolls(polls.clone())));
+    assert_eq!(
+        f.as_mut().poll(&mut Context::from_waker(&waker)),
+        Poll::Pending
+    );
+    drop(timer.shutdown());
+    let first = (&mut f).await;
+    assert!(matches!(first, Err(TimeoutError::Timer(_))));
+    let before = polls.load(Ordering::SeqCst);
+    let again = f.as_mut().poll(&mut Context::from_waker(&waker));
+    assert_eq!(again, Poll::Ready(first));
+    assert_eq!(polls.load(Ordering::SeqCst), before);
+}

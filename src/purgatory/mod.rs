@@ -370,7 +370,23 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
     ///
     /// # Examples
     ///
-    /// See [`WeakPurgatory`].
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// # struct Op;
+    /// # impl tokio_purgatory::Operation for Op {
+    /// #     type Output = ();
+    /// #     fn try_complete(&mut self) -> Option<()> { None }
+    /// #     fn on_expiration(self) {}
+    /// # }
+    /// use tokio_purgatory::Purgatory;
+    ///
+    /// let p: Purgatory<u32, Op> = Purgatory::new();
+    /// let weak = p.downgrade();
+    /// assert!(weak.upgrade().is_some());
+    /// drop(p);
+    /// assert!(weak.upgrade().is_none(), "the last clone is gone");
+    /// # }
+    /// ```
     pub fn downgrade(&self) -> WeakPurgatory<K, O, S> {
         WeakPurgatory {
             owner: Arc::downgrade(&self.owner),
@@ -474,6 +490,12 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
     ///
     /// As [`try_complete_else_watch`](Purgatory::try_complete_else_watch).
     ///
+    /// # Concurrent calls
+    ///
+    /// As [`try_complete_else_watch`](Purgatory::try_complete_else_watch): a
+    /// racing shutdown either takes the operation or refuses it (handed back),
+    /// and an event or cancellation by key during the call is acted on.
+    ///
     /// `deadline` may be a `tokio::time::Instant` or a `std::time::Instant`
     /// (converted with `From`). Under Tokio's paused time only Tokio's clock
     /// is paused: take deadlines from `tokio::time::Instant::now()` there.
@@ -556,6 +578,12 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
     ///
     /// As [`try_complete_else_watch`](Purgatory::try_complete_else_watch).
     ///
+    /// # Concurrent calls
+    ///
+    /// As [`try_complete_else_watch`](Purgatory::try_complete_else_watch): a
+    /// racing shutdown either takes the operation or refuses it (handed back),
+    /// and an event or cancellation by key during the call is acted on.
+    ///
     /// # Examples
     ///
     /// ```
@@ -626,6 +654,12 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
     /// # Panics
     ///
     /// As [`try_complete_else_watch`](Purgatory::try_complete_else_watch).
+    ///
+    /// # Concurrent calls
+    ///
+    /// As [`try_complete_else_watch`](Purgatory::try_complete_else_watch): a
+    /// racing shutdown either takes the operation or refuses it (handed back),
+    /// and an event or cancellation by key during the call is acted on.
     ///
     /// `deadline` may be a `tokio::time::Instant` or a `std::time::Instant`
     /// (converted with `From`). Under Tokio's paused time only Tokio's clock
@@ -706,7 +740,9 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
             shared.drop_keys(keys);
             return Err(refusal.with(op));
         }
-        tracing::trace!(purgatory = shared.name(), keys = keys.len(), "register");
+        crate::contain::quietly(|| {
+            tracing::trace!(purgatory = shared.name(), keys = keys.len(), "register");
+        });
 
         // Check (Kafka's `tryComplete`): done at once, nothing is watched.
         if let Some(output) = shared.first_check(&mut op) {
@@ -803,6 +839,16 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
     /// When the key's `Hash` or `Eq`, or the hasher, panics (nothing is
     /// changed then).
     ///
+    /// # Concurrent calls
+    ///
+    /// As for [`try_complete_watched`](Purgatory::try_complete_watched): the
+    /// entries the level reaches are taken under the list's lock and checked
+    /// with it released, and an operation already being checked elsewhere is
+    /// asked to check again, handed this call's level (see
+    /// [`Operation::try_complete_reached`]). Advances of the same or other
+    /// keys may run at once on any number of threads. After a
+    /// [`shutdown`](Purgatory::shutdown) nothing is watched, and this returns 0.
+    ///
     /// # Examples
     ///
     /// ```
@@ -862,7 +908,8 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
     /// The key's list is copied under its lock and the checks run after the lock
     /// is released. An operation already being checked elsewhere is asked to check
     /// again instead (it is then not counted here). Calls for the same or other
-    /// keys may run at once on any number of threads.
+    /// keys may run at once on any number of threads. After a
+    /// [`shutdown`](Purgatory::shutdown) nothing is watched, and this returns 0.
     ///
     /// # Examples
     ///
@@ -921,7 +968,8 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
     /// check completes it, it completes; otherwise the checker cancels it right
     /// after (its handle resolves to `Cancelled`, and the operation is dropped).
     /// An operation still registering is cancelled the same way by its
-    /// registration.
+    /// registration. After a [`shutdown`](Purgatory::shutdown) nothing is
+    /// watched, and this returns an empty list.
     ///
     /// # Examples
     ///
@@ -1161,8 +1209,11 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
         slab::Slab::<OpCell<O>>::slot_bytes()
     }
 
-    /// Stops the reaper and hands back every pending operation, in no particular
-    /// order; their handles resolve to [`OperationError::Shutdown`]. Registration
+    /// Hands back every pending operation, in no particular order, and stops
+    /// serving this purgatory's timeouts (its reaper task ends, unless it is a
+    /// shared [`Reaper`](crate::Reaper) that serves others); their handles resolve to
+    /// [`OperationError::Shutdown`]. Walks, advances and cancellations by key
+    /// find nothing from then on (they return 0, or an empty list). Registration
     /// afterwards fails with [`WatchError::Shutdown`]. Returns an empty list when
     /// already shut down.
     ///
@@ -1199,7 +1250,10 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
         self.shared().close(Fate::HandedBack)
     }
 
-    /// Whether the purgatory no longer accepts operations.
+    /// Whether the purgatory was shut down: by [`shutdown`](Self::shutdown),
+    /// or because its reaper task was lost. A purgatory that is
+    /// [draining](Self::is_draining) refuses new operations too, but is not
+    /// shut down.
     ///
     /// # Examples
     ///
@@ -1299,18 +1353,49 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
     }
 }
 
-/// A snapshot of a [`Purgatory`]'s counters.
+/// A snapshot of a [`Purgatory`]'s counters, taken by
+/// [`Purgatory::metrics`]. Each field is read on its own while other threads
+/// go on, so a snapshot taken while operations register and finish may not
+/// balance; one taken when nothing moves does.
 ///
 /// Once nothing is pending, `registered == completed + expired + cancelled +
 /// handed_back`.
+///
+/// # Examples
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+/// use std::time::Duration;
+/// use tokio_purgatory::{Operation, Purgatory};
+///
+/// struct Op(bool);
+/// impl Operation for Op {
+///     type Output = ();
+///     fn try_complete(&mut self) -> Option<()> { self.0.then_some(()) }
+///     fn on_expiration(self) {}
+/// }
+///
+/// let p: Purgatory<u32, Op> = Purgatory::new();
+/// let expiring = p.try_complete_else_watch(Op(false), Duration::from_millis(10), [1, 2]).unwrap();
+/// let m = p.metrics();
+/// assert_eq!((m.delayed, m.watched, m.keys), (1, 2, 2));
+/// assert_eq!(p.try_complete_watched(&1), 0);
+/// expiring.await.unwrap();
+/// let m = p.metrics();
+/// assert_eq!((m.registered, m.expired, m.delayed), (1, 1, 0));
+/// assert_eq!(m.registered, m.completed + m.expired + m.cancelled + m.handed_back);
+/// assert_eq!(m.checks.key_walks.walks, 1);
+/// # }
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub struct PurgatoryMetrics {
     /// Watch-list entries, tombstones included.
     pub watched: usize,
     /// Watch-list entries of finished operations not yet removed (part of
-    /// `watched`). Each keeps its operation's cell allocated (see
-    /// [`Purgatory::cell_bytes`]); they go with the next walk of their key or the
+    /// `watched`). Each is a bare id (8 bytes in its list) that keeps nothing
+    /// else alive: the operation's cell is reused once its handle and
+    /// `OpRef`s are gone. They go with the next walk of their key or the
     /// amortised purge. Live watch entries are `watched - tombstones`.
     pub tombstones: usize,
     /// Operations pending.
@@ -1323,7 +1408,8 @@ pub struct PurgatoryMetrics {
     pub completed: u64,
     /// Finished by their timeout (including expiries that panicked).
     pub expired: u64,
-    /// Cancelled by key or by a dropped handle, or dropped with the purgatory.
+    /// Cancelled (by key, by a handle's or an `OpRef`'s `cancel`, or by a
+    /// dropped handle), or dropped with the purgatory or its reaper.
     pub cancelled: u64,
     /// Handed back by `shutdown()` or by a registration that raced it.
     pub handed_back: u64,
@@ -1344,6 +1430,32 @@ pub struct PurgatoryMetrics {
 
 /// Checks asked for by events, per kind (see [`PurgatoryMetrics::checks`]).
 /// The checks a registration runs itself are not counted here.
+///
+/// # Examples
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+/// use std::time::Duration;
+/// use tokio_purgatory::{Operation, Purgatory};
+///
+/// struct Op;
+/// impl Operation for Op {
+///     type Output = ();
+///     fn try_complete(&mut self) -> Option<()> { None }
+///     fn on_expiration(self) {}
+/// }
+///
+/// let p: Purgatory<u32, Op> = Purgatory::new();
+/// let h = p.try_complete_else_watch(Op, Duration::from_secs(1), [1]).unwrap();
+/// let r = h.op_ref().unwrap();
+/// assert!(!r.try_complete());
+/// p.try_complete_watched(&1);
+/// let checks = p.metrics().checks;
+/// assert_eq!(checks.by_reference.checked, 1);
+/// assert_eq!(checks.key_walks.walks, 1);
+/// assert_eq!(checks.level_advances.walks, 0);
+/// # }
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub struct ChecksMetrics {
@@ -1363,6 +1475,38 @@ pub struct ChecksMetrics {
 /// operations they finish; near 0, most checks are wasted (keys watched by
 /// many operations an event rarely finishes: watch at a level instead, see
 /// [`Watch::level`]).
+///
+/// # Examples
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+/// use std::sync::atomic::{AtomicBool, Ordering};
+/// use std::sync::Arc;
+/// use std::time::Duration;
+/// use tokio_purgatory::{Operation, Purgatory};
+///
+/// struct Op(Arc<AtomicBool>);
+/// impl Operation for Op {
+///     type Output = ();
+///     fn try_complete(&mut self) -> Option<()> { self.0.load(Ordering::Acquire).then_some(()) }
+///     fn on_expiration(self) {}
+/// }
+///
+/// let p: Purgatory<&str, Op> = Purgatory::new();
+/// let ready = Arc::new(AtomicBool::new(false));
+/// let waiting: Vec<_> = (0..4)
+///     .map(|_| p.try_complete_else_watch(Op(ready.clone()), Duration::from_secs(1), ["k"]).unwrap())
+///     .collect();
+/// p.try_complete_watched("k"); // four checks, none completes
+/// ready.store(true, Ordering::Release);
+/// p.try_complete_watched("k"); // four checks, four completions
+/// let walks = p.metrics().checks.key_walks;
+/// assert_eq!((walks.walks, walks.checked, walks.completed), (2, 8, 4));
+/// let hit_ratio = walks.completed as f64 / walks.checked as f64;
+/// assert_eq!(hit_ratio, 0.5);
+/// # drop(waiting);
+/// # }
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub struct WalkMetrics {

@@ -532,7 +532,9 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         if self.books.finished(fate, keys) {
             self.books.wake_drainers(&self.panics);
         }
-        tracing::trace!(purgatory = &*self.name, ?fate, "operation finished");
+        crate::contain::quietly(|| {
+            tracing::trace!(purgatory = &*self.name, ?fate, "operation finished");
+        });
         // No purge here: this runs on the reaper too, and a purge walks every
         // list. Registration and key walks purge instead (Kafka's places).
     }
@@ -863,12 +865,14 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         purge.purged.fetch_add(purged as u64, Ordering::Relaxed);
         self.drop_removed(removed);
         self.keep_buffers(buffers);
-        tracing::trace!(
-            purgatory = &*self.name,
-            removed = purged,
-            done,
-            "purged a slice of finished operations"
-        );
+        crate::contain::quietly(|| {
+            tracing::trace!(
+                purgatory = &*self.name,
+                removed = purged,
+                done,
+                "purged a slice of finished operations"
+            );
+        });
         !done
     }
 

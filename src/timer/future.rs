@@ -18,15 +18,41 @@ use crate::core::{Core, TimerKey};
 /// [`Timer::sleep_until`](crate::Timer::sleep_until). It is entered in the wheel
 /// when it is created, not when first polled, so its deadline counts from the call.
 ///
-/// It resolves to `Ok(())` no earlier than its deadline (at most about one tick
-/// late, plus the time the reaper waits to be scheduled), or to an error when the
-/// timer was at capacity at creation, shut down, or lost its reaper.
+/// It resolves to `Ok(())` no earlier than its deadline: late by less than one
+/// tick, plus the time the reaper waits to be scheduled, plus up to 2 ms from
+/// Tokio's own timer (see the crate's [guarantees](crate#guarantees)). It
+/// resolves to an error instead when the timer was at capacity at creation
+/// ([`TimerError::AtCapacity`]), is shut down or its last
+/// [`Timer`](crate::Timer) clone dropped ([`TimerError::Shutdown`]), or lost
+/// its reaper ([`TimerError::ReaperGone`]). A `Sleep` does not keep the timer
+/// open.
 ///
 /// # Cancel safety
 ///
 /// Dropping a `Sleep` removes its entry from the wheel at once (O(1)); nothing
 /// runs afterwards. Polling it from another task replaces the waker: the last
 /// task to poll is the one woken.
+///
+/// # Examples
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+/// use std::time::Duration;
+/// use tokio::time::Instant;
+/// use tokio_purgatory::timer::TimerError;
+/// use tokio_purgatory::Timer;
+///
+/// let timer = Timer::new();
+/// let start = Instant::now();
+/// let nap = timer.sleep(Duration::from_millis(10));
+/// assert_eq!(nap.await, Ok(()));
+/// assert!(start.elapsed() >= Duration::from_millis(10));
+///
+/// let long = timer.sleep(Duration::from_secs(60));
+/// drop(timer.shutdown());
+/// assert_eq!(long.await, Err(TimerError::Shutdown));
+/// # }
+/// ```
 #[derive(Debug)]
 #[must_use = "futures do nothing unless polled"]
 pub struct Sleep {
@@ -170,12 +196,19 @@ pin_project! {
         #[pin]
         future: F,
         deadline: Sleep,
+        // The error it resolved to: polled again, it says the same, and the
+        // inner future is not polled again.
+        ended: Option<TimeoutError>,
     }
 }
 
 impl<F> TimeoutFuture<F> {
     pub(crate) fn new(future: F, deadline: Sleep) -> Self {
-        TimeoutFuture { future, deadline }
+        TimeoutFuture {
+            future,
+            deadline,
+            ended: None,
+        }
     }
 
     /// The inner future.
@@ -255,13 +288,18 @@ impl<F: Future> Future for TimeoutFuture<F> {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.project();
+        if let Some(e) = *this.ended {
+            return Poll::Ready(Err(e));
+        }
         if let Poll::Ready(out) = this.future.poll(cx) {
             return Poll::Ready(Ok(out));
         }
-        match Pin::new(this.deadline).poll(cx) {
-            Poll::Ready(Ok(())) => Poll::Ready(Err(TimeoutError::Elapsed)),
-            Poll::Ready(Err(e)) => Poll::Ready(Err(TimeoutError::Timer(e))),
-            Poll::Pending => Poll::Pending,
-        }
+        let e = match Pin::new(this.deadline).poll(cx) {
+            Poll::Ready(Ok(())) => TimeoutError::Elapsed,
+            Poll::Ready(Err(e)) => TimeoutError::Timer(e),
+            Poll::Pending => return Poll::Pending,
+        };
+        *this.ended = Some(e);
+        Poll::Ready(Err(e))
     }
 }
