@@ -105,6 +105,11 @@ impl Recorder {
 /// it is never below the true value and at most 12.5% above it (plus under
 /// 1 µs of rounding; in the last bucket, at most the largest sample).
 ///
+/// A snapshot is a value of its own and does not change. Taken while the reaper
+/// records, it may count a sample in one figure and not yet in another (in
+/// [`count`](Histogram::count) but not yet in [`sum`](Histogram::sum) or
+/// [`max`](Histogram::max)).
+///
 /// # Examples
 ///
 /// ```
@@ -142,26 +147,94 @@ impl Default for Histogram {
 
 impl Histogram {
     /// Samples recorded.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// use std::time::Duration;
+    ///
+    /// let timer = tokio_purgatory::Timer::new();
+    /// for _ in 0..3 {
+    ///     timer.sleep(Duration::from_millis(5)).await.unwrap();
+    /// }
+    /// assert_eq!(timer.lateness().count(), 3);
+    /// # }
+    /// ```
     pub fn count(&self) -> u64 {
         self.counts.iter().sum()
     }
 
     /// Whether nothing was recorded.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// use std::time::Duration;
+    ///
+    /// let timer = tokio_purgatory::Timer::new();
+    /// assert!(timer.lateness().is_empty());
+    /// timer.sleep(Duration::from_millis(5)).await.unwrap();
+    /// assert!(!timer.lateness().is_empty());
+    /// # }
+    /// ```
     pub fn is_empty(&self) -> bool {
         self.count() == 0
     }
 
-    /// The largest sample (to the microsecond).
+    /// The largest sample (to the microsecond), zero when there are none.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// # use std::time::Duration;
+    /// # let timer = tokio_purgatory::Timer::new();
+    /// # for _ in 0..3 { timer.sleep(Duration::from_millis(5)).await.unwrap(); }
+    /// let lateness = timer.lateness();
+    /// // The top quantile is the largest sample.
+    /// assert_eq!(lateness.quantile(1.0), lateness.max());
+    /// # }
+    /// ```
     pub fn max(&self) -> Duration {
         Duration::from_micros(self.max_us)
     }
 
-    /// The sum of all samples (to the microsecond each).
+    /// The sum of all samples (to the microsecond each), zero when there are
+    /// none.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// # use std::time::Duration;
+    /// # let timer = tokio_purgatory::Timer::new();
+    /// # for _ in 0..3 { timer.sleep(Duration::from_millis(5)).await.unwrap(); }
+    /// let lateness = timer.lateness();
+    /// assert!(lateness.sum() >= lateness.max());
+    /// assert!(lateness.sum() <= lateness.max() * 3);
+    /// # }
+    /// ```
     pub fn sum(&self) -> Duration {
         Duration::from_micros(self.sum_us)
     }
 
-    /// The mean sample, zero when there are none.
+    /// The mean sample (to the microsecond, rounded down), zero when there are
+    /// none.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// # use std::time::Duration;
+    /// # let timer = tokio_purgatory::Timer::new();
+    /// # for _ in 0..3 { timer.sleep(Duration::from_millis(5)).await.unwrap(); }
+    /// let lateness = timer.lateness();
+    /// assert!(lateness.mean() <= lateness.max());
+    /// assert_eq!(tokio_purgatory::Histogram::default().mean(), Duration::ZERO);
+    /// # }
+    /// ```
     pub fn mean(&self) -> Duration {
         match self.count() {
             0 => Duration::ZERO,
@@ -172,6 +245,19 @@ impl Histogram {
     /// The `q`-quantile (`q` in `0.0..=1.0`, clamped): the upper bound of the
     /// bucket holding the sample of rank `ceil(q * count)`, at most [`max`].
     /// Zero when there are no samples.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// # use std::time::Duration;
+    /// # let timer = tokio_purgatory::Timer::new();
+    /// # for _ in 0..3 { timer.sleep(Duration::from_millis(5)).await.unwrap(); }
+    /// let lateness = timer.lateness();
+    /// let (p50, p99) = (lateness.quantile(0.5), lateness.quantile(0.99));
+    /// assert!(p50 <= p99 && p99 <= lateness.max());
+    /// # }
+    /// ```
     ///
     /// [`max`]: Histogram::max
     pub fn quantile(&self, q: f64) -> Duration {
@@ -193,6 +279,23 @@ impl Histogram {
     /// The buckets holding samples, in increasing order: each bucket's upper
     /// bound (inclusive, to the microsecond) and its count. What an exporter
     /// turns into its own buckets (Prometheus' are cumulative: add them up).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// # use std::time::Duration;
+    /// # let timer = tokio_purgatory::Timer::new();
+    /// # for _ in 0..3 { timer.sleep(Duration::from_millis(5)).await.unwrap(); }
+    /// let lateness = timer.lateness();
+    /// let mut cumulative = 0;
+    /// for (upper, n) in lateness.buckets() {
+    ///     cumulative += n;
+    ///     println!("le={} {cumulative}", upper.as_secs_f64());
+    /// }
+    /// assert_eq!(cumulative, lateness.count());
+    /// # }
+    /// ```
     pub fn buckets(&self) -> impl Iterator<Item = (Duration, u64)> + '_ {
         self.counts
             .iter()

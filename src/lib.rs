@@ -131,7 +131,9 @@
 //! ```
 //!
 //! **A detached callback operation** answers for itself from its own code, with
-//! no task waiting on it (Kafka's `onComplete`); its output type is `()`.
+//! no task waiting on it (Kafka's `onComplete`); its output type is `()`. At
+//! shutdown neither of its methods runs: `shutdown()` hands it back, for the
+//! code that shuts down to answer (see the recipe after this one).
 //!
 //! ```
 //! # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {

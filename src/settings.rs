@@ -71,11 +71,13 @@ pub(crate) fn runtime_handle(
 /// builder with a `wheel: Settings` field.
 macro_rules! wheel_setters {
     ($setup:literal, $builder:literal) => {
-        /// The tick: the wheel's unit of time (default 100 µs). Deadlines are
-        /// rounded up to whole ticks, so a timeout is late by less than one tick,
-        /// never early. The reaper sleeps on Tokio's timer, which wakes at most
-        /// once a millisecond, so a tick below 1 ms cuts lateness without adding
-        /// wake-ups; a larger tick means fewer wake-ups for sparse timeouts.
+        /// The tick: the wheel's unit of time, longer than zero (default 100 µs;
+        /// a zero tick makes `build` fail with a [`BuildError`](crate::BuildError)).
+        /// Deadlines are rounded up to whole ticks, so a timeout is late by less
+        /// than one tick, never early. The reaper sleeps on Tokio's timer, which
+        /// wakes at most once a millisecond, so a tick below 1 ms cuts lateness
+        /// without adding wake-ups; a larger tick means fewer wake-ups for sparse
+        /// timeouts.
         ///
         /// # Examples
         ///
@@ -93,7 +95,9 @@ macro_rules! wheel_setters {
             self
         }
 
-        /// Slots per wheel level, 2 to 64 (default 64). Powers of two are fastest.
+        /// Slots per wheel level, 2 to 64 (default 64; outside that range `build`
+        /// fails with a [`BuildError`](crate::BuildError)). Powers of two are
+        /// fastest.
         ///
         /// # Examples
         ///
@@ -115,6 +119,10 @@ macro_rules! wheel_setters {
         /// about 80 days). Later deadlines are still accepted and never fire early;
         /// they wait in an overflow list revisited once per turn of the top level.
         ///
+        /// At least 1, with `slots_per_level` to the power `levels` below 2^62
+        /// (with 64 slots, at most 10 levels); otherwise `build` fails with a
+        /// [`BuildError`](crate::BuildError).
+        ///
         /// # Examples
         ///
         /// ```
@@ -132,8 +140,9 @@ macro_rules! wheel_setters {
         }
 
         /// Most entries the reaper expires from one shard before yielding to other
-        /// tasks (default 1024), so a million timeouts sharing a deadline cannot
-        /// starve the runtime.
+        /// tasks, at least 1 (default 1024; `0` makes `build` fail with a
+        /// [`BuildError`](crate::BuildError)), so a million timeouts sharing a
+        /// deadline cannot starve the runtime.
         ///
         /// # Examples
         ///
@@ -154,7 +163,9 @@ macro_rules! wheel_setters {
         /// Serves it from a shared [`Reaper`](crate::Reaper) task instead of
         /// spawning one of its own (the default): see the `Reaper` docs for the
         /// lifecycle. `build` then needs no current runtime, and `build_on`'s
-        /// runtime is not used: the reaper runs where it was started.
+        /// runtime is not used: the reaper runs where it was started. If that
+        /// reaper has stopped by then, `build` and `build_on` fail
+        /// ([`BuildError::is_reaper_stopped`](crate::BuildError::is_reaper_stopped)).
         ///
         /// # Examples
         ///
@@ -175,7 +186,27 @@ macro_rules! wheel_setters {
 }
 pub(crate) use wheel_setters;
 
-/// A timer or purgatory could not be built.
+/// A timer, purgatory or shared reaper could not be built, for one of three
+/// reasons:
+///
+/// - a builder setting is out of range (the setters' docs give the ranges; the
+///   message names the setting);
+/// - no Tokio runtime was current for a `build` or [`Reaper::start`](crate::Reaper::start)
+///   that needs one ([`is_no_runtime`](BuildError::is_no_runtime));
+/// - the shared [`Reaper`](crate::Reaper) given to the builder has stopped
+///   ([`is_reaper_stopped`](BuildError::is_reaper_stopped)).
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+/// use tokio_purgatory::Timer;
+///
+/// // Settings are checked first, so this fails the same inside a runtime.
+/// let err = Timer::builder().tick(Duration::ZERO).build().unwrap_err();
+/// assert!(!err.is_no_runtime() && !err.is_reaper_stopped());
+/// assert!(err.to_string().contains("tick"));
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BuildError {
     kind: BuildErrorKind,

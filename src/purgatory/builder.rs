@@ -125,7 +125,8 @@ impl<K: WatchKey, O: Operation, S: BuildHasher + Send + Sync + 'static> Purgator
         self
     }
 
-    /// Independently locked parts of the watcher map (default 64).
+    /// Independently locked parts of the watcher map (default 64; from 1 to
+    /// 65,536, or [`build`](Self::build) fails).
     ///
     /// # Examples
     ///
@@ -193,8 +194,9 @@ impl<K: WatchKey, O: Operation, S: BuildHasher + Send + Sync + 'static> Purgator
         self
     }
 
-    /// Limit on pending operations (default: none). At the limit, registration
-    /// hands the operation back in [`WatchError::AtCapacity`](super::WatchError::AtCapacity).
+    /// Limit on pending operations (default: none; at least 1, or
+    /// [`build`](Self::build) fails). At the limit, registration hands the
+    /// operation back in [`WatchError::AtCapacity`](super::WatchError::AtCapacity).
     ///
     /// # Examples
     ///
@@ -271,7 +273,10 @@ impl<K: WatchKey, O: Operation, S: BuildHasher + Send + Sync + 'static> Purgator
     ///
     /// # Errors
     ///
-    /// When a setting is out of range, or no runtime is current.
+    /// When a setting is out of range (the error names it), no runtime
+    /// is current ([`BuildError::is_no_runtime`]), or the shared
+    /// [`Reaper`](crate::Reaper) given to [`reaper`](Self::reaper) has stopped
+    /// ([`BuildError::is_reaper_stopped`]).
     ///
     /// # Examples
     ///
@@ -296,7 +301,9 @@ impl<K: WatchKey, O: Operation, S: BuildHasher + Send + Sync + 'static> Purgator
     ///
     /// # Errors
     ///
-    /// When a setting is out of range.
+    /// When a setting is out of range (the error names it), or the
+    /// shared [`Reaper`](crate::Reaper) given to [`reaper`](Self::reaper) has
+    /// stopped ([`BuildError::is_reaper_stopped`]).
     ///
     /// # Examples
     ///

@@ -3,7 +3,10 @@
 use std::fmt;
 
 /// [`Purgatory::try_complete_else_watch`](crate::Purgatory::try_complete_else_watch)
-/// refused an operation; the operation is handed back untouched.
+/// (or its `_at`, `_levels` and `_levels_at` forms) refused an operation; the
+/// operation is handed back, unchecked, or checked and not completed (the
+/// refusals that come after the first check: capacity, a shutdown or drain
+/// racing the registration).
 ///
 /// It is an error type (`Display`, `std::error::Error`) that carries the
 /// operation, so it is `Send + Sync` only when the operation is. To pass the
@@ -97,6 +100,29 @@ impl<Op> From<WatchError<Op>> for WatchErrorKind {
 
 /// Why [`Purgatory::try_complete_else_watch`](crate::Purgatory::try_complete_else_watch)
 /// refused an operation, without the operation: see [`WatchError::kind`].
+///
+/// # Examples
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// use std::time::Duration;
+/// use tokio_purgatory::{Operation, Purgatory, WatchErrorKind};
+///
+/// struct Op;
+/// impl Operation for Op {
+///     type Output = ();
+///     fn try_complete(&mut self) -> Option<()> { None }
+///     fn on_expiration(self) {}
+/// }
+///
+/// let p: Purgatory<u32, Op> = Purgatory::builder().max_pending(1).build().unwrap();
+/// let _first = p.try_complete_else_watch(Op, Duration::from_secs(1), [1]).unwrap();
+/// let refused = p.try_complete_else_watch(Op, Duration::from_secs(1), [1]).unwrap_err();
+/// let kind: WatchErrorKind = refused.kind();
+/// assert_eq!(kind, WatchErrorKind::AtCapacity);
+/// assert_eq!(kind.to_string(), "purgatory is at its limit of pending operations");
+/// # }
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum WatchErrorKind {
@@ -148,12 +174,35 @@ impl<Op> fmt::Display for WatchError<Op> {
 impl<Op> std::error::Error for WatchError<Op> {}
 
 /// Why an [`OperationHandle`](crate::OperationHandle) resolved without an output.
+///
+/// # Examples
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+/// use std::time::Duration;
+/// use tokio_purgatory::{Operation, OperationError, Purgatory};
+///
+/// struct Fetch;
+/// impl Operation for Fetch {
+///     type Output = ();
+///     fn try_complete(&mut self) -> Option<()> { None }
+///     fn on_expiration(self) {}
+/// }
+///
+/// let fetches: Purgatory<&str, Fetch> = Purgatory::new();
+/// let parked = fetches.try_complete_else_watch(Fetch, Duration::from_secs(1), ["orders-0"]).unwrap();
+/// // The partition moved to another broker: its fetches are taken back.
+/// assert_eq!(fetches.cancel_for_key("orders-0").len(), 1);
+/// assert_eq!(parked.await, Err(OperationError::Cancelled));
+/// # }
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum OperationError {
-    /// Removed by [`cancel_for_key`](crate::Purgatory::cancel_for_key): the
-    /// operation was handed to that caller, or dropped if it was being checked at
-    /// that moment and the check did not complete it.
+    /// Cancelled by [`cancel_for_key`](crate::Purgatory::cancel_for_key) or
+    /// [`OpRef::cancel`](crate::OpRef::cancel): the operation was handed to
+    /// that caller, or dropped if it was being checked at that moment and the
+    /// check did not complete it.
     Cancelled,
     /// The purgatory was shut down; the operation was handed back by `shutdown()`
     /// (or dropped, when the last purgatory handle was dropped).

@@ -46,15 +46,17 @@ pub enum OperationStatus {
 /// Returned by [`Purgatory::try_complete_else_watch`](crate::Purgatory::try_complete_else_watch).
 /// Resolves to `Ok(Completion::Completed(output))` when a check completed the
 /// operation, `Ok(Completion::Expired(output))` when its timeout fired first, or an
-/// [`OperationError`] when it was cancelled, shut down, or its expiry panicked.
-/// Exactly one of these, however completion, expiry, cancellation and shutdown
-/// race.
+/// [`OperationError`] when it was cancelled, shut down, its reaper task was
+/// lost, or its expiry panicked. Exactly one of these, however completion,
+/// expiry, cancellation and shutdown race.
 ///
 /// # Cancel safety
 ///
 /// **Dropping the handle cancels the operation** if it has not finished: it is
-/// removed from the timer at once, dropped on the dropping thread (a panic in its
-/// `Drop` is contained), and counted as cancelled; its watch-list entries become
+/// removed from the timer at once, dropped on the dropping thread (or, when a
+/// check of it runs on another thread at that moment, by that check as soon as
+/// it returns "not yet"; a check that completes it wins), with a panic in its
+/// `Drop` contained, and counted as cancelled; its watch-list entries become
 /// tombstones that the next walk of those keys (or the amortised purge) removes.
 /// This is what a request handler wants when its client goes away. If the
 /// operation had finished and its output was never read, the output is dropped
@@ -351,6 +353,15 @@ where
     /// expires, and its output is dropped. Its own `try_complete` and
     /// `on_expiration` are then where the response is sent.
     ///
+    /// # Shutdown
+    ///
+    /// A detached operation still pending at [`shutdown`](crate::Purgatory::shutdown)
+    /// is handed back in the list that call returns, and one still pending
+    /// when the purgatory's last clone is dropped, or its reaper task is lost,
+    /// is dropped: in both cases neither `try_complete` nor `on_expiration`
+    /// runs, so an operation that answers for itself must be answered by the
+    /// code that shuts down (from the list), or answer from its own `Drop`.
+    ///
     /// # Examples
     ///
     /// ```
@@ -391,6 +402,10 @@ where
     ///
     /// Cheaper than the two calls: the handle's own reference to the
     /// operation's cell becomes the [`OpRef`]'s, so no count changes.
+    ///
+    /// At shutdown, and when the purgatory or its reaper is gone, the
+    /// operation is handed back or dropped as a [`detach`](Self::detach)ed
+    /// one is; the [`OpRef`] then reads it finished.
     ///
     /// # Examples
     ///
@@ -488,11 +503,49 @@ impl<K: WatchKey, O: Operation> Drop for OperationHandle<K, O> {
     }
 }
 
-/// A shareable reference to one registered operation.
+/// A shareable reference to one registered operation: complete it by
+/// reference (running its check, as Kafka completes a delayed operation it
+/// holds), update it, move its timeout, read its status or cancel it, from
+/// any thread, without awaiting it. Made by
+/// [`OperationHandle::op_ref`] or [`OperationHandle::into_op_ref`].
 ///
 /// Cheap to clone and `Send + Sync`. Holding it keeps the operation's small
 /// bookkeeping cell alive, not the operation itself: that is dropped as soon as it
-/// finishes.
+/// finishes. Dropping an `OpRef` does nothing to the operation. Once the
+/// operation has finished (completed, expired, cancelled, or handed back by a
+/// shutdown), its methods do nothing and say so: `try_complete` returns
+/// `false`, `update` and `cancel` return `None`, `reset` returns `false`.
+///
+/// # Examples
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+/// use std::time::Duration;
+/// use tokio_purgatory::{Completion, Operation, OperationStatus, Purgatory};
+///
+/// /// A join that completes once the group has `want` members.
+/// struct Join { members: usize, want: usize }
+/// impl Operation for Join {
+///     type Output = usize;
+///     fn try_complete(&mut self) -> Option<usize> {
+///         (self.members >= self.want).then_some(self.members)
+///     }
+///     fn on_expiration(self) -> usize { self.members }
+/// }
+///
+/// let joins: Purgatory<&str, Join> = Purgatory::new();
+/// let handle = joins
+///     .try_complete_else_watch(Join { members: 1, want: 2 }, Duration::from_secs(5), ["g"])
+///     .unwrap();
+/// let join = handle.op_ref().expect("pending");
+/// let other = join.clone(); // for another task or thread
+/// assert_eq!(other.update(|j| j.members += 1), Some(()));
+/// assert!(join.try_complete(), "its check ran and completed it");
+/// assert_eq!(other.status(), OperationStatus::Completed);
+/// assert!(!other.try_complete(), "finished: nothing to do");
+/// assert_eq!(handle.await, Ok(Completion::Completed(2)));
+/// # }
+/// ```
 pub struct OpRef<K: WatchKey, O: Operation> {
     cell: CellRef<K, O>,
 }

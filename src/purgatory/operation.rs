@@ -12,7 +12,11 @@ use std::hash::Hash;
 /// [`try_complete_reached`](Operation::try_complete_reached), telling it the
 /// level a key reached), and
 /// [`on_expiration`](Operation::on_expiration) if the timeout fires first.
-/// Exactly one of the two finishes the operation.
+/// At most one of the two finishes the operation, once: a check that returns
+/// the output, or the expiry. An operation cancelled (by its handle, an
+/// [`OpRef`](crate::OpRef) or [`cancel_for_key`](crate::Purgatory::cancel_for_key))
+/// or taken back by [`shutdown`](crate::Purgatory::shutdown) finishes with
+/// neither: it is handed back to the caller of that method, or dropped.
 ///
 /// # Concurrency
 ///
@@ -151,13 +155,71 @@ pub trait Operation: Send + 'static {
         self.try_complete()
     }
 
-    /// The timeout fired before any check completed the operation.
+    /// The timeout fired before any check completed the operation: returns
+    /// the output its handle receives as [`Completion::Expired`].
+    ///
+    /// It runs on the reaper task (or, when the timeout fires while a check
+    /// of the operation runs on another thread and that check says "not yet",
+    /// on that thread, right after it), with no lock of the purgatory held. It
+    /// is not called for an operation that is cancelled, handed back by
+    /// [`shutdown`](crate::Purgatory::shutdown), or dropped because its
+    /// purgatory or reaper is gone.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// use std::time::Duration;
+    /// use tokio_purgatory::{Completion, Operation, Purgatory};
+    ///
+    /// struct Fetch { bytes: usize }
+    /// impl Operation for Fetch {
+    ///     type Output = usize;
+    ///     fn try_complete(&mut self) -> Option<usize> { None }
+    ///     // `fetch.max.wait.ms` passed: answer with what there is.
+    ///     fn on_expiration(self) -> usize { self.bytes }
+    /// }
+    ///
+    /// let fetches: Purgatory<u32, Fetch> = Purgatory::new();
+    /// let h = fetches
+    ///     .try_complete_else_watch(Fetch { bytes: 12 }, Duration::from_millis(500), [7])
+    ///     .unwrap();
+    /// assert_eq!(h.await, Ok(Completion::Expired(12)));
+    /// # }
+    /// ```
     fn on_expiration(self) -> Self::Output
     where
         Self: Sized;
 }
 
-/// How an operation finished.
+/// How an operation finished: what its handle resolves to when it was not
+/// cancelled, handed back or dropped (those are
+/// [`OperationError`](crate::OperationError)s).
+///
+/// # Examples
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+/// use std::time::Duration;
+/// use tokio_purgatory::{Completion, Operation, Purgatory};
+///
+/// struct Join { ready: bool }
+/// impl Operation for Join {
+///     type Output = &'static str;
+///     fn try_complete(&mut self) -> Option<&'static str> { self.ready.then_some("joined") }
+///     fn on_expiration(self) -> &'static str { "rebalance timed out" }
+/// }
+///
+/// let joins: Purgatory<&str, Join> = Purgatory::new();
+/// let at_once = joins.try_complete_else_watch(Join { ready: true }, Duration::from_secs(1), ["g"]);
+/// let later = joins.try_complete_else_watch(Join { ready: false }, Duration::from_secs(1), ["g"]);
+/// match later.unwrap().await {
+///     Ok(Completion::Expired(why)) => assert_eq!(why, "rebalance timed out"),
+///     other => panic!("{other:?}"),
+/// }
+/// assert_eq!(at_once.unwrap().await, Ok(Completion::Completed("joined")));
+/// # }
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Completion<T> {
     /// A check found it completable.
@@ -270,6 +332,34 @@ impl<T> Completion<T> {
 /// the method that ran it, and the purgatory is left as it was before that call.
 /// A key's `Drop` runs with no lock held and may do anything; a panic in it is
 /// contained.
+///
+/// # Examples
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+/// use std::time::Duration;
+/// use tokio_purgatory::{Operation, Purgatory, WatchKey};
+///
+/// /// A partition, as Kafka's purgatories key their produces and fetches.
+/// #[derive(Clone, PartialEq, Eq, Hash)]
+/// struct TopicPartition { topic: String, partition: i32 }
+///
+/// fn is_watch_key<K: WatchKey>() {}
+/// is_watch_key::<TopicPartition>();
+/// is_watch_key::<(String, i32)>();
+///
+/// struct Produce;
+/// impl Operation for Produce {
+///     type Output = ();
+///     fn try_complete(&mut self) -> Option<()> { None }
+///     fn on_expiration(self) {}
+/// }
+/// let produces: Purgatory<TopicPartition, Produce> = Purgatory::new();
+/// let tp = TopicPartition { topic: "orders".into(), partition: 0 };
+/// let _h = produces.try_complete_else_watch(Produce, Duration::from_secs(30), [tp.clone()]);
+/// assert_eq!(produces.try_complete_watched(&tp), 0, "checked, not completed");
+/// # }
+/// ```
 pub trait WatchKey: Hash + Eq + Clone + Send + Sync + 'static {}
 
 impl<T: Hash + Eq + Clone + Send + Sync + 'static> WatchKey for T {}

@@ -38,9 +38,10 @@ pub struct TimerBuilder {
 impl TimerBuilder {
     wheel_setters!("let _ = 0;", "tokio_purgatory::Timer::builder()");
 
-    /// Number of independently locked wheels (default: the machine's parallelism,
-    /// at most 16). A thread always inserts into the same shard, so producers on
-    /// different threads rarely contend.
+    /// Number of independently locked wheels, 1 to 1024 (default: the machine's
+    /// parallelism, at most 16). A thread always inserts into the same shard, so
+    /// producers on different threads rarely contend. Outside that range, `build`
+    /// fails with a [`BuildError`].
     ///
     /// # Examples
     ///
@@ -55,9 +56,16 @@ impl TimerBuilder {
         self
     }
 
-    /// Limit on pending timeouts (default: none). At the limit, `schedule`
-    /// returns the task in [`ScheduleError::AtCapacity`](super::ScheduleError::AtCapacity). Counting pending entries
-    /// needs one shared counter, which costs some multi-producer throughput.
+    /// Limit on pending entries, at least 1 (default: none; `0` makes `build`
+    /// fail with a [`BuildError`]). Tasks, sleeps and timeout futures count
+    /// alike. At the limit, `schedule` returns the task in
+    /// [`ScheduleError::AtCapacity`](super::ScheduleError::AtCapacity), a sleep
+    /// made then resolves to [`TimerError::AtCapacity`](super::TimerError::AtCapacity),
+    /// and a timeout future made then fails with that reason in
+    /// [`TimeoutError::Timer`](super::TimeoutError::Timer) unless its future is
+    /// ready first. Counting
+    /// pending entries needs one shared counter, which costs some multi-producer
+    /// throughput.
     ///
     /// # Examples
     ///
@@ -92,11 +100,16 @@ impl TimerBuilder {
         self
     }
 
-    /// Builds the timer and spawns its reaper on the current Tokio runtime.
+    /// Builds the timer and spawns its reaper on the current Tokio runtime (with
+    /// a shared [`reaper`](Self::reaper), joins that one instead, and needs no
+    /// current runtime).
     ///
     /// # Errors
     ///
-    /// When a setting is out of range, or no runtime is current.
+    /// A [`BuildError`] when a setting is out of range (its message names the
+    /// setting), when no runtime is current and no shared reaper was given
+    /// ([`BuildError::is_no_runtime`]), or when the shared reaper given has
+    /// stopped ([`BuildError::is_reaper_stopped`]).
     ///
     /// # Examples
     ///
@@ -110,11 +123,15 @@ impl TimerBuilder {
         self.build_inner(None)
     }
 
-    /// Builds the timer and spawns its reaper on the runtime of `handle`.
+    /// Builds the timer and spawns its reaper on the runtime of `handle` (with a
+    /// shared [`reaper`](Self::reaper), joins that one instead, and `handle` is
+    /// not used).
     ///
     /// # Errors
     ///
-    /// When a setting is out of range.
+    /// A [`BuildError`] when a setting is out of range (its message names the
+    /// setting), or when the shared reaper given has stopped
+    /// ([`BuildError::is_reaper_stopped`]).
     ///
     /// # Examples
     ///

@@ -4,15 +4,43 @@ use std::fmt;
 
 use crate::core::{Closed, Refused};
 
-/// [`Timer::schedule`](crate::Timer::schedule) refused a task; the task is handed
-/// back unrun. [`kind`](ScheduleError::kind) gives the reason without the task
-/// (`Copy`, `Send + Sync`), for `?`.
+/// The timer refused a task; the task is handed back unrun. Returned by
+/// [`Timer::schedule`](crate::Timer::schedule),
+/// [`schedule_at`](crate::Timer::schedule_at),
+/// [`schedule_repeating`](crate::Timer::schedule_repeating) (with the closure)
+/// and [`schedule_async`](crate::Timer::schedule_async) (with the future).
+/// [`kind`](ScheduleError::kind) gives the reason without the task (a
+/// [`TimerError`]: `Copy`, `Send + Sync`), and `?` converts it to one.
+///
+/// # Examples
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+/// use std::time::Duration;
+/// use tokio_purgatory::timer::{ScheduleError, TaskHandle, TimerError};
+/// use tokio_purgatory::Timer;
+///
+/// let timer = Timer::new();
+/// drop(timer.shutdown());
+/// // The refused task comes back, to run here instead.
+/// match timer.schedule(Duration::from_secs(1), || println!("flush")) {
+///     Err(ScheduleError::Shutdown(flush)) => flush(),
+///     other => panic!("expected a refusal, got {other:?}"),
+/// }
+///
+/// // Or the reason alone, through `?`.
+/// fn arm(timer: &Timer) -> Result<TaskHandle, TimerError> {
+///     Ok(timer.schedule(Duration::from_secs(1), || {})?)
+/// }
+/// assert_eq!(arm(&timer).unwrap_err(), TimerError::Shutdown);
+/// # }
+/// ```
 #[derive(PartialEq, Eq)]
 #[non_exhaustive]
 pub enum ScheduleError<T> {
     /// The timer holds its configured maximum of pending timeouts.
     AtCapacity(T),
-    /// The timer was shut down (or its last [`Timer`](crate::Timer) handle dropped).
+    /// The timer was shut down ([`Timer::shutdown`](crate::Timer::shutdown)).
     Shutdown(T),
     /// The reaper task is gone (aborted, or its runtime shut down) without a
     /// shutdown; nothing would ever run the task.
@@ -73,14 +101,34 @@ impl<T> fmt::Display for ScheduleError<T> {
 
 impl<T> std::error::Error for ScheduleError<T> {}
 
-/// A [`Sleep`](crate::timer::Sleep) ended without its deadline being reached.
+/// Why the timer could not keep a deadline, without a task: what a
+/// [`Sleep`](crate::timer::Sleep) resolves to when it ends without its deadline
+/// being reached, the reason inside [`TimeoutError::Timer`], and the
+/// [`kind`](ScheduleError::kind) of a [`ScheduleError`].
+///
+/// # Examples
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+/// use std::time::Duration;
+/// use tokio_purgatory::timer::TimerError;
+/// use tokio_purgatory::Timer;
+///
+/// let timer = Timer::builder().max_pending(1).build().unwrap();
+/// let _held = timer.sleep(Duration::from_secs(60)); // takes the one place
+/// assert_eq!(timer.sleep(Duration::from_secs(1)).await, Err(TimerError::AtCapacity));
+/// let refused = timer.schedule(Duration::from_secs(1), || {}).unwrap_err();
+/// assert_eq!(refused.kind(), TimerError::AtCapacity);
+/// # }
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum TimerError {
     /// The timer held its configured maximum of pending timeouts when the sleep
-    /// was created.
+    /// was created, or the task was scheduled.
     AtCapacity,
-    /// The timer was shut down (or its last handle dropped).
+    /// The timer was shut down (or, for a sleep, its last
+    /// [`Timer`](crate::Timer) clone dropped).
     Shutdown,
     /// The reaper task is gone (aborted, or its runtime shut down).
     ReaperGone,
@@ -118,6 +166,28 @@ impl From<Closed> for TimerError {
 
 /// A [`TimeoutFuture`](crate::timer::TimeoutFuture) ended without its inner
 /// future's output.
+///
+/// # Examples
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+/// use std::error::Error;
+/// use std::time::Duration;
+/// use tokio_purgatory::timer::{TimeoutError, TimerError};
+/// use tokio_purgatory::Timer;
+///
+/// let timer = Timer::new();
+/// let slow = timer.timeout(Duration::from_millis(10), std::future::pending::<()>());
+/// assert_eq!(slow.await, Err(TimeoutError::Elapsed));
+///
+/// // A shutdown leaves the deadline unkept: the reason is the error's source.
+/// let waiting = timer.timeout(Duration::from_secs(60), std::future::pending::<()>());
+/// drop(timer.shutdown());
+/// let err = waiting.await.unwrap_err();
+/// assert_eq!(err, TimeoutError::Timer(TimerError::Shutdown));
+/// assert!(err.source().is_some());
+/// # }
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum TimeoutError {

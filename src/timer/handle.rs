@@ -11,7 +11,35 @@ use crate::clock::deadline_after;
 use crate::core::{Closed, Core, TimerKey};
 use crate::sync::{lock, Mutex};
 
-/// What became of a scheduled task, as seen by its [`TaskHandle`] handle.
+/// What became of a scheduled task, as read through its [`TaskHandle`]
+/// ([`TaskHandle::status`]).
+///
+/// `Cancelled` is final, and so is `Done` for a one-shot task, which reads
+/// `Done` from the moment the reaper takes it out to run it. A repeating task
+/// reads `Done` while a run is under way and `Pending` again once the run has
+/// put it back in the wheel.
+///
+/// # Examples
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+/// use std::time::Duration;
+/// use tokio_purgatory::timer::TaskStatus;
+/// use tokio_purgatory::Timer;
+///
+/// let timer = Timer::new();
+/// let ran = timer.schedule(Duration::from_millis(10), || {}).unwrap();
+/// let cancelled = timer.schedule(Duration::from_millis(10), || {}).unwrap();
+/// let handed_back = timer.schedule(Duration::from_secs(60), || {}).unwrap();
+/// assert_eq!(ran.status(), TaskStatus::Pending);
+/// assert!(cancelled.cancel());
+/// tokio::time::sleep(Duration::from_millis(20)).await;
+/// assert_eq!(timer.shutdown().len(), 1);
+/// assert_eq!(ran.status(), TaskStatus::Done);
+/// assert_eq!(cancelled.status(), TaskStatus::Cancelled);
+/// assert_eq!(handed_back.status(), TaskStatus::Done);
+/// # }
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TaskStatus {
     /// Waiting for its deadline.
@@ -29,11 +57,54 @@ pub enum TaskStatus {
 /// future may run, use [`Timer::timeout`](super::Timer::timeout), which
 /// returns a [`TimeoutFuture`](super::TimeoutFuture).
 ///
-/// Holding it keeps no memory of the timer's alive beyond a reference count: the
-/// handle is a generation-tagged key, so a handle whose task is gone can never
-/// touch a newer task that reuses the slot. Dropping the handle does **not**
-/// cancel the task. Its methods take `&self`, so it can be shared (in an `Arc`)
-/// between the code that resets a timeout and the code that cancels it.
+/// The handle holds a generation-tagged key, so a handle whose task is gone can
+/// never touch a newer task that reuses the slot. It holds a reference to the
+/// timer's wheels but does not keep the timer open: dropping the last
+/// [`Timer`](super::Timer) clone shuts the timer down while handles exist.
+/// Dropping the handle does **not** cancel the task.
+///
+/// # Concurrency
+///
+/// Its methods take `&self` and may be called from any thread, so it can be
+/// shared (in an `Arc`) between the code that resets a timeout and the code that
+/// cancels it. Resets and cancels through the same handle are serialised;
+/// racing the reaper, each method's docs say which side wins.
+///
+/// # Shutdown
+///
+/// Once the timer is shut down (or its reaper is lost), the task is no longer in
+/// the wheel: [`cancel`](Self::cancel) and [`reset`](Self::reset) return
+/// `false`, [`cancel_and_take`](Self::cancel_and_take) returns `None`, and the
+/// status reads [`Done`](TaskStatus::Done). A task not yet run comes back from
+/// [`Timer::shutdown`](super::Timer::shutdown).
+///
+/// # Examples
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+/// use std::sync::atomic::{AtomicBool, Ordering};
+/// use std::sync::Arc;
+/// use std::time::Duration;
+/// use tokio_purgatory::timer::TaskStatus;
+/// use tokio_purgatory::Timer;
+///
+/// let timer = Timer::new();
+/// let fired = Arc::new(AtomicBool::new(false));
+/// let flag = fired.clone();
+/// let handle = timer
+///     .schedule(Duration::from_millis(10), move || flag.store(true, Ordering::SeqCst))
+///     .unwrap();
+/// drop(handle); // does not cancel the task
+/// tokio::time::sleep(Duration::from_millis(20)).await;
+/// assert!(fired.load(Ordering::SeqCst));
+///
+/// // A request timeout, pushed back once and then cancelled by the answer.
+/// let timeout = timer.schedule(Duration::from_secs(1), || println!("timed out")).unwrap();
+/// assert!(timeout.reset(Duration::from_secs(2)));
+/// assert!(timeout.cancel());
+/// assert_eq!(timeout.status(), TaskStatus::Cancelled);
+/// # }
+/// ```
 pub struct TaskHandle {
     core: Arc<Core<TimerJob>>,
     entry: Entry,
@@ -120,10 +191,11 @@ impl TaskHandle {
     }
 
     /// Cancels the task if it has not run, as [`cancel`](TaskHandle::cancel)
-    /// does, and hands it back instead of dropping it: a retry cancelled
-    /// because its answer came can still run its cleanup, or be scheduled
-    /// again. `None` when the task ran, was cancelled before, or is a
-    /// repeating task (that stops, as with `cancel`, and is dropped).
+    /// does, and hands it back in an [`UnrunTask`] instead of dropping it: a
+    /// retry cancelled because its answer came can still run its cleanup, or be
+    /// scheduled again. `None` when the task ran, was cancelled before, was
+    /// handed back by a shutdown, or is a repeating task (that stops, as with
+    /// `cancel`, and is dropped).
     ///
     /// # Concurrent calls
     ///
@@ -189,7 +261,8 @@ impl TaskHandle {
     }
 
     /// Moves the task's deadline to `delay` from now, in O(1) (the entry moves
-    /// from one bucket of the wheel to another), as `Sleep::reset` and
+    /// from one bucket of the wheel to another), as tokio's
+    /// [`time::Sleep::reset`](tokio::time::Sleep::reset) and tokio-util's
     /// `DelayQueue::reset` do: a heartbeat pushing a session timeout back, a
     /// retry brought forward. A deadline already past makes the task due at
     /// once. Returns whether it was moved.
@@ -342,6 +415,29 @@ pub(super) enum Start {
 ///
 /// Dropping the handle neither cancels the future nor stops it once running.
 ///
+/// # Concurrency
+///
+/// Its methods take `&self` and may be called from any thread; racing the
+/// deadline, each method's docs say which side wins.
+///
+/// # Shutdown
+///
+/// A future that has not started when the timer is shut down comes back from
+/// [`Timer::shutdown`](super::Timer::shutdown) inside an
+/// [`UnrunTask`](super::UnrunTask): its [`run`](super::UnrunTask::run) spawns
+/// the future, and dropping the `UnrunTask` drops the future unpolled, after
+/// which this handle reads finished. Until one of these happens the handle
+/// reads neither pending nor finished, and [`cancel`](Self::cancel) still
+/// works (returning `true`, the handle then reads finished, and the future is
+/// dropped unpolled when the `UnrunTask` is run or dropped).
+///
+/// A future already started is a Tokio task of its own: the shutdown does not
+/// touch it, it runs to completion, and `cancel` can still abort it.
+///
+/// Dropping the last [`Timer`](super::Timer) clone, or losing the reaper,
+/// drops a future that has not started, unpolled; the handle then reads
+/// finished.
+///
 /// # Examples
 ///
 /// ```
@@ -358,6 +454,22 @@ pub(super) enum Start {
 ///     .unwrap();
 /// assert!(retry.is_pending());
 /// assert_eq!(rx.await, Ok("retried"));
+/// # }
+/// ```
+///
+/// A shutdown hands back a future that has not started:
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+/// use std::time::Duration;
+///
+/// let timer = tokio_purgatory::Timer::new();
+/// let heartbeat = timer.schedule_async(Duration::from_secs(1), async {}).unwrap();
+/// let unrun = timer.shutdown();
+/// assert_eq!(unrun.len(), 1);
+/// assert!(!heartbeat.is_pending() && !heartbeat.is_finished());
+/// drop(unrun); // the future is dropped unpolled
+/// assert!(heartbeat.is_finished());
 /// # }
 /// ```
 pub struct AsyncTaskHandle {
@@ -474,7 +586,14 @@ impl AsyncTaskHandle {
     }
 
     /// Moves the deadline to `delay` from now, if the future has not started
-    /// (see [`TaskHandle::reset`]). Returns whether it moved.
+    /// (see [`TaskHandle::reset`]). Returns whether it moved: `false` once the
+    /// future has started, was cancelled, or was handed back by a shutdown.
+    ///
+    /// # Concurrent calls
+    ///
+    /// Racing the deadline, either the reset wins and the future starts at the
+    /// new deadline only, or the reaper has already taken it out to start it
+    /// (at the old deadline) and the reset returns `false`, changing nothing.
     ///
     /// # Examples
     ///

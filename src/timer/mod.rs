@@ -4,6 +4,23 @@
 //! retries, heartbeats and one-shot timeouts, by the million, each costing a few
 //! dozen bytes and no task of its own. See the [crate docs](crate) for the
 //! guarantees it shares with the purgatory.
+//!
+//! # Examples
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+//! use std::time::Duration;
+//! use tokio_purgatory::timer::{TimeoutError, Timer};
+//!
+//! let timer = Timer::new();
+//! // A closure run on the reaper task, a sleep, and a deadline on a future.
+//! let retry = timer.schedule(Duration::from_secs(5), || println!("retry")).unwrap();
+//! timer.sleep(Duration::from_millis(10)).await.unwrap();
+//! let answer = timer.timeout(Duration::from_millis(10), std::future::pending::<()>());
+//! assert_eq!(answer.await, Err(TimeoutError::Elapsed));
+//! assert!(retry.cancel());
+//! # }
+//! ```
 
 mod builder;
 mod error;
@@ -23,8 +40,10 @@ pub use self::error::{ScheduleError, TimeoutError, TimerError};
 pub use self::future::{Sleep, TimeoutFuture};
 pub use self::handle::{AsyncTaskHandle, TaskHandle, TaskStatus};
 
-/// The name [`TaskHandle`] had before: a Tokio reader takes a `Timeout` for
-/// a future.
+/// An alias of [`TaskHandle`], kept so that code using the name `Timeout`
+/// (Netty's name for the handle) still compiles. Prefer `TaskHandle`: in Tokio
+/// code a `Timeout` reads as a future with a deadline, which this is not (that
+/// is [`TimeoutFuture`]).
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
@@ -34,10 +53,11 @@ pub use self::handle::{AsyncTaskHandle, TaskHandle, TaskStatus};
 /// assert!(t.cancel());
 /// # }
 /// ```
-#[deprecated(since = "0.1.0", note = "renamed `TaskHandle`")]
+#[deprecated(since = "0.1.0", note = "an alias of `TaskHandle`: use that name")]
 pub type Timeout = TaskHandle;
 
-/// The name [`AsyncTaskHandle`] had before.
+/// An alias of [`AsyncTaskHandle`], kept so that code using the name
+/// `AsyncTimeout` still compiles. Prefer `AsyncTaskHandle`.
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
@@ -48,17 +68,18 @@ pub type Timeout = TaskHandle;
 /// assert!(t.cancel());
 /// # }
 /// ```
-#[deprecated(since = "0.1.0", note = "renamed `AsyncTaskHandle`")]
+#[deprecated(since = "0.1.0", note = "an alias of `AsyncTaskHandle`: use that name")]
 pub type AsyncTimeout = AsyncTaskHandle;
 
-/// The name [`TaskStatus`] had before.
+/// An alias of [`TaskStatus`], kept so that code using the name
+/// `TimeoutStatus` still compiles. Prefer `TaskStatus`.
 ///
 /// ```
 /// #![allow(deprecated)]
 /// use tokio_purgatory::timer::{TaskStatus, TimeoutStatus};
 /// assert_eq!(TimeoutStatus::Pending, TaskStatus::Pending);
 /// ```
-#[deprecated(since = "0.1.0", note = "renamed `TaskStatus`")]
+#[deprecated(since = "0.1.0", note = "an alias of `TaskStatus`: use that name")]
 pub type TimeoutStatus = TaskStatus;
 pub use self::task::UnrunTask;
 use self::task::{refused_task, Chain, Repeating, TimerJob};
@@ -69,7 +90,7 @@ pub use crate::reaper::ReaperMetrics;
 use crate::settings::Settings;
 use crate::sync::{lock, Mutex};
 
-/// Stops the reaper when the last [`Timer`] clone is dropped.
+/// Shuts the timer down when the last [`Timer`] clone is dropped.
 #[derive(Debug)]
 pub(crate) struct Owner {
     pub(crate) core: Arc<Core<TimerJob>>,
@@ -100,12 +121,30 @@ impl Drop for Owner {
 /// counted in [`TimerMetrics::panicked`] and reported through `tracing`; later
 /// tasks still run.
 ///
+/// # Concurrency
+///
+/// All methods may be called from any number of threads at once, and from
+/// inside a task the timer runs. What runs where:
+///
+/// - Tasks run on the reaper task with no lock of the timer's held, so they may
+///   call back into it (schedule, cancel, reset, even shut it down).
+/// - A task the timer drops unrun (cancelled, or left when the last clone is
+///   dropped or the reaper is lost) is dropped with no lock of the timer's held;
+///   a panic in its `Drop` is caught and counted like a panic in a task. A
+///   cancelled task is dropped by [`TaskHandle::cancel`], on the calling thread.
+/// - The waker of a [`Sleep`] is woken and dropped with no lock held, a panic
+///   in it caught and counted.
+///
 /// # Shutdown
 ///
-/// [`shutdown`](Timer::shutdown) stops the reaper and hands back every task that
-/// has not run; pending [`Sleep`]s resolve to [`TimerError::Shutdown`]. Dropping
-/// the last `Timer` clone does the same but drops the tasks unrun. If the reaper's
-/// runtime shuts down first, tasks are dropped unrun, sleeps resolve to
+/// [`shutdown`](Timer::shutdown) closes the timer and hands back every task that
+/// has not run; pending [`Sleep`]s resolve to [`TimerError::Shutdown`]. The reaper
+/// lets go of the timer: a reaper of its own ends, while a shared
+/// [`Reaper`](crate::Reaper) goes on serving the other purgatories and timers
+/// built on it. Dropping the last `Timer` clone does the same but drops the tasks
+/// unrun (handles such as [`TaskHandle`], [`Sleep`] and [`WeakTimer`] do not keep
+/// the timer open). If the reaper task ends first (its runtime shuts down, or it
+/// is aborted), tasks are dropped unrun, sleeps resolve to
 /// [`TimerError::ReaperGone`], and scheduling fails with
 /// [`ScheduleError::ReaperGone`].
 ///
@@ -263,7 +302,22 @@ impl Timer {
     ///
     /// # Examples
     ///
-    /// See [`WeakTimer`].
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// use std::time::Duration;
+    /// use tokio_purgatory::timer::TimerError;
+    /// use tokio_purgatory::Timer;
+    ///
+    /// let timer = Timer::new();
+    /// let weak = timer.downgrade();
+    /// let nap = timer.sleep(Duration::from_secs(60));
+    /// assert!(weak.upgrade().is_some());
+    /// // The weak handle does not keep the timer open.
+    /// drop(timer);
+    /// assert_eq!(nap.await, Err(TimerError::Shutdown));
+    /// assert!(weak.upgrade().is_none());
+    /// # }
+    /// ```
     pub fn downgrade(&self) -> WeakTimer {
         WeakTimer {
             owner: Arc::downgrade(&self.owner),
@@ -283,6 +337,12 @@ impl Timer {
     ///
     /// Hands `task` back when the timer is at its limit, shut down, or has lost its
     /// reaper.
+    ///
+    /// # Concurrent calls
+    ///
+    /// Racing a [`shutdown`](Timer::shutdown), the task is either refused, and
+    /// handed back in [`ScheduleError::Shutdown`], or accepted and then handed back
+    /// in the list the shutdown returns: never both, never lost.
     ///
     /// # Examples
     ///
@@ -318,9 +378,19 @@ impl Timer {
     ///
     /// A panic in the future ends its own task only (Tokio contains it).
     ///
+    /// # Shutdown
+    ///
+    /// A future that has not started when the timer shuts down comes back from
+    /// [`shutdown`](Timer::shutdown) inside an [`UnrunTask`], whose
+    /// [`run`](UnrunTask::run) spawns it; dropping that `UnrunTask` drops the
+    /// future unpolled, and its handle then reads finished. A future already
+    /// started is a Tokio task of its own: the shutdown does not touch it. See
+    /// [`AsyncTaskHandle`].
+    ///
     /// # Errors
     ///
-    /// As [`schedule`](Timer::schedule), with the future handed back.
+    /// As [`schedule`](Timer::schedule), with the future handed back; racing a
+    /// shutdown, as there too.
     ///
     /// # Examples
     ///
@@ -379,7 +449,9 @@ impl Timer {
     ///
     /// # Errors
     ///
-    /// As [`schedule`](Timer::schedule).
+    /// As [`schedule`](Timer::schedule). Racing a [`shutdown`](Timer::shutdown),
+    /// the task is either refused in [`ScheduleError::Shutdown`] or handed back by
+    /// the shutdown, as there.
     ///
     /// `deadline` may be a `tokio::time::Instant` or a `std::time::Instant`
     /// (converted with `From`). Under Tokio's paused time only Tokio's clock
@@ -432,7 +504,11 @@ impl Timer {
     /// [`TaskHandle::cancel`] stops it (a run under way finishes, and none starts
     /// after); [`TaskHandle::reset`] moves the next run. Dropping the `TaskHandle`
     /// does not stop it. [`shutdown`](Self::shutdown) hands it back like any
-    /// pending task; running the handed-back task runs it once.
+    /// pending task, when it is waiting for its next run; running the
+    /// handed-back task runs it once. A run under way when the shutdown comes
+    /// (or the run that calls `shutdown` itself) finishes, and the chain ends
+    /// there: nothing is handed back for it, and its handle reads
+    /// [`Done`](TaskStatus::Done).
     ///
     /// # Errors
     ///
@@ -747,9 +823,17 @@ impl Timer {
         l.reaper(&m.reaper, m.reaper_wakeups);
     }
 
-    /// Stops the reaper and hands back every task that has not run, in no
+    /// Closes the timer and hands back every task that has not run, in no
     /// particular order. Pending [`Sleep`]s resolve to [`TimerError::Shutdown`].
-    /// Afterwards `schedule` fails with [`ScheduleError::Shutdown`].
+    /// Afterwards `schedule` (and every other `schedule_*` method) fails with
+    /// [`ScheduleError::Shutdown`].
+    ///
+    /// The reaper lets go of the timer: a reaper of its own ends; a shared
+    /// [`Reaper`](crate::Reaper) goes on serving the other purgatories and timers
+    /// built on it. A repeating task comes back as one task that runs once; a
+    /// [`schedule_async`](Timer::schedule_async) future not yet started comes back
+    /// as a task that spawns it, and one already started goes on as its own Tokio
+    /// task. The [`TaskHandle`]s of the tasks handed back read [`TaskStatus::Done`].
     ///
     /// Returns an empty list when the timer was already shut down.
     ///
@@ -796,7 +880,31 @@ impl Timer {
     }
 }
 
-/// Counters of a [`Timer`].
+/// Counters of a [`Timer`], read by [`Timer::metrics`].
+///
+/// A snapshot: the fields are read one after another while the timer runs, so
+/// under concurrent use they may disagree slightly with each other. The counters
+/// keep their values after a shutdown; `pending` is then zero.
+///
+/// # Examples
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+/// use std::time::Duration;
+/// use tokio_purgatory::Timer;
+///
+/// let timer = Timer::new();
+/// timer.schedule(Duration::from_millis(10), || {}).unwrap();
+/// let later = timer.schedule(Duration::from_secs(60), || {}).unwrap();
+/// tokio::time::sleep(Duration::from_millis(20)).await;
+/// let m = timer.metrics();
+/// assert_eq!(m.pending, 1, "the later task");
+/// assert_eq!(m.expired, 1);
+/// assert_eq!(m.panicked, 0);
+/// assert!(m.reaper.turns >= 1);
+/// # drop(later);
+/// # }
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct TimerMetrics {

@@ -335,7 +335,50 @@ pub(super) fn refused_task<F: 'static>(refused: Refused<TimerJob>) -> ScheduleEr
     }
 }
 
-/// A task handed back by [`Timer::shutdown`](super::Timer::shutdown) without having run.
+/// A task handed back without having run: by
+/// [`Timer::shutdown`](super::Timer::shutdown), for every task still waiting,
+/// and by [`TaskHandle::cancel_and_take`](super::TaskHandle::cancel_and_take),
+/// for the one it cancels.
+///
+/// [`run`](UnrunTask::run) runs it here and now; [`into_inner`](UnrunTask::into_inner)
+/// turns it into a closure to run elsewhere. Dropping it drops the task unrun,
+/// on the dropping thread: the timer no longer owns it, so a panic in the task's
+/// `Drop` is not caught and counted by the timer but reaches the caller, as with
+/// any value of the caller's. A future from
+/// [`Timer::schedule_async`](super::Timer::schedule_async) is then dropped
+/// unpolled, and its [`AsyncTaskHandle`](super::AsyncTaskHandle) reads finished.
+///
+/// A repeating task ([`Timer::schedule_repeating`](super::Timer::schedule_repeating))
+/// handed back by a shutdown runs once when run, and is not scheduled again.
+///
+/// # Examples
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+/// use std::sync::atomic::{AtomicU32, Ordering};
+/// use std::sync::Arc;
+/// use std::time::Duration;
+/// use tokio_purgatory::Timer;
+///
+/// let timer = Timer::new();
+/// let runs = Arc::new(AtomicU32::new(0));
+/// let (a, b) = (runs.clone(), runs.clone());
+/// let retry = timer
+///     .schedule(Duration::from_secs(5), move || { a.fetch_add(1, Ordering::SeqCst); })
+///     .unwrap();
+/// timer
+///     .schedule(Duration::from_secs(60), move || { b.fetch_add(1, Ordering::SeqCst); })
+///     .unwrap();
+///
+/// // Taken back from a handle: run it now instead of in 5 s.
+/// retry.cancel_and_take().unwrap().run();
+/// // Handed back by a shutdown: dropped here, unrun.
+/// let left = timer.shutdown();
+/// assert_eq!(left.len(), 1);
+/// drop(left);
+/// assert_eq!(runs.load(Ordering::SeqCst), 1);
+/// # }
+/// ```
 pub struct UnrunTask {
     pub(super) task: Box<dyn TaskFn>,
 }
