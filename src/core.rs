@@ -290,8 +290,8 @@ impl<J: Job<Ctx = C>, C: Send + Sync + 'static> Core<J, C> {
         job: J,
     ) -> Result<TimerKey, Refused<J>> {
         if let Some(max) = self.max_pending {
-            if self.pending.fetch_add(1, Ordering::AcqRel) >= max {
-                self.pending.fetch_sub(1, Ordering::AcqRel);
+            // Taken only while there is room (see `take_room`).
+            if !crate::sync::take_room(&self.pending, max) {
                 return Err(Refused::AtCapacity(job));
             }
         }

@@ -42,6 +42,26 @@ pub(crate) fn touch<T>(m: &Mutex<T>) {
     let _ = m;
 }
 
+/// Adds one to `count` if it is below `max`; returns whether it did.
+#[inline]
+pub(crate) fn take_room(count: &std::sync::atomic::AtomicUsize, max: usize) -> bool {
+    let mut n = count.load(std::sync::atomic::Ordering::Acquire);
+    loop {
+        if n >= max {
+            return false;
+        }
+        match count.compare_exchange_weak(
+            n,
+            n + 1,
+            std::sync::atomic::Ordering::AcqRel,
+            std::sync::atomic::Ordering::Acquire,
+        ) {
+            Ok(_) => return true,
+            Err(now) => n = now,
+        }
+    }
+}
+
 /// A number naming the current thread, never 0 and never shared by two threads:
 /// the key of the thread's timer shard, and who owns an operation's check.
 #[inline]

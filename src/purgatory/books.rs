@@ -212,8 +212,10 @@ impl Books {
     #[inline]
     pub(crate) fn admit(&self) -> bool {
         if let Some(max) = self.max_pending {
-            if self.admitted.0.fetch_add(1, Ordering::AcqRel) >= max {
-                self.admitted.0.fetch_sub(1, Ordering::AcqRel);
+            // Taken only while there is room: a refused registration never
+            // counts, not even for a moment (an add taken back after would
+            // turn away another registration racing it while there was room).
+            if !crate::sync::take_room(&self.admitted.0, max) {
                 return false;
             }
         }
