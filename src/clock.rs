@@ -149,8 +149,9 @@ pub(crate) fn deadline_after(now: Instant, delay: Duration) -> Instant {
 }
 
 /// An instant later than any deadline the wheel can reach (about 30 years
-/// on), or, on a clock that cannot hold that, the latest it holds (never
-/// `now` itself, which would make a "never" due at once).
+/// on), or, on a clock that cannot hold that, the latest it holds: `now`
+/// itself (which would make a "never" due at once) only when `now` is
+/// already the latest instant the clock can hold.
 pub(crate) fn far_future(now: Instant) -> Instant {
     const THIRTY_YEARS: Duration = Duration::from_secs(86_400 * 365 * 30);
     let mut step = THIRTY_YEARS;

@@ -1281,8 +1281,10 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
     /// on its own (completed by an event, expired, or cancelled): how a broker
     /// or server stops without cutting requests short. From the first call on
     /// (the call itself, before the returned future is polled, and whether or
-    /// not it ever is), registrations are refused with [`WatchError::Draining`] (the operation is
-    /// handed back), while events, expiries and cancellations go on as before.
+    /// not it ever is), registrations are refused and the operation handed
+    /// back, in [`WatchError::Draining`] (or in the refusal checked before it,
+    /// when one applies: no keys, shut down, at the pending limit), while
+    /// events, expiries and cancellations go on as before.
     /// To bound the wait, race it with a timeout and call
     /// [`shutdown`](Self::shutdown) for what is left.
     ///

@@ -397,7 +397,8 @@ impl TaskHandle {
 /// [`Timer::schedule_async`](super::Timer::schedule_async) stands.
 #[derive(Debug)]
 pub(super) enum Start {
-    /// In the wheel.
+    /// In the wheel, or handed back by a shutdown and neither run nor
+    /// dropped yet.
     Waiting,
     /// Spawned as a Tokio task.
     Running(tokio::task::AbortHandle),
