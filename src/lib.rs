@@ -344,7 +344,9 @@
 //!   the call that ran it finishes its work, every handle resolves, other
 //!   operations still complete and expire.
 //!   A panic in a key's `Hash`, `Eq` or `Clone` propagates to the caller, with the
-//!   purgatory left as it was before the call.
+//!   purgatory left as it was before the call. A panic in the application's
+//!   `tracing` subscriber, on any span or event the crate emits, is swallowed
+//!   (not counted: it is not the operation's code), and the crate goes on.
 //! - **No lock of ours is held while operation code runs**, nor while the crate
 //!   drops a user value, so operations, outputs, keys and tasks may call back in
 //!   (including `shutdown()`) from their code and their `Drop`. Two locks do
