@@ -373,7 +373,7 @@
 //!   back with their operation; without a limit, memory is linear in pending
 //!   operations: what they own returns once they finish, and their cells are
 //!   kept for the operations that follow (at most the peak pending, each
-//!   [`Purgatory::cell_bytes`]).
+//!   [`Purgatory::cell_bytes`]; [`PurgatoryMetrics::cells`] counts them).
 //!
 //! The repository's `docs/design.md` (reliability) and `tests/README.md` say which test checks
 //! each of these.

@@ -139,3 +139,44 @@ async fn the_timer_records_lateness_and_turns_too() {
     assert!(m.reaper.turns >= 1);
     assert!(m.reaper_wakeups >= 1);
 }
+
+/// `cells` is the most operations ever held at once, in whole pages of the
+/// slab: cells freed are kept for the operations that follow, and it never
+/// goes down.
+#[tokio::test(start_paused = true)]
+async fn cells_follow_the_peak_and_stay() {
+    let p: Purgatory<u32, Op> = Purgatory::new();
+    assert_eq!(p.metrics().cells, 0);
+    let ready = Arc::new(AtomicBool::new(false));
+    let register = |n: u32| -> Vec<_> {
+        (0..n)
+            .map(|i| {
+                p.try_complete_else_watch(Op(ready.clone()), Duration::from_secs(60), [i % 10])
+                    .unwrap()
+            })
+            .collect()
+    };
+    let first = register(100);
+    // 32 + 32 + 64 cells: the pages that hold 100.
+    assert_eq!(p.metrics().cells, 128);
+    ready.store(true, Ordering::SeqCst);
+    for k in 0..10 {
+        p.try_complete_watched(&k);
+    }
+    drop(first);
+    ready.store(false, Ordering::SeqCst);
+    assert_eq!(p.metrics().delayed, 0);
+    assert_eq!(p.metrics().cells, 128, "freed cells are kept");
+    let again = register(100);
+    assert_eq!(p.metrics().cells, 128, "and reused");
+    let more = register(200);
+    assert_eq!(
+        p.metrics().cells,
+        512,
+        "300 at once: up to the page of 256..512"
+    );
+    drop((again, more));
+    settle().await;
+    assert_eq!(p.metrics().delayed, 0);
+    assert_eq!(p.metrics().cells, 512, "never goes down");
+}

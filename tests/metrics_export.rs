@@ -113,6 +113,7 @@ async fn every_metric_reaches_the_recorder_with_its_labels() {
     for name in [
         "tokio_purgatory_watched",
         "tokio_purgatory_tombstones",
+        "tokio_purgatory_cells",
         "tokio_purgatory_reaper_busy_seconds",
         "tokio_purgatory_reaper_longest_turn_seconds",
     ] {

@@ -1130,6 +1130,7 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
     /// | `tokio_purgatory_watched` | gauge | watch-list entries, tombstones included (Kafka's `PurgatorySize`) |
     /// | `tokio_purgatory_tombstones` | gauge | entries of finished operations not yet removed |
     /// | `tokio_purgatory_keys` | gauge | keys with a watch list |
+    /// | `tokio_purgatory_cells` | gauge | cells held, in use or free (each [`cell_bytes`](Self::cell_bytes)) |
     /// | `tokio_purgatory_registered_total` | counter | operations registered |
     /// | `tokio_purgatory_completed_total` | counter | completed by a check |
     /// | `tokio_purgatory_expired_total` | counter | finished by their timeout |
@@ -1381,6 +1382,7 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
 /// let expiring = p.try_complete_else_watch(Op(false), Duration::from_millis(10), [1, 2]).unwrap();
 /// let m = p.metrics();
 /// assert_eq!((m.delayed, m.watched, m.keys), (1, 2, 2));
+/// assert!(m.cells >= 1, "the operation's cell, kept for the next");
 /// assert_eq!(p.try_complete_watched(&1), 0);
 /// expiring.await.unwrap();
 /// let m = p.metrics();
@@ -1404,6 +1406,14 @@ pub struct PurgatoryMetrics {
     pub delayed: usize,
     /// Keys with a watch list.
     pub keys: usize,
+    /// Cells the purgatory holds memory for, in use or free: the most
+    /// operations it ever held at once (an operation's cell is held until it
+    /// has finished and its handle and every `OpRef` to it are gone), rounded
+    /// up to whole pages of its slab (1,024 cells each past the first 2,048).
+    /// Each takes [`Purgatory::cell_bytes`]; free cells are kept for the
+    /// operations that follow and given back when the purgatory is dropped,
+    /// so this never goes down.
+    pub cells: usize,
     /// Operations accepted by `try_complete_else_watch`.
     pub registered: u64,
     /// Completed by a check.

@@ -600,6 +600,7 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
             tombstones: self.books.tombstones(),
             delayed: t.delayed,
             keys: self.watchers.keys(),
+            cells: self.cells.capacity(),
             registered: t.registered,
             completed: t.completed,
             expired: t.expired,
@@ -629,6 +630,7 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         l.gauge("tokio_purgatory_watched", m.watched as f64);
         l.gauge("tokio_purgatory_tombstones", m.tombstones as f64);
         l.gauge("tokio_purgatory_keys", m.keys as f64);
+        l.gauge("tokio_purgatory_cells", m.cells as f64);
         l.counter("tokio_purgatory_registered_total", m.registered);
         l.counter("tokio_purgatory_completed_total", m.completed);
         l.counter("tokio_purgatory_expired_total", m.expired);

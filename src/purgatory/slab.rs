@@ -425,6 +425,24 @@ impl<T: Default + FreeLink> Slab<T> {
             .count()
     }
 
+    /// Cells the slab holds memory for: every page made, whole (a page is
+    /// written whole when it is made), in use or free.
+    pub(crate) fn capacity(&self) -> usize {
+        let handed_out = (self.next.load(Ordering::Relaxed) as usize).min(CAPACITY);
+        let Some(last) = handed_out.checked_sub(1) else {
+            return 0;
+        };
+        if last < FIRST {
+            FIRST
+        } else if last < SMALL_CELLS {
+            // Small page p holds [FIRST << (p - 1), FIRST << p).
+            let p = (usize::BITS - (last / FIRST).leading_zeros()) as usize;
+            FIRST << p
+        } else {
+            SMALL_CELLS + ((last - SMALL_CELLS) / PAGE + 1) * PAGE
+        }
+    }
+
     /// Cells the slab has grown to (in use or free).
     #[cfg(all(test, not(purgatory_loom)))]
     pub(crate) fn grown(&self) -> usize {
@@ -466,6 +484,31 @@ mod tests {
     /// Finishes `id`'s use as a cancel would: its registration's check ends,
     /// a claim wins, and the finisher lets go of its reference. The caller's
     /// reference is left.
+    /// The capacity counts whole pages: 32 cells for the first, doubling to
+    /// 2,048 across the small pages, then 1,024 more per page.
+    #[test]
+    fn capacity_counts_whole_pages() {
+        let s: Slab<Cell> = Slab::new();
+        assert_eq!(s.capacity(), 0);
+        let mut made = 0;
+        for (cells, capacity) in [
+            (1, 32),
+            (32, 32),
+            (33, 64),
+            (65, 128),
+            (2048, 2048),
+            (2049, 3072),
+            (3072, 3072),
+            (3073, 4096),
+        ] {
+            while made < cells {
+                fresh(&s);
+                made += 1;
+            }
+            assert_eq!(s.capacity(), capacity, "{cells} cells made");
+        }
+    }
+
     fn finish(s: &Slab<Cell>, id: Id) {
         let (life, owner) = (s.life(id), Owner::default());
         assert_eq!(life.end_check(1, &owner), AfterNotYet::Release);
