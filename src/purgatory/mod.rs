@@ -1406,7 +1406,7 @@ pub struct PurgatoryMetrics {
     pub delayed: usize,
     /// Keys with a watch list.
     pub keys: usize,
-    /// Cells the purgatory holds memory for, in use or free: the most
+    /// Cells the purgatory holds memory for, in use or free: about the most
     /// operations it ever held at once (an operation's cell is held until it
     /// has finished and its handle and every `OpRef` to it are gone), rounded
     /// up to whole pages of its slab (1,024 cells each past the first 2,048).
