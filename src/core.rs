@@ -21,6 +21,7 @@
 
 use std::fmt;
 use std::num::NonZeroU32;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -45,7 +46,9 @@ pub(crate) trait Job: Send + 'static {
     /// (the purgatory's jobs name operations in a table they reach through it).
     type Ctx: Send + Sync + 'static;
     /// The deadline passed; runs on the reaper task with no lock held.
-    fn expire(self, ctx: &Self::Ctx);
+    /// Returns whether it expired anything (an operation that finished
+    /// meanwhile has nothing left to expire).
+    fn expire(self, ctx: &Self::Ctx) -> bool;
     /// The timer stopped before the deadline (`why` says how); runs with no lock held.
     fn abandon(self, ctx: &Self::Ctx, why: Closed);
 }
@@ -537,10 +540,23 @@ impl<J: Job<Ctx = C>, C: Send + Sync + 'static> Core<J, C> {
                 drop(s);
                 taken += scratch.len();
                 self.release_capacity(scratch.len());
-                self.counters
-                    .expired
-                    .fetch_add(scratch.len() as u64, Ordering::Relaxed);
+                let mut ran = 0;
                 for (deadline, job) in scratch.drain(..) {
+                    // An expiry whose code panicked ran all the same.
+                    let did = match catch_unwind(AssertUnwindSafe(|| job.expire(&self.ctx))) {
+                        Ok(did) => did,
+                        Err(panic) => {
+                            self.panics.caught("an expiry", panic);
+                            true
+                        }
+                    };
+                    // Counted once per expiry: a job whose operation finished
+                    // meanwhile (completed, or by an earlier expiry of this
+                    // batch) expired nothing.
+                    if !did {
+                        continue;
+                    }
+                    ran += 1;
                     if let Some(due) = self.clock.instant_of(deadline) {
                         let late = started.saturating_duration_since(due);
                         self.counters.lateness.record(late);
@@ -550,8 +566,9 @@ impl<J: Job<Ctx = C>, C: Send + Sync + 'static> Core<J, C> {
                             self.lateness_export.record(late.as_secs_f64())
                         });
                     }
-                    self.panics.run("an expiry", || job.expire(&self.ctx));
                 }
+                self.counters.expired.fetch_add(ran, Ordering::Relaxed);
+                expired += ran;
                 if let Some(n) = shard_next {
                     break n;
                 }
@@ -562,7 +579,6 @@ impl<J: Job<Ctx = C>, C: Send + Sync + 'static> Core<J, C> {
                     break None;
                 }
             };
-            expired += taken;
             next = next.min(shard_next.unwrap_or(u64::MAX));
         }
         let c = &self.counters;
@@ -570,7 +586,7 @@ impl<J: Job<Ctx = C>, C: Send + Sync + 'static> Core<J, C> {
         c.turns.fetch_add(1, Ordering::Relaxed);
         c.turn_nanos.fetch_add(nanos, Ordering::Relaxed);
         c.longest_turn_nanos.fetch_max(nanos, Ordering::Relaxed);
-        c.largest_batch.fetch_max(expired as u64, Ordering::Relaxed);
+        c.largest_batch.fetch_max(expired, Ordering::Relaxed);
         quietly(|| {
             tracing::Span::current().record("expired", expired);
         });

@@ -14,6 +14,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use crate::clock::far_future;
+use crate::contain::quietly;
 use crate::settings::{runtime_handle, BuildError};
 use crate::sync::{lock, Mutex};
 
@@ -82,7 +83,10 @@ impl<'a> Host<'a> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub struct ReaperMetrics {
-    /// Turns taken.
+    /// Turns taken: each looks at the purgatory's or timer's wheels and runs
+    /// what is due. A [`Reaper`] shared with others looks at each of them on
+    /// every turn it takes, so each counts every turn, whether or not it had
+    /// anything due (as each counts every wake-up).
     pub turns: u64,
     /// The turns' time summed: how busy the reaper was.
     pub busy: std::time::Duration,
@@ -369,8 +373,17 @@ impl Drop for ReaperGuard {
         };
         for core in cores {
             core.reaper_gone();
+            let_go(core);
         }
     }
+}
+
+/// Drops a reaper's hold on a core. The last hold drops the core, and with it
+/// what the application lent it (the `metrics` recorder's handles, code of
+/// the application's own): a panic there is swallowed, so that it cannot end
+/// the reaper task and the other purgatories and timers it serves.
+fn let_go(core: Arc<dyn Served>) {
+    quietly(move || drop(core));
 }
 
 async fn run_reaper(guard: ReaperGuard) {
@@ -397,7 +410,7 @@ async fn run_reaper(guard: ReaperGuard) {
             serving.extend(inner.cores.iter().cloned());
         }
         // Let go of closed cores with the lock released.
-        closed.clear();
+        closed.drain(..).for_each(let_go);
         let mut again = false;
         let mut wake_at: Option<Instant> = None;
         for core in &serving {
@@ -409,7 +422,7 @@ async fn run_reaper(guard: ReaperGuard) {
         }
         if again {
             // Let other tasks run, then go on.
-            serving.clear();
+            serving.drain(..).for_each(let_go);
             tokio::task::yield_now().await;
             continue;
         }
@@ -431,9 +444,10 @@ async fn run_reaper(guard: ReaperGuard) {
         }
         for core in serving.drain(..) {
             core.woke();
+            let_go(core);
         }
     }
     // Ended on its own: nothing is left for the guard to close.
-    drop(closed);
+    closed.drain(..).for_each(let_go);
     drop(guard);
 }

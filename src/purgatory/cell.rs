@@ -629,9 +629,15 @@ where
     }
 
     /// The timeout fired (on the reaper task, with no lock held).
-    pub(crate) fn expire(&self) {
-        if let Some(op) = self.claim(EXPIRE, Fate::Expired) {
-            self.run_expiry(op);
+    /// Returns whether this call expired it (a check running at that moment
+    /// expires it instead, if it says "not yet").
+    pub(crate) fn expire(&self) -> bool {
+        match self.claim(EXPIRE, Fate::Expired) {
+            Some(op) => {
+                self.run_expiry(op);
+                true
+            }
+            None => false,
         }
     }
 

@@ -62,11 +62,15 @@ impl<K: WatchKey, O: Operation> Job for Expiry<K, O> {
     /// The purgatory, lent to the core once it is built.
     type Ctx = Lent<K, O>;
 
-    fn expire(self, ctx: &Self::Ctx) {
-        if let Some(shared) = ctx.get().and_then(Weak::upgrade) {
-            // No reference needed: the claim names the use by its generation.
-            shared.op(self.0).expire();
-            shared.tidy();
+    fn expire(self, ctx: &Self::Ctx) -> bool {
+        match ctx.get().and_then(Weak::upgrade) {
+            Some(shared) => {
+                // No reference needed: the claim names the use by its generation.
+                let expired = shared.op(self.0).expire();
+                shared.tidy();
+                expired
+            }
+            None => false,
         }
     }
 
@@ -895,10 +899,15 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
             None if fate == Fate::HandedBack => return Vec::new(),
             None => Vec::new(),
         };
+        // Handles learn why: a shutdown, or the reaper lost before it (the
+        // last handle dropped while the lost reaper's jobs were abandoned).
+        let why = match self.core.closed() {
+            Some(Closed::ReaperGone) => OperationError::ReaperGone,
+            _ => OperationError::Shutdown,
+        };
         let mut ops = Vec::with_capacity(jobs.len());
         let mut cancel = |id: Id| {
-            if let Some(Some(op)) = self.with_op(id, |op| op.cancel(OperationError::Shutdown, fate))
-            {
+            if let Some(Some(op)) = self.with_op(id, |op| op.cancel(why, fate)) {
                 ops.push(op);
             }
         };

@@ -912,7 +912,8 @@ pub struct TimerMetrics {
     pub pending: usize,
     /// Entries that reached their deadline (tasks run, sleeps woken).
     pub expired: u64,
-    /// Tasks that panicked (caught; the reaper went on).
+    /// Panics caught in user code (the reaper went on): tasks, and the
+    /// drops, wakers and `metrics` recorder calls the timer ran for them.
     pub panicked: u64,
     /// Times the reaper woke from a sleep. Stays put while nothing is scheduled
     /// (a [`Reaper`](crate::Reaper) shared with others counts its wake-ups in

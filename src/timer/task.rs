@@ -309,8 +309,9 @@ impl Job for TimerJob {
     const KIND: &'static str = "timer";
     type Ctx = ();
 
-    fn expire(self, _: &()) {
+    fn expire(self, _: &()) -> bool {
         self.0.call();
+        true
     }
 
     fn abandon(self, _: &(), why: Closed) {
