@@ -374,6 +374,29 @@ async fn a_hang_up_cancels_and_shutdown_answers_what_waits() {
         until("parked", || b.broker.fetches.delayed() == 1).await;
         drop(gone);
         until("cancelled", || b.broker.fetches.delayed() == 0).await;
+        // The same with a request pipelined behind the parked fetch: the
+        // broker holds that frame and still sees the hang-up.
+        let mut gone = Wire::connect(b.addr).await.unwrap();
+        gone.send(
+            &wire::fetch(TOPIC, &[(0, 0)], Duration::from_secs(30), 1, 1 << 20),
+            wire::FETCH_VERSION,
+        )
+        .await
+        .unwrap();
+        until("parked", || b.broker.fetches.delayed() == 1).await;
+        gone.send(&kafka_protocol::messages::ApiVersionsRequest::default(), 0)
+            .await
+            .unwrap();
+        // Time for the broker to read the pipelined frame (the hang-up is
+        // seen either way).
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        drop(gone);
+        until("cancelled", || b.broker.fetches.delayed() == 0).await;
+        assert_eq!(
+            b.broker.budget.in_use(),
+            0,
+            "the held frame's memory is back"
+        );
 
         let mut waiting = Vec::new();
         for p in 0..2 {
@@ -987,6 +1010,84 @@ async fn caught_up_followers_stay_in_the_isr_after_an_idle_spell() {
         assert_eq!(part.high_watermark(), 1, "not covered before it is copied");
         until("replicated", || part.high_watermark() == 2).await;
         assert_eq!(isr(&mut w, 0).await, [0, 1, 2]);
+        b.shutdown().await;
+    })
+    .await
+}
+
+/// A v2 batch of `n` records stamped `ts`.
+fn batch_at(ts: i64, n: usize, value: &[u8]) -> bytes::Bytes {
+    use kafka_protocol::records::{
+        Compression, Record, RecordBatchEncoder, RecordEncodeOptions, TimestampType,
+    };
+    let records: Vec<Record> = (0..n)
+        .map(|i| Record {
+            transactional: false,
+            control: false,
+            delete_horizon: false,
+            partition_leader_epoch: 0,
+            producer_id: -1,
+            producer_epoch: -1,
+            timestamp_type: TimestampType::Creation,
+            offset: i as i64,
+            sequence: -1,
+            timestamp: ts,
+            key: None,
+            value: Some(bytes::Bytes::copy_from_slice(value)),
+            headers: Default::default(),
+        })
+        .collect();
+    let mut out = bytes::BytesMut::new();
+    let options = RecordEncodeOptions {
+        version: 2,
+        compression: Compression::None,
+    };
+    RecordBatchEncoder::encode(&mut out, &records, &options).unwrap();
+    out.freeze()
+}
+
+/// ListOffsets by time answers as Kafka does (at batch granularity): the
+/// first batch with a record at least that new, with its timestamp; offset
+/// and timestamp -1 when there is none (Java's `offsetsForTimes` rejects a
+/// found offset with a negative timestamp); and `MAX_TIMESTAMP` (-3, from
+/// version 7) the batch with the newest timestamp.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn list_offsets_by_time_answers_as_kafka_does() {
+    use kafka_protocol::messages::list_offsets_request::{ListOffsetsPartition, ListOffsetsTopic};
+    use kafka_protocol::messages::{BrokerId, ListOffsetsRequest, TopicName};
+    use kafka_protocol::protocol::StrBytes;
+    bounded(async {
+        let b = start(Config::default()).await;
+        let _ = client(&b, 0).await; // makes the topic
+        let mut w = Wire::connect(b.addr).await.unwrap();
+        let now = wire::now_ms();
+        for ts in [1_000_000i64, now] {
+            let req = wire::produce(TOPIC, 0, -1, Duration::from_secs(5), batch_at(ts, 1, b"v"));
+            let r = w.call(&req, wire::PRODUCE_VERSION).await.unwrap();
+            assert_eq!(wire::produce_error(&r), 0);
+        }
+        let ask = |ts: i64| {
+            ListOffsetsRequest::default()
+                .with_replica_id(BrokerId(-1))
+                .with_topics(vec![ListOffsetsTopic::default()
+                    .with_name(TopicName(StrBytes::from_static_str(TOPIC)))
+                    .with_partitions(vec![ListOffsetsPartition::default()
+                        .with_partition_index(0)
+                        .with_timestamp(ts)])])
+        };
+        let mut got = Vec::new();
+        for ts in [500_000i64, 1_000_001, now + 3_600_000, -3, -1, -2] {
+            let r = w.call(&ask(ts), 7).await.unwrap();
+            let p = &r.topics[0].partitions[0];
+            assert_eq!(p.error_code, 0);
+            got.push((p.offset, p.timestamp));
+        }
+        assert_eq!(got[0], (0, 1_000_000), "the found batch's timestamp");
+        assert_eq!(got[1], (1, now));
+        assert_eq!(got[2], (-1, -1), "no record that new");
+        assert_eq!(got[3], (1, now), "MAX_TIMESTAMP");
+        assert_eq!(got[4], (2, -1), "latest: the high watermark");
+        assert_eq!(got[5], (0, -1), "earliest");
         b.shutdown().await;
     })
     .await

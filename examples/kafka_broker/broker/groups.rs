@@ -286,6 +286,18 @@ type Groups = Mutex<HashMap<StrBytes, Group>>;
 /// Forgets `id` if nothing is left of it (no member, no id handed out, no
 /// committed offset): a group exists only while it holds something, so
 /// requests for made-up groups leave nothing behind.
+/// A copy of a string from a request, for keeping: the decoder hands out
+/// slices of the request's frame, and one kept slice would keep the whole
+/// frame (up to the largest request taken) alive for as long as it is kept.
+fn own(s: &StrBytes) -> StrBytes {
+    StrBytes::from_string(s.to_string())
+}
+
+/// A copy of bytes from a request, for keeping (see [`own`]).
+fn own_bytes(b: &Bytes) -> Bytes {
+    Bytes::copy_from_slice(b)
+}
+
 fn tidy(groups: &mut HashMap<StrBytes, Group>, id: &StrBytes) {
     if groups.get(id).is_some_and(|g| {
         g.phase == Phase::Empty
@@ -504,7 +516,7 @@ impl Coordinator {
         version: i16,
         client: &str,
     ) -> Result<JoinGroupResponse, Gone> {
-        let group = r.group_id.0.clone();
+        let group = own(&r.group_id.0);
         let session = Duration::from_millis(r.session_timeout_ms.max(0) as u64);
         // Before version 1 the rebalance timeout is the session timeout.
         let rebalance = if version >= 1 {
@@ -539,7 +551,7 @@ impl Coordinator {
                 let protocols: Vec<(StrBytes, Bytes)> = r
                     .protocols
                     .iter()
-                    .map(|p| (p.name.clone(), p.metadata.clone()))
+                    .map(|p| (own(&p.name), own_bytes(&p.metadata)))
                     .collect();
                 let consistent = !protocols.is_empty()
                     && (g.members.is_empty()
@@ -582,7 +594,7 @@ impl Coordinator {
                     }
                     id
                 } else {
-                    r.member_id.clone()
+                    own(&r.member_id)
                 };
                 if let Some(t) = g.pending.remove(&member) {
                     t.cancel();
@@ -619,14 +631,14 @@ impl Coordinator {
                 let m = g.members.entry(member.clone()).or_insert_with(|| Member {
                     session,
                     rebalance,
-                    protocol_type: r.protocol_type.clone(),
+                    protocol_type: own(&r.protocol_type),
                     protocols: Vec::new(),
                     joined: false,
                     session_timer: None,
                 });
                 m.session = session;
                 m.rebalance = rebalance;
-                m.protocol_type = r.protocol_type.clone();
+                m.protocol_type = own(&r.protocol_type);
                 m.protocols = protocols;
                 // This join begins a round (the other members learn it from
                 // their heartbeats and join again), unless one is under way.
@@ -675,7 +687,7 @@ impl Coordinator {
     }
 
     pub async fn sync(&self, r: SyncGroupRequest) -> Result<SyncGroupResponse, Gone> {
-        let group = r.group_id.0.clone();
+        let group = own(&r.group_id.0);
         let (wait, led) = {
             let mut groups = self.groups.lock().unwrap();
             let Some(g) = groups.get_mut(&group) else {
@@ -690,14 +702,14 @@ impl Coordinator {
             let mut m = g.members.remove(&r.member_id).unwrap();
             self.touch(&group, &r.member_id, &mut m);
             let rebalance = m.rebalance;
-            g.members.insert(r.member_id.clone(), m);
+            g.members.insert(own(&r.member_id), m);
             let mut led = false;
             if g.phase == Phase::Completing && g.leader.as_ref() == Some(&r.member_id) {
                 g.assignments = r
                     .assignments
                     .iter()
                     .filter(|a| g.members.contains_key(&a.member_id))
-                    .map(|a| (a.member_id.clone(), a.assignment.clone()))
+                    .map(|a| (own(&a.member_id), own_bytes(&a.assignment)))
                     .collect();
                 g.phase = Phase::Stable;
                 led = true;
@@ -755,7 +767,7 @@ impl Coordinator {
     }
 
     pub fn leave(&self, r: &LeaveGroupRequest, version: i16) -> LeaveGroupResponse {
-        let group = r.group_id.0.clone();
+        let group = own(&r.group_id.0);
         let ids: Vec<StrBytes> = if version <= 2 {
             vec![r.member_id.clone()]
         } else {
@@ -803,7 +815,7 @@ impl Coordinator {
     }
 
     pub fn commit(&self, r: &OffsetCommitRequest) -> OffsetCommitResponse {
-        let group = r.group_id.0.clone();
+        let group = own(&r.group_id.0);
         let mut groups = self.groups.lock().unwrap();
         let error = if group.is_empty() {
             Some(ResponseError::InvalidGroupId)
@@ -831,7 +843,7 @@ impl Coordinator {
                     Some(e) => e.code(),
                     None => {
                         let g = groups.get_mut(&group).unwrap();
-                        let key = (t.name.0.clone(), p.partition_index);
+                        let key = (own(&t.name.0), p.partition_index);
                         let metadata_ok = p
                             .committed_metadata
                             .as_ref()
@@ -849,8 +861,10 @@ impl Coordinator {
                             if is_new {
                                 self.offsets.fetch_add(1, Ordering::Relaxed);
                             }
-                            g.offsets
-                                .insert(key, (p.committed_offset, p.committed_metadata.clone()));
+                            g.offsets.insert(
+                                key,
+                                (p.committed_offset, p.committed_metadata.as_ref().map(own)),
+                            );
                             0
                         }
                     }

@@ -262,16 +262,32 @@ impl Partition {
         }
     }
 
-    /// The offset of the first batch whose newest record is at least
-    /// `timestamp` (Kafka's offset-by-time lookup, at batch granularity), or
-    /// the high watermark if there is none.
-    pub fn offset_for_time(&self, timestamp: i64) -> u64 {
+    /// Kafka's offset-by-time lookup, at batch granularity, among what is
+    /// replicated: the first batch whose newest record is at least
+    /// `timestamp`, as (its first offset, its newest record's timestamp);
+    /// `None` when no record is that new.
+    pub fn offset_for_time(&self, timestamp: i64) -> Option<(u64, i64)> {
         let hw = self.high_watermark();
         let log = self.log.lock().unwrap();
         log.iter()
             .take_while(|b| b.end <= hw)
             .find(|b| b.max_timestamp >= timestamp)
-            .map_or(hw, |b| b.base)
+            .map(|b| (b.base, b.max_timestamp))
+    }
+
+    /// Kafka's `MAX_TIMESTAMP` lookup, at batch granularity, among what is
+    /// replicated: the last offset of the (first) batch holding the newest
+    /// timestamp, with that timestamp; `None` when nothing is.
+    pub fn newest_timestamp(&self) -> Option<(u64, i64)> {
+        let hw = self.high_watermark();
+        let log = self.log.lock().unwrap();
+        log.iter()
+            .take_while(|b| b.end <= hw)
+            .fold(None, |best: Option<&Batch>, b| match best {
+                Some(m) if m.max_timestamp >= b.max_timestamp => Some(m),
+                _ => Some(b),
+            })
+            .map(|b| (b.end - 1, b.max_timestamp))
     }
 }
 

@@ -74,20 +74,25 @@ pub async fn accept(listener: TcpListener, broker: Arc<Broker>, stop: Cancellati
 
 /// Serves one connection: reads a request, answers it, reads the next. While
 /// a request waits, the socket is still read (up to one whole pipelined
-/// frame), so a client that hangs up is seen at once: its waiting request is
-/// dropped, which cancels it.
+/// frame, then only watched for the end of the stream), so a client that
+/// hangs up is seen at once: its waiting request is dropped, which cancels
+/// it.
 ///
 /// A connection is closed, with a log line, when a frame is refused (its size
 /// or shape; see [`super::shape`]), when a frame takes longer than
 /// `frame_timeout` to arrive, when there is no memory to decode it within
-/// `frame_timeout`, when its answer is not read within `frame_timeout`, or
-/// when no request comes for `idle_timeout`.
+/// `frame_timeout`, when its answer is not read within `frame_timeout`, when
+/// a frame pipelined behind a waiting request has been held (with the memory
+/// charged for it) for `frame_timeout`, or when no request comes for
+/// `idle_timeout`.
 async fn serve(stream: TcpStream, broker: Arc<Broker>, stop: CancellationToken) {
     let peer = stream.peer_addr().ok();
     let (mut rd, mut wr) = stream.into_split();
     let config = &broker.config;
     let mut reader = Reader::new(broker.budget.clone(), config.max_request_bytes);
     let mut pipelined: Option<Frame> = None;
+    // Since when the pipelined frame has been held.
+    let mut held_since = Instant::now();
     loop {
         let frame = match pipelined.take() {
             Some(f) => f,
@@ -111,19 +116,28 @@ async fn serve(stream: TcpStream, broker: Arc<Broker>, stop: CancellationToken) 
         let work = answer(&broker, &admitted);
         tokio::pin!(work);
         let reply = loop {
-            // A pipelined frame that has begun must arrive in time too.
-            let late = reader
-                .started()
-                .filter(|_| pipelined.is_none())
-                .map(|t| t + config.frame_timeout);
+            // A pipelined frame that has begun must arrive in time too, and
+            // one that has arrived is held (its memory charged) only so long.
+            let late = match &pipelined {
+                None => reader
+                    .started()
+                    .map(|t| (t, "the frame did not arrive in time")),
+                Some(_) => Some((held_since, "a pipelined request waited too long")),
+            };
             tokio::select! {
                 reply = &mut work => break reply,
-                _ = tokio::time::sleep_until(late.unwrap_or_else(Instant::now)), if late.is_some() => {
-                    let why = Refused("the frame did not arrive in time".into());
+                _ = tokio::time::sleep_until(late.map_or_else(Instant::now, |(t, _)| t + config.frame_timeout)), if late.is_some() => {
+                    let why = Refused(late.map_or("", |(_, why)| why).into());
                     return closed(&broker, peer, Close::Refused(why));
                 }
-                read = reader.step(&mut rd), if pipelined.is_none() => match read {
-                    Ok(frame) => pipelined = frame, // kept for its turn
+                read = read_or_watch(&mut reader, &mut rd, pipelined.is_some()) => match read {
+                    Ok(frame) => {
+                        // Kept for its turn.
+                        if frame.is_some() {
+                            held_since = Instant::now();
+                        }
+                        pipelined = frame;
+                    }
                     Err(Close::Gone) => {
                         broker
                             .stats
@@ -156,6 +170,24 @@ async fn serve(stream: TcpStream, broker: Arc<Broker>, stop: CancellationToken) 
         }
         // `admitted` ends here: the frame's memory goes back once its answer
         // is written.
+    }
+}
+
+/// While no frame is held: reads on towards the next one. While one is held:
+/// reads nothing more, and only watches for the peer to hang up (once it has
+/// sent more, what it sent waits its turn, and this waits for ever).
+async fn read_or_watch(
+    reader: &mut Reader,
+    rd: &mut OwnedReadHalf,
+    holding: bool,
+) -> Result<Option<Frame>, Close> {
+    if !holding {
+        return reader.step(rd).await;
+    }
+    let mut probe = [0u8; 1];
+    match rd.peek(&mut probe).await {
+        Ok(0) | Err(_) => Err(Close::Gone),
+        Ok(_) => std::future::pending().await,
     }
 }
 
@@ -446,8 +478,12 @@ fn isr_nodes(p: &super::Partition) -> Vec<BrokerId> {
         .collect()
 }
 
-/// Latest (-1) is the high watermark, earliest (-2) is 0; a timestamp finds
-/// the first batch holding a record at least that new.
+/// Latest (-1) is the high watermark, earliest (-2) is 0, max timestamp (-3,
+/// from version 7) the newest record's batch; a timestamp finds the first
+/// batch holding a record at least that new, answered with that batch's
+/// newest timestamp (Kafka answers with the record's own: this broker keeps
+/// timestamps per batch), or offset -1 and timestamp -1 when there is none,
+/// as Kafka does.
 fn list_offsets(broker: &Broker, request: &ListOffsetsRequest) -> ListOffsetsResponse {
     ListOffsetsResponse::default().with_topics(
         request
@@ -467,11 +503,22 @@ fn list_offsets(broker: &Broker, request: &ListOffsetsRequest) -> ListOffsetsRes
                                     None => r.with_offset(-1).with_error_code(
                                         ResponseError::UnknownTopicOrPartition.code(),
                                     ),
-                                    Some(part) => r.with_offset(match p.timestamp {
-                                        -1 => part.high_watermark() as i64,
-                                        -2 => 0,
-                                        ts => part.offset_for_time(ts) as i64,
-                                    }),
+                                    Some(part) => {
+                                        let found = match p.timestamp {
+                                            -1 => Some((part.high_watermark(), -1)),
+                                            -2 => Some((0, -1)),
+                                            -3 => part.newest_timestamp(),
+                                            ts if ts >= 0 => part.offset_for_time(ts),
+                                            // Other negative timestamps name
+                                            // nothing this broker serves.
+                                            _ => None,
+                                        };
+                                        // Kafka answers "no such record" with
+                                        // offset -1 and timestamp -1, no error.
+                                        let (offset, ts) =
+                                            found.map_or((-1, -1), |(o, ts)| (o as i64, ts));
+                                        r.with_offset(offset).with_timestamp(ts)
+                                    }
                                 }
                             })
                             .collect(),

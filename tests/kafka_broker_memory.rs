@@ -1,0 +1,96 @@
+//! The Kafka-protocol broker example keeps nothing of a request's frame
+//! beyond what it stores: a committed offset's few bytes must not keep its
+//! whole request frame alive. One test in its own process (the live heap is
+//! counted process-wide), over a real socket, bounded by a timeout.
+
+#[path = "../examples/kafka_broker/broker/mod.rs"]
+#[allow(dead_code)]
+mod broker;
+#[path = "../examples/kafka_broker/wire.rs"]
+#[allow(dead_code)]
+mod wire;
+
+mod support;
+use support::alloc;
+
+#[global_allocator]
+static GLOBAL: alloc::Counting = alloc::Counting;
+
+use std::time::Duration;
+
+use broker::{BrokerHandle, Config};
+use kafka_protocol::messages::offset_commit_request::{
+    OffsetCommitRequestPartition, OffsetCommitRequestTopic,
+};
+use kafka_protocol::messages::{GroupId, OffsetCommitRequest, TopicName};
+use kafka_protocol::protocol::StrBytes;
+use wire::Wire;
+
+fn s(v: &str) -> StrBytes {
+    StrBytes::from_string(v.to_string())
+}
+
+/// A commit of one offset with one byte of metadata, in a frame of about
+/// 4 MiB: 128 more partitions whose 30,000-byte metadata is refused
+/// (OFFSET_METADATA_TOO_LARGE), as a hostile client would pad it.
+fn padded_commit(partition: i32) -> OffsetCommitRequest {
+    let big = "x".repeat(30_000);
+    let mut partitions = vec![OffsetCommitRequestPartition::default()
+        .with_partition_index(partition)
+        .with_committed_offset(1)
+        .with_committed_metadata(Some(s("m")))];
+    partitions.extend((0..128).map(|i| {
+        OffsetCommitRequestPartition::default()
+            .with_partition_index(10_000 + i)
+            .with_committed_offset(1)
+            .with_committed_metadata(Some(s(&big)))
+    }));
+    OffsetCommitRequest::default()
+        .with_group_id(GroupId(s("g")))
+        .with_generation_id_or_member_epoch(-1)
+        .with_member_id(s(""))
+        .with_topics(vec![OffsetCommitRequestTopic::default()
+            .with_name(TopicName(s("t")))
+            .with_partitions(partitions)])
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stored_offsets_keep_none_of_their_frames() {
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let b = BrokerHandle::start(Config {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            max_request_bytes: 8 << 20,
+            ..Config::default()
+        })
+        .await
+        .expect("the broker starts");
+        let mut w = Wire::connect(b.addr).await.unwrap();
+        // Warm up (the group, the first allocations), then measure.
+        let r = w.call(&padded_commit(0), 7).await.unwrap();
+        assert_eq!(r.topics[0].partitions[0].error_code, 0);
+        let before = alloc::live_bytes();
+        for p in 1..=20 {
+            let r = w.call(&padded_commit(p), 7).await.unwrap();
+            assert_eq!(r.topics[0].partitions[0].error_code, 0, "stored");
+            assert_eq!(r.topics[0].partitions[1].error_code, 12, "refused");
+        }
+        drop(w);
+        // The connection's own buffers go when its task ends.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        let grown = loop {
+            let grown = alloc::live_bytes() - before;
+            if grown < 1 << 20 || tokio::time::Instant::now() > deadline {
+                break grown;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        };
+        assert!(
+            grown < 1 << 20,
+            "20 stored offsets of one byte each kept {grown} bytes (their frames were 4 MiB each)"
+        );
+        assert_eq!(b.broker.budget.in_use(), 0);
+        b.shutdown().await;
+    })
+    .await
+    .expect("bounded");
+}
