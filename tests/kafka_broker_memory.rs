@@ -1,7 +1,8 @@
-//! The Kafka-protocol broker example keeps nothing of a request's frame
-//! beyond what it stores: a committed offset's few bytes must not keep its
-//! whole request frame alive. One test in its own process (the live heap is
-//! counted process-wide), over a real socket, bounded by a timeout.
+//! The Kafka-protocol broker example's memory stays within its bounds
+//! whatever clients send: it keeps nothing of a request's frame beyond what
+//! it stores, and answers a client does not read stay within its memory
+//! budget. The live heap is counted process-wide, so the tests here run one
+//! at a time; real sockets, each test bounded by a timeout.
 
 #[path = "../examples/kafka_broker/broker/mod.rs"]
 #[allow(dead_code)]
@@ -54,8 +55,12 @@ fn padded_commit(partition: i32) -> OffsetCommitRequest {
             .with_partitions(partitions)])
 }
 
+/// The tests here one at a time: each measures the whole process's heap.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stored_offsets_keep_none_of_their_frames() {
+    let _alone = ONE_AT_A_TIME.lock().await;
     tokio::time::timeout(Duration::from_secs(60), async {
         let b = BrokerHandle::start(Config {
             listen: "127.0.0.1:0".parse().unwrap(),
@@ -89,6 +94,69 @@ async fn stored_offsets_keep_none_of_their_frames() {
             "20 stored offsets of one byte each kept {grown} bytes (their frames were 4 MiB each)"
         );
         assert_eq!(b.broker.budget.in_use(), 0);
+        b.shutdown().await;
+    })
+    .await
+    .expect("bounded");
+}
+
+/// Twenty clients fetch up to 50 MiB each and never read: their answers are
+/// charged to the budget before their records are copied, so what they hold
+/// stays within it (each answer carries what the budget had room for).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_nobody_reads_stay_within_the_budget() {
+    let _alone = ONE_AT_A_TIME.lock().await;
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let budget = 4 << 20;
+        let b = BrokerHandle::start(Config {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            max_request_bytes: 1 << 20,
+            max_decoded_bytes: 1 << 20,
+            memory_budget: budget,
+            topics: vec!["t".into()],
+            ..Config::default()
+        })
+        .await
+        .expect("the broker starts");
+        let mut w = Wire::connect(b.addr).await.unwrap();
+        let value = vec![7u8; 900 << 10];
+        for _ in 0..40 {
+            let r = w.append("t", 0, &[&value]).await.unwrap();
+            assert_eq!(wire::produce_error(&r), 0);
+        }
+        let before = alloc::live_bytes();
+        let mut silent = Vec::new();
+        for _ in 0..20 {
+            let mut c = Wire::connect(b.addr).await.unwrap();
+            let fetch = wire::fetch("t", &[(0, 0)], Duration::ZERO, 0, 50 << 20);
+            c.send(&fetch, wire::FETCH_VERSION).await.unwrap();
+            silent.push(c); // never read
+        }
+        // Time for the answers (due at once) to be built; those the sockets'
+        // buffers do not take wait to be written.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let grown = alloc::live_bytes() - before;
+        assert!(
+            b.broker.budget.in_use() <= budget,
+            "{} charged",
+            b.broker.budget.in_use()
+        );
+        // The budget, and the sockets' own buffers and the frames' slack.
+        assert!(
+            grown < (budget as isize) * 2 + (4 << 20),
+            "unread answers hold {grown} bytes with a {budget}-byte budget"
+        );
+        // A reading client still gets an answer (perhaps without records
+        // while the budget is spent).
+        let r = w
+            .call(
+                &wire::fetch("t", &[(0, 0)], Duration::ZERO, 0, 1 << 20),
+                wire::FETCH_VERSION,
+            )
+            .await
+            .unwrap();
+        assert_eq!(r.responses[0].partitions[0].error_code, 0);
+        drop(silent);
         b.shutdown().await;
     })
     .await

@@ -11,6 +11,7 @@ use kafka_protocol::messages::{FetchRequest, FetchResponse};
 use tokio::time::Instant;
 use tokio_purgatory::{Operation, Watch};
 
+use super::frame::{Budget, Held};
 use super::{Broker, FetchWait, Gone, Partition};
 
 /// One partition of a fetch.
@@ -30,6 +31,8 @@ pub struct Fetch {
     min_bytes: u64,
     max_bytes: usize,
     closing: Arc<AtomicBool>,
+    /// The memory budget the answer's records are charged to.
+    budget: Option<Budget>,
 }
 
 impl Fetch {
@@ -57,10 +60,20 @@ impl Fetch {
     }
 
     /// The response with what is readable now, at most `max_bytes` in all
-    /// (the first batch found is sent whole even if larger, as Kafka does).
-    fn answer(&self) -> FetchResponse {
+    /// (the first batch found is sent whole even if larger, as Kafka does),
+    /// and no more than the memory budget has free: what the records take is
+    /// charged to it, in `held`, until the answer has been written, so
+    /// answers a client does not read hold memory within the budget (a
+    /// batch it has no room for now is left for a later fetch).
+    fn answer(&self, held: &Held) -> FetchResponse {
         let mut left = self.max_bytes;
         let mut first = true;
+        // Every batch is charged before it is copied; one the budget has no
+        // room for now ends the answer there.
+        let mut charge = |bytes: usize| match &self.budget {
+            Some(budget) => budget.try_charge(bytes, held),
+            None => true,
+        };
         let mut response = FetchResponse::default();
         for (name, wants) in &self.topics {
             let mut t = FetchableTopicResponse::default().with_topic(name.clone());
@@ -70,7 +83,7 @@ impl Fetch {
                     .with_log_start_offset(0);
                 match &w.part {
                     Ok(part) => {
-                        let read = part.read(w.offset, w.max_bytes.min(left), first);
+                        let read = part.read(w.offset, w.max_bytes.min(left), first, &mut charge);
                         first &= read.records.is_empty();
                         left = left.saturating_sub(read.records.len());
                         p.high_watermark = read.high_watermark as i64;
@@ -116,7 +129,11 @@ impl Operation for DelayedFetch {
 /// Handles a fetch: answers when `min_bytes` are readable or `max_wait_ms`
 /// has passed, waiting as the broker's [`FetchWait`] says. `Err` when the
 /// broker stopped under it.
-pub async fn handle(broker: &Broker, request: FetchRequest) -> Result<FetchResponse, Gone> {
+pub async fn handle(
+    broker: &Broker,
+    request: FetchRequest,
+    held: &Held,
+) -> Result<FetchResponse, Gone> {
     let mut topics = Vec::new();
     for topic in &request.topics {
         let wants = topic
@@ -150,6 +167,7 @@ pub async fn handle(broker: &Broker, request: FetchRequest) -> Result<FetchRespo
         min_bytes: request.min_bytes.max(0) as u64,
         max_bytes: (request.max_bytes.max(0) as usize).min(broker.config.fetch_max_bytes),
         closing: broker.closing.clone(),
+        budget: Some(broker.budget.clone()),
     };
     let max_wait = Duration::from_millis(request.max_wait_ms.max(0) as u64);
     // Kafka answers at once when there is nothing to wait for, or an error.
@@ -159,13 +177,13 @@ pub async fn handle(broker: &Broker, request: FetchRequest) -> Result<FetchRespo
         .flat_map(|(_, ws)| ws)
         .any(|w| w.part.is_err());
     if max_wait.is_zero() || errors || fetch.wants().next().is_none() || fetch.enough() {
-        return Ok(fetch.answer());
+        return Ok(fetch.answer(held));
     }
     broker.stats.fetches_parked.fetch_add(1, Ordering::Relaxed);
     match broker.config.fetch_wait {
-        FetchWait::Purgatory => in_purgatory(broker, fetch, max_wait).await,
-        FetchWait::SleepPoll(every) => Ok(sleep_poll(fetch, max_wait, every).await),
-        FetchWait::Notify => Ok(notified(fetch, max_wait).await),
+        FetchWait::Purgatory => in_purgatory(broker, fetch, max_wait, held).await,
+        FetchWait::SleepPoll(every) => Ok(sleep_poll(fetch, max_wait, every, held).await),
+        FetchWait::Notify => Ok(notified(fetch, max_wait, held).await),
     }
 }
 
@@ -177,6 +195,7 @@ async fn in_purgatory(
     broker: &Broker,
     fetch: Fetch,
     max_wait: Duration,
+    held: &Held,
 ) -> Result<FetchResponse, Gone> {
     let watches: Vec<_> = fetch
         .wants()
@@ -189,21 +208,26 @@ async fn in_purgatory(
         // Dropping this future (the client hung up) drops the handle, which
         // takes the fetch out of the purgatory.
         Ok(handle) => match handle.await {
-            Ok(done) => Ok(done.into_inner().answer()),
+            Ok(done) => Ok(done.into_inner().answer(held)),
             Err(_) => Err(Gone),
         },
-        Err(refused) => Ok(refused.into_inner().0.answer()),
+        Err(refused) => Ok(refused.into_inner().0.answer(held)),
     }
 }
 
 /// Re-reads every `every` until enough bytes or the deadline.
-async fn sleep_poll(fetch: Fetch, max_wait: Duration, every: Duration) -> FetchResponse {
+async fn sleep_poll(
+    fetch: Fetch,
+    max_wait: Duration,
+    every: Duration,
+    held: &Held,
+) -> FetchResponse {
     let deadline = Instant::now() + max_wait;
     loop {
         let next = (Instant::now() + every).min(deadline);
         tokio::time::sleep_until(next).await;
         if next >= deadline || fetch.enough() || fetch.closing.load(Ordering::SeqCst) {
-            return fetch.answer();
+            return fetch.answer(held);
         }
     }
 }
@@ -212,7 +236,7 @@ async fn sleep_poll(fetch: Fetch, max_wait: Duration, every: Duration) -> FetchR
 /// re-reading after each wake-up. Each waiter is armed (`enable`) before the
 /// read that decides to wait, so a move between the read and the wait is not
 /// lost.
-async fn notified(fetch: Fetch, max_wait: Duration) -> FetchResponse {
+async fn notified(fetch: Fetch, max_wait: Duration, held: &Held) -> FetchResponse {
     let deadline = Instant::now() + max_wait;
     loop {
         let parts: Vec<Arc<Partition>> = fetch.wants().map(|(p, _)| p.clone()).collect();
@@ -224,11 +248,11 @@ async fn notified(fetch: Fetch, max_wait: Duration) -> FetchResponse {
             w.as_mut().enable();
         }
         if fetch.enough() || fetch.closing.load(Ordering::SeqCst) {
-            return fetch.answer();
+            return fetch.answer(held);
         }
         let any = futures::future::select_all(waits);
         if tokio::time::timeout_at(deadline, any).await.is_err() {
-            return fetch.answer();
+            return fetch.answer(held);
         }
     }
 }

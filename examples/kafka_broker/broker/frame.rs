@@ -79,6 +79,31 @@ pub struct Admitted {
     pub shape: Shape,
     /// Released when the answer has been written.
     pub _charge: Option<OwnedSemaphorePermit>,
+    /// What building the answer charged (a fetch's records), released with
+    /// the rest once the answer has been written.
+    pub answer: Held,
+}
+
+/// Memory an answer took from the budget, held until the answer is written.
+#[derive(Debug, Default)]
+pub struct Held(std::sync::Mutex<Option<OwnedSemaphorePermit>>);
+
+impl Budget {
+    /// Charges `bytes` to `held` if the budget has them free now, without
+    /// waiting; `false` when it has not (an answer then carries less, as
+    /// Kafka's answers may).
+    pub fn try_charge(&self, bytes: usize, held: &Held) -> bool {
+        let Ok(n) = u32::try_from(bytes) else {
+            return false;
+        };
+        match self.permits.clone().try_acquire_many_owned(n) {
+            Ok(permit) => {
+                add(&mut held.0.lock().unwrap(), permit);
+                true
+            }
+            Err(_) => false,
+        }
+    }
 }
 
 /// Reads one connection's frames, one at a time. Every method is
@@ -192,6 +217,7 @@ pub async fn admit(frame: Frame, budget: &Budget, max_decoded: usize) -> Result<
         bytes: frame.bytes,
         shape,
         _charge: charge,
+        answer: Held::default(),
     })
 }
 

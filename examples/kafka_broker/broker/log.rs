@@ -236,8 +236,16 @@ impl Partition {
 
     /// Whole batches from the one holding `offset`, below the high watermark,
     /// at most `max_bytes` of them unless the first alone is larger (then just
-    /// the first, so a consumer always makes progress, as Kafka does).
-    pub fn read(&self, offset: u64, max_bytes: usize, allow_oversized: bool) -> Read {
+    /// the first, so a consumer always makes progress, as Kafka does). Each
+    /// batch is copied only once `charge` has taken its size (the caller's
+    /// memory budget); the first it refuses ends the read.
+    pub fn read(
+        &self,
+        offset: u64,
+        max_bytes: usize,
+        allow_oversized: bool,
+        charge: &mut dyn FnMut(usize) -> bool,
+    ) -> Read {
         let hw = self.high_watermark();
         let log = self.log.lock().unwrap();
         let mut out = BytesMut::new();
@@ -247,7 +255,7 @@ impl Partition {
                     break;
                 }
                 let fits = out.len() + b.bytes.len() <= max_bytes;
-                if !(fits || out.is_empty() && allow_oversized) {
+                if !(fits || out.is_empty() && allow_oversized) || !charge(b.bytes.len()) {
                     break;
                 }
                 out.extend_from_slice(&b.bytes);

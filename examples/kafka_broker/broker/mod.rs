@@ -93,9 +93,10 @@ pub struct Config {
     /// it closes its connection.
     pub max_decoded_bytes: usize,
     /// The memory all connections' requests in flight share: their frames'
-    /// bytes and what decoding them allocates (Kafka's
-    /// `queued.max.request.bytes`). When it is spent, connections stop
-    /// reading until memory comes back.
+    /// bytes, what decoding them allocates (Kafka's
+    /// `queued.max.request.bytes`), and the records of fetch answers until
+    /// they are written. When it is spent, connections stop reading until
+    /// memory comes back, and fetches answer with what it has room for.
     pub memory_budget: usize,
     /// The longest a frame may take to arrive, from its first byte.
     pub frame_timeout: Duration,

@@ -270,7 +270,7 @@ async fn answer(broker: &Broker, admitted: &Admitted) -> Result<Option<BytesMut>
             None => Ok(None),
         },
         ApiKey::Fetch => {
-            let r = fetch::handle(broker, decode(&mut frame, version)?).await?;
+            let r = fetch::handle(broker, decode(&mut frame, version)?, &admitted.answer).await?;
             encode(id, version, &r).map(Some)
         }
         ApiKey::FindCoordinator => {
