@@ -8,7 +8,6 @@
 
 mod support;
 
-use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
@@ -17,7 +16,7 @@ use tokio_purgatory::{
     Completion, OpRef, Operation, OperationError, OperationStatus, Purgatory, Watch, WatchError,
 };
 
-use support::{balanced, ms, settle};
+use support::{balanced, ms, paused_within, settle, within};
 
 type CheckFn = Box<dyn FnMut(Option<u64>) -> Option<u64> + Send>;
 
@@ -82,33 +81,6 @@ impl Drop for H {
 }
 
 type P = Purgatory<u32, H>;
-
-fn within<T: Send + 'static>(secs: u64, f: impl FnOnce() -> T + Send + 'static) -> T {
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(catch_unwind(AssertUnwindSafe(f)));
-    });
-    match rx.recv_timeout(Duration::from_secs(secs)) {
-        Ok(Ok(v)) => v,
-        Ok(Err(panic)) => resume_unwind(panic),
-        Err(_) => panic!("deadlock: no answer within {secs} s"),
-    }
-}
-
-fn paused_within<T, F>(secs: u64, make: impl FnOnce() -> F + Send + 'static) -> T
-where
-    T: Send + 'static,
-    F: std::future::Future<Output = T>,
-{
-    within(secs, move || {
-        tokio::runtime::Builder::new_current_thread()
-            .enable_time()
-            .start_paused(true)
-            .build()
-            .unwrap()
-            .block_on(make())
-    })
-}
 
 fn quiet_invariants(p: &P) {
     let m = p.metrics();

@@ -6,7 +6,7 @@
 //! a bound (`within`), so a regression fails instead of hanging the suite.
 
 use std::hash::{Hash, Hasher};
-use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
@@ -15,41 +15,7 @@ use tokio::time::{advance, Instant};
 use tokio_purgatory::{Completion, Operation, OperationError, Purgatory, Timer, Watch};
 
 mod support;
-use support::{balanced, ms, settle, FlagOp};
-
-/// Runs `f` on its own thread and fails if it has not returned within `secs`
-/// seconds (a deadlock), re-raising its panic if it panicked.
-fn within<T: Send + 'static>(secs: u64, f: impl FnOnce() -> T + Send + 'static) -> T {
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(catch_unwind(AssertUnwindSafe(f)));
-    });
-    match rx.recv_timeout(Duration::from_secs(secs)) {
-        Ok(Ok(v)) => v,
-        Ok(Err(panic)) => resume_unwind(panic),
-        Err(_) => panic!("deadlock: no answer within {secs} s"),
-    }
-}
-
-/// Runs the future `make` gives on a paused current-thread runtime of its
-/// own thread, failing as [`within`] does if it has not ended in `secs`
-/// seconds.
-fn paused_within<T, F>(secs: u64, make: impl FnOnce() -> F + Send + 'static) -> T
-where
-    T: Send + 'static,
-    F: std::future::Future<Output = T>,
-{
-    within(secs, move || paused().block_on(make()))
-}
-
-/// A paused current-thread runtime.
-fn paused() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_time()
-        .start_paused(true)
-        .build()
-        .unwrap()
-}
+use support::{balanced, ms, paused_within, settle, within, FlagOp};
 
 type Hook = Arc<dyn Fn() + Send + Sync>;
 

@@ -15,36 +15,7 @@ use tokio_purgatory::{
     Completion, Operation, OperationError, Purgatory, Reaper, Timer, WatchErrorKind, WeakPurgatory,
 };
 
-use support::{balanced, ms, settle};
-
-/// Runs `f` on a thread, failing if it has not returned within `secs`.
-fn within<T: Send + 'static>(secs: u64, f: impl FnOnce() -> T + Send + 'static) -> T {
-    let (tx, rx) = std::sync::mpsc::channel();
-    let t = std::thread::spawn(move || {
-        let _ = tx.send(f());
-    });
-    match rx.recv_timeout(Duration::from_secs(secs)) {
-        Ok(v) => {
-            t.join().unwrap();
-            v
-        }
-        Err(_) => {
-            if t.is_finished() {
-                // It panicked: re-raise.
-                std::panic::resume_unwind(t.join().unwrap_err());
-            }
-            panic!("deadlock: not done within {secs}s")
-        }
-    }
-}
-
-fn paused_rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .start_paused(true)
-        .build()
-        .unwrap()
-}
+use support::{balanced, ms, paused, settle, within};
 
 fn alive_tasks() -> usize {
     tokio::runtime::Handle::current()
@@ -455,7 +426,7 @@ fn start_and_build_on_a_dead_runtime() {
         }
         match Purgatory::<u32, Never>::builder().build_on(&handle) {
             Ok(p) => {
-                let rt2 = paused_rt();
+                let rt2 = paused();
                 let _in = rt2.enter();
                 let r = p.try_complete_else_watch(Never, ms(1), [1]);
                 match r {
@@ -712,7 +683,7 @@ mod recorder {
     #[test]
     fn a_recorder_calling_back_in_from_the_reaper() {
         within(20, || {
-            paused_rt().block_on(async {
+            paused().block_on(async {
                 let reaper = Reaper::start().unwrap();
                 let slot_p: Arc<Mutex<Option<WeakPurgatory<u32, Never>>>> = Arc::default();
                 let slot_t: Arc<Mutex<Option<tokio_purgatory::WeakTimer>>> = Arc::default();
@@ -784,7 +755,7 @@ mod recorder {
     #[test]
     fn a_recorder_handle_panicking_on_drop_does_not_kill_the_shared_reaper() {
         within(20, || {
-            paused_rt().block_on(async {
+            paused().block_on(async {
                 let reaper = Reaper::start().unwrap();
                 let rec = HookRecorder {
                     on_record: Arc::new(|| {}),

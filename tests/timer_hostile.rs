@@ -5,7 +5,7 @@
 //! fails instead of hanging.
 
 use std::future::Future;
-use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::task::{Context, Poll, Wake, Waker};
@@ -15,51 +15,8 @@ use tokio::time::advance;
 use tokio_purgatory::timer::{TaskStatus, TimeoutError, TimerError};
 use tokio_purgatory::{Reaper, Timer};
 
-fn ms(n: u64) -> Duration {
-    Duration::from_millis(n)
-}
-
-async fn settle() {
-    for _ in 0..50 {
-        tokio::task::yield_now().await;
-    }
-}
-
-fn within<T: Send + 'static>(secs: u64, f: impl FnOnce() -> T + Send + 'static) -> T {
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(catch_unwind(AssertUnwindSafe(f)));
-    });
-    match rx.recv_timeout(Duration::from_secs(secs)) {
-        Ok(Ok(v)) => v,
-        Ok(Err(panic)) => resume_unwind(panic),
-        Err(_) => panic!("deadlock: no answer within {secs} s"),
-    }
-}
-
-fn paused() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_time()
-        .start_paused(true)
-        .build()
-        .unwrap()
-}
-
-fn paused_within<T, F>(secs: u64, make: impl FnOnce() -> F + Send + 'static) -> T
-where
-    T: Send + 'static,
-    F: std::future::Future<Output = T>,
-{
-    within(secs, move || paused().block_on(make()))
-}
-
-fn multi() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap()
-}
+mod support;
+use support::{ms, multi, paused_within, settle, within};
 
 /// A waker whose wake runs a hook (given once).
 struct HookWaker {
