@@ -1015,37 +1015,6 @@ async fn caught_up_followers_stay_in_the_isr_after_an_idle_spell() {
     .await
 }
 
-/// A v2 batch of `n` records stamped `ts`.
-fn batch_at(ts: i64, n: usize, value: &[u8]) -> bytes::Bytes {
-    use kafka_protocol::records::{
-        Compression, Record, RecordBatchEncoder, RecordEncodeOptions, TimestampType,
-    };
-    let records: Vec<Record> = (0..n)
-        .map(|i| Record {
-            transactional: false,
-            control: false,
-            delete_horizon: false,
-            partition_leader_epoch: 0,
-            producer_id: -1,
-            producer_epoch: -1,
-            timestamp_type: TimestampType::Creation,
-            offset: i as i64,
-            sequence: -1,
-            timestamp: ts,
-            key: None,
-            value: Some(bytes::Bytes::copy_from_slice(value)),
-            headers: Default::default(),
-        })
-        .collect();
-    let mut out = bytes::BytesMut::new();
-    let options = RecordEncodeOptions {
-        version: 2,
-        compression: Compression::None,
-    };
-    RecordBatchEncoder::encode(&mut out, &records, &options).unwrap();
-    out.freeze()
-}
-
 /// ListOffsets by time answers as Kafka does (at batch granularity): the
 /// first batch with a record at least that new, with its timestamp; offset
 /// and timestamp -1 when there is none (Java's `offsetsForTimes` rejects a
@@ -1062,7 +1031,13 @@ async fn list_offsets_by_time_answers_as_kafka_does() {
         let mut w = Wire::connect(b.addr).await.unwrap();
         let now = wire::now_ms();
         for ts in [1_000_000i64, now] {
-            let req = wire::produce(TOPIC, 0, -1, Duration::from_secs(5), batch_at(ts, 1, b"v"));
+            let req = wire::produce(
+                TOPIC,
+                0,
+                -1,
+                Duration::from_secs(5),
+                wire::batch_at(ts, &[b"v"]),
+            );
             let r = w.call(&req, wire::PRODUCE_VERSION).await.unwrap();
             assert_eq!(wire::produce_error(&r), 0);
         }

@@ -88,9 +88,13 @@ impl Wire {
     }
 }
 
-/// One record batch of `values` (format v2, uncompressed).
+/// One record batch of `values` (format v2, uncompressed), stamped now.
 pub fn batch(values: &[&[u8]]) -> Bytes {
-    let now = now_ms();
+    batch_at(now_ms(), values)
+}
+
+/// One record batch of `values`, every record stamped `timestamp` (ms).
+pub fn batch_at(timestamp: i64, values: &[&[u8]]) -> Bytes {
     let records: Vec<Record> = values
         .iter()
         .enumerate()
@@ -104,7 +108,7 @@ pub fn batch(values: &[&[u8]]) -> Bytes {
             timestamp_type: TimestampType::Creation,
             offset: i as i64,
             sequence: -1,
-            timestamp: now,
+            timestamp,
             key: None,
             value: Some(Bytes::copy_from_slice(v)),
             headers: Default::default(),
