@@ -59,10 +59,15 @@ impl Panics {
         drop_payload(panic);
     }
 
-    /// Runs `f` (user code), containing a panic in it.
-    pub(crate) fn run(&self, what: &str, f: impl FnOnce()) {
-        if let Err(panic) = catch_unwind(AssertUnwindSafe(f)) {
-            self.caught(what, panic);
+    /// Runs `f` (user code), containing a panic in it: `None` when it
+    /// panicked.
+    pub(crate) fn run<R>(&self, what: &str, f: impl FnOnce() -> R) -> Option<R> {
+        match catch_unwind(AssertUnwindSafe(f)) {
+            Ok(r) => Some(r),
+            Err(panic) => {
+                self.caught(what, panic);
+                None
+            }
         }
     }
 

@@ -21,7 +21,6 @@
 
 use std::fmt;
 use std::num::NonZeroU32;
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -543,13 +542,10 @@ impl<J: Job<Ctx = C>, C: Send + Sync + 'static> Core<J, C> {
                 let mut ran = 0;
                 for (deadline, job) in scratch.drain(..) {
                     // An expiry whose code panicked ran all the same.
-                    let did = match catch_unwind(AssertUnwindSafe(|| job.expire(&self.ctx))) {
-                        Ok(did) => did,
-                        Err(panic) => {
-                            self.panics.caught("an expiry", panic);
-                            true
-                        }
-                    };
+                    let did = self
+                        .panics
+                        .run("an expiry", || job.expire(&self.ctx))
+                        .unwrap_or(true);
                     // Counted once per expiry: a job whose operation finished
                     // meanwhile (completed, or by an earlier expiry of this
                     // batch) expired nothing.
