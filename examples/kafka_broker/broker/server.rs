@@ -90,12 +90,11 @@ async fn serve(stream: TcpStream, broker: Arc<Broker>, stop: CancellationToken) 
     let (mut rd, mut wr) = stream.into_split();
     let config = &broker.config;
     let mut reader = Reader::new(broker.budget.clone(), config.max_request_bytes);
-    let mut pipelined: Option<Frame> = None;
-    // Since when the pipelined frame has been held.
-    let mut held_since = Instant::now();
+    // A pipelined frame, and since when it has been held.
+    let mut pipelined: Option<(Frame, Instant)> = None;
     loop {
         let frame = match pipelined.take() {
-            Some(f) => f,
+            Some((f, _)) => f,
             None => match next_frame(&mut reader, &mut rd, &broker, &stop).await {
                 Ok(f) => f,
                 Err(close) => return closed(&broker, peer, close),
@@ -122,7 +121,7 @@ async fn serve(stream: TcpStream, broker: Arc<Broker>, stop: CancellationToken) 
                 None => reader
                     .started()
                     .map(|t| (t, "the frame did not arrive in time")),
-                Some(_) => Some((held_since, "a pipelined request waited too long")),
+                Some((_, since)) => Some((*since, "a pipelined request waited too long")),
             };
             tokio::select! {
                 reply = &mut work => break reply,
@@ -131,13 +130,8 @@ async fn serve(stream: TcpStream, broker: Arc<Broker>, stop: CancellationToken) 
                     return closed(&broker, peer, Close::Refused(why));
                 }
                 read = read_or_watch(&mut reader, &mut rd, pipelined.is_some()) => match read {
-                    Ok(frame) => {
-                        // Kept for its turn.
-                        if frame.is_some() {
-                            held_since = Instant::now();
-                        }
-                        pipelined = frame;
-                    }
+                    // Kept for its turn.
+                    Ok(frame) => pipelined = frame.map(|f| (f, Instant::now())),
                     Err(Close::Gone) => {
                         broker
                             .stats
