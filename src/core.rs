@@ -44,10 +44,12 @@ pub(crate) trait Job: Send + 'static {
     /// What the core keeps for its jobs and lends each of them when it runs
     /// (the purgatory's jobs name operations in a table they reach through it).
     type Ctx: Send + Sync + 'static;
-    /// The deadline passed; runs on the reaper task with no lock held.
-    /// Returns whether it expired anything (an operation that finished
-    /// meanwhile has nothing left to expire).
-    fn expire(self, ctx: &Self::Ctx) -> bool;
+    /// The deadline passed `late` ago (`None` past the clock's horizon);
+    /// runs on the reaper task with no lock held. Returns whether it expired
+    /// anything (an operation that finished meanwhile has nothing left to
+    /// expire; one whose check runs is left to that check, which tells
+    /// [`Core::expired_later`] if it expires it).
+    fn expire(self, ctx: &Self::Ctx, late: Option<Duration>) -> bool;
     /// The timer stopped before the deadline (`why` says how); runs with no lock held.
     fn abandon(self, ctx: &Self::Ctx, why: Closed);
 }
@@ -234,7 +236,7 @@ impl<J: Job<Ctx = C>, C: Send + Sync + 'static> Core<J, C> {
         let hub = Hub::for_host(&host);
         let core = Arc::new(Core {
             shards,
-            clock: Clock::new(Instant::now(), settings.tick),
+            clock: Clock::new(host.now(), settings.tick),
             wake: WakeTarget::new(),
             hub: hub.clone(),
             scratch: Mutex::new(Vec::new()),
@@ -503,6 +505,24 @@ impl<J: Job<Ctx = C>, C: Send + Sync + 'static> Core<J, C> {
         Some(jobs)
     }
 
+    /// A lateness sample, in the histogram and the application's recorder.
+    fn record_lateness(&self, late: Duration) {
+        self.counters.lateness.record(late);
+        // The application's recorder, code of its own.
+        #[cfg(feature = "metrics")]
+        self.panics.run("the metrics recorder", || {
+            self.lateness_export.record(late.as_secs_f64())
+        });
+    }
+
+    /// An expiry a turn left to the check running at that moment (its job
+    /// returned `false`), carried out by that check: counted as the turn
+    /// counts its own, `late` as the turn measured it, but in no turn's batch.
+    pub(crate) fn expired_later(&self, late: Duration) {
+        self.counters.expired.fetch_add(1, Ordering::Relaxed);
+        self.record_lateness(late);
+    }
+
     /// One reaper turn: expires at most `batch` due jobs per shard. Returns whether
     /// more are due right now, the earliest tick anything is due otherwise, and the
     /// turn's tick.
@@ -541,10 +561,14 @@ impl<J: Job<Ctx = C>, C: Send + Sync + 'static> Core<J, C> {
                 self.release_capacity(scratch.len());
                 let mut ran = 0;
                 for (deadline, job) in scratch.drain(..) {
+                    let late = self
+                        .clock
+                        .instant_of(deadline)
+                        .map(|due| started.saturating_duration_since(due));
                     // An expiry whose code panicked ran all the same.
                     let did = self
                         .panics
-                        .run("an expiry", || job.expire(&self.ctx))
+                        .run("an expiry", || job.expire(&self.ctx, late))
                         .unwrap_or(true);
                     // Counted once per expiry: a job whose operation finished
                     // meanwhile (completed, or by an earlier expiry of this
@@ -553,14 +577,8 @@ impl<J: Job<Ctx = C>, C: Send + Sync + 'static> Core<J, C> {
                         continue;
                     }
                     ran += 1;
-                    if let Some(due) = self.clock.instant_of(deadline) {
-                        let late = started.saturating_duration_since(due);
-                        self.counters.lateness.record(late);
-                        // The application's recorder, code of its own.
-                        #[cfg(feature = "metrics")]
-                        self.panics.run("the metrics recorder", || {
-                            self.lateness_export.record(late.as_secs_f64())
-                        });
+                    if let Some(late) = late {
+                        self.record_lateness(late);
                     }
                 }
                 self.counters.expired.fetch_add(ran, Ordering::Relaxed);

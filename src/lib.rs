@@ -336,7 +336,18 @@
 //!   pending, `registered = completed + expired + cancelled + handed_back`.
 //! - **A lost reaper is detected.** If the reaper's runtime shuts down or the task
 //!   is aborted, pending handles resolve with [`OperationError::ReaperGone`] and
-//!   registration fails with the operation handed back.
+//!   registration fails with the operation handed back; an operation whose
+//!   check was running at that moment resolves so too, after its check, if
+//!   the check does not complete it. The reaper's runtime needs Tokio's time
+//!   driver (`enable_time`, or `enable_all`): on a runtime built without it,
+//!   Tokio panics in the reaper task at its first sleep (its panic, printed
+//!   by the panic hook), and the purgatory or timer then reads as having lost
+//!   its reaper.
+//! - **One clock.** A purgatory or timer keeps time by the clock of the
+//!   runtime its reaper runs on, read there when it is built, whichever
+//!   runtime (or none) builds it. A timeout given as a `Duration` counts
+//!   from the caller's reading of Tokio's clock: with a reaper on a paused
+//!   runtime, register from inside that runtime.
 //! - **User panics are contained.** A panicking check, expiry or timer task, a
 //!   panicking `Drop` of any operation, output, key or task the crate drops, and
 //!   a waker (one built from a raw vtable) whose `wake` or `Drop` panics when the

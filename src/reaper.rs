@@ -59,6 +59,20 @@ impl<'a> Host<'a> {
             None => Ok(Host::Own(runtime_handle(handle)?)),
         }
     }
+
+    /// The clock's reading on the reaper's runtime, where the reaper reads
+    /// it: a core's origin. Read here, in the builder's context, it would be
+    /// another runtime's when the two differ (a paused runtime's clock runs
+    /// ahead of or behind the real one), and every deadline would be judged
+    /// against that.
+    pub(crate) fn now(&self) -> tokio::time::Instant {
+        let runtime = match self {
+            Host::Own(rt) => Some(rt),
+            Host::Shared(reaper) => reaper.hub.runtime.as_ref(),
+        };
+        let _on = runtime.map(tokio::runtime::Handle::enter);
+        tokio::time::Instant::now()
+    }
 }
 
 /// What a reaper did for one purgatory or timer: its turns (each takes out
@@ -101,6 +115,9 @@ pub struct ReaperMetrics {
 pub(crate) struct Hub {
     notify: Notify,
     inner: Mutex<HubInner>,
+    /// The runtime a shared reaper runs on (`None` for a reaper of its own,
+    /// whose core is given the runtime directly).
+    runtime: Option<tokio::runtime::Handle>,
 }
 
 /// Nothing behind its lock, which is not held while a formatter writes.
@@ -131,10 +148,11 @@ impl std::fmt::Debug for HubInner {
 }
 
 impl Hub {
-    fn new() -> Hub {
+    fn new(runtime: Option<tokio::runtime::Handle>) -> Hub {
         Hub {
             notify: Notify::new(),
             inner: Mutex::new(HubInner::default()),
+            runtime,
         }
     }
 
@@ -142,7 +160,7 @@ impl Hub {
     /// the shared reaper's.
     pub(crate) fn for_host(host: &Host<'_>) -> Arc<Hub> {
         match host {
-            Host::Own(_) => Arc::new(Hub::new()),
+            Host::Own(_) => Arc::new(Hub::new(None)),
             Host::Shared(reaper) => reaper.hub.clone(),
         }
     }
@@ -289,7 +307,7 @@ impl Reaper {
     /// assert!(!timer.is_shutdown());
     /// ```
     pub fn start_on(handle: &tokio::runtime::Handle) -> Reaper {
-        let hub = Arc::new(Hub::new());
+        let hub = Arc::new(Hub::new(Some(handle.clone())));
         lock(&hub.inner).handles = 1;
         handle.spawn(run_reaper(ReaperGuard(hub.clone())));
         Reaper { hub }
@@ -443,7 +461,11 @@ async fn run_reaper(guard: ReaperGuard) {
             None => hub.notify.notified().await,
         }
         for core in serving.drain(..) {
-            core.woke();
+            // A core closed meanwhile (its close is what woke the task) keeps
+            // its counts as they were at the close.
+            if !core.is_closed() {
+                core.woke();
+            }
             let_go(core);
         }
     }

@@ -1894,6 +1894,39 @@ async fn a_registration_racing_a_shutdown_leaves_nothing_watched() {
     assert!(balanced(&m), "{m:?}");
 }
 
+/// The same race, with the registration's second check completing the
+/// operation instead: it is not refused (it finished), and its watch-list
+/// entries, made after the shutdown emptied the lists, go all the same.
+#[tokio::test(start_paused = true)]
+async fn a_registration_completed_past_a_shutdown_leaves_nothing_watched() {
+    struct ShutsDownThenDone(Arc<OnceLock<Purgatory<u32, ShutsDownThenDone>>>);
+    impl Operation for ShutsDownThenDone {
+        type Output = &'static str;
+        fn try_complete(&mut self) -> Option<&'static str> {
+            match self.0.get().filter(|p| !p.is_shutdown()) {
+                Some(p) => {
+                    assert!(p.shutdown().is_empty(), "nothing pending yet");
+                    None
+                }
+                None => Some("done"),
+            }
+        }
+        fn on_expiration(self) -> &'static str {
+            "expired"
+        }
+    }
+    let slot = Arc::new(OnceLock::new());
+    let p: Purgatory<u32, ShutsDownThenDone> = Purgatory::new();
+    assert!(slot.set(p.clone()).is_ok());
+    let h = p
+        .try_complete_else_watch(ShutsDownThenDone(slot.clone()), ms(100), [1, 2, 3])
+        .unwrap();
+    assert_eq!(h.await, Ok(tokio_purgatory::Completion::Completed("done")));
+    let m = p.metrics();
+    assert_eq!((m.watched, m.tombstones, m.keys), (0, 0, 0), "{m:?}");
+    assert!(balanced(&m), "{m:?}");
+}
+
 /// Keys whose `Hash` is the same for all (every key collides, whatever the
 /// hasher): finished operations' entries and emptied keys still go, by
 /// walks and by the purge, as with any keys.

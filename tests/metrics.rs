@@ -180,3 +180,151 @@ async fn cells_follow_the_peak_and_stay() {
     assert_eq!(p.metrics().delayed, 0);
     assert_eq!(p.metrics().cells, 512, "never goes down");
 }
+
+/// Says "not yet" (or, with `then_done`, completes) on its third check (the
+/// first after registration's two), which waits at `entered` until
+/// `release`.
+struct Held {
+    checks: usize,
+    then_done: bool,
+    entered: Arc<std::sync::Barrier>,
+    release: Arc<std::sync::Barrier>,
+}
+
+impl tokio_purgatory::Operation for Held {
+    type Output = &'static str;
+    fn try_complete(&mut self) -> Option<&'static str> {
+        self.checks += 1;
+        if self.checks == 3 {
+            self.entered.wait();
+            self.release.wait();
+            return self.then_done.then_some("done");
+        }
+        None
+    }
+    fn on_expiration(self) -> &'static str {
+        "expired"
+    }
+}
+
+/// An expiry the reaper leaves to a check running on another thread at that
+/// moment is one lateness sample, as the reaper measured it, when that check
+/// expires it (it says "not yet"), and none when the check completes it:
+/// `lateness().count()` stays equal to `expired`. It is in no turn's batch.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn an_expiry_left_to_a_running_check_is_sampled_once_if_it_expires() {
+    for then_done in [false, true] {
+        let p: Purgatory<u32, Held> = Purgatory::new();
+        let entered = Arc::new(std::sync::Barrier::new(2));
+        let release = Arc::new(std::sync::Barrier::new(2));
+        let op = Held {
+            checks: 0,
+            then_done,
+            entered: entered.clone(),
+            release: release.clone(),
+        };
+        let h = p.try_complete_else_watch(op, ms(10), [1]).unwrap();
+        let op_ref = h.op_ref().unwrap();
+        let checker = std::thread::spawn(move || op_ref.try_complete());
+        entered.wait();
+        // The deadline passes, 5 ms late, while the check runs: the
+        // reaper's turn leaves the expiry to it.
+        tokio::time::advance(ms(15)).await;
+        settle().await;
+        assert_eq!(p.metrics().expired, 0);
+        release.wait();
+        assert_eq!(checker.join().unwrap(), then_done);
+        let out = h.await.unwrap();
+        let m = p.metrics();
+        let late = p.lateness();
+        assert_eq!(late.count(), m.expired, "then done: {then_done}");
+        if then_done {
+            assert_eq!(out, tokio_purgatory::Completion::Completed("done"));
+            assert_eq!((m.completed, m.expired), (1, 0));
+        } else {
+            assert_eq!(out, tokio_purgatory::Completion::Expired("expired"));
+            assert_eq!((m.completed, m.expired), (0, 1));
+            let max = late.max();
+            assert!(max >= ms(5) && max < ms(6), "{max:?}");
+        }
+        assert_eq!(m.reaper.largest_batch, 0, "no turn expired it");
+    }
+}
+
+/// A timer's counters keep the values they had at its shutdown, as its
+/// metrics say: the wake-up its shutdown gives the reaper (to let go of it)
+/// is not counted in it.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_timers_counters_stay_put_after_its_shutdown() {
+    let timer = Timer::new();
+    timer.sleep(ms(5)).await.unwrap();
+    let _later = timer.schedule(ms(1000), || {}).unwrap();
+    settle().await;
+    drop(timer.shutdown());
+    let at_shutdown = timer.metrics();
+    settle().await;
+    tokio::time::advance(ms(2000)).await;
+    settle().await;
+    assert_eq!(timer.metrics(), at_shutdown);
+}
+
+/// A repeating or async task cancelled, or a sleep dropped, in the reaper's
+/// turn that took its entry out, before it ran (by a task that ran first in
+/// that turn), never runs (or wakes anyone), and is neither counted as
+/// expired nor sampled for lateness.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_task_cancelled_in_its_own_turn_is_no_expiry() {
+    use std::sync::atomic::AtomicUsize;
+    use std::sync::OnceLock;
+    let timer = Timer::builder().shards(1).build().unwrap();
+    let ran = Arc::new(AtomicUsize::new(0));
+    let repeating: Arc<OnceLock<tokio_purgatory::TaskHandle>> = Arc::default();
+    let spawned: Arc<OnceLock<tokio_purgatory::AsyncTaskHandle>> = Arc::default();
+    let nap: Arc<std::sync::Mutex<Option<tokio_purgatory::Sleep>>> = Arc::default();
+    let cancelled = Arc::new(AtomicUsize::new(0));
+    let fired = Arc::new(AtomicBool::new(false));
+    let (r, s, c) = (repeating.clone(), spawned.clone(), cancelled.clone());
+    let (z, f) = (nap.clone(), fired.clone());
+    // Scheduled first, so it runs first among entries due in the same tick
+    // of the one shard: the order they went in (the crate promises no order;
+    // this test relies on today's, and says so if it changes).
+    timer
+        .schedule(ms(10), move || {
+            let cancels = [r.get().unwrap().cancel(), s.get().unwrap().cancel()];
+            c.store(cancels.iter().filter(|c| **c).count(), Ordering::SeqCst);
+            let nap = z.lock().unwrap().take().unwrap();
+            f.store(nap.is_elapsed(), Ordering::SeqCst);
+            drop(nap);
+        })
+        .unwrap();
+    let n = ran.clone();
+    let h = timer
+        .schedule_repeating(ms(10), move || {
+            n.fetch_add(1, Ordering::SeqCst);
+            Some(ms(1000))
+        })
+        .unwrap();
+    assert!(repeating.set(h).is_ok());
+    let n = ran.clone();
+    let h = timer
+        .schedule_async(ms(10), async move {
+            n.fetch_add(1, Ordering::SeqCst);
+        })
+        .unwrap();
+    assert!(spawned.set(h).is_ok());
+    *nap.lock().unwrap() = Some(timer.sleep(ms(10)));
+    tokio::time::advance(ms(11)).await;
+    settle().await;
+    assert_eq!(
+        (
+            cancelled.load(Ordering::SeqCst),
+            fired.load(Ordering::SeqCst)
+        ),
+        (2, false),
+        "the first task no longer runs first in its turn"
+    );
+    assert_eq!(ran.load(Ordering::SeqCst), 0);
+    let m = timer.metrics();
+    assert_eq!(m.expired, 1, "the cancelling task only");
+    assert_eq!(timer.lateness().count(), m.expired);
+}

@@ -1126,3 +1126,53 @@ async fn keys_nobody_watches_leave_a_busy_map_too() {
         assert!(balanced(&p.metrics()));
     }
 }
+
+/// The finish that leaves nothing pending purges the whole map (up to about
+/// 2,000 entries in that call) even when a purge in slices was under way:
+/// that purge had passed some keys while their operations were still
+/// pending, and going on with it would leave their tombstones (and the
+/// keys) in an idle purgatory for good. Plain and level watches; the last
+/// finish a cancellation or an expiry; and with no slice between, as control.
+#[tokio::test(start_paused = true)]
+async fn nothing_pending_purges_afresh_though_a_purge_was_under_way() {
+    for level in [false, true] {
+        for slice_between in [false, true] {
+            let p: Purgatory<u32, Mock> = Purgatory::new();
+            let watch = |k: u32, timeout| {
+                let w = if level {
+                    tokio_purgatory::Watch::level(k, 5)
+                } else {
+                    tokio_purgatory::Watch::key(k)
+                };
+                p.try_complete_else_watch_levels(Mock::default(), timeout, [w])
+                    .unwrap()
+            };
+            let mut held: Vec<_> = (0..1100).map(|k| watch(k, ms(100_000))).collect();
+            let last = watch(5_000, ms(10));
+            // Half cancelled: tombstones as many as live entries in a map
+            // over the size purged whole, so the purge is only marked.
+            held.drain(..560);
+            if slice_between {
+                // A walk of a key nobody watches runs one slice of it.
+                assert_eq!(p.try_complete_watched(&999_999), 0);
+            }
+            let case = format!("level {level}, slice between {slice_between}");
+            if level {
+                drop(last);
+                drop(held);
+            } else {
+                drop(held);
+                // The last one expires on the reaper.
+                assert!(matches!(last.await, Ok(Completion::Expired(_))), "{case}");
+            }
+            let m = p.metrics();
+            assert_eq!(m.delayed, 0, "{case}");
+            assert_eq!(
+                (m.watched, m.tombstones, m.keys),
+                (0, 0, 0),
+                "{case}: {m:?}"
+            );
+            assert!(balanced(&m), "{case}");
+        }
+    }
+}

@@ -828,3 +828,157 @@ async fn histogram_edges() {
         )
     );
 }
+
+// ---------------------------------------------------------------------------
+// 8. The purgatory closes while another thread checks an operation: the close
+// cannot take it, so the cancel it asks for is left to that check, and the
+// handle learns why the purgatory closed, as the others do.
+
+/// Says "not yet", holding its third check (the first after registration's
+/// two) at `entered` until `release`.
+struct HeldCheck {
+    checks: usize,
+    entered: Arc<std::sync::Barrier>,
+    release: Arc<std::sync::Barrier>,
+}
+
+impl HeldCheck {
+    fn new() -> (HeldCheck, Arc<std::sync::Barrier>, Arc<std::sync::Barrier>) {
+        let entered = Arc::new(std::sync::Barrier::new(2));
+        let release = Arc::new(std::sync::Barrier::new(2));
+        let op = HeldCheck {
+            checks: 0,
+            entered: entered.clone(),
+            release: release.clone(),
+        };
+        (op, entered, release)
+    }
+}
+
+impl Operation for HeldCheck {
+    type Output = ();
+    fn try_complete(&mut self) -> Option<()> {
+        self.checks += 1;
+        if self.checks == 3 {
+            self.entered.wait();
+            self.release.wait();
+        }
+        None
+    }
+    fn on_expiration(self) {}
+}
+
+#[test]
+fn a_check_running_as_the_reaper_is_lost_resolves_reaper_gone() {
+    within(20, || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let p: Purgatory<u32, HeldCheck> = Purgatory::builder().build_on(rt.handle()).unwrap();
+        rt.block_on(tokio::task::yield_now());
+        let (op, entered, release) = HeldCheck::new();
+        let h = p.try_complete_else_watch(op, ms(600_000), [1]).unwrap();
+        let walker = {
+            let p = p.clone();
+            std::thread::spawn(move || p.try_complete_watched(&1))
+        };
+        entered.wait();
+        drop(rt); // the reaper task goes with its runtime
+        assert!(p.is_shutdown());
+        release.wait();
+        assert_eq!(walker.join().unwrap(), 0);
+        assert_eq!(
+            futures::executor::block_on(h),
+            Err(OperationError::ReaperGone)
+        );
+        let m = p.metrics();
+        assert_eq!(m.cancelled, 1, "{m:?}");
+        assert!(balanced(&m), "{m:?}");
+    });
+}
+
+#[test]
+fn a_check_running_as_the_last_clone_goes_resolves_shutdown() {
+    within(20, || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let p: Purgatory<u32, HeldCheck> = Purgatory::builder().build_on(rt.handle()).unwrap();
+        let (op, entered, release) = HeldCheck::new();
+        let h = p.try_complete_else_watch(op, ms(600_000), [1]).unwrap();
+        let op_ref = h.op_ref().unwrap();
+        let checker = std::thread::spawn(move || op_ref.try_complete());
+        entered.wait();
+        drop(p);
+        release.wait();
+        assert!(!checker.join().unwrap());
+        assert_eq!(
+            futures::executor::block_on(h),
+            Err(OperationError::Shutdown)
+        );
+    });
+}
+
+#[test]
+fn a_check_running_through_a_shutdown_resolves_shutdown() {
+    within(20, || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let p: Purgatory<u32, HeldCheck> = Purgatory::builder().build_on(rt.handle()).unwrap();
+        let (op, entered, release) = HeldCheck::new();
+        let h = p.try_complete_else_watch(op, ms(600_000), [1]).unwrap();
+        let walker = {
+            let p = p.clone();
+            std::thread::spawn(move || p.try_complete_watched(&1))
+        };
+        entered.wait();
+        assert!(p.shutdown().is_empty(), "the operation being checked");
+        release.wait();
+        assert_eq!(walker.join().unwrap(), 0);
+        assert_eq!(
+            futures::executor::block_on(h),
+            Err(OperationError::Shutdown)
+        );
+        let m = p.metrics();
+        assert_eq!((m.cancelled, m.handed_back), (1, 0), "{m:?}");
+        assert!(balanced(&m), "{m:?}");
+    });
+}
+
+/// The operations a lost reaper cancels leave their watch-list entries as
+/// any cancellation does: the last one purges them, and the keys go (no
+/// later call would: the purgatory is closed).
+#[test]
+fn a_lost_reapers_cancellations_empty_the_watch_lists() {
+    within(20, || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let p: Purgatory<u32, Never> = Purgatory::builder().build_on(rt.handle()).unwrap();
+        let hs: Vec<_> = (0..5)
+            .map(|i| {
+                p.try_complete_else_watch(Never, ms(60_000), [i, 100])
+                    .unwrap()
+            })
+            .collect();
+        rt.block_on(tokio::task::yield_now());
+        drop(rt);
+        assert!(p.is_shutdown());
+        for h in hs {
+            assert_eq!(
+                futures::executor::block_on(h),
+                Err(OperationError::ReaperGone)
+            );
+        }
+        let m = p.metrics();
+        assert_eq!((m.cancelled, m.delayed), (5, 0), "{m:?}");
+        assert_eq!((m.watched, m.tombstones, m.keys), (0, 0, 0), "{m:?}");
+        assert!(p.shutdown().is_empty());
+        assert!(balanced(&p.metrics()));
+    });
+}

@@ -1013,3 +1013,46 @@ async fn one_ns_tick_deadline_250_years_fires() {
     settle().await;
     assert_eq!(ran.load(Ordering::SeqCst), 1);
 }
+
+/// A purgatory or timer built in one runtime whose reaper runs on another
+/// keeps the reaper's clock: built inside a paused runtime whose clock ran
+/// an hour ahead, its reaper on a runtime whose clock did not, nothing it
+/// holds fires early on the reaper's runtime (its origin read there, where
+/// the reaper reads the clock, not an hour ahead, which made every deadline
+/// look passed). A reaper of its own and a shared one.
+#[test]
+fn a_reaper_on_another_runtime_keeps_that_runtimes_clock() {
+    support::within(20, || {
+        const HOUR: Duration = Duration::from_secs(3_600);
+        let reaper_rt = support::paused();
+        let builder_rt = support::paused();
+        let shared = Reaper::start_on(reaper_rt.handle());
+        let (timers, purgatories) = builder_rt.block_on(async {
+            tokio::time::sleep(HOUR).await;
+            let timers = [
+                Timer::builder().build_on(reaper_rt.handle()).unwrap(),
+                Timer::builder().reaper(&shared).build().unwrap(),
+            ];
+            let purgatories: [Purgatory<u32, Never>; 2] = [
+                Purgatory::builder().build_on(reaper_rt.handle()).unwrap(),
+                Purgatory::builder().reaper(&shared).build().unwrap(),
+            ];
+            (timers, purgatories)
+        });
+        reaper_rt.block_on(async {
+            for timer in &timers {
+                let start = Instant::now();
+                timer.sleep(ms(5_000)).await.unwrap();
+                assert!(Instant::now() - start >= ms(5_000), "early");
+            }
+            for p in &purgatories {
+                let start = Instant::now();
+                let h = p.try_complete_else_watch(Never, ms(5_000), [1]).unwrap();
+                let Ok(Completion::Expired(at)) = h.await else {
+                    panic!("expired")
+                };
+                assert!(at - start >= ms(5_000), "early");
+            }
+        });
+    });
+}

@@ -35,6 +35,7 @@
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
 use std::task::Waker;
+use std::time::Duration;
 
 use super::books::Fate;
 use super::error::OperationError;
@@ -504,8 +505,16 @@ where
         match self.run_checks(me, reached) {
             Checked::Completed => true,
             Checked::Cancelled(op) => {
+                // A cancel left for this check: by a shutdown or a lost reaper
+                // when the purgatory is closed (which close is told, as the
+                // operations it took are), else by key or by reference. The
+                // close comes before its cancels, so it is seen here.
+                let why = self
+                    .shared
+                    .closed()
+                    .map_or(OperationError::Cancelled, OperationError::from);
                 self.shared.drop_contained("drop of an operation", op);
-                self.finish(Err(OperationError::Cancelled), Fate::Cancelled, true);
+                self.finish(Err(why), Fate::Cancelled, true);
                 false
             }
             Checked::Pending | Checked::Expired => false,
@@ -541,10 +550,16 @@ where
             AfterNotYet::Release => Checked::Pending,
             AfterNotYet::Cancel => {
                 cell.owner.record_fate(Fate::Cancelled.code());
+                // An expiry left meanwhile lost to the cancel.
+                self.shared.late().take(&self.id);
                 Checked::Cancelled(self.take_op())
             }
             AfterNotYet::Expire => {
                 cell.owner.record_fate(Fate::Expired.code());
+                // The reaper left its lateness sample for this expiry with it.
+                if let Some(nanos) = self.shared.late().take(&self.id) {
+                    self.shared.expired_later(Duration::from_nanos(nanos));
+                }
                 self.run_expiry(self.take_op());
                 Checked::Expired
             }
@@ -555,8 +570,10 @@ where
     /// operation (taken out) dropped, `output` delivered.
     fn completed(&self, op: Option<O>, output: O::Output) -> Checked<O> {
         self.life.complete(&self.cell.owner);
-        // A level left for a re-run that will not happen.
+        // A level left for a re-run that will not happen, and the lateness of
+        // an expiry left meanwhile that lost to the completion.
         self.shared.handed().take(&self.id);
+        self.shared.late().take(&self.id);
         self.cell.owner.record_fate(Fate::Completed.code());
         self.shared.drop_contained("drop of an operation", op);
         self.finish(Ok(Completion::Completed(output)), Fate::Completed, true);
@@ -619,7 +636,12 @@ where
     /// Claims the operation (expiry or cancellation), taking it out, unless a
     /// check is running: then the request is left for the checker.
     fn claim(&self, request: u64, fate: Fate) -> Option<O> {
-        match self.life.claim(self.generation(), request) {
+        self.won(self.life.claim(self.generation(), request), fate)
+    }
+
+    /// The operation taken out for `fate` when `claim` won.
+    fn won(&self, claim: Claim, fate: Fate) -> Option<O> {
+        match claim {
             Claim::Won => {
                 self.cell.owner.record_fate(fate.code());
                 Some(self.take_op())
@@ -628,11 +650,24 @@ where
         }
     }
 
-    /// The timeout fired (on the reaper task, with no lock held).
+    /// The timeout fired `late` ago (on the reaper task, with no lock held).
     /// Returns whether this call expired it (a check running at that moment
-    /// expires it instead, if it says "not yet").
-    pub(crate) fn expire(&self) -> bool {
-        match self.claim(EXPIRE, Fate::Expired) {
+    /// expires it instead, if it says "not yet", and records `late`, left
+    /// for it here, as the reaper would have).
+    pub(crate) fn expire(&self, late: Option<Duration>) -> bool {
+        let nanos = late.map(|d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
+        let late = self.shared.late();
+        let mut offered = false;
+        let claim = self.life.claim_or_ask(self.generation(), EXPIRE, || {
+            if let (Some(nanos), false) = (nanos, offered) {
+                late.offer(self.id, nanos);
+                offered = true;
+            }
+        });
+        if offered && claim != Claim::Deferred {
+            late.take(&self.id);
+        }
+        match self.won(claim, Fate::Expired) {
             Some(op) => {
                 self.run_expiry(op);
                 true
@@ -678,7 +713,7 @@ where
         }
         let _finisher = Finisher(self.shared, self.id);
         // The final word (a cancel deferred to a check was recorded as a plain
-        // cancel; shutdown's hand-back is told here).
+        // cancel, which it is counted as; shutdown's hand-back is told here).
         self.cell.owner.record_fate(fate.code());
         self.shared.on_finished(fate, self.cell.owner.keys());
         let timer = self.cell.timer().take_final();

@@ -780,7 +780,14 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
         shared.drop_keys(keys);
         match settled {
             Ok(()) => {
-                shared.maybe_purge();
+                if shared.is_closed() {
+                    // Finished (completed or expired) though a shutdown
+                    // emptied the lists during the watch: its entries go as
+                    // below, or they would stay in a purgatory nothing purges.
+                    shared.tidy();
+                } else {
+                    shared.maybe_purge();
+                }
                 Ok(OperationHandle::waiting(cell))
             }
             Err((op, why)) => {
@@ -1083,7 +1090,10 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
     /// from its deadline (rounded up to the tick, as the wheel holds it) to
     /// the reaper turn that took it out. Its tail says whether the reaper
     /// keeps up. Recorded once per expiry by the reaper, never on the
-    /// registration or completion paths.
+    /// registration or completion paths; an expiry the turn left to a check
+    /// running at that moment on another thread is recorded (as the turn
+    /// measured it) when that check carries it out, and not at all if the
+    /// check completes the operation instead.
     ///
     /// A snapshot (about 2.5 KiB): take it when you export, not per request.
     ///
@@ -1221,8 +1231,9 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
     /// # Concurrent calls
     ///
     /// An operation being checked or expired at this moment is not in the list: it
-    /// finishes by that check or expiry, or is cancelled right after a check that
-    /// did not complete it. Calling `shutdown` from inside an operation's code
+    /// finishes by that check or expiry, or, after a check that did not
+    /// complete it, is dropped there (counted as cancelled) and its handle
+    /// resolves to [`OperationError::Shutdown`]. Calling `shutdown` from inside an operation's code
     /// works.
     ///
     /// # Examples

@@ -8,6 +8,7 @@ use std::marker::PhantomData;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, TryLockError, Weak};
+use std::time::Duration;
 
 use tokio::time::Instant;
 
@@ -62,11 +63,11 @@ impl<K: WatchKey, O: Operation> Job for Expiry<K, O> {
     /// The purgatory, lent to the core once it is built.
     type Ctx = Lent<K, O>;
 
-    fn expire(self, ctx: &Self::Ctx) -> bool {
+    fn expire(self, ctx: &Self::Ctx, late: Option<Duration>) -> bool {
         match ctx.get().and_then(Weak::upgrade) {
             Some(shared) => {
                 // No reference needed: the claim names the use by its generation.
-                let expired = shared.op(self.0).expire();
+                let expired = shared.op(self.0).expire(late);
                 shared.tidy();
                 expired
             }
@@ -82,6 +83,9 @@ impl<K: WatchKey, O: Operation> Job for Expiry<K, O> {
             {
                 shared.drop_contained("drop of an operation", op);
             }
+            // As after any cancellation: the last one purges the lists, which
+            // nothing else would once the reaper is gone.
+            shared.tidy();
         }
     }
 }
@@ -159,6 +163,9 @@ pub(crate) struct Shared<K: WatchKey, O: Operation> {
     walks: Striped<[WalkStripe; 3]>,
     /// Levels handed from advances to the re-runs they asked for.
     handed: Handed<Id>,
+    /// The lateness (ns) of expiries the reaper left to a running check, for
+    /// that check to record if it expires the operation.
+    late: Handed<Id>,
 }
 
 /// What walks of one kind did on one stripe (see [`WalkMetrics`]). A check by
@@ -240,6 +247,7 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
             buffers: Striped::default(),
             walks: Striped::default(),
             handed: Handed::default(),
+            late: Handed::default(),
         }
     }
 
@@ -558,6 +566,17 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         &self.handed
     }
 
+    /// The lateness of expiries left to running checks.
+    pub(crate) fn late(&self) -> &Handed<Id> {
+        &self.late
+    }
+
+    /// An expiry left to a running check, `late` after its deadline, which
+    /// that check carried out.
+    pub(crate) fn expired_later(&self, late: Duration) {
+        self.core.expired_later(late);
+    }
+
     /// Where panics in this purgatory's user code are counted and reported.
     pub(crate) fn panics(&self) -> &Panics {
         &self.panics
@@ -566,6 +585,11 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
     /// Whether the timer core is closed (shut down, or its reaper gone).
     pub(crate) fn is_closed(&self) -> bool {
         self.core.closed().is_some()
+    }
+
+    /// Why the timer core closed, if it did.
+    pub(crate) fn closed(&self) -> Option<Closed> {
+        self.core.closed()
     }
 
     /// Removes an operation's timer entry (its job, an id, is dropped here).
@@ -796,7 +820,7 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
                 return;
             }
         }
-        self.purge_slice();
+        self.purge_slice(false);
     }
 
     /// After an operation expired or was cancelled through its handle or an
@@ -830,19 +854,32 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
             return;
         }
         // SMALL_LISTS / SWEEP_SLICE slices, and a few more for keys whose
-        // lists are only levels; another thread on the purge ends this.
+        // lists are only levels. The pass starts afresh: one under way
+        // visited some keys before their operations finished, and would not
+        // look at them again. Another thread on a slice is waited for (a
+        // slice is short and runs no user code) for the first, and ends this
+        // after it.
+        let mut fresh = true;
         for _ in 0..=SMALL_LISTS / SWEEP_SLICE + 8 {
-            if !self.purge_slice() {
+            if !self.purge_slice(fresh) {
                 break;
             }
+            fresh = false;
         }
     }
 
-    /// One slice of the purge (starting one if none is under way); returns
-    /// whether the purge goes on.
-    fn purge_slice(&self) -> bool {
+    /// One slice of the purge (starting one if none is under way, or when
+    /// `fresh`, a new one in place of any under way); returns whether the
+    /// purge goes on. Gives up when another thread is on a slice, unless
+    /// `fresh`, which waits for it.
+    fn purge_slice(&self, fresh: bool) -> bool {
         let purge = &self.purge.0;
-        let mut sweep = match purge.sweep.try_lock() {
+        let taken = if fresh {
+            purge.sweep.lock().map_err(TryLockError::Poisoned)
+        } else {
+            purge.sweep.try_lock()
+        };
+        let mut sweep = match taken {
             Ok(sweep) => sweep,
             // No code that can panic runs under this lock; recover anyway.
             Err(TryLockError::Poisoned(p)) => p.into_inner(),
@@ -855,7 +892,7 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         let mut buffers = self.take_buffers();
         let removed = &mut buffers.removed;
         removed.entries.reserve(SWEEP_SLICE);
-        if sweep.is_done() {
+        if fresh || sweep.is_done() {
             self.watchers.restart_sweep(&mut sweep);
         }
         let cells = &self.cells;

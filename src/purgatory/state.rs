@@ -509,11 +509,27 @@ impl Life {
     /// finisher's.
     #[inline]
     pub(crate) fn claim(&self, generation: NonZeroU32, request: u64) -> Claim {
+        self.claim_or_ask(generation, request, || {})
+    }
+
+    /// As [`claim`](Self::claim), calling `ask` before each attempt to leave
+    /// the request for a running check (so that what `ask` leaves for that
+    /// checker is in place before the checker can see the request; it may be
+    /// called more than once, and also when the request is not left in the
+    /// end).
+    #[inline]
+    pub(crate) fn claim_or_ask(
+        &self,
+        generation: NonZeroU32,
+        request: u64,
+        mut ask: impl FnMut(),
+    ) -> Claim {
         let mut s = self.0.load(Ordering::Acquire);
         loop {
             let want = if !Self::is_use(s, generation) {
                 return Claim::Finished;
             } else if s & CHECKING != 0 {
+                ask();
                 s | request
             } else {
                 if s & REFS >= MAX_REFS {

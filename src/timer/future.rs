@@ -143,6 +143,8 @@ impl Drop for Sleep {
     fn drop(&mut self) {
         if let Ok(r) = &self.inner {
             if r.signal.outcome().is_none() {
+                // A turn that took the entry out already fires nothing.
+                r.signal.dropped();
                 // The job holds only a signal: dropping it under no lock is harmless.
                 drop(r.core.remove(r.key));
             }

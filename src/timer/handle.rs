@@ -504,17 +504,18 @@ impl AsyncTaskHandle {
     /// or wherever a task handed back by a shutdown is run: on the runtime
     /// current there, else on `scheduled_on` (the one current when it was
     /// scheduled). With neither, it cannot start: it is dropped unrun, and
-    /// its handle reads cancelled.
+    /// its handle reads cancelled. Returns whether it was spawned.
     pub(super) fn start<Fut>(
         start: &Mutex<Start>,
         future: Fut,
         scheduled_on: Option<&tokio::runtime::Handle>,
-    ) where
+    ) -> bool
+    where
         Fut: std::future::Future<Output = ()> + Send + 'static,
     {
         if matches!(*lock(start), Start::Cancelled) {
             drop(future); // the user's value, with no lock of ours held
-            return;
+            return false;
         }
         let runtime = match tokio::runtime::Handle::try_current() {
             Ok(current) => current,
@@ -523,7 +524,7 @@ impl AsyncTaskHandle {
                 None => {
                     *lock(start) = Start::Cancelled;
                     drop(future); // with no lock of ours held
-                    return;
+                    return false;
                 }
             },
         };
@@ -538,6 +539,7 @@ impl AsyncTaskHandle {
         } else {
             *s = Start::Running(abort);
         }
+        true
     }
 
     /// Cancels the future: before its deadline it is taken out of the wheel

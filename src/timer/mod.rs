@@ -84,7 +84,7 @@ pub type TimeoutStatus = TaskStatus;
 pub use self::task::UnrunTask;
 use self::task::{refused_task, Chain, Repeating, TimerJob};
 use crate::clock::deadline_after;
-use crate::core::{Closed, Core, Job};
+use crate::core::{Closed, Core, Job, Refused};
 pub use crate::histogram::Histogram;
 pub use crate::reaper::ReaperMetrics;
 use crate::settings::Settings;
@@ -420,25 +420,34 @@ impl Timer {
         let start = AsyncTaskHandle::waiting();
         // Kept where a refusal can take it back.
         let slot = Arc::new(Mutex::new(Some(future)));
-        let (s, f) = (start.clone(), slot.clone());
-        // The runtime current here, for a task handed back by a shutdown
-        // and run outside any runtime (the reaper runs it inside its own).
-        let scheduled_on = tokio::runtime::Handle::try_current().ok();
-        let unrun = Unrun(s);
-        let task = move || {
-            let future = lock(&f).take();
-            if let Some(future) = future {
-                AsyncTaskHandle::start(&unrun.0, future, scheduled_on.as_ref());
-            }
+        let entry = AsyncEntry {
+            unrun: Unrun(start.clone()),
+            future: slot.clone(),
+            // The runtime current here, for a task handed back by a shutdown
+            // and run outside any runtime (the reaper runs it inside its own).
+            scheduled_on: tokio::runtime::Handle::try_current().ok(),
         };
-        match self.schedule(delay, task) {
-            Ok(timeout) => Ok(AsyncTaskHandle::new(timeout, start)),
+        let core = self.core();
+        let now = Instant::now();
+        match core.insert(now, deadline_after(now, delay), TimerJob(Box::new(entry))) {
+            Ok(key) => Ok(AsyncTaskHandle::new(
+                TaskHandle::new(core.clone(), key),
+                start,
+            )),
             Err(refused) => {
+                let why = match &refused {
+                    Refused::AtCapacity(_) => None,
+                    Refused::Closed(_, why) => Some(*why),
+                };
+                // The entry (and its hold on the start) goes first: its
+                // guard reads `Waiting`, and marks it cancelled, which
+                // nobody reads.
+                drop(refused);
                 let future = lock(&slot).take().expect("a refused task never ran");
-                Err(match refused {
-                    ScheduleError::AtCapacity(_) => ScheduleError::AtCapacity(future),
-                    ScheduleError::Shutdown(_) => ScheduleError::Shutdown(future),
-                    ScheduleError::ReaperGone(_) => ScheduleError::ReaperGone(future),
+                Err(match why {
+                    None => ScheduleError::AtCapacity(future),
+                    Some(Closed::Shutdown) => ScheduleError::Shutdown(future),
+                    Some(Closed::ReaperGone) => ScheduleError::ReaperGone(future),
                 })
             }
         }
@@ -910,7 +919,11 @@ impl Timer {
 pub struct TimerMetrics {
     /// Timeouts and sleeps waiting.
     pub pending: usize,
-    /// Entries that reached their deadline (tasks run, sleeps woken).
+    /// Entries that reached their deadline and were carried out: tasks run
+    /// (an async task spawned), sleeps and timeouts fired. A repeating or
+    /// async task cancelled, or a sleep dropped, in the reaper's turn that
+    /// took its entry out, before it ran, is not counted (nor given a
+    /// lateness sample).
     pub expired: u64,
     /// Panics caught in user code (the reaper went on): tasks, and the
     /// drops, wakers and `metrics` recorder calls the timer ran for them.
@@ -921,6 +934,40 @@ pub struct TimerMetrics {
     pub reaper_wakeups: u64,
     /// The reaper's turns on this timer's entries.
     pub reaper: ReaperMetrics,
+}
+
+/// A [`Timer::schedule_async`] entry in the wheel: spawns the future at the
+/// deadline, unless it was cancelled first.
+struct AsyncEntry<Fut> {
+    unrun: Unrun,
+    /// The future, where a refusal takes it back from.
+    future: Arc<Mutex<Option<Fut>>>,
+    scheduled_on: Option<tokio::runtime::Handle>,
+}
+
+impl<Fut> task::TaskFn for AsyncEntry<Fut>
+where
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    /// Whether the future started (a cancel after the reaper's turn took the
+    /// entry out drops it unpolled).
+    fn call(self: Box<Self>) -> bool {
+        let future = lock(&self.future).take();
+        match future {
+            Some(future) => {
+                AsyncTaskHandle::start(&self.unrun.0, future, self.scheduled_on.as_ref())
+            }
+            None => false,
+        }
+    }
+
+    fn into_any(self: Box<Self>) -> Box<dyn std::any::Any + Send> {
+        self
+    }
+
+    fn stopped(self: Box<Self>, _: Closed) -> Option<Box<dyn task::TaskFn>> {
+        Some(self)
+    }
 }
 
 /// Owned by a [`Timer::schedule_async`] entry: when the entry is dropped

@@ -21,8 +21,11 @@ use crate::sync::{lock, Mutex};
 /// What the wheel holds: a user's task or a sleep's signal, behind one thin
 /// trait object (16 bytes, so a wheel entry stays at 40).
 pub(crate) trait TaskFn: Send {
-    /// The deadline passed.
-    fn call(self: Box<Self>);
+    /// The deadline passed: runs the task, or wakes the sleep. Returns
+    /// whether it did its work (`false`: a repeating or async task cancelled
+    /// after the reaper's turn took its entry out, which the turn does not
+    /// count as an expiry).
+    fn call(self: Box<Self>) -> bool;
     /// The caller's own value, so a refused task goes back as the `F` it came as.
     fn into_any(self: Box<Self>) -> Box<dyn Any + Send>;
     /// The timer stopped first: a user's task comes back to be handed over; a
@@ -31,8 +34,9 @@ pub(crate) trait TaskFn: Send {
 }
 
 impl<F: FnOnce() + Send + 'static> TaskFn for F {
-    fn call(self: Box<Self>) {
-        (*self)()
+    fn call(self: Box<Self>) -> bool {
+        (*self)();
+        true
     }
 
     fn into_any(self: Box<Self>) -> Box<dyn Any + Send> {
@@ -48,6 +52,9 @@ const WAITING: u8 = 0;
 const FIRED: u8 = 1;
 const SHUT_DOWN: u8 = 2;
 const REAPER_GONE: u8 = 3;
+/// The sleep was dropped before it fired: firing it now wakes nobody, and
+/// is not counted.
+const DROPPED: u8 = 4;
 
 /// What the wheel holds for a [`Sleep`]: the outcome and the waker to call.
 ///
@@ -75,8 +82,10 @@ impl fmt::Debug for SleepSignal {
 }
 
 impl SleepSignal {
-    pub(crate) fn fire(&self) {
-        self.finish(FIRED);
+    /// The deadline passed: wakes the sleep. Returns whether it fired (not
+    /// when the sleep was dropped first).
+    pub(crate) fn fire(&self) -> bool {
+        self.finish(FIRED)
     }
 
     pub(crate) fn abandon(&self, why: Closed) {
@@ -86,17 +95,26 @@ impl SleepSignal {
         });
     }
 
-    fn finish(&self, state: u8) {
-        if self
+    /// The sleep is being dropped unfired: its entry, if a turn took it out
+    /// already, fires nothing.
+    pub(super) fn dropped(&self) {
+        let _ = self
+            .state
+            .compare_exchange(WAITING, DROPPED, Ordering::AcqRel, Ordering::Acquire);
+    }
+
+    fn finish(&self, state: u8) -> bool {
+        let won = self
             .state
             .compare_exchange(WAITING, state, Ordering::AcqRel, Ordering::Acquire)
-            .is_ok()
-        {
+            .is_ok();
+        if won {
             let waker = lock(&self.waker).take();
             if let Some(waker) = waker {
                 waker.wake();
             }
         }
+        won
     }
 
     /// The outcome, or `None` after registering `waker` to be woken with it.
@@ -137,7 +155,7 @@ impl SleepSignal {
 
     pub(super) fn outcome(&self) -> Option<Result<(), TimerError>> {
         match self.state.load(Ordering::Acquire) {
-            WAITING => None,
+            WAITING | DROPPED => None,
             FIRED => Some(Ok(())),
             SHUT_DOWN => Some(Err(TimerError::Shutdown)),
             _ => Some(Err(TimerError::ReaperGone)),
@@ -149,8 +167,8 @@ impl SleepSignal {
 struct SleepEntry(Arc<SleepSignal>);
 
 impl TaskFn for SleepEntry {
-    fn call(self: Box<Self>) {
-        self.0.fire();
+    fn call(self: Box<Self>) -> bool {
+        self.0.fire()
     }
 
     fn into_any(self: Box<Self>) -> Box<dyn Any + Send> {
@@ -206,18 +224,19 @@ impl Drop for EndsChain {
 }
 
 impl<F: FnMut() -> Option<Duration> + Send + 'static> TaskFn for Repeating<F> {
-    fn call(self: Box<Self>) {
+    fn call(self: Box<Self>) -> bool {
         let mut me = self;
         if me.handed_back {
             if let Err(panic) = catch_unwind(AssertUnwindSafe(|| (me.f)())) {
                 drop_then_resume(me, panic);
             }
-            return;
+            return true;
         }
         // The entry left the wheel: its key is stale.
         lock(&me.chain.key).take();
         if me.chain.stopped.load(Ordering::Acquire) {
-            return;
+            // Cancelled after the turn took the entry out: it does not run.
+            return false;
         }
         // Declared after `me`, so dropped before it: the chain reads as ended
         // before the task (user code) is dropped. A panic in `f` ends the
@@ -234,17 +253,17 @@ impl<F: FnMut() -> Option<Duration> + Send + 'static> TaskFn for Repeating<F> {
             }
         };
         let Some(delay) = delay else {
-            return;
+            return true;
         };
         let Some(core) = me.core.upgrade() else {
-            return;
+            return true;
         };
         let mut key = lock(&end.chain.key);
         if end.chain.stopped.load(Ordering::Acquire) {
             // Cancelled while it ran: `me` is dropped after the lock is gone.
             end.settled = true;
             drop(key);
-            return;
+            return true;
         }
         let now = Instant::now();
         match core.reinsert(now, deadline_after(now, delay), TimerJob(me)) {
@@ -262,6 +281,7 @@ impl<F: FnMut() -> Option<Duration> + Send + 'static> TaskFn for Repeating<F> {
                 drop(job);
             }
         }
+        true
     }
 
     fn into_any(self: Box<Self>) -> Box<dyn Any + Send> {
@@ -309,9 +329,8 @@ impl Job for TimerJob {
     const KIND: &'static str = "timer";
     type Ctx = ();
 
-    fn expire(self, _: &()) -> bool {
-        self.0.call();
-        true
+    fn expire(self, _: &(), _: Option<std::time::Duration>) -> bool {
+        self.0.call()
     }
 
     fn abandon(self, _: &(), why: Closed) {
@@ -405,7 +424,7 @@ impl UnrunTask {
     /// # }
     /// ```
     pub fn run(self) {
-        self.task.call()
+        self.task.call();
     }
 
     /// The task as a boxed closure.
@@ -424,7 +443,9 @@ impl UnrunTask {
     /// ```
     pub fn into_inner(self) -> Box<dyn FnOnce() + Send> {
         let task = self.task;
-        Box::new(move || task.call())
+        Box::new(move || {
+            task.call();
+        })
     }
 }
 
