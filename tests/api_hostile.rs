@@ -1134,3 +1134,60 @@ fn resets_racing_the_reaper_either_win_or_say_false() {
         drop(p.shutdown());
     })
 }
+
+/// The public types are `Send`, `Sync` and `Unpin` where their docs and
+/// use across tasks need them: handles move between tasks and threads,
+/// purgatories and timers are shared, futures are polled by `&mut`.
+#[test]
+fn public_types_are_send_sync_and_unpin_as_used() {
+    struct Quiet;
+    impl Operation for Quiet {
+        type Output = ();
+        fn try_complete(&mut self) -> Option<()> {
+            None
+        }
+        fn on_expiration(self) {}
+    }
+    fn send<T: Send>() {}
+    fn sync<T: Sync>() {}
+    fn unpin<T: Unpin>() {}
+    send::<Purgatory<u32, Quiet>>();
+    sync::<Purgatory<u32, Quiet>>();
+    send::<tokio_purgatory::WeakPurgatory<u32, Quiet>>();
+    sync::<tokio_purgatory::WeakPurgatory<u32, Quiet>>();
+    send::<tokio_purgatory::OperationHandle<u32, Quiet>>();
+    unpin::<tokio_purgatory::OperationHandle<u32, Quiet>>();
+    send::<tokio_purgatory::OpRef<u32, Quiet>>();
+    sync::<tokio_purgatory::OpRef<u32, Quiet>>();
+    send::<tokio_purgatory::Timer>();
+    sync::<tokio_purgatory::Timer>();
+    send::<tokio_purgatory::WeakTimer>();
+    sync::<tokio_purgatory::WeakTimer>();
+    send::<tokio_purgatory::TaskHandle>();
+    sync::<tokio_purgatory::TaskHandle>();
+    send::<tokio_purgatory::AsyncTaskHandle>();
+    sync::<tokio_purgatory::AsyncTaskHandle>();
+    send::<tokio_purgatory::Sleep>();
+    sync::<tokio_purgatory::Sleep>();
+    unpin::<tokio_purgatory::Sleep>();
+    send::<tokio_purgatory::TimeoutFuture<std::future::Ready<()>>>();
+    unpin::<tokio_purgatory::TimeoutFuture<std::future::Ready<()>>>();
+    send::<tokio_purgatory::Reaper>();
+    sync::<tokio_purgatory::Reaper>();
+    send::<tokio_purgatory::UnrunTask>();
+    send::<tokio_purgatory::BuildError>();
+    sync::<tokio_purgatory::BuildError>();
+    send::<tokio_purgatory::WatchError<Quiet>>();
+    sync::<tokio_purgatory::WatchError<Quiet>>();
+    send::<tokio_purgatory::TimerError>();
+    sync::<tokio_purgatory::TimerError>();
+    send::<tokio_purgatory::ScheduleError<fn()>>();
+    // `drain`'s wait, held across an `.await` in a spawned task.
+    fn sendable<F: std::future::Future + Send>(_: &F) {}
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let p: Purgatory<u32, Quiet> = Purgatory::builder().build_on(rt.handle()).unwrap();
+    sendable(&p.drain());
+}
