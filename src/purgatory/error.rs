@@ -205,7 +205,9 @@ pub enum OperationError {
     /// check did not complete it.
     Cancelled,
     /// The purgatory was shut down; the operation was handed back by `shutdown()`
-    /// (or dropped, when the last purgatory handle was dropped).
+    /// (or dropped, when the last purgatory handle was dropped, or when it was
+    /// being checked on another thread at that moment and the check did not
+    /// complete it).
     Shutdown,
     /// The reaper task is gone (aborted, or its runtime shut down); the operation
     /// was dropped.
