@@ -52,6 +52,12 @@ pub(crate) trait Job: Send + 'static {
     fn expire(self, ctx: &Self::Ctx, late: Option<Duration>) -> bool;
     /// The timer stopped before the deadline (`why` says how); runs with no lock held.
     fn abandon(self, ctx: &Self::Ctx, why: Closed);
+    /// Whether the job keeps its room under the limit when a turn takes its
+    /// entry out (and gives it back through [`Core::give_back_room`], or
+    /// hands it to [`Core::reinsert`]).
+    fn keeps_room(&self) -> bool {
+        false
+    }
 }
 
 /// Why a timer stopped accepting work.
@@ -333,13 +339,17 @@ impl<J: Job<Ctx = C>, C: Send + Sync + 'static> Core<J, C> {
     }
 
     /// Puts back a job that has just run and goes on (a repeating task): as
-    /// [`insert`](Self::insert), but outside the limit's check, since the job
-    /// held its room until it ran. Hands the job back when the core is closed.
+    /// [`insert`](Self::insert), in the room it kept through its run (see
+    /// [`Job::keeps_room`]), so never refused for the limit. Hands the job
+    /// back when the core is closed, and its room then.
     pub(crate) fn reinsert(&self, now: Instant, deadline: Instant, job: J) -> Result<TimerKey, J> {
-        if self.max_pending.is_some() {
-            self.pending.fetch_add(1, Ordering::AcqRel);
-        }
         self.place(now, deadline, job).map_err(|(job, _)| job)
+    }
+
+    /// A job that kept its room through its run (see [`Job::keeps_room`])
+    /// ends without going back in: the room is free again.
+    pub(crate) fn give_back_room(&self) {
+        self.release_capacity(1);
     }
 
     /// Removes the entry of `key`, handing its job back; `None` when it already
@@ -558,7 +568,8 @@ impl<J: Job<Ctx = C>, C: Send + Sync + 'static> Core<J, C> {
                 };
                 drop(s);
                 taken += scratch.len();
-                self.release_capacity(scratch.len());
+                let kept = scratch.iter().filter(|(_, job)| job.keeps_room()).count();
+                self.release_capacity(scratch.len() - kept);
                 let mut ran = 0;
                 for (deadline, job) in scratch.drain(..) {
                     let late = self

@@ -1191,3 +1191,196 @@ fn public_types_are_send_sync_and_unpin_as_used() {
     let p: Purgatory<u32, Quiet> = Purgatory::builder().build_on(rt.handle()).unwrap();
     sendable(&p.drain());
 }
+
+/// Says "not yet", and on the check after `arm` holds at `entered` until
+/// `release` (on whichever thread runs it).
+struct Holds {
+    armed: Arc<AtomicBool>,
+    entered: Arc<std::sync::Barrier>,
+    release: Arc<std::sync::Barrier>,
+}
+
+impl Holds {
+    fn new() -> (
+        Holds,
+        Arc<AtomicBool>,
+        Arc<std::sync::Barrier>,
+        Arc<std::sync::Barrier>,
+    ) {
+        let armed = Arc::new(AtomicBool::new(false));
+        let entered = Arc::new(std::sync::Barrier::new(2));
+        let release = Arc::new(std::sync::Barrier::new(2));
+        let op = Holds {
+            armed: armed.clone(),
+            entered: entered.clone(),
+            release: release.clone(),
+        };
+        (op, armed, entered, release)
+    }
+}
+
+impl Operation for Holds {
+    type Output = ();
+    fn try_complete(&mut self) -> Option<()> {
+        if self.armed.swap(false, Ordering::SeqCst) {
+            self.entered.wait();
+            self.release.wait();
+        }
+        None
+    }
+    fn on_expiration(self) {}
+}
+
+fn nothing_watched<K: tokio_purgatory::WatchKey, O: Operation>(p: &Purgatory<K, O>) {
+    let m = p.metrics();
+    assert_eq!(m.delayed, 0, "{m:?}");
+    assert_eq!((m.watched, m.tombstones, m.keys), (0, 0, 0), "{m:?}");
+    assert!(balanced(&m), "{m:?}");
+}
+
+/// A cancellation or expiry that arrives while the operation is being
+/// checked is left to that check, which carries it out; when that leaves
+/// nothing pending, the purge at once follows all the same, and the keys go:
+/// a cancel from inside the operation's own check; an expiry, and a handle
+/// dropped, while another thread checks it.
+#[test]
+fn a_finish_left_to_a_running_check_still_purges_when_nothing_is_pending() {
+    // Its own check cancels it.
+    paused_within(20, || async {
+        struct SelfCancel(Arc<OnceLock<tokio_purgatory::OpRef<u32, SelfCancel>>>);
+        impl Operation for SelfCancel {
+            type Output = ();
+            fn try_complete(&mut self) -> Option<()> {
+                if let Some(me) = self.0.get() {
+                    assert!(me.cancel().is_none(), "left to this check");
+                }
+                None
+            }
+            fn on_expiration(self) {}
+        }
+        let p: Purgatory<u32, SelfCancel> = Purgatory::new();
+        let me = Arc::new(OnceLock::new());
+        let h = p
+            .try_complete_else_watch(SelfCancel(me.clone()), ms(1000), [1, 2])
+            .unwrap();
+        let r = h.op_ref().unwrap();
+        assert!(me.set(r.clone()).is_ok());
+        assert!(!r.try_complete());
+        assert_eq!(h.await, Err(OperationError::Cancelled));
+        nothing_watched(&p);
+    });
+    // Its expiry, and its handle dropped, while another thread checks it.
+    for drop_handle in [false, true] {
+        paused_within(20, move || async move {
+            let p: Purgatory<u32, Holds> = Purgatory::new();
+            let (op, armed, entered, release) = Holds::new();
+            let h = p.try_complete_else_watch(op, ms(10), [1, 2]).unwrap();
+            let r = h.op_ref().unwrap();
+            armed.store(true, Ordering::SeqCst);
+            let checker = {
+                let r = r.clone();
+                std::thread::spawn(move || r.try_complete())
+            };
+            entered.wait();
+            let h = if drop_handle {
+                drop(h);
+                None
+            } else {
+                tokio::time::advance(ms(20)).await;
+                settle().await;
+                Some(h)
+            };
+            release.wait();
+            assert!(!checker.join().unwrap());
+            if let Some(h) = h {
+                assert_eq!(h.await, Ok(tokio_purgatory::Completion::Expired(())));
+            }
+            drop(r);
+            nothing_watched(&p);
+        });
+    }
+}
+
+/// A registration whose second check cancels one of its own keys: the
+/// cancel is left to the registration, which carries it out, and the other
+/// key's entry goes with the purge that follows.
+#[tokio::test(start_paused = true)]
+async fn a_cancel_by_key_during_its_registration_leaves_nothing_watched() {
+    struct CancelsKey(Arc<OnceLock<Purgatory<u32, CancelsKey>>>, usize);
+    impl Operation for CancelsKey {
+        type Output = ();
+        fn try_complete(&mut self) -> Option<()> {
+            self.1 += 1;
+            if self.1 == 2 {
+                let p = self.0.get().unwrap();
+                assert!(p.cancel_for_key(&1).is_empty(), "left to the registration");
+            }
+            None
+        }
+        fn on_expiration(self) {}
+    }
+    let p: Purgatory<u32, CancelsKey> = Purgatory::new();
+    let slot = Arc::new(OnceLock::new());
+    assert!(slot.set(p.clone()).is_ok());
+    let h = p
+        .try_complete_else_watch(CancelsKey(slot.clone(), 0), ms(1000), [1, 2])
+        .unwrap();
+    assert_eq!(h.await, Err(OperationError::Cancelled));
+    nothing_watched(&p);
+}
+
+/// `is_finished` says the handle would not wait: it stays false while the
+/// thread that completed the operation is still dropping it (user code),
+/// and turns true with the outcome.
+#[test]
+fn is_finished_waits_for_the_outcome() {
+    struct SlowDrop {
+        ready: Arc<AtomicBool>,
+        in_drop: Arc<std::sync::Barrier>,
+        go_on: Arc<std::sync::Barrier>,
+    }
+    impl Operation for SlowDrop {
+        type Output = ();
+        fn try_complete(&mut self) -> Option<()> {
+            self.ready.load(Ordering::SeqCst).then_some(())
+        }
+        fn on_expiration(self) {}
+    }
+    impl Drop for SlowDrop {
+        fn drop(&mut self) {
+            if self.ready.load(Ordering::SeqCst) {
+                self.in_drop.wait();
+                self.go_on.wait();
+            }
+        }
+    }
+    paused_within(20, || async {
+        use std::future::Future;
+        let p: Purgatory<u32, SlowDrop> = Purgatory::new();
+        let in_drop = Arc::new(std::sync::Barrier::new(2));
+        let go_on = Arc::new(std::sync::Barrier::new(2));
+        let ready = Arc::new(AtomicBool::new(false));
+        let op = SlowDrop {
+            ready: ready.clone(),
+            in_drop: in_drop.clone(),
+            go_on: go_on.clone(),
+        };
+        let mut h = p.try_complete_else_watch(op, ms(1000), [1]).unwrap();
+        let r = h.op_ref().unwrap();
+        ready.store(true, Ordering::SeqCst);
+        let walker = {
+            let p = p.clone();
+            std::thread::spawn(move || p.try_complete_watched(&1))
+        };
+        in_drop.wait();
+        // Completed (its state says so), its outcome not yet delivered.
+        assert!(r.is_finished());
+        assert!(!h.is_finished());
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        assert!(std::pin::Pin::new(&mut h).poll(&mut cx).is_pending());
+        go_on.wait();
+        assert_eq!(walker.join().unwrap(), 1);
+        assert!(h.is_finished());
+        assert_eq!(h.await, Ok(tokio_purgatory::Completion::Completed(())));
+    });
+}

@@ -1127,3 +1127,56 @@ async fn a_timeout_that_ended_does_not_poll_its_future_again() {
     assert_eq!(again, Poll::Ready(first));
     assert_eq!(polls.load(Ordering::SeqCst), before);
 }
+
+/// A repeating task keeps its room under `max_pending` through each run, so
+/// work scheduled from inside the run (or anywhere while it runs) cannot take
+/// it and push the timer over its limit when the chain goes back in; the
+/// room comes back when the chain ends.
+#[tokio::test(start_paused = true)]
+async fn a_repeating_task_keeps_its_room_through_its_runs() {
+    let timer = Timer::builder().max_pending(1).build().unwrap();
+    let weak = timer.downgrade();
+    let refused = Arc::new(AtomicUsize::new(0));
+    let (r, mut runs) = (refused.clone(), 0);
+    let chain = timer
+        .schedule_repeating(ms(10), move || {
+            runs += 1;
+            let t = weak.upgrade().unwrap();
+            if matches!(
+                t.schedule(ms(100), || {}),
+                Err(ScheduleError::AtCapacity(_))
+            ) {
+                r.fetch_add(1, Ordering::SeqCst);
+            }
+            (runs < 3).then_some(ms(10))
+        })
+        .unwrap();
+    for _ in 0..4 {
+        advance(ms(10)).await;
+        settle().await;
+        assert!(timer.len() <= 1, "{} pending", timer.len());
+    }
+    assert_eq!(refused.load(Ordering::SeqCst), 3, "each run found no room");
+    assert_eq!(chain.status(), TaskStatus::Done);
+    assert_eq!(timer.len(), 0);
+    // The room is back.
+    assert!(timer.schedule(ms(10), || {}).is_ok());
+}
+
+/// A timeout whose future finished first gives its deadline's entry up at
+/// once, kept or not: its room under `max_pending` is free, and it is never
+/// counted as fired.
+#[tokio::test(start_paused = true)]
+async fn a_timeout_that_finished_first_leaves_the_wheel() {
+    let timer = Timer::builder().max_pending(1).build().unwrap();
+    let mut t = timer.timeout(ms(50), std::future::ready(7));
+    assert_eq!((&mut t).await, Ok(7));
+    assert_eq!(timer.len(), 0);
+    let later = timer.schedule(ms(10), || {}).expect("the room is free");
+    advance(ms(100)).await;
+    settle().await;
+    assert_eq!(later.status(), TaskStatus::Done);
+    let m = timer.metrics();
+    assert_eq!(m.expired, 1, "the task only: {m:?}");
+    drop(t);
+}

@@ -143,6 +143,11 @@ impl<'a, T> Delivery<'a, T> {
         Delivered { waker, unread }
     }
 
+    /// Whether an outcome is stored, for the handle to take without waiting.
+    pub(crate) fn is_full(&self) -> bool {
+        self.state.load(Ordering::Acquire) & FULL != 0
+    }
+
     /// Takes the outcome, or registers `waker` to be woken when there is one.
     /// Also returns a waker the slot holds no more (a clone that was not
     /// needed, or the one `waker` replaced), for the caller to drop contained:
@@ -425,6 +430,13 @@ where
         self.life.is_finished()
     }
 
+    /// Whether the outcome is there for the handle to take: the operation
+    /// finished and its finisher delivered (after dropping the operation or
+    /// running its expiry, user code that takes as long as it takes).
+    pub(crate) fn is_delivered(&self) -> bool {
+        self.cell.delivery().is_full()
+    }
+
     fn generation(&self) -> std::num::NonZeroU32 {
         super::slab::Slab::<OpCell<O>>::generation(self.id)
     }
@@ -515,6 +527,8 @@ where
                     .map_or(OperationError::Cancelled, OperationError::from);
                 self.shared.drop_contained("drop of an operation", op);
                 self.finish(Err(why), Fate::Cancelled, true);
+                // As the cancel would have, had it not been left to this check.
+                self.shared.tidy();
                 false
             }
             Checked::Pending | Checked::Expired => false,
@@ -561,6 +575,9 @@ where
                     self.shared.expired_later(Duration::from_nanos(nanos));
                 }
                 self.run_expiry(self.take_op());
+                // As the reaper would have, had the expiry not been left to
+                // this check.
+                self.shared.tidy();
                 Checked::Expired
             }
         })

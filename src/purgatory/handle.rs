@@ -165,7 +165,11 @@ where
         }
     }
 
-    /// Whether the operation has finished (so awaiting the handle would not wait).
+    /// Whether the operation has finished and its outcome is there, so that
+    /// awaiting the handle would not wait. (Its state reads finished a moment
+    /// before, while the thread that finished it drops the operation or runs
+    /// its expiry: [`OpRef::is_finished`] and [`OpRef::status`] say so from
+    /// then.)
     ///
     /// # Examples
     ///
@@ -187,7 +191,7 @@ where
     /// ```
     pub fn is_finished(&self) -> bool {
         match &self.inner {
-            Inner::Waiting(cell) => cell.op().is_finished(),
+            Inner::Waiting(cell) => cell.op().is_delivered(),
             Inner::Ready(..) | Inner::Taken => true,
         }
     }
@@ -195,7 +199,8 @@ where
     /// A reference through which any task can run this operation's check (Kafka's
     /// `tryComplete` on the operation object), for callers that know which
     /// operation an event concerns. `None` when the operation completed during
-    /// registration (there is nothing left to check).
+    /// registration (there is nothing left to check), and once the handle has
+    /// yielded its outcome (awaited through `&mut`).
     ///
     /// # Examples
     ///

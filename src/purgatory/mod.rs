@@ -1089,7 +1089,9 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
     /// How late this purgatory's timeouts fired: for each expiry, the time
     /// from its deadline (rounded up to the tick, as the wheel holds it) to
     /// the reaper turn that took it out. Its tail says whether the reaper
-    /// keeps up. Recorded once per expiry by the reaper, never on the
+    /// keeps up. A deadline already reached at registration (zero, or past)
+    /// counts from the start of the tick it was registered in: it reads late
+    /// by up to one tick, however far past it was. Recorded once per expiry by the reaper, never on the
     /// registration or completion paths; an expiry the turn left to a check
     /// running at that moment on another thread is recorded (as the turn
     /// measured it) when that check carries it out, and not at all if the

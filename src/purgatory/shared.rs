@@ -477,9 +477,11 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
                     Err((op, why))
                 }
                 None => {
-                    // Cancelled by key meanwhile.
+                    // Cancelled by key meanwhile (its call could not tidy
+                    // while this registration held the operation).
                     self.drop_contained("drop of an operation", op);
                     cell.finish(Err(OperationError::Cancelled), Fate::Cancelled, true);
+                    self.tidy();
                     Ok(())
                 }
             },

@@ -139,20 +139,38 @@ impl Future for Sleep {
     }
 }
 
+impl Sleep {
+    /// Gives the entry up now, as a drop does: out of the wheel, its room
+    /// under the limit given back, never counted as fired. The sleep reads
+    /// as elapsed afterwards (nothing polls it again: its timeout's future
+    /// finished first).
+    pub(super) fn disarm(&mut self) {
+        if let Ok(r) = std::mem::replace(&mut self.inner, Err(TimerError::Shutdown)) {
+            r.release();
+        }
+    }
+}
+
+impl Registered {
+    fn release(&self) {
+        if self.signal.outcome().is_none() {
+            // A turn that took the entry out already fires nothing.
+            self.signal.dropped();
+            // The job holds only a signal: dropping it under no lock is harmless.
+            drop(self.core.remove(self.key));
+        }
+        // The waker kept from the last poll is a clone the timer made:
+        // dropped here, contained, not with the signal's last reference.
+        self.core
+            .panics
+            .drop_value("drop of a waker", self.signal.take_waker());
+    }
+}
+
 impl Drop for Sleep {
     fn drop(&mut self) {
         if let Ok(r) = &self.inner {
-            if r.signal.outcome().is_none() {
-                // A turn that took the entry out already fires nothing.
-                r.signal.dropped();
-                // The job holds only a signal: dropping it under no lock is harmless.
-                drop(r.core.remove(r.key));
-            }
-            // The waker kept from the last poll is a clone the timer made:
-            // dropped here, contained, not with the signal's last reference.
-            r.core
-                .panics
-                .drop_value("drop of a waker", r.signal.take_waker());
+            r.release();
         }
     }
 }
@@ -169,7 +187,9 @@ pin_project! {
     /// to [`TimeoutError::Timer`] with the reason.
     ///
     /// The inner future is polled first, so a future that is ready at the deadline
-    /// wins.
+    /// wins. Once it has, the deadline leaves the wheel at once (its room under
+    /// [`max_pending`](crate::timer::TimerBuilder::max_pending) is free again,
+    /// and it is never counted as fired), whether or not this future is kept.
     ///
     /// # Cancel safety
     ///
@@ -294,6 +314,9 @@ impl<F: Future> Future for TimeoutFuture<F> {
             return Poll::Ready(Err(e));
         }
         if let Poll::Ready(out) = this.future.poll(cx) {
+            // The deadline's entry goes now, not when this future is dropped:
+            // it holds no room, and never fires, from here on.
+            this.deadline.disarm();
             return Poll::Ready(Ok(out));
         }
         let e = match Pin::new(this.deadline).poll(cx) {

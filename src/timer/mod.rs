@@ -780,8 +780,11 @@ impl Timer {
 
     /// How late this timer's entries fired (tasks run, sleeps and timeouts
     /// woken): for each, the time from its deadline (rounded up to the tick)
-    /// to the reaper turn that took it out. Recorded once per expiry by the
-    /// reaper. A snapshot of about 2.5 KiB.
+    /// to the reaper turn that took it out. A deadline already reached when it
+    /// was scheduled (zero, or past) counts from the start of the tick it was
+    /// scheduled in: it reads late by up to one tick, however far past it
+    /// was, since what this measures is how long the reaper took. Recorded
+    /// once per expiry by the reaper. A snapshot of about 2.5 KiB.
     ///
     /// # Examples
     ///

@@ -31,6 +31,11 @@ pub(crate) trait TaskFn: Send {
     /// The timer stopped first: a user's task comes back to be handed over; a
     /// sleep is told why and dropped.
     fn stopped(self: Box<Self>, why: Closed) -> Option<Box<dyn TaskFn>>;
+    /// Whether the entry keeps its room under the limit when a turn takes it
+    /// out, to give back itself (a repeating task, which goes back in).
+    fn keeps_room(&self) -> bool {
+        false
+    }
 }
 
 impl<F: FnOnce() + Send + 'static> TaskFn for F {
@@ -181,6 +186,23 @@ impl TaskFn for SleepEntry {
     }
 }
 
+/// A running repeating task's room under the timer's limit: given back
+/// when dropped, unless `kept` (the chain went back into the wheel).
+struct Room {
+    core: Weak<Core<TimerJob>>,
+    kept: bool,
+}
+
+impl Drop for Room {
+    fn drop(&mut self) {
+        if !self.kept {
+            if let Some(core) = self.core.upgrade() {
+                core.give_back_room();
+            }
+        }
+    }
+}
+
 /// What a repeating task and its [`TaskHandle`](super::TaskHandle) share: the key of
 /// its current entry (`None` while it runs, or once it stopped), and whether it
 /// was stopped. The key's lock serialises a rescheduling with a cancel or reset
@@ -232,6 +254,13 @@ impl<F: FnMut() -> Option<Duration> + Send + 'static> TaskFn for Repeating<F> {
             }
             return true;
         }
+        // The room the entry held under the limit stays the chain's while it
+        // runs (the turn did not give it back), and goes back on every way
+        // out but a rescheduling, which keeps it for the next entry.
+        let mut room = Room {
+            core: me.core.clone(),
+            kept: false,
+        };
         // The entry left the wheel: its key is stale.
         lock(&me.chain.key).take();
         if me.chain.stopped.load(Ordering::Acquire) {
@@ -266,6 +295,9 @@ impl<F: FnMut() -> Option<Duration> + Send + 'static> TaskFn for Repeating<F> {
             return true;
         }
         let now = Instant::now();
+        // The new entry takes the room over (given back by the core if it is
+        // closed).
+        room.kept = true;
         match core.reinsert(now, deadline_after(now, delay), TimerJob(me)) {
             Ok(moved) => {
                 *key = Some(moved);
@@ -286,6 +318,10 @@ impl<F: FnMut() -> Option<Duration> + Send + 'static> TaskFn for Repeating<F> {
 
     fn into_any(self: Box<Self>) -> Box<dyn Any + Send> {
         Box::new(self.f)
+    }
+
+    fn keeps_room(&self) -> bool {
+        !self.handed_back
     }
 
     fn stopped(mut self: Box<Self>, _: Closed) -> Option<Box<dyn TaskFn>> {
@@ -331,6 +367,10 @@ impl Job for TimerJob {
 
     fn expire(self, _: &(), _: Option<std::time::Duration>) -> bool {
         self.0.call()
+    }
+
+    fn keeps_room(&self) -> bool {
+        self.0.keeps_room()
     }
 
     fn abandon(self, _: &(), why: Closed) {
