@@ -345,9 +345,11 @@
 //!   its reaper.
 //! - **One clock.** A purgatory or timer keeps time by the clock of the
 //!   runtime its reaper runs on, read there when it is built, whichever
-//!   runtime (or none) builds it. A timeout given as a `Duration` counts
-//!   from the caller's reading of Tokio's clock: with a reaper on a paused
-//!   runtime, register from inside that runtime.
+//!   runtime (or none) builds it. Each call that schedules reads Tokio's
+//!   clock where it is made (a timeout given as a `Duration` counts from
+//!   that reading, and an entry is filed by it): with a reaper on a paused
+//!   runtime, schedule from inside that runtime (on another thread, enter it
+//!   first with `Handle::enter`).
 //! - **User panics are contained.** A panicking check, expiry or timer task, a
 //!   panicking `Drop` of any operation, output, key or task the crate drops, and
 //!   a waker (one built from a raw vtable) whose `wake` or `Drop` panics when the

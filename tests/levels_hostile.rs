@@ -130,6 +130,15 @@ impl Drop for L {
 }
 
 type P = Purgatory<u32, L>;
+
+/// Waits, yielding, until `done` reaches `at_least`: a race runs for an
+/// amount of work, not of wall-clock time (the test's own bound catches a
+/// hang).
+fn wait_for(done: &AtomicUsize, at_least: usize) {
+    while done.load(Ordering::SeqCst) < at_least {
+        std::thread::yield_now();
+    }
+}
 type Slot<T> = Arc<OnceLock<T>>;
 /// A registration of the races: its index, key and handle.
 type Registered = (u64, u32, OperationHandle<u32, L>);
@@ -795,7 +804,8 @@ fn advances_race_registrations_cancels_and_expiries() {
                 }
             }));
         }
-        std::thread::sleep(Duration::from_millis(1500));
+        // Run the race for 30,000 registrations.
+        wait_for(&created, 30_000);
         stop.store(true, Ordering::SeqCst);
         for t in threads {
             t.join().unwrap();
@@ -918,7 +928,8 @@ fn shutdown_races_advances_and_level_registrations() {
                 }));
             }
             go.wait();
-            std::thread::sleep(Duration::from_micros(200 + round * 37 % 800));
+            // Shut down part-way, at a point that moves from round to round.
+            wait_for(&created, 20 + (round as usize) * 37 % 800);
             let back = p.shutdown();
             let n_back = back.len();
             drop(back);
@@ -1006,19 +1017,22 @@ fn last_purgatory_dropped_while_refs_check_and_reaper_expires() {
             flip.store(1, Ordering::SeqCst);
             let refs = Arc::new(refs);
             let stop = Arc::new(AtomicBool::new(false));
+            let checks = Arc::new(AtomicUsize::new(0));
             let checkers: Vec<_> = (0..2)
                 .map(|t| {
-                    let (refs, stop) = (refs.clone(), stop.clone());
+                    let (refs, stop, checks) = (refs.clone(), stop.clone(), checks.clone());
                     std::thread::spawn(move || {
                         let mut i = t;
                         while !stop.load(Ordering::SeqCst) {
                             refs[i % refs.len()].try_complete();
+                            checks.fetch_add(1, Ordering::SeqCst);
                             i += 7;
                         }
                     })
                 })
                 .collect();
-            std::thread::sleep(Duration::from_micros(300 + round * 71 % 1500));
+            // Drop it part-way, at a point that moves from round to round.
+            wait_for(&checks, 50 + (round as usize) * 71 % 1500);
             drop(p);
             stop.store(true, Ordering::SeqCst);
             for c in checkers {
