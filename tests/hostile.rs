@@ -1512,6 +1512,69 @@ async fn a_key_iterator_that_panics_drops_the_keys_taken_contained() {
     assert_eq!((m.registered, m.delayed, m.watched), (0, 0, 0), "{m:?}");
 }
 
+/// The caller's key iterator gives every key, then panics in its own `Drop`:
+/// the keys taken used to be leaked (plain keys) or dropped while that panic
+/// unwound (keys at a level: a key whose `Drop` panicked then aborted the
+/// process). Now the iterator's panic reaches the caller, each key's drop is
+/// contained, and nothing is registered.
+#[tokio::test(start_paused = true)]
+async fn a_key_iterator_whose_drop_panics_drops_the_keys_taken_contained() {
+    struct PanicsOnDrop<I>(I);
+    impl<I: Iterator> Iterator for PanicsOnDrop<I> {
+        type Item = I::Item;
+        fn next(&mut self) -> Option<I::Item> {
+            self.0.next()
+        }
+    }
+    impl<I> Drop for PanicsOnDrop<I> {
+        fn drop(&mut self) {
+            panic!("hostile key iterator drop");
+        }
+    }
+    for level in [false, true] {
+        let p: Purgatory<HookKey, Op> = purgatory();
+        let drops = Arc::new(AtomicUsize::new(0));
+        let hooks = Hooks::default();
+        // Each key's `Drop` panics, even while another panic unwinds.
+        let loud: Hook = {
+            let drops = drops.clone();
+            Arc::new(move || {
+                drops.fetch_add(1, Ordering::SeqCst);
+                panic!("hostile key drop");
+            })
+        };
+        let keys = PanicsOnDrop((0..3u32).map(move |id| {
+            let key = HookKey {
+                id,
+                on_drop: Some(loud.clone()),
+            };
+            if level {
+                Watch::level(key, 5)
+            } else {
+                Watch::key(key)
+            }
+        }));
+        let r = catch_unwind(AssertUnwindSafe(|| {
+            let _ = p.try_complete_else_watch_levels(Op(hooks.clone()), ms(100), keys);
+        }));
+        let panic = r.expect_err("the iterator's panic reaches the caller");
+        assert_eq!(
+            panic.downcast_ref::<&str>(),
+            Some(&"hostile key iterator drop"),
+            "level {level}: the iterator's panic, not a key's"
+        );
+        assert_eq!(
+            drops.load(Ordering::SeqCst),
+            3,
+            "level {level}: every key dropped"
+        );
+        assert_eq!(hooks.op_drops(), 1, "the operation dropped");
+        let m = p.metrics();
+        assert_eq!(m.panicked, 3, "level {level}: {m:?}");
+        assert_eq!((m.registered, m.delayed, m.watched), (0, 0, 0), "{m:?}");
+    }
+}
+
 /// Two tasks wait in `drain()`, one with a waker that panics in `wake`: the
 /// other is still woken, and both drains end.
 #[test]

@@ -102,8 +102,8 @@ impl<K: WatchKey, O: Operation, S: BuildHasher + Send + Sync + 'static> Purgator
         self
     }
 
-    /// Independently locked timer wheels (default: the machine's parallelism, at
-    /// most 16).
+    /// Independently locked timer wheels, 1 to 1,024 (default: the machine's
+    /// parallelism, at most 16).
     ///
     /// # Examples
     ///
@@ -331,6 +331,11 @@ impl<K: WatchKey, O: Operation, S: BuildHasher + Send + Sync + 'static> Purgator
         self,
         handle: Option<&tokio::runtime::Handle>,
     ) -> Result<Purgatory<K, O, S>, BuildError> {
+        // The timer's `shards` is this builder's `timer_shards`: the error
+        // names the setting as this builder calls it.
+        if self.wheel.shards == 0 || self.wheel.shards > 1024 {
+            return Err(BuildError::invalid("timer_shards must be in 1..=1024"));
+        }
         self.wheel.validate()?;
         if self.watcher_shards == 0 || self.watcher_shards > 65_536 {
             return Err(BuildError::invalid("watcher_shards must be in 1..=65536"));

@@ -88,7 +88,16 @@ impl<K: WatchKey> KeyList<K> {
             // back with the keys taken so far, as one in `Eq` or `Hash` does.
             let k = match catch_unwind(AssertUnwindSafe(|| keys.next())) {
                 Ok(Some(k)) => k,
-                Ok(None) => break,
+                Ok(None) => {
+                    // Dropped here, where a panic in its `Drop` is caught and
+                    // comes back as one in `next` does: left to the end of
+                    // this function, it would unwind past the keys taken
+                    // (leaking them, or dropping them while it unwinds).
+                    if let Err(panic) = catch_unwind(AssertUnwindSafe(move || drop(keys))) {
+                        return Err(KeyPanic::new(panic, list, dups, None));
+                    }
+                    break;
+                }
                 Err(panic) => {
                     // Not drained further: dropped, a panic in that caught.
                     if let Err(again) = catch_unwind(AssertUnwindSafe(move || drop(keys))) {
