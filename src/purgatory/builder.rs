@@ -224,8 +224,11 @@ impl<K: WatchKey, O: Operation, S: BuildHasher + Send + Sync + 'static> Purgator
     }
 
     /// The hasher of the watcher map (default std's `RandomState`, SipHash
-    /// with a random seed, as `HashMap`'s). Each key is hashed once per call
-    /// that names it, before any lock is taken; a faster hasher (ahash,
+    /// with a random seed, as `HashMap`'s). Each key a call is given is
+    /// hashed once, before any lock is taken (a key given twice is hashed
+    /// twice, save a plain duplicate among a registration's first 16 keys,
+    /// which `Eq` finds unhashed; a walk hashes its one key once and finds
+    /// its list by that hash again for the prune after); a faster hasher (ahash,
     /// fxhash) cuts that cost, at the price of `RandomState`'s resistance to
     /// keys chosen to collide when keys come from untrusted clients. A panic in
     /// the hasher propagates to the caller as one in the key's `Hash` does,
