@@ -137,7 +137,8 @@ struct Shard<J> {
     closed: bool,
 }
 
-/// Counters kept by the core (all monotonic), written by the reaper.
+/// Counters kept by the core (all monotonic), written by the reaper (and,
+/// for an expiry a turn left to a running check, by that check).
 #[derive(Debug, Default)]
 pub(crate) struct Counters {
     pub(crate) wakeups: AtomicU64,

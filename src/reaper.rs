@@ -67,10 +67,10 @@ impl<'a> Host<'a> {
     /// against that.
     pub(crate) fn now(&self) -> tokio::time::Instant {
         let runtime = match self {
-            Host::Own(rt) => Some(rt),
-            Host::Shared(reaper) => reaper.hub.runtime.as_ref(),
+            Host::Own(rt) => Some(rt.clone()),
+            Host::Shared(reaper) => lock(&reaper.hub.inner).runtime.clone(),
         };
-        let _on = runtime.map(tokio::runtime::Handle::enter);
+        let _on = runtime.as_ref().map(tokio::runtime::Handle::enter);
         tokio::time::Instant::now()
     }
 }
@@ -115,9 +115,6 @@ pub struct ReaperMetrics {
 pub(crate) struct Hub {
     notify: Notify,
     inner: Mutex<HubInner>,
-    /// The runtime a shared reaper runs on (`None` for a reaper of its own,
-    /// whose core is given the runtime directly).
-    runtime: Option<tokio::runtime::Handle>,
 }
 
 /// Nothing behind its lock, which is not held while a formatter writes.
@@ -135,6 +132,11 @@ struct HubInner {
     handles: usize,
     /// The task has ended: no core can be attached any more.
     stopped: bool,
+    /// The runtime a shared reaper runs on, while the task runs (`None` for
+    /// a reaper of its own, whose core is given the runtime directly): let go
+    /// of when the task ends, so that a `Reaper` kept past its runtime keeps
+    /// none of that runtime's resources.
+    runtime: Option<tokio::runtime::Handle>,
 }
 
 impl std::fmt::Debug for HubInner {
@@ -151,8 +153,10 @@ impl Hub {
     fn new(runtime: Option<tokio::runtime::Handle>) -> Hub {
         Hub {
             notify: Notify::new(),
-            inner: Mutex::new(HubInner::default()),
-            runtime,
+            inner: Mutex::new(HubInner {
+                runtime,
+                ..HubInner::default()
+            }),
         }
     }
 
@@ -384,11 +388,12 @@ struct ReaperGuard(Arc<Hub>);
 
 impl Drop for ReaperGuard {
     fn drop(&mut self) {
-        let cores = {
+        let (cores, runtime) = {
             let mut inner = lock(&self.0.inner);
             inner.stopped = true;
-            std::mem::take(&mut inner.cores)
+            (std::mem::take(&mut inner.cores), inner.runtime.take())
         };
+        drop(runtime);
         for core in cores {
             core.reaper_gone();
             let_go(core);
@@ -423,6 +428,7 @@ async fn run_reaper(guard: ReaperGuard) {
             if inner.cores.is_empty() && inner.handles == 0 {
                 // Nothing to serve, and nobody can give it more.
                 inner.stopped = true;
+                inner.runtime = None;
                 break;
             }
             serving.extend(inner.cores.iter().cloned());

@@ -1091,11 +1091,13 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
     /// the reaper turn that took it out. Its tail says whether the reaper
     /// keeps up. A deadline already reached at registration (zero, or past)
     /// counts from the start of the tick it was registered in: it reads late
-    /// by up to one tick, however far past it was. Recorded once per expiry by the reaper, never on the
-    /// registration or completion paths; an expiry the turn left to a check
-    /// running at that moment on another thread is recorded (as the turn
-    /// measured it) when that check carries it out, and not at all if the
-    /// check completes the operation instead.
+    /// by up to one tick, however far past it was.
+    ///
+    /// Recorded once per expiry, never on the registration path: by the
+    /// reaper, or, for an expiry the reaper's turn left to a check running
+    /// at that moment on another thread, by that check when it carries the
+    /// expiry out (as the turn measured it; not at all if the check
+    /// completes the operation instead).
     ///
     /// A snapshot (about 2.5 KiB): take it when you export, not per request.
     ///
@@ -1129,8 +1131,9 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
     /// collects (a scrape handler, or a task every few seconds): counters are
     /// set to their totals, so calling it often costs nothing in accuracy.
     /// Lateness needs no call: it is recorded live, one sample per expiry, by
-    /// the reaper (into the recorder installed when the purgatory was built:
-    /// install it first).
+    /// the reaper or the check that carried the expiry out (see
+    /// [`lateness`](Self::lateness); into the recorder installed when the
+    /// purgatory was built: install it first).
     ///
     /// Every metric has the labels `kind="purgatory"` and `name` (the
     /// builder's [`name`](PurgatoryBuilder::name)); the walk counts also have

@@ -128,6 +128,17 @@ impl Refusal {
     }
 }
 
+/// What one slice of the purge did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Slice {
+    /// Another thread is on the purge.
+    Busy,
+    /// The pass goes on (`began`: with this slice).
+    Going { began: bool },
+    /// The pass ended with this slice (`began`: the pass it began).
+    Done { began: bool },
+}
+
 /// A purge under way (`maybe_purge`), a flag to skip its lock when none is,
 /// and the entries purged so far.
 #[derive(Debug)]
@@ -822,7 +833,7 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
                 return;
             }
         }
-        self.purge_slice(false);
+        self.purge_slice();
     }
 
     /// After an operation expired or was cancelled through its handle or an
@@ -856,37 +867,31 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
             return;
         }
         // SMALL_LISTS / SWEEP_SLICE slices, and a few more for keys whose
-        // lists are only levels. The pass starts afresh: one under way
-        // visited some keys before their operations finished, and would not
-        // look at them again. Another thread on a slice is waited for (a
-        // slice is short and runs no user code) for the first, and ends this
-        // after it.
-        let mut fresh = true;
+        // lists are only levels; another thread on the purge ends this. A
+        // pass this call did not begin may have visited some keys before
+        // their operations finished, and would not look at them again: when
+        // it ends here, one more begins, so that a small map is purged whole.
+        let mut began = false;
         for _ in 0..=SMALL_LISTS / SWEEP_SLICE + 8 {
-            if !self.purge_slice(fresh) {
-                break;
+            match self.purge_slice() {
+                Slice::Busy => break,
+                Slice::Going { began: b } => began |= b,
+                Slice::Done { began: b } if began || b => break,
+                Slice::Done { .. } => {}
             }
-            fresh = false;
         }
     }
 
-    /// One slice of the purge (starting one if none is under way, or when
-    /// `fresh`, a new one in place of any under way); returns whether the
-    /// purge goes on. Gives up when another thread is on a slice, unless
-    /// `fresh`, which waits for it.
-    fn purge_slice(&self, fresh: bool) -> bool {
+    /// One slice of the purge, starting a pass if none is under way.
+    /// Gives up at once when another thread is on a slice.
+    fn purge_slice(&self) -> Slice {
         let purge = &self.purge.0;
-        let taken = if fresh {
-            purge.sweep.lock().map_err(TryLockError::Poisoned)
-        } else {
-            purge.sweep.try_lock()
-        };
-        let mut sweep = match taken {
+        let mut sweep = match purge.sweep.try_lock() {
             Ok(sweep) => sweep,
             // No code that can panic runs under this lock; recover anyway.
             Err(TryLockError::Poisoned(p)) => p.into_inner(),
             // Another thread is on the purge.
-            Err(TryLockError::WouldBlock) => return false,
+            Err(TryLockError::WouldBlock) => return Slice::Busy,
         };
         // Room for a whole slice before the lists are locked: growing the
         // buffer entry by entry would allocate several times per slice, on
@@ -894,7 +899,8 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         let mut buffers = self.take_buffers();
         let removed = &mut buffers.removed;
         removed.entries.reserve(SWEEP_SLICE);
-        if fresh || sweep.is_done() {
+        let began = sweep.is_done();
+        if began {
             self.watchers.restart_sweep(&mut sweep);
         }
         let cells = &self.cells;
@@ -918,7 +924,11 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
                 "purged a slice of finished operations"
             );
         });
-        !done
+        if done {
+            Slice::Done { began }
+        } else {
+            Slice::Going { began }
+        }
     }
 
     /// Closes the timer and empties the watch lists; returns the operations taken.
