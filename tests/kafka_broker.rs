@@ -966,10 +966,12 @@ async fn two_consumers_split_four_partitions_and_the_survivor_takes_all() {
             stranger.heartbeat(G).await.unwrap(),
             ResponseError::UnknownMemberId.code()
         );
-        // Refused requests for made-up groups leave nothing behind.
+        // Refused requests for made-up groups leave nothing behind (a
+        // generation of a group the broker does not know is Kafka's
+        // ILLEGAL_GENERATION).
         assert_eq!(
             stranger.commit("made-up", TOPIC, &[(0, 1)]).await.unwrap(),
-            [ResponseError::UnknownMemberId.code()]
+            [ResponseError::IllegalGeneration.code()]
         );
         assert!(b.broker.groups.describe("made-up").is_none());
         let joins = b.broker.groups.joins.metrics();

@@ -47,19 +47,29 @@ use super::Gone;
 /// The coordinator's limits (bounded memory whatever clients send).
 #[derive(Debug, Clone)]
 pub struct GroupLimits {
-    /// Groups held at most.
+    /// Groups held at most. A group is held while it has members, member
+    /// ids handed out, or committed offsets; offsets are kept until the
+    /// broker stops (Kafka expires those of empty groups after
+    /// `offsets.retention.minutes`), so clients committing to many groups
+    /// of their own can take every place: a new group is then refused with
+    /// `COORDINATOR_NOT_AVAILABLE`, which clients retry.
     pub max_groups: usize,
     /// Members (joined or given an id) per group at most (Kafka's
     /// `group.max.size`).
     pub max_members: usize,
     /// Committed offsets held at most, across every group (each with at
     /// most 4 KiB of metadata, as Kafka's `offset.metadata.max.bytes`, and a
-    /// topic name of at most 249 bytes).
+    /// topic name of at most 249 bytes), of partitions that exist; past it,
+    /// a commit of a new partition is refused with `INVALID_COMMIT_OFFSET_SIZE`.
     pub max_offsets: usize,
     /// The session timeouts accepted (Kafka's `group.min.session.timeout.ms`
     /// and `group.max.session.timeout.ms`: 6 s and 30 min).
     pub min_session: Duration,
     pub max_session: Duration,
+    /// Bytes of members' protocols (names and metadata) and of assignments
+    /// kept across every group at most: a join or a leader's sync that would
+    /// pass it is answered `COORDINATOR_LOAD_IN_PROGRESS` (the client retries).
+    pub max_kept_bytes: usize,
 }
 
 impl Default for GroupLimits {
@@ -70,6 +80,7 @@ impl Default for GroupLimits {
             max_offsets: 100_000,
             min_session: Duration::from_secs(6),
             max_session: Duration::from_secs(1800),
+            max_kept_bytes: 64 << 20,
         }
     }
 }
@@ -91,8 +102,25 @@ struct Member {
     protocols: Vec<(StrBytes, Bytes)>,
     /// Joined in the round under way.
     joined: bool,
+    /// Its sync waits for the leader's assignments (it sends no heartbeats
+    /// meanwhile).
+    syncing: bool,
+    /// Its session counts from here at the latest: the end of a round, or
+    /// the answer to a sync it waited in (it heartbeats again from there).
+    since: Instant,
     /// Its session timeout in the timer.
     session_timer: Option<TaskHandle>,
+}
+
+impl Member {
+    /// The bytes its protocols keep.
+    fn kept(&self) -> usize {
+        protocols_bytes(&self.protocols)
+    }
+}
+
+fn protocols_bytes(protocols: &[(StrBytes, Bytes)]) -> usize {
+    protocols.iter().map(|(n, m)| n.len() + m.len() + 64).sum()
 }
 
 struct Group {
@@ -112,10 +140,20 @@ struct Group {
     pending: HashMap<StrBytes, TaskHandle>,
     assignments: HashMap<StrBytes, Bytes>,
     offsets: HashMap<(StrBytes, i32), (i64, Option<StrBytes>)>,
+    /// How many members speak each protocol: those every member speaks are
+    /// the candidates, found without comparing every member's list with
+    /// every other's (a join naming thousands of protocols stays linear).
+    speakers: HashMap<StrBytes, usize>,
+    /// Ends the round under way at its deadline, even when no join of it is
+    /// still waiting (their clients hung up), and the round it is for.
+    round_timer: Option<(u64, TaskHandle)>,
+    /// Bytes kept by members' protocols and the assignments, shared across
+    /// the coordinator's groups.
+    kept: Arc<AtomicUsize>,
 }
 
 impl Group {
-    fn new() -> Group {
+    fn new(kept: Arc<AtomicUsize>) -> Group {
         Group {
             phase: Phase::Empty,
             generation: 0,
@@ -128,7 +166,46 @@ impl Group {
             pending: HashMap::new(),
             assignments: HashMap::new(),
             offsets: HashMap::new(),
+            speakers: HashMap::new(),
+            round_timer: None,
+            kept,
         }
+    }
+
+    /// Counts `m`'s protocols in (`add`) or out of the speakers, and its
+    /// bytes in or out of what is kept.
+    fn count(&mut self, m: &Member, add: bool) {
+        for (name, _) in &m.protocols {
+            if add {
+                *self.speakers.entry(name.clone()).or_default() += 1;
+            } else if let Some(n) = self.speakers.get_mut(name) {
+                *n -= 1;
+                if *n == 0 {
+                    self.speakers.remove(name);
+                }
+            }
+        }
+        if add {
+            self.kept.fetch_add(m.kept(), Ordering::Relaxed);
+        } else {
+            self.kept.fetch_sub(m.kept(), Ordering::Relaxed);
+        }
+    }
+
+    /// Whether every member speaks `name`.
+    fn all_speak(&self, name: &StrBytes) -> bool {
+        self.speakers.get(name) == Some(&self.members.len())
+    }
+
+    /// Forgets the assignments, giving back what they kept.
+    fn clear_assignments(&mut self) {
+        let bytes: usize = self
+            .assignments
+            .iter()
+            .map(|(id, a)| id.len() + a.len() + 64)
+            .sum();
+        self.kept.fetch_sub(bytes, Ordering::Relaxed);
+        self.assignments.clear();
     }
 
     /// Starts a rebalance round, if none is under way: every member must
@@ -145,9 +222,13 @@ impl Group {
             .max()
             .unwrap_or(Duration::ZERO);
         self.deadline = Instant::now() + longest;
-        self.assignments.clear();
+        self.clear_assignments();
+        let now = Instant::now();
         for m in self.members.values_mut() {
             m.joined = false;
+            if std::mem::take(&mut m.syncing) {
+                m.since = now;
+            }
         }
     }
 
@@ -183,26 +264,37 @@ impl Group {
         {
             self.leader = self.members.keys().next().cloned();
         }
+        // Kafka's vote: each member votes for the protocol it prefers most
+        // among those every member speaks; the most votes win (a tie goes to
+        // the leader's preference).
+        let mut votes: HashMap<&StrBytes, usize> = HashMap::new();
+        for m in self.members.values() {
+            if let Some((name, _)) = m.protocols.iter().find(|(n, _)| self.all_speak(n)) {
+                *votes.entry(name).or_default() += 1;
+            }
+        }
         let leader = &self.members[self.leader.as_ref().unwrap()];
-        // The leader's most preferred protocol that every member speaks.
-        self.protocol = leader
-            .protocols
-            .iter()
-            .map(|(name, _)| name)
-            .find(|name| {
-                self.members
-                    .values()
-                    .all(|m| m.protocols.iter().any(|(n, _)| n == *name))
-            })
-            .cloned();
+        let mut best: Option<(&StrBytes, usize)> = None;
+        for (name, _) in &leader.protocols {
+            let n = votes.get(name).copied().unwrap_or(0);
+            if n > 0 && best.is_none_or(|(_, b)| n > b) {
+                best = Some((name, n));
+            }
+        }
+        self.protocol = best.map(|(name, _)| name.clone());
         self.protocol_type = Some(leader.protocol_type.clone());
         self.phase = Phase::Completing;
+        let now = Instant::now();
+        for m in self.members.values_mut() {
+            m.since = now;
+        }
     }
 
     /// Drops a member (its session timer with it).
     fn remove(&mut self, id: &StrBytes) -> bool {
         match self.members.remove(id) {
             Some(m) => {
+                self.count(&m, false);
                 if let Some(t) = m.session_timer {
                     t.cancel();
                 }
@@ -223,7 +315,7 @@ impl Group {
             self.phase = Phase::Empty;
             self.leader = None;
             self.protocol = None;
-            self.assignments.clear();
+            self.clear_assignments();
         } else if self.phase == Phase::Preparing {
             if self.all_joined() {
                 self.complete_join();
@@ -414,6 +506,8 @@ pub struct Coordinator {
     limits: GroupLimits,
     /// Committed offsets held, across groups.
     offsets: AtomicUsize,
+    /// Bytes kept by members' protocols and assignments, across groups.
+    kept: Arc<AtomicUsize>,
     next_id: AtomicU64,
     me: Weak<Coordinator>,
 }
@@ -434,9 +528,51 @@ impl Coordinator {
             closing,
             limits,
             offsets: AtomicUsize::new(0),
+            kept: Arc::new(AtomicUsize::new(0)),
             next_id: AtomicU64::new(1),
             me: me.clone(),
         })
+    }
+
+    /// Arms the timer that ends `g`'s round at its deadline, if a round is
+    /// under way and its timer is not armed yet (under the groups' lock).
+    /// The round's joins end it too when they expire, but a join whose client
+    /// hung up is cancelled: without this, a round whose joins all went would
+    /// never end, and the members that did not join would never be dropped.
+    fn arm_round(&self, group: &StrBytes, g: &mut Group) {
+        if g.phase != Phase::Preparing
+            || g.round_timer.as_ref().is_some_and(|(r, _)| *r == g.rounds)
+        {
+            return;
+        }
+        if let Some((_, old)) = g.round_timer.take() {
+            old.cancel();
+        }
+        let (me, gid, round) = (self.me.clone(), group.clone(), g.rounds);
+        if let Ok(t) = self.sessions.schedule_at(g.deadline, move || {
+            if let Some(c) = me.upgrade() {
+                c.round_deadline(&gid, round);
+            }
+        }) {
+            g.round_timer = Some((round, t));
+        }
+    }
+
+    /// The deadline of `group`'s round `round` passed: it ends with the
+    /// members that joined, if it has not ended yet.
+    fn round_deadline(&self, group: &StrBytes, round: u64) {
+        {
+            let mut groups = self.groups.lock().unwrap();
+            let Some(g) = groups.get_mut(group) else {
+                return;
+            };
+            if g.rounds != round || g.phase != Phase::Preparing {
+                return;
+            }
+            g.complete_join();
+            tidy(&mut groups, group);
+        }
+        self.wake(group);
     }
 
     /// Checks every waiting join and sync of `group` (after a change made
@@ -480,9 +616,19 @@ impl Coordinator {
             };
             // A member whose join or sync is waiting sends no heartbeats
             // meanwhile (clients stop them during a rebalance): kept alive
-            // until the round ends, as Kafka keeps members awaiting a join.
-            let awaiting = g.phase == Phase::Completing
-                || (g.phase == Phase::Preparing && g.members.get(member).is_some_and(|m| m.joined));
+            // until the round ends, as Kafka keeps members awaiting a join
+            // or a sync. One that is not waiting (a leader that never sends
+            // its sync, a follower that never syncs) must heartbeat: its
+            // session counts from the end of the round at the latest.
+            let now = Instant::now();
+            let awaiting = g.members.get(member).is_some_and(|m| {
+                now < m.since + m.session
+                    || match g.phase {
+                        Phase::Preparing => m.joined,
+                        Phase::Completing => m.syncing,
+                        _ => false,
+                    }
+            });
             if awaiting {
                 if let Some(m) = g.members.get_mut(member) {
                     m.session_timer = None; // this entry has fired
@@ -495,6 +641,7 @@ impl Coordinator {
             }
             tracing::info!(group = %group.as_str(), member = %member.as_str(), "session expired");
             g.after_removal();
+            self.arm_round(group, g);
             tidy(&mut groups, group);
         }
         self.wake(group);
@@ -545,23 +692,33 @@ impl Coordinator {
                         &r.member_id,
                     )));
                 }
-                let g = groups.entry(group.clone()).or_insert_with(Group::new);
-                let speaks =
-                    |m: &Vec<(StrBytes, Bytes)>, name: &StrBytes| m.iter().any(|(n, _)| n == name);
-                let protocols: Vec<(StrBytes, Bytes)> = r
-                    .protocols
-                    .iter()
-                    .map(|p| (own(&p.name), own_bytes(&p.metadata)))
-                    .collect();
-                let consistent = !protocols.is_empty()
-                    && (g.members.is_empty()
-                        || (g
-                            .protocol_type
+                let g = groups
+                    .entry(group.clone())
+                    .or_insert_with(|| Group::new(self.kept.clone()));
+                // Kafka's `supportsProtocols`: into an empty group, any
+                // protocols of a named type; into one with members, of the
+                // group's type, with one every member speaks (counted, not
+                // compared member by member). A member joining again is
+                // counted out of the speakers first.
+                let again = g.members.get(&r.member_id);
+                let consistent = !r.protocols.is_empty()
+                    && if g.members.is_empty() || (g.members.len() == 1 && again.is_some()) {
+                        !r.protocol_type.is_empty()
+                    } else {
+                        g.protocol_type
                             .as_ref()
                             .is_none_or(|t| *t == r.protocol_type)
-                            && protocols.iter().any(|(n, _)| {
-                                g.members.values().all(|m| speaks(&m.protocols, n))
-                            })));
+                            && r.protocols.iter().any(|p| {
+                                let others = g.members.len() - usize::from(again.is_some());
+                                let mut speak = g.speakers.get(&p.name).copied().unwrap_or(0);
+                                if again
+                                    .is_some_and(|m| m.protocols.iter().any(|(n, _)| *n == p.name))
+                                {
+                                    speak -= 1;
+                                }
+                                speak == others
+                            })
+                    };
                 if !consistent {
                     return Err(Box::new(error_join(
                         ResponseError::InconsistentGroupProtocol,
@@ -596,13 +753,32 @@ impl Coordinator {
                 } else {
                     own(&r.member_id)
                 };
-                if let Some(t) = g.pending.remove(&member) {
-                    t.cancel();
-                } else if !g.members.contains_key(&member) && !r.member_id.is_empty() {
+                if !g.pending.contains_key(&member)
+                    && !g.members.contains_key(&member)
+                    && !r.member_id.is_empty()
+                {
                     return Err(Box::new(error_join(
                         ResponseError::UnknownMemberId,
                         &r.member_id,
                     )));
+                }
+                // What its protocols would keep, within the bound across
+                // groups (a member joining again gives its old ones back).
+                let protocols: Vec<(StrBytes, Bytes)> = r
+                    .protocols
+                    .iter()
+                    .map(|p| (own(&p.name), own_bytes(&p.metadata)))
+                    .collect();
+                let adds = protocols_bytes(&protocols);
+                let frees = g.members.get(&member).map_or(0, Member::kept);
+                if self.kept.load(Ordering::Relaxed) + adds > self.limits.max_kept_bytes + frees {
+                    return Err(Box::new(error_join(
+                        ResponseError::CoordinatorLoadInProgress,
+                        &r.member_id,
+                    )));
+                }
+                if let Some(t) = g.pending.remove(&member) {
+                    t.cancel();
                 }
                 // Kafka's rule for a member already in a generation that joins
                 // again with the same metadata (it may have missed the answer,
@@ -628,18 +804,23 @@ impl Coordinator {
                         return Err(Box::new(answer));
                     }
                 }
-                let m = g.members.entry(member.clone()).or_insert_with(|| Member {
+                let mut m = g.members.remove(&member).unwrap_or(Member {
                     session,
                     rebalance,
                     protocol_type: own(&r.protocol_type),
                     protocols: Vec::new(),
                     joined: false,
+                    syncing: false,
+                    since: Instant::now(),
                     session_timer: None,
                 });
+                g.count(&m, false);
                 m.session = session;
                 m.rebalance = rebalance;
                 m.protocol_type = own(&r.protocol_type);
                 m.protocols = protocols;
+                g.count(&m, true);
+                g.members.insert(member.clone(), m);
                 // This join begins a round (the other members learn it from
                 // their heartbeats and join again), unless one is under way.
                 let started = g.phase != Phase::Preparing;
@@ -651,6 +832,8 @@ impl Coordinator {
                 let completed = g.all_joined();
                 if completed {
                     g.complete_join();
+                } else {
+                    self.arm_round(&group, g);
                 }
                 Ok((member, round, g.deadline, started || completed))
             })();
@@ -696,6 +879,14 @@ impl Coordinator {
             if let Err(e) = g.check_member(&r.member_id, r.generation_id) {
                 return Ok(error_sync(e));
             }
+            // KIP-559 (v5): a protocol type or name given must be the group's.
+            let differs = |given: &Option<StrBytes>, group: &Option<StrBytes>| {
+                given.as_ref().is_some_and(|t| group.as_ref() != Some(t))
+            };
+            if differs(&r.protocol_type, &g.protocol_type) || differs(&r.protocol_name, &g.protocol)
+            {
+                return Ok(error_sync(ResponseError::InconsistentGroupProtocol));
+            }
             if g.phase == Phase::Preparing {
                 return Ok(error_sync(ResponseError::RebalanceInProgress));
             }
@@ -705,11 +896,28 @@ impl Coordinator {
             g.members.insert(own(&r.member_id), m);
             let mut led = false;
             if g.phase == Phase::Completing && g.leader.as_ref() == Some(&r.member_id) {
-                g.assignments = r
+                // What the assignments keep, within the bound across groups
+                // (a duplicate's last assignment is the one kept).
+                let mut assignments: HashMap<StrBytes, Bytes> = HashMap::new();
+                for a in r
                     .assignments
                     .iter()
                     .filter(|a| g.members.contains_key(&a.member_id))
-                    .map(|a| (own(&a.member_id), own_bytes(&a.assignment)))
+                {
+                    assignments.insert(a.member_id.clone(), a.assignment.clone());
+                }
+                let bytes: usize = assignments
+                    .iter()
+                    .map(|(id, a)| id.len() + a.len() + 64)
+                    .sum();
+                if self.kept.load(Ordering::Relaxed) + bytes > self.limits.max_kept_bytes {
+                    return Ok(error_sync(ResponseError::CoordinatorNotAvailable));
+                }
+                self.kept.fetch_add(bytes, Ordering::Relaxed);
+                g.clear_assignments();
+                g.assignments = assignments
+                    .iter()
+                    .map(|(id, a)| (own(id), own_bytes(a)))
                     .collect();
                 g.phase = Phase::Stable;
                 led = true;
@@ -721,6 +929,10 @@ impl Coordinator {
                     self.wake(&group);
                 }
                 return Ok(answer);
+            }
+            // A follower waiting for the assignments: kept alive meanwhile.
+            if let Some(m) = g.members.get_mut(&r.member_id) {
+                m.syncing = true;
             }
             (rebalance, led)
         };
@@ -751,14 +963,15 @@ impl Coordinator {
                 return Err(ResponseError::UnknownMemberId);
             }
             let phase = g.phase;
-            let generation = g.generation;
+            // Kafka checks the generation first, and a stale heartbeat
+            // keeps nobody alive.
+            if r.generation_id != g.generation {
+                return Err(ResponseError::IllegalGeneration);
+            }
             let m = g.members.get_mut(&r.member_id).unwrap();
             self.touch(&r.group_id.0, &r.member_id, m);
             if phase == Phase::Preparing {
                 return Err(ResponseError::RebalanceInProgress);
-            }
-            if r.generation_id != generation {
-                return Err(ResponseError::IllegalGeneration);
             }
             Ok(())
         })()
@@ -776,18 +989,24 @@ impl Coordinator {
         let mut results = Vec::new();
         {
             let mut groups = self.groups.lock().unwrap();
-            let Some(g) = groups.get_mut(&group) else {
-                return LeaveGroupResponse::default()
-                    .with_error_code(ResponseError::UnknownMemberId.code());
-            };
-            let mut any = false;
-            for id in &ids {
-                let gone = g.remove(id);
-                any |= gone;
-                results.push((id.clone(), gone));
-            }
-            if any {
-                g.after_removal();
+            match groups.get_mut(&group) {
+                // Kafka: per member UNKNOWN_MEMBER_ID (v3 and later, under a
+                // top-level NONE).
+                None => results.extend(ids.iter().map(|id| (id.clone(), false))),
+                Some(g) => {
+                    let mut any = false;
+                    for id in &ids {
+                        // A member id handed out and not joined yet leaves too.
+                        let pending = g.pending.remove(id).map(|t| t.cancel()).is_some();
+                        let gone = g.remove(id);
+                        any |= gone;
+                        results.push((id.clone(), gone || pending));
+                    }
+                    if any {
+                        g.after_removal();
+                        self.arm_round(&group, g);
+                    }
+                }
             }
             tidy(&mut groups, &group);
         }
@@ -814,22 +1033,37 @@ impl Coordinator {
         response
     }
 
-    pub fn commit(&self, r: &OffsetCommitRequest) -> OffsetCommitResponse {
+    /// Stores committed offsets of partitions that exist (`exists` says
+    /// which).
+    pub fn commit(
+        &self,
+        r: &OffsetCommitRequest,
+        exists: impl Fn(&str, i32) -> bool,
+    ) -> OffsetCommitResponse {
         let group = own(&r.group_id.0);
         let mut groups = self.groups.lock().unwrap();
+        let outside = r.generation_id_or_member_epoch < 0 && r.member_id.is_empty();
         let error = if group.is_empty() {
             Some(ResponseError::InvalidGroupId)
+        } else if !groups.contains_key(&group) && !outside {
+            // Kafka: a generation of a group it does not know.
+            Some(ResponseError::IllegalGeneration)
         } else if !groups.contains_key(&group) && groups.len() >= self.limits.max_groups {
             Some(ResponseError::CoordinatorNotAvailable)
         } else {
-            let g = groups.entry(group.clone()).or_insert_with(Group::new);
-            if r.generation_id_or_member_epoch < 0 && r.member_id.is_empty() {
+            let g = groups
+                .entry(group.clone())
+                .or_insert_with(|| Group::new(self.kept.clone()));
+            if outside {
                 // A commit from outside any generation: only to a group with
                 // no members (Kafka's "simple" consumers).
                 (!g.members.is_empty()).then_some(ResponseError::UnknownMemberId)
             } else if let Err(e) = g.check_member(&r.member_id, r.generation_id_or_member_epoch) {
                 Some(e)
-            } else if g.phase == Phase::Preparing {
+            } else if g.phase == Phase::Completing {
+                // Kafka stores commits while a rebalance prepares (members
+                // commit before they rejoin), and refuses them until the
+                // leader's assignments come.
                 Some(ResponseError::RebalanceInProgress)
             } else {
                 None
@@ -853,6 +1087,8 @@ impl Coordinator {
                             ResponseError::OffsetMetadataTooLarge.code()
                         } else if t.name.0.len() > 249 {
                             ResponseError::InvalidTopicException.code()
+                        } else if !exists(&t.name.0, p.partition_index) {
+                            ResponseError::UnknownTopicOrPartition.code()
                         } else if is_new
                             && self.offsets.load(Ordering::Relaxed) >= self.limits.max_offsets
                         {
@@ -882,9 +1118,61 @@ impl Coordinator {
         response
     }
 
-    pub fn fetch_offsets(&self, r: &OffsetFetchRequest) -> OffsetFetchResponse {
+    /// The committed offsets asked for. The answer is charged first, by
+    /// `charge`, with what building and writing it takes: a request names a
+    /// partition in 4 bytes and its answer takes about 100 more, with up to
+    /// 4 KiB of metadata (one naming the same partition a thousand times
+    /// asks for a thousand copies). When the budget has no room for it, the
+    /// answer is `COORDINATOR_LOAD_IN_PROGRESS`, which clients retry; a
+    /// version 1 answer has no such error, and its connection is closed.
+    pub fn fetch_offsets(
+        &self,
+        r: &OffsetFetchRequest,
+        version: i16,
+        mut charge: impl FnMut(usize) -> bool,
+    ) -> Result<OffsetFetchResponse, Gone> {
+        const PARTITION: usize = std::mem::size_of::<OffsetFetchResponsePartition>() + 32;
+        const TOPIC: usize = std::mem::size_of::<OffsetFetchResponseTopic>() + 32;
         let groups = self.groups.lock().unwrap();
         let g = groups.get(&r.group_id.0);
+        let metadata = |topic: &StrBytes, p: i32| {
+            g.and_then(|g| g.offsets.get(&(topic.clone(), p)))
+                .and_then(|(_, md)| md.as_ref())
+                .map_or(0, |md| md.len())
+        };
+        let bytes: usize = match &r.topics {
+            Some(ts) => ts
+                .iter()
+                .map(|t| {
+                    TOPIC
+                        + 2 * t.name.0.len()
+                        + t.partition_indexes
+                            .iter()
+                            .map(|&p| PARTITION + 2 * metadata(&t.name.0, p))
+                            .sum::<usize>()
+                })
+                .sum(),
+            None => g.map_or(0, |g| {
+                g.offsets
+                    .iter()
+                    .map(|((t, _), (_, md))| {
+                        TOPIC + 2 * t.len() + PARTITION + 2 * md.as_ref().map_or(0, |m| m.len())
+                    })
+                    .sum()
+            }),
+        };
+        if !charge(bytes) {
+            tracing::debug!(
+                bytes,
+                "an offset fetch's answer has no room in the memory budget"
+            );
+            return if version >= 2 {
+                Ok(OffsetFetchResponse::default()
+                    .with_error_code(ResponseError::CoordinatorLoadInProgress.code()))
+            } else {
+                Err(Gone)
+            };
+        }
         let offset = |topic: &StrBytes, p: i32| {
             g.and_then(|g| g.offsets.get(&(topic.clone(), p)))
                 .cloned()
@@ -929,7 +1217,7 @@ impl Coordinator {
                     .collect()
             }
         };
-        OffsetFetchResponse::default().with_topics(topics)
+        Ok(OffsetFetchResponse::default().with_topics(topics))
     }
 
     /// Members and generation of a group, for the demonstration and tests.

@@ -301,11 +301,20 @@ async fn answer(broker: &Broker, admitted: &Admitted) -> Result<Option<BytesMut>
             encode(id, version, &r).map(Some)
         }
         ApiKey::OffsetCommit => {
-            let r = broker.groups.commit(&decode(&mut frame, version)?);
+            let r = broker
+                .groups
+                .commit(&decode(&mut frame, version)?, |topic, index| {
+                    broker.topics.partition(topic, index).is_some()
+                });
             encode(id, version, &r).map(Some)
         }
         ApiKey::OffsetFetch => {
-            let r = broker.groups.fetch_offsets(&decode(&mut frame, version)?);
+            let r =
+                broker
+                    .groups
+                    .fetch_offsets(&decode(&mut frame, version)?, version, |bytes| {
+                        broker.budget.try_charge(bytes, &admitted.answer)
+                    })?;
             encode(id, version, &r).map(Some)
         }
         _ => Err(Gone),
