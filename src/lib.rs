@@ -311,7 +311,12 @@
 //!   outcome. Checks of one operation never overlap and never run after it
 //!   finished.
 //! - **No missed events.** An event that arrives while an operation registers,
-//!   or while another thread checks it, makes it check again.
+//!   or while another thread checks it, makes it check again, unless it is
+//!   cancelled or its timeout fires during that check (it then finishes so,
+//!   once the check under way says "not yet"). Events that keep asking for a
+//!   re-run faster than the check runs keep the thread checking it re-running
+//!   it until it completes, is cancelled or expires (a registration, whose
+//!   timeout is not armed yet, until such a storm pauses).
 //! - **Never early.** Nothing expires before its deadline. Deadlines are rounded
 //!   up to the tick (default 100 µs), so expiry is late by less than one tick
 //!   plus the time the reaper waits to be scheduled (Tokio's own timer rounds its

@@ -596,3 +596,60 @@ async fn a_recheck_that_reenters_and_still_fails_ends() {
     );
     drop(slot);
 }
+
+/// A storm of walks asking for re-runs faster than the operation's check
+/// runs: the thread that owns the check re-runs it for each, and used to do
+/// so for ever, the timeout's expiry waiting behind the re-runs. Now the
+/// expiry wins over a re-run asked meanwhile: the operation expires, its
+/// handle resolves, and the walkers (the owner among them) get free.
+#[test]
+fn a_storm_of_walks_cannot_hold_an_operation_past_its_timeout() {
+    /// Never completes; each check takes a while (it waits, as a check
+    /// reading a slow store would), so that the walks on other threads ask
+    /// again before it ends.
+    struct Slow(Arc<AtomicUsize>);
+    impl Operation for Slow {
+        type Output = ();
+        fn try_complete(&mut self) -> Option<()> {
+            self.0.fetch_add(1, Ordering::Relaxed);
+            std::thread::sleep(Duration::from_micros(300));
+            None
+        }
+        fn on_expiration(self) {}
+    }
+    support::within(30, || {
+        let rt = support::multi();
+        let p: Purgatory<u32, Slow> = Purgatory::builder().build_on(rt.handle()).unwrap();
+        let checks = Arc::new(AtomicUsize::new(0));
+        let h = {
+            let _in = rt.enter();
+            p.try_complete_else_watch(Slow(checks.clone()), ms(50), [1])
+                .unwrap()
+        };
+        let stop = Arc::new(AtomicBool::new(false));
+        let walkers: Vec<_> = (0..4)
+            .map(|_| {
+                let (p, stop) = (p.clone(), stop.clone());
+                std::thread::spawn(move || {
+                    while !stop.load(Ordering::Relaxed) {
+                        p.try_complete_watched(&1);
+                    }
+                })
+            })
+            .collect();
+        let due = std::time::Instant::now() + Duration::from_millis(50);
+        let out = rt.block_on(h);
+        // Late by a check or so, and the runtime's wake-up; a storm that
+        // held the expiry behind its re-runs made it late by seconds.
+        let late = std::time::Instant::now().saturating_duration_since(due);
+        stop.store(true, Ordering::Relaxed);
+        for w in walkers {
+            w.join().unwrap();
+        }
+        assert_eq!(out, Ok(Completion::Expired(())));
+        assert!(checks.load(Ordering::Relaxed) > 2, "the storm ran");
+        assert!(late < Duration::from_millis(500), "expired {late:?} late");
+        let m = p.metrics();
+        assert_eq!((m.expired, m.delayed), (1, 0), "{m:?}");
+    });
+}

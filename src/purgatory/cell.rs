@@ -564,12 +564,16 @@ where
             AfterNotYet::Release => Checked::Pending,
             AfterNotYet::Cancel => {
                 cell.owner.record_fate(Fate::Cancelled.code());
-                // An expiry left meanwhile lost to the cancel.
+                // An expiry left meanwhile lost to the cancel, and a level
+                // left for a re-run that will not happen.
                 self.shared.late().take(&self.id);
+                self.shared.handed().take(&self.id);
                 Checked::Cancelled(self.take_op())
             }
             AfterNotYet::Expire => {
                 cell.owner.record_fate(Fate::Expired.code());
+                // A level left for a re-run that will not happen.
+                self.shared.handed().take(&self.id);
                 // The reaper left its lateness sample for this expiry with it.
                 if let Some(nanos) = self.shared.late().take(&self.id) {
                     self.shared.expired_later(Duration::from_nanos(nanos));

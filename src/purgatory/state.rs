@@ -15,8 +15,12 @@
 //!   a check is never lost (Kafka's KAFKA-6653).
 //! - Expiry and cancellation claim the operation (`-> FINISHED`) when no check
 //!   runs; if one does, they leave a request bit and the owner acts on it after
-//!   its check returns "not yet". So expiry code never runs beside a check
-//!   (KAFKA-19312), and a check that succeeds wins over a concurrent timeout.
+//!   its check returns "not yet", before any re-run asked meanwhile. So expiry
+//!   code never runs beside a check (KAFKA-19312), a check that succeeds wins
+//!   over a concurrent timeout, and a storm of events asking for re-runs
+//!   faster than the check runs keeps its owner re-running at most until the
+//!   operation's timeout fires or it is cancelled (a re-run first would let
+//!   such a storm hold the owner, and the operation, for ever).
 //! - Whoever sets `FINISHED` alone finishes the operation: exactly once.
 //! - **Who keeps the cell.** Each reference (the handle, each `OpRef`, a call
 //!   using the cell for a moment) is counted. `CHECKING` keeps the cell too, so
@@ -469,12 +473,13 @@ impl Life {
         owner.checker.store(0, Ordering::Release);
         let mut s = self.0.load(Ordering::Acquire);
         loop {
-            let (want, then) = if s & RERUN != 0 {
-                (s & !RERUN, AfterNotYet::Recheck)
-            } else if s & CANCEL != 0 {
+            // A cancel or the timeout wins over a re-run asked meanwhile.
+            let (want, then) = if s & CANCEL != 0 {
                 (Self::finished_by_owner(s), AfterNotYet::Cancel)
             } else if s & EXPIRE != 0 {
                 (Self::finished_by_owner(s), AfterNotYet::Expire)
+            } else if s & RERUN != 0 {
+                (s & !RERUN, AfterNotYet::Recheck)
             } else {
                 (s & !CHECKING, AfterNotYet::Release)
             };
