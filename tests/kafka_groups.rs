@@ -649,6 +649,67 @@ async fn join_metadata_is_kept_within_its_bound() {
     .await
 }
 
+/// A member naming one protocol twice counts it once: counted twice, the
+/// protocol looked spoken by every member of a group of two where the other
+/// member does not speak it, and could be chosen for the group (its other
+/// member then got no metadata for a protocol it lacks).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_protocol_named_twice_counts_once() {
+    let _one = ONE.lock().await;
+    bounded(async {
+        let b = start(quick()).await;
+        let mut a = M::new(&b).await;
+        a.session = 10_000;
+        a.protocols = vec![("x".into(), Bytes::from_static(b"a"))];
+        assert_eq!(a.join("g").await, 0);
+        assert_eq!(a.sync("g").await, 0);
+        let mut c = M::new(&b).await;
+        c.session = 10_000;
+        c.protocols = vec![
+            ("p".into(), Bytes::from_static(b"c")),
+            ("p".into(), Bytes::from_static(b"c")),
+            ("x".into(), Bytes::from_static(b"c")),
+        ];
+        let joining = tokio::spawn(async move {
+            loop {
+                let r = c.join_once("g", 5).await;
+                if r.error_code != code(ResponseError::MemberIdRequired) {
+                    return r;
+                }
+            }
+        });
+        until(5, "C's join parked", || {
+            b.broker.groups.joins.delayed() == 1
+        })
+        .await;
+        let r = a.join_once("g", 5).await;
+        let rc = joining.await.unwrap();
+        for r in [&r, &rc] {
+            assert_eq!(r.error_code, 0);
+            assert_eq!(r.protocol_name.as_ref().map(|n| n.as_str()), Some("x"));
+        }
+        // Alone in a group, it gets the protocol it prefers: counted twice,
+        // `p` looked spoken by two members of a group of one.
+        let mut d = M::new(&b).await;
+        d.session = 10_000;
+        d.protocols = vec![
+            ("p".into(), Bytes::from_static(b"d")),
+            ("p".into(), Bytes::from_static(b"d")),
+            ("x".into(), Bytes::from_static(b"d")),
+        ];
+        let r = loop {
+            let r = d.join_once("alone", 5).await;
+            if r.error_code != code(ResponseError::MemberIdRequired) {
+                break r;
+            }
+        };
+        assert_eq!(r.error_code, 0);
+        assert_eq!(r.protocol_name.as_ref().map(|n| n.as_str()), Some("p"));
+        b.shutdown().await;
+    })
+    .await
+}
+
 // ===========================================================================
 // Kafka's error codes where the coordinator's used to differ
 // ===========================================================================

@@ -613,8 +613,9 @@ where
     /// # Concurrent calls
     ///
     /// If another caller is checking the operation at this moment, this call asks
-    /// it to check once more and returns `false` at once: the event is not lost,
-    /// and checks never overlap. After the operation has finished, returns `false`
+    /// it to check once more and returns `false` at once: the event is not lost
+    /// (unless a cancel or the timeout arrives during that check too: they
+    /// win over the re-run), and checks never overlap. After the operation has finished, returns `false`
     /// and runs nothing.
     ///
     /// # Examples

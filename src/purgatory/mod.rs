@@ -78,7 +78,8 @@ impl<K: WatchKey, O: Operation> Drop for Owner<K, O> {
 ///   the purgatory's held, so they may call back into it. The one lock held around
 ///   user code is the operation's own, around its `try_complete`, which is how
 ///   checks of one operation never overlap; an event that arrives while one runs
-///   makes it check again.
+///   makes it check again (unless it is cancelled or its timeout fires
+///   meanwhile: it then finishes so).
 /// - A key's `Eq` runs under the lock of the watcher-map shard that holds the
 ///   key (see [`WatchKey`]): it must not call back into the purgatory. So do
 ///   the key's `Borrow::borrow` and the borrowed form's `Eq`, for the methods

@@ -12,7 +12,8 @@
 //! - A check starts only by setting `CHECKING` on a live use without it; if it
 //!   is set, the caller sets `RERUN` and leaves, and the owner checks once more
 //!   before releasing. So checks never overlap and an event that arrives during
-//!   a check is never lost (Kafka's KAFKA-6653).
+//!   a check is never lost (Kafka's KAFKA-6653), unless a cancel or the
+//!   timeout left during that check finishes the operation instead (below).
 //! - Expiry and cancellation claim the operation (`-> FINISHED`) when no check
 //!   runs; if one does, they leave a request bit and the owner acts on it after
 //!   its check returns "not yet", before any re-run asked meanwhile. So expiry
@@ -217,8 +218,10 @@ impl Owner {
 /// hand-over needs a check running on another thread at that very moment,
 /// so this holds at most about one entry per thread.
 ///
-/// Who removes an entry: the checker, when it re-runs or completes; the
-/// asker, when it finds the use over or becomes the checker itself instead.
+/// Who removes an entry: the checker, when it re-runs or completes, or when
+/// a cancel or the timeout left meanwhile finishes the operation instead of
+/// the re-run; the asker, when it finds the use over or becomes the checker
+/// itself instead.
 #[derive(Debug)]
 pub(crate) struct Handed<I> {
     /// Entries held, read without the lock to skip it while there are none

@@ -68,7 +68,8 @@ pub struct GroupLimits {
     pub max_session: Duration,
     /// Bytes of members' protocols (names and metadata) and of assignments
     /// kept across every group at most: a join or a leader's sync that would
-    /// pass it is answered `COORDINATOR_LOAD_IN_PROGRESS` (the client retries).
+    /// pass it is answered `COORDINATOR_LOAD_IN_PROGRESS` (a join) or
+    /// `COORDINATOR_NOT_AVAILABLE` (a sync), which clients retry.
     pub max_kept_bytes: usize,
 }
 
@@ -115,7 +116,7 @@ struct Member {
 impl Member {
     /// The bytes its protocols keep.
     fn kept(&self) -> usize {
-        protocols_bytes(&self.protocols)
+        protocols_bytes(&self.protocols) + self.protocol_type.len()
     }
 }
 
@@ -150,10 +151,13 @@ struct Group {
     /// Bytes kept by members' protocols and the assignments, shared across
     /// the coordinator's groups.
     kept: Arc<AtomicUsize>,
+    /// Which group of this id it is (a forgotten group's timers must not
+    /// reach a later one).
+    incarnation: u64,
 }
 
 impl Group {
-    fn new(kept: Arc<AtomicUsize>) -> Group {
+    fn new(kept: Arc<AtomicUsize>, incarnation: u64) -> Group {
         Group {
             phase: Phase::Empty,
             generation: 0,
@@ -169,6 +173,7 @@ impl Group {
             speakers: HashMap::new(),
             round_timer: None,
             kept,
+            incarnation,
         }
     }
 
@@ -255,6 +260,7 @@ impl Group {
             self.protocol = None;
             self.protocol_type = None;
             self.leader = None;
+            self.end_round_timer();
             return;
         }
         if !self
@@ -288,6 +294,14 @@ impl Group {
         for m in self.members.values_mut() {
             m.since = now;
         }
+        self.end_round_timer();
+    }
+
+    /// The round's timer is done with: the round ended.
+    fn end_round_timer(&mut self) {
+        if let Some((_, t)) = self.round_timer.take() {
+            t.cancel();
+        }
     }
 
     /// Drops a member (its session timer with it).
@@ -316,6 +330,7 @@ impl Group {
             self.leader = None;
             self.protocol = None;
             self.clear_assignments();
+            self.end_round_timer();
         } else if self.phase == Phase::Preparing {
             if self.all_joined() {
                 self.complete_join();
@@ -370,6 +385,14 @@ impl Group {
             return Err(ResponseError::IllegalGeneration);
         }
         Ok(())
+    }
+}
+
+/// A group forgotten takes its round's timer with it: a later group of the
+/// same id starts its rounds again from 0, and must not be ended by it.
+impl Drop for Group {
+    fn drop(&mut self) {
+        self.end_round_timer();
     }
 }
 
@@ -548,10 +571,11 @@ impl Coordinator {
         if let Some((_, old)) = g.round_timer.take() {
             old.cancel();
         }
-        let (me, gid, round) = (self.me.clone(), group.clone(), g.rounds);
+        let (me, gid, round, incarnation) =
+            (self.me.clone(), group.clone(), g.rounds, g.incarnation);
         if let Ok(t) = self.sessions.schedule_at(g.deadline, move || {
             if let Some(c) = me.upgrade() {
-                c.round_deadline(&gid, round);
+                c.round_deadline(&gid, incarnation, round);
             }
         }) {
             g.round_timer = Some((round, t));
@@ -560,13 +584,13 @@ impl Coordinator {
 
     /// The deadline of `group`'s round `round` passed: it ends with the
     /// members that joined, if it has not ended yet.
-    fn round_deadline(&self, group: &StrBytes, round: u64) {
+    fn round_deadline(&self, group: &StrBytes, incarnation: u64, round: u64) {
         {
             let mut groups = self.groups.lock().unwrap();
             let Some(g) = groups.get_mut(group) else {
                 return;
             };
-            if g.rounds != round || g.phase != Phase::Preparing {
+            if g.incarnation != incarnation || g.rounds != round || g.phase != Phase::Preparing {
                 return;
             }
             g.complete_join();
@@ -692,27 +716,38 @@ impl Coordinator {
                         &r.member_id,
                     )));
                 }
-                let g = groups
-                    .entry(group.clone())
-                    .or_insert_with(|| Group::new(self.kept.clone()));
+                let g = groups.entry(group.clone()).or_insert_with(|| {
+                    Group::new(
+                        self.kept.clone(),
+                        self.next_id.fetch_add(1, Ordering::Relaxed),
+                    )
+                });
                 // Kafka's `supportsProtocols`: into an empty group, any
                 // protocols of a named type; into one with members, of the
                 // group's type, with one every member speaks (counted, not
                 // compared member by member). A member joining again is
                 // counted out of the speakers first.
+                // A protocol named twice counts once (the first): counted
+                // twice, it would look spoken by a member that does not.
+                let mut named = std::collections::HashSet::new();
+                let protocols: Vec<(StrBytes, Bytes)> = r
+                    .protocols
+                    .iter()
+                    .filter(|p| named.insert(&p.name))
+                    .map(|p| (own(&p.name), own_bytes(&p.metadata)))
+                    .collect();
                 let again = g.members.get(&r.member_id);
-                let consistent = !r.protocols.is_empty()
+                let consistent = !protocols.is_empty()
                     && if g.members.is_empty() || (g.members.len() == 1 && again.is_some()) {
                         !r.protocol_type.is_empty()
                     } else {
                         g.protocol_type
                             .as_ref()
                             .is_none_or(|t| *t == r.protocol_type)
-                            && r.protocols.iter().any(|p| {
+                            && protocols.iter().any(|(name, _)| {
                                 let others = g.members.len() - usize::from(again.is_some());
-                                let mut speak = g.speakers.get(&p.name).copied().unwrap_or(0);
-                                if again
-                                    .is_some_and(|m| m.protocols.iter().any(|(n, _)| *n == p.name))
+                                let mut speak = g.speakers.get(name).copied().unwrap_or(0);
+                                if again.is_some_and(|m| m.protocols.iter().any(|(n, _)| n == name))
                                 {
                                     speak -= 1;
                                 }
@@ -764,12 +799,7 @@ impl Coordinator {
                 }
                 // What its protocols would keep, within the bound across
                 // groups (a member joining again gives its old ones back).
-                let protocols: Vec<(StrBytes, Bytes)> = r
-                    .protocols
-                    .iter()
-                    .map(|p| (own(&p.name), own_bytes(&p.metadata)))
-                    .collect();
-                let adds = protocols_bytes(&protocols);
+                let adds = protocols_bytes(&protocols) + r.protocol_type.len();
                 let frees = g.members.get(&member).map_or(0, Member::kept);
                 if self.kept.load(Ordering::Relaxed) + adds > self.limits.max_kept_bytes + frees {
                     return Err(Box::new(error_join(
@@ -807,7 +837,8 @@ impl Coordinator {
                 let mut m = g.members.remove(&member).unwrap_or(Member {
                     session,
                     rebalance,
-                    protocol_type: own(&r.protocol_type),
+                    // Counted in below, with the protocols.
+                    protocol_type: StrBytes::default(),
                     protocols: Vec::new(),
                     joined: false,
                     syncing: false,
@@ -920,6 +951,14 @@ impl Coordinator {
                     .map(|(id, a)| (own(id), own_bytes(a)))
                     .collect();
                 g.phase = Phase::Stable;
+                // Followers waiting for the assignments heartbeat again from
+                // their answer (Kafka's `propagateAssignment`).
+                let now = Instant::now();
+                for m in g.members.values_mut() {
+                    if std::mem::take(&mut m.syncing) {
+                        m.since = now;
+                    }
+                }
                 led = true;
             }
             if g.phase == Phase::Stable {
@@ -1051,9 +1090,12 @@ impl Coordinator {
         } else if !groups.contains_key(&group) && groups.len() >= self.limits.max_groups {
             Some(ResponseError::CoordinatorNotAvailable)
         } else {
-            let g = groups
-                .entry(group.clone())
-                .or_insert_with(|| Group::new(self.kept.clone()));
+            let g = groups.entry(group.clone()).or_insert_with(|| {
+                Group::new(
+                    self.kept.clone(),
+                    self.next_id.fetch_add(1, Ordering::Relaxed),
+                )
+            });
             if outside {
                 // A commit from outside any generation: only to a group with
                 // no members (Kafka's "simple" consumers).
@@ -1131,7 +1173,7 @@ impl Coordinator {
         version: i16,
         mut charge: impl FnMut(usize) -> bool,
     ) -> Result<OffsetFetchResponse, Gone> {
-        const PARTITION: usize = std::mem::size_of::<OffsetFetchResponsePartition>() + 32;
+        const PARTITION: usize = std::mem::size_of::<OffsetFetchResponsePartition>() + 64;
         const TOPIC: usize = std::mem::size_of::<OffsetFetchResponseTopic>() + 32;
         let groups = self.groups.lock().unwrap();
         let g = groups.get(&r.group_id.0);
