@@ -1071,7 +1071,14 @@ mod loom_state {
                     }
                 }
                 AfterNotYet::Release => return,
-                other => unreachable!("nothing expires or cancels here: {other:?}"),
+                // A cancel or the timeout left meanwhile wins over a re-run:
+                // the level left for it goes.
+                AfterNotYet::Cancel | AfterNotYet::Expire => {
+                    handed.take(&id);
+                    out.cancelled.fetch_add(1, Ordering::SeqCst);
+                    cell.release();
+                    return;
+                }
             }
         }
     }
@@ -1093,6 +1100,64 @@ mod loom_state {
             check_told(&cell, generation, 2, Some(5), &handed, at_5, &out);
             event.join().unwrap();
             assert_eq!(out.completed.load(Ordering::SeqCst), 1);
+            assert_eq!(handed.take(&generation.get()), None, "nothing left over");
+            handle_goes(&cell, generation, &out);
+        });
+    }
+
+    /// A re-run asked and a timeout left during one check: the timeout wins,
+    /// so a storm of re-runs cannot hold the operation past it.
+    #[test]
+    fn a_timeout_left_during_a_check_wins_over_a_rerun() {
+        loom::model(|| {
+            let (cell, generation) = Cell::pending();
+            assert!(cell.life.begin_check(generation, 1, &cell.owner));
+            let asker = {
+                let cell = cell.clone();
+                thread::spawn(move || {
+                    assert_eq!(
+                        cell.life
+                            .begin_check_or_ask(generation, 2, &cell.owner, || {}),
+                        Begin::Asked,
+                        "the check runs"
+                    );
+                })
+            };
+            assert_eq!(cell.life.claim(generation, EXPIRE), Claim::Deferred);
+            asker.join().unwrap();
+            assert_eq!(cell.life.end_check(1, &cell.owner), AfterNotYet::Expire);
+            cell.release();
+            assert!(cell.life.is_finished());
+        });
+    }
+
+    /// An advance to level 5 racing a check that a cancel left meanwhile
+    /// finishes: one outcome, and whichever way they meet, no level is left
+    /// handed over (the owner takes back what the advance left for the
+    /// re-run the cancel wins over; an advance that finds the use over takes
+    /// back its own).
+    #[test]
+    fn a_level_handed_to_a_check_that_is_cancelled_is_not_kept() {
+        loom::model(|| {
+            let (cell, generation) = Cell::pending();
+            let handed = Arc::new(Handed::<u32>::default());
+            let out = Arc::new(Outcomes::default());
+            assert!(cell.life.begin_check(generation, 1, &cell.owner));
+            let advance = {
+                let (cell, handed, out) = (cell.clone(), handed.clone(), out.clone());
+                let never = |_: Option<u64>| false;
+                thread::spawn(move || {
+                    check_told(&cell, generation, 2, Some(5), &handed, never, &out)
+                })
+            };
+            assert_eq!(cell.life.claim(generation, CANCEL), Claim::Deferred);
+            // The owner's check says "not yet": the cancel wins.
+            assert_eq!(cell.life.end_check(1, &cell.owner), AfterNotYet::Cancel);
+            handed.take(&generation.get());
+            out.cancelled.fetch_add(1, Ordering::SeqCst);
+            cell.release();
+            advance.join().unwrap();
+            assert_eq!(out.total(), 1, "cancelled once");
             assert_eq!(handed.take(&generation.get()), None, "nothing left over");
             handle_goes(&cell, generation, &out);
         });
