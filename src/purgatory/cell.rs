@@ -590,11 +590,14 @@ where
     /// The owner's check said the operation is done: `FINISHED`, the
     /// operation (taken out) dropped, `output` delivered.
     fn completed(&self, op: Option<O>, output: O::Output) -> Checked<O> {
-        self.life.complete(&self.cell.owner);
+        let expiry_lost = self.life.complete(&self.cell.owner);
         // A level left for a re-run that will not happen, and the lateness of
-        // an expiry left meanwhile that lost to the completion.
+        // an expiry left meanwhile that lost to the completion (looked for
+        // only then: nothing else leaves one).
         self.shared.handed().take(&self.id);
-        self.shared.late().take(&self.id);
+        if expiry_lost {
+            self.shared.late().take(&self.id);
+        }
         self.cell.owner.record_fate(Fate::Completed.code());
         self.shared.drop_contained("drop of an operation", op);
         self.finish(Ok(Completion::Completed(output)), Fate::Completed, true);

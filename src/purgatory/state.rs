@@ -445,8 +445,10 @@ impl Life {
     /// The owner's check completed the operation: `FINISHED`, with the
     /// finisher's reference in place of `CHECKING`. Requests left meanwhile
     /// lose (their bits stay, unread: nothing reads requests once finished).
+    /// Returns whether an expiry was left meanwhile (what it left beside the
+    /// word, before its request, is the completer's to take back).
     #[inline]
-    pub(crate) fn complete(&self, owner: &Owner) {
+    pub(crate) fn complete(&self, owner: &Owner) -> bool {
         owner.checker.store(0, Ordering::Release);
         // CHECKING (bit 29) is set and FINISHED (bit 30) is not: adding bit
         // 29 carries into bit 30, so one add moves CHECKING to FINISHED and
@@ -459,6 +461,7 @@ impl Life {
         if before & REFS >= MAX_REFS {
             too_many_references();
         }
+        before & EXPIRE != 0
     }
 
     /// The owner gives the operation up unfinished (its registration failed):
