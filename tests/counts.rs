@@ -764,24 +764,7 @@ mod export {
 
     use metrics_util::debugging::{DebugValue, DebuggingRecorder};
     use std::collections::BTreeMap;
-
-    fn collect(recorder: &DebuggingRecorder) -> BTreeMap<String, DebugValue> {
-        recorder
-            .snapshotter()
-            .snapshot()
-            .into_vec()
-            .into_iter()
-            .map(|(key, _, _, value)| {
-                let key = key.key();
-                let mut labels: Vec<String> = key
-                    .labels()
-                    .map(|l| format!("{}={}", l.key(), l.value()))
-                    .collect();
-                labels.sort();
-                (format!("{}{{{}}}", key.name(), labels.join(",")), value)
-            })
-            .collect()
-    }
+    use support::recorded::collect;
 
     fn check_export(got: &BTreeMap<String, DebugValue>, m: &PurgatoryMetrics, pl: &str) {
         let counter = |k: &str| match got.get(&format!("{k}{{{pl}}}")) {

@@ -2,11 +2,13 @@
 //! labels, counters and gauges with the snapshot's values, and one lateness
 //! sample per expiry. Run by `cargo test --all-features`.
 
-use std::collections::BTreeMap;
 use std::time::Duration;
 
 use metrics_util::debugging::{DebugValue, DebuggingRecorder};
 use tokio_purgatory::{Operation, Purgatory, Timer};
+
+mod support;
+use support::recorded::{collect, Histograms};
 
 struct Op;
 
@@ -16,25 +18,6 @@ impl Operation for Op {
         None
     }
     fn on_expiration(self) {}
-}
-
-/// Each metric as `name{label=value,...}` with its value.
-fn collect(recorder: &DebuggingRecorder) -> BTreeMap<String, DebugValue> {
-    recorder
-        .snapshotter()
-        .snapshot()
-        .into_vec()
-        .into_iter()
-        .map(|(key, _, _, value)| {
-            let key = key.key();
-            let mut labels: Vec<String> = key
-                .labels()
-                .map(|l| format!("{}={}", l.key(), l.value()))
-                .collect();
-            labels.sort();
-            (format!("{}{{{}}}", key.name(), labels.join(",")), value)
-        })
-        .collect()
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
@@ -153,10 +136,8 @@ async fn every_metric_reaches_the_recorder_with_its_labels() {
     );
 }
 
-/// A recorder whose histograms panic when they record: the application's
-/// code, which the reaper runs at each expiry.
-struct PanickingRecorder;
-
+/// Histograms that panic when they record: the application's code, which
+/// the reaper runs at each expiry.
 struct PanickingHistogram;
 
 impl metrics::HistogramFn for PanickingHistogram {
@@ -165,49 +146,14 @@ impl metrics::HistogramFn for PanickingHistogram {
     }
 }
 
-impl metrics::Recorder for PanickingRecorder {
-    fn describe_counter(
-        &self,
-        _: metrics::KeyName,
-        _: Option<metrics::Unit>,
-        _: metrics::SharedString,
-    ) {
-    }
-    fn describe_gauge(
-        &self,
-        _: metrics::KeyName,
-        _: Option<metrics::Unit>,
-        _: metrics::SharedString,
-    ) {
-    }
-    fn describe_histogram(
-        &self,
-        _: metrics::KeyName,
-        _: Option<metrics::Unit>,
-        _: metrics::SharedString,
-    ) {
-    }
-    fn register_counter(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
-        metrics::Counter::noop()
-    }
-    fn register_gauge(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
-        metrics::Gauge::noop()
-    }
-    fn register_histogram(
-        &self,
-        _: &metrics::Key,
-        _: &metrics::Metadata<'_>,
-    ) -> metrics::Histogram {
-        metrics::Histogram::from_arc(std::sync::Arc::new(PanickingHistogram))
-    }
-}
-
 /// The lateness histogram is recorded on the reaper at each expiry: a
 /// recorder that panics there stops no expiry (each is counted as a caught
 /// panic) and does not end the reaper.
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_recorder_that_panics_stops_no_expiry() {
-    let p = metrics::with_local_recorder(&PanickingRecorder, || {
+    let panicking =
+        Histograms(|| metrics::Histogram::from_arc(std::sync::Arc::new(PanickingHistogram)));
+    let p = metrics::with_local_recorder(&panicking, || {
         Purgatory::<u32, Op>::builder()
             .name("hostile")
             .build()

@@ -608,19 +608,13 @@ async fn a_sleep_waker_drops_the_last_timer_on_a_shared_reaper() {
 #[cfg(feature = "metrics")]
 mod recorder {
     use super::*;
+    use support::recorded::Histograms;
 
     struct CallbackHistogram(Arc<dyn Fn() + Send + Sync>);
     impl metrics::HistogramFn for CallbackHistogram {
         fn record(&self, _: f64) {
             (self.0)()
         }
-    }
-
-    /// A recorder whose histograms run `on_record`, and whose histograms panic
-    /// when dropped when `panic_on_drop`.
-    struct HookRecorder {
-        on_record: Arc<dyn Fn() + Send + Sync>,
-        panic_on_drop: bool,
     }
 
     struct DropPanics;
@@ -635,51 +629,6 @@ mod recorder {
         }
     }
 
-    impl metrics::Recorder for HookRecorder {
-        fn describe_counter(
-            &self,
-            _: metrics::KeyName,
-            _: Option<metrics::Unit>,
-            _: metrics::SharedString,
-        ) {
-        }
-        fn describe_gauge(
-            &self,
-            _: metrics::KeyName,
-            _: Option<metrics::Unit>,
-            _: metrics::SharedString,
-        ) {
-        }
-        fn describe_histogram(
-            &self,
-            _: metrics::KeyName,
-            _: Option<metrics::Unit>,
-            _: metrics::SharedString,
-        ) {
-        }
-        fn register_counter(
-            &self,
-            _: &metrics::Key,
-            _: &metrics::Metadata<'_>,
-        ) -> metrics::Counter {
-            metrics::Counter::noop()
-        }
-        fn register_gauge(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
-            metrics::Gauge::noop()
-        }
-        fn register_histogram(
-            &self,
-            _: &metrics::Key,
-            _: &metrics::Metadata<'_>,
-        ) -> metrics::Histogram {
-            if self.panic_on_drop {
-                metrics::Histogram::from_arc(Arc::new(DropPanics))
-            } else {
-                metrics::Histogram::from_arc(Arc::new(CallbackHistogram(self.on_record.clone())))
-            }
-        }
-    }
-
     #[test]
     fn a_recorder_calling_back_in_from_the_reaper() {
         within(20, || {
@@ -689,30 +638,30 @@ mod recorder {
                 let slot_t: Arc<Mutex<Option<tokio_purgatory::WeakTimer>>> = Arc::default();
                 let calls = Arc::new(AtomicUsize::new(0));
                 let (sp, st, c) = (slot_p.clone(), slot_t.clone(), calls.clone());
-                let rec = HookRecorder {
-                    on_record: Arc::new(move || {
-                        let n = c.fetch_add(1, Ordering::SeqCst);
-                        let p = sp.lock().unwrap().clone().and_then(|w| w.upgrade());
-                        if let Some(p) = p {
-                            let _ = p.metrics();
-                            let _ = p.lateness();
-                            p.record_metrics();
-                            if n == 1 {
-                                drop(p.shutdown());
-                            }
+                let on_record: Arc<dyn Fn() + Send + Sync> = Arc::new(move || {
+                    let n = c.fetch_add(1, Ordering::SeqCst);
+                    let p = sp.lock().unwrap().clone().and_then(|w| w.upgrade());
+                    if let Some(p) = p {
+                        let _ = p.metrics();
+                        let _ = p.lateness();
+                        p.record_metrics();
+                        if n == 1 {
+                            drop(p.shutdown());
                         }
-                        let t = st.lock().unwrap().clone().and_then(|w| w.upgrade());
-                        if let Some(t) = t {
-                            let _ = t.metrics();
-                            let _ = t.len();
-                            t.record_metrics();
-                            if n == 3 {
-                                drop(t.shutdown());
-                            }
+                    }
+                    let t = st.lock().unwrap().clone().and_then(|w| w.upgrade());
+                    if let Some(t) = t {
+                        let _ = t.metrics();
+                        let _ = t.len();
+                        t.record_metrics();
+                        if n == 3 {
+                            drop(t.shutdown());
                         }
-                    }),
-                    panic_on_drop: false,
-                };
+                    }
+                });
+                let rec = Histograms(move || {
+                    metrics::Histogram::from_arc(Arc::new(CallbackHistogram(on_record.clone())))
+                });
                 let (p, t) = metrics::with_local_recorder(&rec, || {
                     let p: Purgatory<u32, Never> =
                         Purgatory::builder().reaper(&reaper).build().unwrap();
@@ -757,10 +706,8 @@ mod recorder {
         within(20, || {
             paused().block_on(async {
                 let reaper = Reaper::start().unwrap();
-                let rec = HookRecorder {
-                    on_record: Arc::new(|| {}),
-                    panic_on_drop: true,
-                };
+                // Its histograms panic when dropped.
+                let rec = Histograms(|| metrics::Histogram::from_arc(Arc::new(DropPanics)));
                 let p: Purgatory<u32, Never> = metrics::with_local_recorder(&rec, || {
                     Purgatory::builder()
                         .name("hostile")

@@ -80,4 +80,5 @@ impl tokio_purgatory::Operation for FlagOp {
 }
 
 pub mod alloc;
+pub mod recorded;
 pub mod rng;
