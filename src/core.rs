@@ -134,7 +134,6 @@ impl TimerKey {
 #[derive(Debug)]
 struct Shard<J> {
     wheel: Wheel<J>,
-    closed: bool,
 }
 
 /// Counters kept by the core (all monotonic), written by the reaper (and,
@@ -234,10 +233,7 @@ impl<J: Job<Ctx = C>, C: Send + Sync + 'static> Core<J, C> {
             .map(|_| {
                 let wheel = Wheel::new(settings.slots, settings.levels)
                     .expect("wheel shape is validated by the builder");
-                Padded(Mutex::new(Shard {
-                    wheel,
-                    closed: false,
-                }))
+                Padded(Mutex::new(Shard { wheel }))
             })
             .collect();
         let hub = Hub::for_host(&host);
@@ -319,10 +315,16 @@ impl<J: Job<Ctx = C>, C: Send + Sync + 'static> Core<J, C> {
         let shard = self.shard_of(thread_index());
         let key = {
             let mut s = self.lock(shard);
-            if s.closed {
+            // The core's state, read under the shard's lock: `close` sets it
+            // before it drains the shards one by one, so an insert either
+            // lands before that shard's drain (which hands it back) or sees
+            // the state. A job put back by a run under way when the close
+            // came (a repeating task's next run) is so refused even on a
+            // shard not drained yet, instead of being handed back by that
+            // drain as if it had never run.
+            if let Some(why) = self.closed() {
                 drop(s);
                 self.release_capacity(1);
-                let why = self.closed().unwrap_or(Closed::Shutdown);
                 return Err((job, why));
             }
             s.wheel.insert(tick, job)
@@ -506,9 +508,7 @@ impl<J: Job<Ctx = C>, C: Send + Sync + 'static> Core<J, C> {
             .ok()?;
         let mut jobs = Vec::new();
         for i in 0..self.shards.len() {
-            let mut s = self.lock(i);
-            s.closed = true;
-            jobs.append(&mut s.wheel.drain());
+            jobs.append(&mut self.lock(i).wheel.drain());
         }
         self.release_capacity(jobs.len());
         // The reaper lets go of a closed core (and stops, if it was the last).

@@ -316,7 +316,13 @@
 //!   once the check under way says "not yet"). Events that keep asking for a
 //!   re-run faster than the check runs keep the thread checking it re-running
 //!   it until it completes, is cancelled or expires (a registration, whose
-//!   timeout is not armed yet, until such a storm pauses).
+//!   timeout is not armed yet, until such a storm pauses). On the thread that
+//!   checks it: the check's own walk of its own keys is not an event to it
+//!   (it knows what it did); a walk from the check of another operation that
+//!   this check caused (through a walk of its own) makes it check once more
+//!   when it ends, and an event raised so during that re-run does not again
+//!   (checks that walk each other's keys each time they run would otherwise
+//!   re-run each other for ever on one thread).
 //! - **Never early.** Nothing expires before its deadline. Deadlines are rounded
 //!   up to the tick (default 100 µs), so expiry is late by less than one tick
 //!   plus the time the reaper waits to be scheduled (Tokio's own timer rounds its

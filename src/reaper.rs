@@ -438,6 +438,12 @@ async fn run_reaper(guard: ReaperGuard) {
         let mut again = false;
         let mut wake_at: Option<Instant> = None;
         for core in &serving {
+            // One closed earlier in this turn (by a task or an operation of
+            // another core served by this task) is left as it was closed: its
+            // counters keep their values after a shutdown.
+            if core.is_closed() {
+                continue;
+            }
             match core.serve() {
                 Next::Again => again = true,
                 Next::Sleep(Some(at)) => wake_at = Some(wake_at.map_or(at, |w| w.min(at))),

@@ -168,9 +168,10 @@ impl<K: WatchKey, O: Operation, S: BuildHasher + Send + Sync + 'static> Purgator
     /// larger one by the slices of the registrations and walks that follow.
     /// So the keys of hang-ups and expiries that nobody else watches leave
     /// the map soon after their tombstones come to equal the live entries.
-    /// The expiry or cancellation that leaves nothing pending purges at once
-    /// whatever the count, up to about 2,000 entries in that call: the keys a
-    /// now idle purgatory held leave the map then.
+    /// The expiry or cancellation that leaves nothing pending purges the
+    /// whole map at once, whatever the count: the keys a now idle purgatory
+    /// held leave the map then (that call's cost is in proportion to the
+    /// tombstones it removes).
     ///
     /// # Examples
     ///
@@ -334,6 +335,9 @@ impl<K: WatchKey, O: Operation, S: BuildHasher + Send + Sync + 'static> Purgator
         self,
         handle: Option<&tokio::runtime::Handle>,
     ) -> Result<Purgatory<K, O, S>, BuildError> {
+        // The application's hasher first: a build that fails drops it, and a
+        // panic in its `Drop` is then contained.
+        let hasher = KeyHasher::new(self.hasher);
         // The timer's `shards` is this builder's `timer_shards`: the error
         // names the setting as this builder calls it.
         if self.wheel.shards == 0 || self.wheel.shards > 1024 {
@@ -360,7 +364,7 @@ impl<K: WatchKey, O: Operation, S: BuildHasher + Send + Sync + 'static> Purgator
             self.purge_interval,
             self.max_pending,
             self.name,
-            KeyHasher::new(self.hasher),
+            hasher,
         ));
         shared.lend_to_core();
         Ok(Purgatory::from_shared(shared))

@@ -501,9 +501,9 @@ where
             });
         let reached = match begun {
             Begin::Asked => return false,
+            Begin::Mine => return self.ask_from_inside(me, reached),
             Begin::Nothing => {
-                // The use is over (or this is its checker calling back): no
-                // re-run will take what this call left.
+                // The use is over: no re-run will take what this call left.
                 if offered {
                     handed.take(&self.id);
                 }
@@ -541,7 +541,10 @@ where
     /// pending goes into its cell, under one hold of its lock. Then as
     /// [`run_checks`](Self::run_checks).
     pub(crate) fn first_watched_check(&self, me: u64, mut op: O) -> Checked<O> {
-        match catch_unwind(AssertUnwindSafe(|| op.try_complete())) {
+        let outer = Innermost::enter(self.cell);
+        let out = catch_unwind(AssertUnwindSafe(|| op.try_complete()));
+        Innermost::leave(outer);
+        match out {
             Ok(Some(output)) => return self.completed(Some(op), output),
             Ok(None) => {}
             Err(panic) => self.shared.panics().caught("try_complete", panic),
@@ -604,6 +607,30 @@ where
         Checked::Completed
     }
 
+    /// This thread runs the operation's check, and the event comes from code
+    /// that check runs. The check's own call back into itself (walking its own
+    /// key) is nothing new to it; code it runs that is not the check itself
+    /// (another operation's check, reached through a walk it made) may have
+    /// found it ready after it read its state, and so asks for a re-run, told
+    /// `reached` (see [`Life::ask_from_inside`] for the bound on such asks).
+    #[cold]
+    fn ask_from_inside(&self, me: u64, reached: Option<u64>) -> bool {
+        if Innermost::is(self.cell) {
+            return false;
+        }
+        let handed = self.shared.handed();
+        if let Some(level) = reached {
+            handed.offer(self.id, level);
+        }
+        let asked = self
+            .life
+            .ask_from_inside(self.generation(), me, &self.cell.owner);
+        if !asked && reached.is_some() {
+            handed.take(&self.id);
+        }
+        false
+    }
+
     /// The check loop of `me`, the owner of `CHECKING`, told `reached` (the
     /// level of the advance that asked for the check, if one did). A re-run is
     /// told the level handed over by the advances that asked for it, or, when
@@ -614,10 +641,12 @@ where
         loop {
             let mut guard = lock(&cell.op);
             let op = guard.as_mut().expect("a checked operation is present");
+            let outer = Innermost::enter(cell);
             let out = catch_unwind(AssertUnwindSafe(|| match reached {
                 Some(level) => op.try_complete_reached(level),
                 None => op.try_complete(),
             }));
+            Innermost::leave(outer);
             // Completed: the operation comes out under the same hold of its
             // lock (the state is ours until `complete`, so nothing else takes it).
             let done = match &out {
@@ -1089,5 +1118,33 @@ mod loom_timer_slot {
             kept.finish();
             assert!(lock(&kept.timer).is_empty());
         });
+    }
+}
+
+/// The cell whose check runs innermost on this thread (its address, 0 when
+/// none): tells a check's own call back into itself from an event that code
+/// it runs raises on its operation (see [`Op::ask_from_inside`]).
+struct Innermost;
+
+thread_local! {
+    static INNERMOST: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+impl Innermost {
+    /// `cell`'s check begins on this thread; returns the one it runs inside.
+    #[inline(always)]
+    fn enter<T>(cell: &T) -> usize {
+        INNERMOST.with(|c| c.replace(std::ptr::from_ref(cell).addr()))
+    }
+
+    /// The check [`enter`](Self::enter) began ended; `outer` runs innermost again.
+    #[inline(always)]
+    fn leave(outer: usize) {
+        INNERMOST.with(|c| c.set(outer));
+    }
+
+    /// Whether `cell`'s check is the one running innermost on this thread.
+    fn is<T>(cell: &T) -> bool {
+        INNERMOST.with(|c| c.get() == std::ptr::from_ref(cell).addr())
     }
 }

@@ -29,6 +29,12 @@ use std::hash::Hash;
 /// of `try_complete_watched` or of registration, or the reaper task for expiry.
 /// Keep them short and non-blocking.
 ///
+/// A walk from inside `try_complete` does not check this operation again
+/// while its check runs (that would overlap it): a walk of its own keys is
+/// taken as known to it; when the walk runs another operation's check that
+/// walks this operation's key (it made this one ready, say), this check runs
+/// once more after it returns "not yet" (once: see the crate's guarantees).
+///
 /// # Panics and drops
 ///
 /// A panic in either method is caught, counted in

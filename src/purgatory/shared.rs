@@ -847,10 +847,11 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
     /// A small map (at most [`SMALL_LISTS`] entries) is purged whole here.
     /// A larger one is only marked for the purge, which the slices of later
     /// registrations and walks carry out, so that this call (often the
-    /// reaper's) never lists every key; except once nothing is pending,
-    /// when this call does up to about twice [`SMALL_LISTS`] entries of it
-    /// (an idle purgatory may see no later call). The check sums the stripes
-    /// of both counts.
+    /// reaper's) never lists every key; except once nothing is pending, when
+    /// this call purges the whole map (an idle purgatory, or a closed one,
+    /// may see no later call): every entry it visits is then a tombstone it
+    /// removes, so the cost stays proportional to the operations that left
+    /// them. The check sums the stripes of both counts.
     pub(crate) fn tidy(&self) {
         let entries = self.watchers.len();
         if entries == 0 {
@@ -867,12 +868,18 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
             return;
         }
         // SMALL_LISTS / SWEEP_SLICE slices, and a few more for keys whose
-        // lists are only levels; another thread on the purge ends this. A
-        // pass this call did not begin may have visited some keys before
-        // their operations finished, and would not look at them again: when
-        // it ends here, one more begins, so that a small map is purged whole.
+        // lists are only levels, or the whole map once nothing is pending;
+        // another thread on the purge ends this. A pass this call did not
+        // begin may have visited some keys before their operations finished,
+        // and would not look at them again: when it ends here, one more
+        // begins, so that the map is purged whole.
+        let slices = if idle {
+            usize::MAX
+        } else {
+            SMALL_LISTS / SWEEP_SLICE + 8
+        };
         let mut began = false;
-        for _ in 0..=SMALL_LISTS / SWEEP_SLICE + 8 {
+        for _ in 0..=slices {
             match self.purge_slice() {
                 Slice::Busy => break,
                 Slice::Going { began: b } => began |= b,

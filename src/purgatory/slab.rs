@@ -453,7 +453,7 @@ impl<T: Default + FreeLink> Slab<T> {
 #[cfg(all(test, not(purgatory_loom)))]
 mod tests {
     use super::*;
-    use crate::purgatory::state::{AfterNotYet, Claim, Owner, CANCEL};
+    use crate::purgatory::state::{AfterNotYet, Begin, Claim, Owner, CANCEL};
     use std::sync::atomic::AtomicUsize;
 
     #[derive(Default)]
@@ -514,6 +514,53 @@ mod tests {
         assert_eq!(life.end_check(1, &owner), AfterNotYet::Release);
         assert_eq!(life.claim(Slab::<Cell>::generation(id), CANCEL), Claim::Won);
         assert_eq!(life.release(), Released::Kept);
+    }
+
+    /// Code a check runs asks for a re-run from the checking thread once:
+    /// during the re-run it caused, such asks are not made; a re-run asked
+    /// only by other threads allows them again. The flags never hide the
+    /// checking thread's id, and leave nothing behind.
+    #[test]
+    fn asks_from_inside_a_check_rerun_it_once() {
+        let s: Slab<Cell> = Slab::new();
+        let id = fresh(&s);
+        let (life, owner) = (s.life(id), Owner::default());
+        let generation = Slab::<Cell>::generation(id);
+        // The registration owns the check from the start, as thread 1.
+        owner.restart(1, 1);
+        assert!(
+            !life.ask_from_inside(generation, 2, &owner),
+            "not the checker"
+        );
+        assert!(life.ask_from_inside(generation, 1, &owner));
+        assert!(life.is_checked_by(1, &owner));
+        assert_eq!(life.end_check(1, &owner), AfterNotYet::Recheck);
+        assert!(life.is_checked_by(1, &owner));
+        assert!(!life.ask_from_inside(generation, 1, &owner), "bounded");
+        // Another thread asks during that re-run: the next one allows asks.
+        assert_eq!(
+            life.begin_check_or_ask(generation, 2, &owner, || {}),
+            Begin::Asked
+        );
+        assert_eq!(
+            life.begin_check_or_ask(generation, 1, &owner, || {}),
+            Begin::Mine
+        );
+        assert_eq!(life.end_check(1, &owner), AfterNotYet::Recheck);
+        assert!(life.ask_from_inside(generation, 1, &owner));
+        assert_eq!(life.end_check(1, &owner), AfterNotYet::Recheck);
+        assert_eq!(life.end_check(1, &owner), AfterNotYet::Release);
+        assert!(!life.is_checked_by(1, &owner));
+        assert!(
+            !life.ask_from_inside(generation, 1, &owner),
+            "no check runs"
+        );
+        assert_eq!(
+            life.begin_check_or_ask(generation, 1, &owner, || {}),
+            Begin::Checking
+        );
+        assert_eq!(life.end_check(1, &owner), AfterNotYet::Release);
+        assert_eq!(life.claim(generation, CANCEL), Claim::Won);
     }
 
     #[test]

@@ -41,6 +41,11 @@
 //! The owner's thread is recorded while it checks (in the cell, beside the
 //! word), so that its own check calling back into itself (walking its own key)
 //! is not taken for an outside event: a re-run for that would loop forever.
+//! Code the check runs that is not the check itself (another operation's
+//! check, reached through a walk the check made) may find the operation
+//! ready, after the check read its state: it asks for one re-run from inside
+//! ([`Life::ask_from_inside`]), and flags beside the thread id bound such
+//! re-runs, so that checks walking each other's keys cannot loop.
 
 use std::collections::HashMap;
 use std::hash::Hash;
@@ -66,6 +71,15 @@ const FINISHED: u64 = 1 << 30;
 const FREE: u64 = 1 << 31;
 const REQUESTS: u64 = RERUN | EXPIRE | CANCEL;
 const GENERATION_SHIFT: u32 = 32;
+
+/// Checker flag: code the check runs asked for a re-run from the checking
+/// thread (see [`Life::ask_from_inside`]).
+const ASKED_HERE: u64 = 1 << 63;
+/// Checker flag: this run is a re-run code the run before it asked for from
+/// the checking thread; such asks are not made again during it.
+const RERUN_HERE: u64 = 1 << 62;
+/// The checker word's thread id, below its flags.
+const THREAD: u64 = RERUN_HERE - 1;
 
 #[cold]
 fn too_many_references() -> ! {
@@ -94,9 +108,11 @@ pub(crate) enum Begin {
     Checking,
     /// Another caller is checking: it was asked to check again.
     Asked,
-    /// Nothing: the use is over, or the caller is the one checking (its own
-    /// check calling back into itself).
+    /// Nothing: the use is over.
     Nothing,
+    /// The caller's thread is the one checking: the call comes from code
+    /// that check runs (see [`Life::ask_from_inside`]).
+    Mine,
 }
 
 /// What a claim (by expiry or cancellation) found.
@@ -131,7 +147,8 @@ pub(crate) struct Life(AtomicU64);
 /// life words).
 #[derive(Debug)]
 pub(crate) struct Owner {
-    /// The checking thread's id while `CHECKING` is set, else 0.
+    /// The checking thread's id while `CHECKING` is set, else 0, with the
+    /// flags [`ASKED_HERE`] and [`RERUN_HERE`] above it.
     checker: AtomicU64,
     /// Number of watch lists holding the cell (tombstone accounting), set at
     /// registration. Outside the protocol above. While the cell is free, the
@@ -386,7 +403,7 @@ impl Life {
     #[inline]
     pub(crate) fn is_checked_by(&self, me: u64, owner: &Owner) -> bool {
         self.0.load(Ordering::Acquire) & CHECKING != 0
-            && owner.checker.load(Ordering::Acquire) == me
+            && owner.checker.load(Ordering::Acquire) & THREAD == me
     }
 
     /// Tries to become the checker of the use `generation` (thread `me`, never
@@ -420,8 +437,8 @@ impl Life {
             let want = if !Self::is_use(s, generation) {
                 return Begin::Nothing;
             } else if s & CHECKING != 0 {
-                if owner.checker.load(Ordering::Acquire) == me {
-                    return Begin::Nothing;
+                if owner.checker.load(Ordering::Acquire) & THREAD == me {
+                    return Begin::Mine;
                 }
                 ask();
                 s | RERUN
@@ -440,6 +457,40 @@ impl Life {
                 Err(actual) => s = actual,
             }
         }
+    }
+
+    /// Thread `me`, which runs the check of the use `generation`
+    /// ([`Begin::Mine`]), asks from inside it for the check to run again once
+    /// it ends: the call comes from code the check runs, but not from the
+    /// check itself (another operation's check that this one caused, through
+    /// a walk of its own, found this operation ready: the answer the check
+    /// is about to give was read before). Returns whether it asked.
+    ///
+    /// Asks made during a re-run that such an ask caused are not made (and
+    /// `false` returned): checks that walk each other's keys every time they
+    /// run would otherwise re-run each other for ever on one thread, where no
+    /// expiry can come between them.
+    pub(crate) fn ask_from_inside(&self, generation: NonZeroU32, me: u64, owner: &Owner) -> bool {
+        // Only this thread writes the word while it checks.
+        let checker = owner.checker.load(Ordering::Relaxed);
+        if checker & THREAD != me || checker & RERUN_HERE != 0 {
+            return false;
+        }
+        let mut s = self.0.load(Ordering::Acquire);
+        loop {
+            if !Self::is_use(s, generation) || s & CHECKING == 0 {
+                return false;
+            }
+            match self
+                .0
+                .compare_exchange(s, s | RERUN, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => break,
+                Err(actual) => s = actual,
+            }
+        }
+        owner.checker.store(checker | ASKED_HERE, Ordering::Relaxed);
+        true
     }
 
     /// The owner's check completed the operation: `FINISHED`, with the
@@ -476,6 +527,7 @@ impl Life {
     pub(crate) fn end_check(&self, me: u64, owner: &Owner) -> AfterNotYet {
         // Clear the checker first: a thread must never find its own id here unless
         // it really is the one checking (a stale id would make it drop an event).
+        let asked_here = owner.checker.load(Ordering::Relaxed) & ASKED_HERE != 0;
         owner.checker.store(0, Ordering::Release);
         let mut s = self.0.load(Ordering::Acquire);
         loop {
@@ -495,7 +547,8 @@ impl Life {
             {
                 Ok(_) => {
                     if then == AfterNotYet::Recheck {
-                        owner.checker.store(me, Ordering::Release);
+                        let flag = if asked_here { RERUN_HERE } else { 0 };
+                        owner.checker.store(me | flag, Ordering::Release);
                     }
                     return then;
                 }
@@ -1050,7 +1103,7 @@ mod loom_state {
             });
         let mut reached = match begun {
             Begin::Asked => return,
-            Begin::Nothing => {
+            Begin::Nothing | Begin::Mine => {
                 if offered {
                     handed.take(&id);
                 }

@@ -36,11 +36,24 @@ pub(crate) trait HashWith: Send + Sync {
     fn hash_with(&self, feed: &mut dyn FnMut(&mut dyn Hasher)) -> u64;
 }
 
-impl<S: BuildHasher + Send + Sync> HashWith for S {
+/// An application's hasher, dropped with a panic of its `Drop` contained
+/// (the last handle to a purgatory, or a build that failed, drops it).
+struct Contained<S>(Option<S>);
+
+impl<S: BuildHasher + Send + Sync> HashWith for Contained<S> {
     fn hash_with(&self, feed: &mut dyn FnMut(&mut dyn Hasher)) -> u64 {
-        let mut h = self.build_hasher();
+        let s = self.0.as_ref().expect("present until dropped");
+        let mut h = s.build_hasher();
         feed(&mut h);
         h.finish()
+    }
+}
+
+impl<S> Drop for Contained<S> {
+    fn drop(&mut self) {
+        // Reported, not counted: nobody can read the purgatory's count now.
+        crate::contain::Panics::new("purgatory", "".into())
+            .drop_value("a hasher's drop", self.0.take());
     }
 }
 
@@ -50,7 +63,7 @@ impl KeyHasher {
         let mut s = Some(s);
         match (&mut s as &mut dyn std::any::Any).downcast_mut::<Option<RandomState>>() {
             Some(std) => KeyHasher::Std(std.take().expect("just made")),
-            None => KeyHasher::Chosen(Box::new(s.take().expect("just made"))),
+            None => KeyHasher::Chosen(Box::new(Contained(s))),
         }
     }
 

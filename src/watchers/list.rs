@@ -114,6 +114,7 @@ impl<V> List<V> {
                 self.push_level(level.saturating_add(1), e.v);
             }
         }
+        self.fit();
     }
 
     /// Takes the finished level entries out into `out` (a purge's visit).
@@ -188,6 +189,24 @@ impl<V> List<V> {
         let kept_end = self.compact(0, 0..self.items.len(), finished, kept, out);
         self.items.truncate(kept_end);
         self.hole = (0, 0);
+        self.fit();
+    }
+
+    /// Gives back most of a buffer a burst grew past [`KEPT`] entries and the
+    /// list no longer needs (at most a quarter of it in use): a key that
+    /// always has watchers would otherwise keep its peak for good. It keeps
+    /// room for twice what it holds, and at least [`KEPT_AFTER`] entries, so
+    /// that a list that grows and shrinks around one size does not
+    /// reallocate each time, and one of a few thousand entries never does.
+    fn fit(&mut self) {
+        let (len, cap) = (self.items.len(), self.items.capacity());
+        if cap > KEPT && len < cap / 4 {
+            self.items.shrink_to((len * 2).max(KEPT_AFTER));
+        }
+        let (len, cap) = (self.levels.len(), self.levels.capacity());
+        if cap > KEPT && len < cap / 4 {
+            self.levels.shrink_to((len * 2).max(KEPT_AFTER));
+        }
     }
 
     /// Visits `items[range]`, every entry before `range` from `kept_end` on
@@ -240,6 +259,7 @@ impl<V> List<V> {
             // Only `None`s past the kept part: nothing to drop.
             self.items.truncate(kept_end);
             self.hole = (0, 0);
+            self.fit();
             // The level entries in one go: a heap has no order to resume in.
             let levels = self.sweep_levels(finished, out);
             (end - start + levels, true)
@@ -259,6 +279,11 @@ impl<V> List<V> {
 
 /// Entries a walk or a purge asks `finished` about before acting on the answers.
 pub(super) const CHUNK: usize = 64;
+
+/// Room for entries (of each kind) a list keeps whatever its length.
+const KEPT: usize = 4096;
+/// Room a list that gives back a burst's buffer keeps.
+const KEPT_AFTER: usize = 1024;
 
 /// Which of `items` (at most [`CHUNK`]) are finished entries. Asked in a pass of
 /// their own, with no branch taken on an answer: each question reads an
