@@ -331,7 +331,8 @@ async fn fetch_limits_and_errors_per_partition() {
                 ResponseError::UnknownTopicOrPartition.code()
             ]
         );
-        // Not record batches: refused, nothing appended.
+        // Not a record batch (Kafka finds none in 4 bytes): refused,
+        // nothing appended.
         let r = raw
             .call(
                 &wire::produce(
@@ -345,10 +346,7 @@ async fn fetch_limits_and_errors_per_partition() {
             )
             .await
             .unwrap();
-        assert_eq!(
-            wire::produce_error(&r),
-            ResponseError::CorruptMessage.code()
-        );
+        assert_eq!(wire::produce_error(&r), ResponseError::InvalidRecord.code());
         assert_eq!(b.broker.topics.partition(TOPIC, 1).unwrap().log_end(), 1);
         b.shutdown().await;
     })
@@ -374,8 +372,8 @@ async fn a_hang_up_cancels_and_shutdown_answers_what_waits() {
         until("parked", || b.broker.fetches.delayed() == 1).await;
         drop(gone);
         until("cancelled", || b.broker.fetches.delayed() == 0).await;
-        // The same with a request pipelined behind the parked fetch: the
-        // broker holds that frame and still sees the hang-up.
+        // The same with two requests pipelined behind the parked fetch: they
+        // wait unread in the socket, and the hang-up is still seen.
         let mut gone = Wire::connect(b.addr).await.unwrap();
         gone.send(
             &wire::fetch(TOPIC, &[(0, 0)], Duration::from_secs(30), 1, 1 << 20),
@@ -384,19 +382,20 @@ async fn a_hang_up_cancels_and_shutdown_answers_what_waits() {
         .await
         .unwrap();
         until("parked", || b.broker.fetches.delayed() == 1).await;
-        gone.send(&kafka_protocol::messages::ApiVersionsRequest::default(), 0)
-            .await
-            .unwrap();
-        // Time for the broker to read the pipelined frame (the hang-up is
-        // seen either way).
+        for _ in 0..2 {
+            gone.send(&kafka_protocol::messages::ApiVersionsRequest::default(), 0)
+                .await
+                .unwrap();
+        }
+        // Time for the pipelined frames to arrive before the hang-up.
         tokio::time::sleep(Duration::from_millis(50)).await;
         drop(gone);
         until("cancelled", || b.broker.fetches.delayed() == 0).await;
-        assert_eq!(
-            b.broker.budget.in_use(),
-            0,
-            "the held frame's memory is back"
-        );
+        // The request's memory goes back as its connection's task ends.
+        until("the request's memory is back", || {
+            b.broker.budget.in_use() == 0
+        })
+        .await;
 
         let mut waiting = Vec::new();
         for p in 0..2 {
@@ -535,7 +534,8 @@ async fn batches_that_lie_are_refused_per_partition_and_never_stored() {
                 .with_records(Some(records))
         };
         // One request: a one-record batch claiming 2^31 records, a batch
-        // failing its CRC, a batch cut short, and a good batch.
+        // failing its CRC, a batch cut short (Kafka's iterator finds no
+        // batch in it), and a good batch.
         let mut short = wire::batch(&[b"short"]).to_vec();
         short.truncate(short.len() - 3);
         let request = ProduceRequest::default()
@@ -560,7 +560,7 @@ async fn batches_that_lie_are_refused_per_partition_and_never_stored() {
             [
                 ResponseError::InvalidRecord.code(),
                 ResponseError::CorruptMessage.code(),
-                ResponseError::CorruptMessage.code(),
+                ResponseError::InvalidRecord.code(),
                 0
             ]
         );
@@ -719,6 +719,45 @@ async fn metadata_answers_an_empty_list_with_no_topics_and_creates_only_when_all
             .await
             .unwrap();
         assert_eq!(r.topics.len(), 1);
+        // A name Kafka's `Topic.validate` refuses (characters outside
+        // [a-zA-Z0-9._-], "." or "..", over 249 characters) is answered
+        // INVALID_TOPIC_EXCEPTION, whether or not creation is allowed.
+        let long: &'static str = "a".repeat(250).leak();
+        for bad in ["bad name!", "..", ".", long, "\u{e9}"] {
+            for allow in [true, false] {
+                let r = w.call(&ask(Some(vec![bad]), allow), 12).await.unwrap();
+                assert_eq!(
+                    r.topics[0].error_code,
+                    ResponseError::InvalidTopicException.code(),
+                    "{bad:?}"
+                );
+            }
+        }
+        let r = w
+            .call(&ask(Some(vec![&long[1..]]), false), 12)
+            .await
+            .unwrap();
+        assert_eq!(
+            r.topics[0].error_code,
+            ResponseError::UnknownTopicOrPartition.code(),
+            "249 characters are a valid name"
+        );
+        // From version 12 a topic may be asked for by ID: this broker gives
+        // its topics none, so it is answered UNKNOWN_TOPIC_ID, as Kafka
+        // answers an ID it does not know.
+        let id = "00000000-0000-0000-0000-000000001234".parse().unwrap();
+        let by_id = MetadataRequest::default().with_topics(Some(vec![
+            MetadataRequestTopic::default()
+                .with_topic_id(id)
+                .with_name(None);
+            2
+        ]));
+        let r = w.call(&by_id, 12).await.unwrap();
+        assert_eq!(r.topics.len(), 1);
+        assert_eq!(
+            (r.topics[0].error_code, r.topics[0].topic_id),
+            (ResponseError::UnknownTopicId.code(), id)
+        );
     })
     .await
 }
@@ -768,6 +807,7 @@ async fn the_metrics_page_is_prometheus_text_with_every_purgatory() {
         assert_eq!(values["tokio_purgatory_delayed{name=\"produce\"}"], 0.0);
         assert!(values.contains_key("tokio_purgatory_checks_total{name=\"fetch\",walk=\"level\"}"));
         assert!(values["broker_requests_total"] >= 1.0);
+        assert_eq!(values["broker_log_bytes"], 0.0, "nothing produced");
         b.shutdown().await;
     })
     .await
@@ -1066,6 +1106,798 @@ async fn list_offsets_by_time_answers_as_kafka_does() {
         assert_eq!(got[4], (2, -1), "latest: the high watermark");
         assert_eq!(got[5], (0, -1), "earliest");
         b.shutdown().await;
+    })
+    .await
+}
+
+fn topic_name(s: &str) -> kafka_protocol::messages::TopicName {
+    kafka_protocol::messages::TopicName(kafka_protocol::protocol::StrBytes::from_string(
+        s.to_string(),
+    ))
+}
+
+/// A raw request frame (size, header, body), for requests written several at
+/// a time on one connection.
+fn raw_frame<R: kafka_protocol::protocol::Request>(req: &R, version: i16, id: i32) -> Vec<u8> {
+    use bytes::BufMut;
+    use kafka_protocol::messages::RequestHeader;
+    use kafka_protocol::protocol::{Encodable, StrBytes};
+    let mut out = bytes::BytesMut::new();
+    out.put_i32(0);
+    RequestHeader::default()
+        .with_request_api_key(R::KEY)
+        .with_request_api_version(version)
+        .with_correlation_id(id)
+        .with_client_id(Some(StrBytes::from_static_str("raw")))
+        .encode(&mut out, R::header_version(version))
+        .unwrap();
+    req.encode(&mut out, version).unwrap();
+    let size = (out.len() - 4) as i32;
+    out[..4].copy_from_slice(&size.to_be_bytes());
+    out.to_vec()
+}
+
+/// Reads one answer to an `R` sent at `version`: its correlation id and
+/// body; `None` once the broker has closed the connection.
+async fn read_answer<R: kafka_protocol::protocol::Request>(
+    conn: &mut tokio::net::TcpStream,
+    version: i16,
+) -> Option<(i32, R::Response)> {
+    use kafka_protocol::messages::ResponseHeader;
+    use kafka_protocol::protocol::{Decodable, HeaderVersion};
+    use tokio::io::AsyncReadExt;
+    let size = conn.read_i32().await.ok()?;
+    let mut body = vec![0; size.clamp(0, 1 << 24) as usize];
+    conn.read_exact(&mut body).await.ok()?;
+    let mut body = bytes::Bytes::from(body);
+    let h = ResponseHeader::decode(&mut body, R::Response::header_version(version)).unwrap();
+    Some((
+        h.correlation_id,
+        R::Response::decode(&mut body, version).unwrap(),
+    ))
+}
+
+/// The values of the records in `records` (uncompressed batches).
+fn values(records: &bytes::Bytes) -> Vec<Vec<u8>> {
+    kafka_protocol::records::RecordBatchDecoder::decode_all(&mut records.clone())
+        .unwrap()
+        .into_iter()
+        .flat_map(|b| b.records)
+        .map(|r| r.value.unwrap().to_vec())
+        .collect()
+}
+
+/// Kafka keys a request's partitions by topic and partition: a fetch naming
+/// one partition 3,000 times is one partition of its answer with one watch
+/// (each high watermark move checks it once, not 3,000 times, each time over
+/// 3,000 entries), and a produce naming one partition 1,000 times appends
+/// once, the records named last, and answers once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partition_named_many_times_is_one_partition_of_the_request() {
+    use kafka_protocol::messages::produce_request::{PartitionProduceData, TopicProduceData};
+    use kafka_protocol::messages::{FetchRequest, ProduceRequest};
+    bounded(async {
+        let b = start(Config {
+            followers: 0,
+            topics: vec![TOPIC.into()],
+            ..Config::default()
+        })
+        .await;
+        let mut f = Wire::connect(b.addr).await.unwrap();
+        let fetch = wire::fetch(
+            TOPIC,
+            &vec![(0, 0); 3000],
+            Duration::from_millis(300),
+            i32::MAX,
+            1 << 20,
+        );
+        f.send(&fetch, wire::FETCH_VERSION).await.unwrap();
+        until("parked and watching", || {
+            b.broker.fetches.delayed() == 1 && b.broker.fetches.metrics().watched > 0
+        })
+        .await;
+        // (Time for a registration of more watches to finish.)
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(b.broker.fetches.metrics().watched, 1, "one watch");
+        let mut p = Wire::connect(b.addr).await.unwrap();
+        for _ in 0..3 {
+            let r = p.append(TOPIC, 0, &[b"x"]).await.unwrap();
+            assert_eq!(wire::produce_error(&r), 0);
+        }
+        let checked = b.broker.fetches.metrics().checks.level_advances.checked;
+        assert!(
+            checked <= 3,
+            "3 high watermark moves checked the fetch {checked} times"
+        );
+        let r = f
+            .receive::<FetchRequest>(wire::FETCH_VERSION)
+            .await
+            .unwrap();
+        assert_eq!(r.responses.len(), 1);
+        assert_eq!(r.responses[0].partitions.len(), 1);
+        assert_eq!(r.responses[0].partitions[0].error_code, 0);
+
+        // A produce naming partition 1 a thousand times (and its topic
+        // twice), acks=all.
+        let entry = |v: &[u8]| {
+            PartitionProduceData::default()
+                .with_index(1)
+                .with_records(Some(wire::batch(&[v])))
+        };
+        let mut first = vec![entry(b"early"); 999];
+        first.push(entry(b"middle"));
+        let req = ProduceRequest::default()
+            .with_acks(-1)
+            .with_timeout_ms(5000)
+            .with_topic_data(vec![
+                TopicProduceData::default()
+                    .with_name(topic_name(TOPIC))
+                    .with_partition_data(first),
+                TopicProduceData::default()
+                    .with_name(topic_name(TOPIC))
+                    .with_partition_data(vec![entry(b"last")]),
+            ]);
+        let r = p.call(&req, wire::PRODUCE_VERSION).await.unwrap();
+        assert_eq!(r.responses.len(), 1);
+        assert_eq!(r.responses[0].partition_responses.len(), 1);
+        assert_eq!(wire::produce_error(&r), 0);
+        assert_eq!(b.broker.topics.partition(TOPIC, 1).unwrap().log_end(), 1);
+        let r = p
+            .call(
+                &wire::fetch(TOPIC, &[(1, 0)], Duration::ZERO, 1, 1 << 20),
+                wire::FETCH_VERSION,
+            )
+            .await
+            .unwrap();
+        let stored = values(r.responses[0].partitions[0].records.as_ref().unwrap());
+        assert_eq!(stored, [b"last".to_vec()], "the records named last");
+    })
+    .await
+}
+
+/// The logs together hold at most `max_log_bytes`: past it the oldest
+/// batches go first, across partitions, whole, and each partition's log
+/// start moves up past what it lost, as Kafka's size-based retention does
+/// (ListOffsets earliest follows it, a fetch below it is out of range); a
+/// batch over `max_message_bytes` is refused MESSAGE_TOO_LARGE.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_logs_keep_at_most_max_log_bytes_dropping_the_oldest_batches() {
+    use kafka_protocol::messages::list_offsets_request::{ListOffsetsPartition, ListOffsetsTopic};
+    use kafka_protocol::messages::{BrokerId, ListOffsetsRequest};
+    bounded(async {
+        assert_eq!(
+            Config::default().max_message_bytes,
+            1_048_588,
+            "Kafka's default"
+        );
+        let limit = 16 << 10;
+        let b = start(Config {
+            followers: 0,
+            topics: vec![TOPIC.into()],
+            max_message_bytes: 4096,
+            max_log_bytes: limit,
+            ..Config::default()
+        })
+        .await;
+        let mut w = Wire::connect(b.addr).await.unwrap();
+        let value = vec![7u8; 3000];
+        // The oldest batch, on partition 1; then partition 0.
+        let r = w.append(TOPIC, 1, &[&value]).await.unwrap();
+        assert_eq!(wire::produce_error(&r), 0);
+        let cost = b.broker.topics.log_bytes();
+        let room = (limit / cost) as u64;
+        assert!((2..10).contains(&room), "{room} batches fit");
+        for _ in 0..10 {
+            let r = w.append(TOPIC, 0, &[&value]).await.unwrap();
+            assert_eq!(wire::produce_error(&r), 0);
+            assert!(b.broker.topics.log_bytes() <= limit);
+        }
+        let (p0, p1) = (
+            b.broker.topics.partition(TOPIC, 0).unwrap(),
+            b.broker.topics.partition(TOPIC, 1).unwrap(),
+        );
+        assert_eq!(
+            (p1.log_start(), p1.log_end()),
+            (1, 1),
+            "the oldest went first"
+        );
+        assert_eq!((p0.log_start(), p0.log_end()), (10 - room, 10));
+        // A produce's answer carries the log start.
+        let r = w.append(TOPIC, 0, &[&value]).await.unwrap();
+        let start = 11 - room;
+        assert_eq!(
+            r.responses[0].partition_responses[0].log_start_offset,
+            start as i64
+        );
+        // Earliest is the log start; a fetch below it is out of range; one
+        // at it reads the batches kept, whole.
+        let earliest = w
+            .call(
+                &ListOffsetsRequest::default()
+                    .with_replica_id(BrokerId(-1))
+                    .with_topics(vec![ListOffsetsTopic::default()
+                        .with_name(topic_name(TOPIC))
+                        .with_partitions(vec![ListOffsetsPartition::default()
+                            .with_partition_index(0)
+                            .with_timestamp(-2)])]),
+                7,
+            )
+            .await
+            .unwrap();
+        assert_eq!(earliest.topics[0].partitions[0].offset, start as i64);
+        let f = w
+            .call(
+                &wire::fetch(
+                    TOPIC,
+                    &[(0, 0), (0, start as i64)],
+                    Duration::ZERO,
+                    1,
+                    1 << 20,
+                ),
+                wire::FETCH_VERSION,
+            )
+            .await
+            .unwrap();
+        // The same partition twice: one answer, the position named last.
+        let p = &f.responses[0].partitions;
+        assert_eq!(p.len(), 1);
+        assert_eq!((p[0].error_code, p[0].log_start_offset), (0, start as i64));
+        assert_eq!(values(p[0].records.as_ref().unwrap()).len() as u64, room);
+        let f = w
+            .call(
+                &wire::fetch(TOPIC, &[(0, 0)], Duration::ZERO, 1, 1 << 20),
+                wire::FETCH_VERSION,
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            f.responses[0].partitions[0].error_code,
+            ResponseError::OffsetOutOfRange.code()
+        );
+        // One byte over max_message_bytes is refused, at it is stored.
+        let overhead = wire::batch(&[b""]).len();
+        let at = vec![1u8; 4096 - overhead - 2];
+        let r = w.append(TOPIC, 1, &[&at]).await.unwrap();
+        assert_eq!(wire::batch(&[&at]).len(), 4096);
+        assert_eq!(wire::produce_error(&r), 0);
+        let over = vec![1u8; 4096 - overhead - 1];
+        let r = w.append(TOPIC, 1, &[&over]).await.unwrap();
+        assert_eq!(
+            wire::produce_error(&r),
+            ResponseError::MessageTooLarge.code()
+        );
+        assert_eq!(p1.log_end(), 2);
+        assert!(b.broker.topics.log_bytes() <= limit);
+        // A broker whose logs could not hold the largest batch is refused.
+        let refused = BrokerHandle::start(Config {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            max_log_bytes: Config::default().max_message_bytes,
+            ..Config::default()
+        })
+        .await;
+        assert!(refused.is_err());
+    })
+    .await
+}
+
+/// Retention drops only what is replicated, as Kafka's does: with a follower
+/// stuck, the logs fill with what it has not copied, and appends past them
+/// are refused KAFKA_STORAGE_ERROR (retriable) until it catches up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retention_drops_only_what_is_replicated() {
+    bounded(async {
+        let limit = 16 << 10;
+        let b = start(Config {
+            followers: 1,
+            stuck_follower: Some(0),
+            topics: vec![TOPIC.into()],
+            max_message_bytes: 4096,
+            max_log_bytes: limit,
+            ..Config::default()
+        })
+        .await;
+        let mut w = Wire::connect(b.addr).await.unwrap();
+        let value = vec![7u8; 3000];
+        let mut stored = 0;
+        let code = loop {
+            let r = w.append(TOPIC, 0, &[&value]).await.unwrap();
+            match wire::produce_error(&r) {
+                0 => stored += 1,
+                code => break code,
+            }
+            assert!(stored < 10, "the logs keep filling past {limit} bytes");
+        };
+        assert_eq!(code, ResponseError::KafkaStorageError.code());
+        let part = b.broker.topics.partition(TOPIC, 0).unwrap();
+        assert_eq!((part.log_start(), part.log_end()), (0, stored));
+        assert!(b.broker.topics.log_bytes() <= limit);
+        b.broker.set_stuck(0, false);
+        until("the follower catches up", || {
+            part.high_watermark() == stored
+        })
+        .await;
+        let r = w.append(TOPIC, 0, &[&value]).await.unwrap();
+        assert_eq!(wire::produce_error(&r), 0);
+        assert!(part.log_start() > 0);
+        assert!(b.broker.topics.log_bytes() <= limit);
+    })
+    .await
+}
+
+/// `batch(values)` with `edit` applied and its CRC made right again.
+fn edited_batch(values: &[&[u8]], edit: impl FnOnce(&mut [u8])) -> bytes::Bytes {
+    let mut b = wire::batch(values).to_vec();
+    edit(&mut b);
+    let crc = crc32c::crc32c(&b[21..]);
+    b[17..21].copy_from_slice(&crc.to_be_bytes());
+    b.into()
+}
+
+/// A produce's records are refused as Kafka refuses them
+/// (`ProduceRequest.validateRecords`, `UnifiedLog.analyzeAndValidateRecords`,
+/// `LogValidator`): INVALID_RECORD for no batch, two batches, a batch of an
+/// older format or a base offset other than 0; CORRUPT_MESSAGE for a codec
+/// id that does not exist (5 to 7) or compressed bytes that are not that
+/// codec's; UNSUPPORTED_COMPRESSION_TYPE for zstd before produce version 7.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn record_sets_are_refused_as_kafka_refuses_them() {
+    bounded(async {
+        let b = start(Config {
+            followers: 0,
+            topics: vec![TOPIC.into()],
+            ..Config::default()
+        })
+        .await;
+        let mut w = Wire::connect(b.addr).await.unwrap();
+        let one = wire::batch(&[b"x"]);
+        let codec = |id: u8| edited_batch(&[b"hello world"], |b| b[22] = (b[22] & !7) | id);
+        let zstd = edited_batch(&[b"hello world"], |b| {
+            b[22] = (b[22] & !7) | 4;
+            b[61..65].copy_from_slice(&[0x28, 0xb5, 0x2f, 0xfd]);
+        });
+        let invalid = ResponseError::InvalidRecord.code();
+        let corrupt = ResponseError::CorruptMessage.code();
+        let cases = [
+            (
+                "two batches",
+                [&one[..], &one[..]].concat().into(),
+                7,
+                invalid,
+            ),
+            ("no batch", bytes::Bytes::new(), 7, invalid),
+            ("magic 1", edited_batch(&[b"x"], |b| b[16] = 1), 7, invalid),
+            (
+                "base offset 5",
+                edited_batch(&[b"x"], |b| b[..8].copy_from_slice(&5i64.to_be_bytes())),
+                7,
+                invalid,
+            ),
+            ("codec 5", codec(5), 7, corrupt),
+            ("codec 6", codec(6), 7, corrupt),
+            ("codec 7", codec(7), 7, corrupt),
+            ("gzip that is not", codec(1), 7, corrupt),
+            (
+                "zstd in version 3",
+                zstd.clone(),
+                3,
+                ResponseError::UnsupportedCompressionType.code(),
+            ),
+        ];
+        for (what, records, version, code) in cases {
+            let r = w
+                .call(
+                    &wire::produce(TOPIC, 0, 1, Duration::from_secs(5), records),
+                    version,
+                )
+                .await
+                .unwrap();
+            assert_eq!(wire::produce_error(&r), code, "{what}");
+        }
+        let part = b.broker.topics.partition(TOPIC, 0).unwrap();
+        assert_eq!(part.log_end(), 0, "none stored");
+        // Zstd from version 7 is stored as sent (this broker has no codecs:
+        // it checks the stream's opening, not its contents).
+        let r = w
+            .call(&wire::produce(TOPIC, 0, 1, Duration::from_secs(5), zstd), 7)
+            .await
+            .unwrap();
+        assert_eq!(wire::produce_error(&r), 0);
+        assert_eq!(part.log_end(), 1);
+    })
+    .await
+}
+
+/// Kafka's `KafkaApis.handleProduceRequest`: an acks=0 produce that fails
+/// closes its connection (the producer reads no answer; the close is how it
+/// finds out, and it refreshes its metadata). One that succeeds does not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_acks_0_produce_that_fails_closes_its_connection() {
+    use kafka_protocol::messages::ApiVersionsRequest;
+    use tokio::io::AsyncWriteExt;
+    bounded(async {
+        let b = start(Config {
+            followers: 0,
+            topics: vec![TOPIC.into()],
+            ..Config::default()
+        })
+        .await;
+        let ok = wire::batch(&[b"x"]);
+        for (what, topic, partition, records, closes) in [
+            ("appended", TOPIC, 0, ok.clone(), false),
+            ("unknown topic", "nope", 0, ok.clone(), true),
+            ("unknown partition", TOPIC, 99, ok, true),
+            (
+                "corrupt batch",
+                TOPIC,
+                0,
+                wire::corrupt_batch(&[b"x"]),
+                true,
+            ),
+        ] {
+            let mut c = tokio::net::TcpStream::connect(b.addr).await.unwrap();
+            let req = wire::produce(topic, partition, 0, Duration::from_secs(5), records);
+            let mut both = raw_frame(&req, wire::PRODUCE_VERSION, 1);
+            both.extend(raw_frame(&ApiVersionsRequest::default(), 0, 2));
+            c.write_all(&both).await.unwrap();
+            let next = read_answer::<ApiVersionsRequest>(&mut c, 0).await;
+            assert_eq!(next.is_none(), closes, "{what}");
+        }
+        assert_eq!(b.broker.topics.partition(TOPIC, 0).unwrap().log_end(), 1);
+    })
+    .await
+}
+
+/// Kafka mutes a connection while its request is in flight and reads the
+/// next one after answering: a request pipelined behind a fetch that waits
+/// longer than `frame_timeout` waits its turn and is answered, in order
+/// (Java producers pipeline up to five requests).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_pipelined_behind_a_waiting_one_are_answered_in_order() {
+    use kafka_protocol::messages::{ApiVersionsRequest, FetchRequest};
+    use tokio::io::AsyncWriteExt;
+    bounded(async {
+        let b = start(Config {
+            followers: 0,
+            topics: vec![TOPIC.into()],
+            frame_timeout: Duration::from_millis(200),
+            ..Config::default()
+        })
+        .await;
+        let mut c = tokio::net::TcpStream::connect(b.addr).await.unwrap();
+        let fetch = wire::fetch(TOPIC, &[(0, 0)], Duration::from_millis(600), 1, 1 << 20);
+        let mut all = raw_frame(&fetch, wire::FETCH_VERSION, 1);
+        for id in 2..4 {
+            all.extend(raw_frame(&ApiVersionsRequest::default(), 0, id));
+        }
+        c.write_all(&all).await.unwrap();
+        let t = Instant::now();
+        let (id, _) = read_answer::<FetchRequest>(&mut c, wire::FETCH_VERSION)
+            .await
+            .expect("the fetch is answered at its max_wait");
+        assert_eq!(id, 1);
+        assert!(t.elapsed() >= Duration::from_millis(500));
+        for want in 2..4 {
+            let (id, r) = read_answer::<ApiVersionsRequest>(&mut c, 0)
+                .await
+                .expect("answered");
+            assert_eq!((id, r.error_code), (want, 0));
+        }
+    })
+    .await
+}
+
+/// Kafka's `DelayedFetch` counts at most a partition's
+/// `partition_max_bytes` towards `min_bytes`: three batches readable, of
+/// which one batch's size counts, do not meet twice that; the fetch waits
+/// for its `max_wait`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn min_bytes_counts_at_most_partition_max_bytes_of_each_partition() {
+    bounded(async {
+        let b = start(Config {
+            followers: 0,
+            topics: vec![TOPIC.into()],
+            ..Config::default()
+        })
+        .await;
+        let mut w = Wire::connect(b.addr).await.unwrap();
+        for _ in 0..3 {
+            w.append(TOPIC, 0, &[&[0u8; 30]]).await.unwrap();
+        }
+        let one = wire::batch(&[&[0u8; 30]]).len() as i32;
+        let fetch = wire::fetch(TOPIC, &[(0, 0)], Duration::from_millis(300), 2 * one, one);
+        let t = Instant::now();
+        let f = w.call(&fetch, wire::FETCH_VERSION).await.unwrap();
+        assert!(
+            t.elapsed() >= Duration::from_millis(250),
+            "answered after {:?}",
+            t.elapsed()
+        );
+        assert_eq!(
+            values(f.responses[0].partitions[0].records.as_ref().unwrap()).len(),
+            1
+        );
+        // Counted in full, the same three batches meet it at once.
+        let fetch = wire::fetch(TOPIC, &[(0, 0)], Duration::from_secs(10), 2 * one, 3 * one);
+        let t = Instant::now();
+        w.call(&fetch, wire::FETCH_VERSION).await.unwrap();
+        assert!(t.elapsed() < Duration::from_secs(5));
+    })
+    .await
+}
+
+/// Smaller answers as Kafka gives them: a produce's `log_start_offset`; a
+/// ListOffsets naming a partition twice (INVALID_REQUEST at each mention);
+/// ApiVersions v3 with a client software name Kafka refuses
+/// (INVALID_REQUEST); an incremental fetch in a session the broker does not
+/// have (FETCH_SESSION_ID_NOT_FOUND, no partitions: sessions are not kept,
+/// and a full fetch is answered with session id 0, no session made); and
+/// ApiVersions at a version the broker does not serve (answered v0,
+/// UNSUPPORTED_VERSION, with the versions it does).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn smaller_answers_as_kafka_gives_them() {
+    use bytes::BufMut;
+    use kafka_protocol::messages::list_offsets_request::{ListOffsetsPartition, ListOffsetsTopic};
+    use kafka_protocol::messages::{ApiVersionsRequest, BrokerId, ListOffsetsRequest};
+    use kafka_protocol::protocol::StrBytes;
+    use tokio::io::AsyncWriteExt;
+    bounded(async {
+        let b = start(Config {
+            followers: 0,
+            topics: vec![TOPIC.into()],
+            ..Config::default()
+        })
+        .await;
+        let mut w = Wire::connect(b.addr).await.unwrap();
+        let r = w.append(TOPIC, 0, &[b"x"]).await.unwrap();
+        assert_eq!(r.responses[0].partition_responses[0].log_start_offset, 0);
+        let at = |p: i32, ts: i64| {
+            ListOffsetsPartition::default()
+                .with_partition_index(p)
+                .with_timestamp(ts)
+        };
+        let lo = w
+            .call(
+                &ListOffsetsRequest::default()
+                    .with_replica_id(BrokerId(-1))
+                    .with_topics(vec![
+                        ListOffsetsTopic::default()
+                            .with_name(topic_name(TOPIC))
+                            .with_partitions(vec![at(0, -1), at(1, -1)]),
+                        ListOffsetsTopic::default()
+                            .with_name(topic_name(TOPIC))
+                            .with_partitions(vec![at(0, -2)]),
+                    ]),
+                5,
+            )
+            .await
+            .unwrap();
+        let codes: Vec<Vec<i16>> = lo
+            .topics
+            .iter()
+            .map(|t| t.partitions.iter().map(|p| p.error_code).collect())
+            .collect();
+        let dup = ResponseError::InvalidRequest.code();
+        assert_eq!(codes, [vec![dup, 0], vec![dup]]);
+        // ApiVersions v3 names the client's software.
+        let named = |name: &'static str| {
+            ApiVersionsRequest::default()
+                .with_client_software_name(StrBytes::from_static_str(name))
+                .with_client_software_version(StrBytes::from_static_str("1.0"))
+        };
+        for (name, code) in [
+            ("rskafka", 0),
+            ("a", 0),
+            ("bad name!", dup),
+            ("-dash", dup),
+            ("dot.", dup),
+            ("", dup),
+        ] {
+            let r = w.call(&named(name), 3).await.unwrap();
+            assert_eq!(r.error_code, code, "{name:?}");
+            assert_eq!(r.api_keys.is_empty(), code != 0);
+        }
+        // Fetch sessions.
+        for (epoch, code) in [
+            (5, ResponseError::FetchSessionIdNotFound.code()),
+            (-7, 70),
+            (0, 0),
+        ] {
+            let f = w
+                .call(
+                    &wire::fetch(TOPIC, &[(0, 0)], Duration::ZERO, 1, 1 << 20)
+                        .with_session_id(123)
+                        .with_session_epoch(epoch),
+                    wire::FETCH_VERSION,
+                )
+                .await
+                .unwrap();
+            assert_eq!((f.error_code, f.session_id), (code, 0), "epoch {epoch}");
+            assert_eq!(f.responses.is_empty(), code != 0);
+        }
+        // ApiVersions at versions not served, header v2 from version 3 on
+        // (what a flexible client sends), else v1.
+        for v in [4i16, 5, 127, -1, i16::MIN] {
+            let mut c = tokio::net::TcpStream::connect(b.addr).await.unwrap();
+            let mut out = bytes::BytesMut::new();
+            out.put_i32(0);
+            out.put_i16(18);
+            out.put_i16(v);
+            out.put_i32(9);
+            out.put_i16(1);
+            out.put_u8(b'c');
+            if v >= 3 {
+                out.put_u8(0); // header tags
+                out.put_u8(2); // compact "x"
+                out.put_u8(b'x');
+                out.put_u8(2);
+                out.put_u8(b'1');
+                out.put_u8(0); // body tags
+            }
+            let size = (out.len() - 4) as i32;
+            out[..4].copy_from_slice(&size.to_be_bytes());
+            c.write_all(&out).await.unwrap();
+            let (id, r) = read_answer::<ApiVersionsRequest>(&mut c, 0)
+                .await
+                .unwrap_or_else(|| panic!("v{v}: closed"));
+            assert_eq!(id, 9);
+            assert_eq!(
+                r.error_code,
+                ResponseError::UnsupportedVersion.code(),
+                "v{v}"
+            );
+            assert!(!r.api_keys.is_empty());
+        }
+    })
+    .await
+}
+
+/// Extreme values are answered as Kafka answers them, and nothing hangs:
+/// offsets and partitions out of range both ways, negative limits, extreme
+/// ListOffsets timestamps, a fetch waiting `i32::MAX` ms whose client hangs
+/// up, acks=all with the longest timeout, timeouts of zero and below with a
+/// stuck follower (REQUEST_TIMED_OUT at once), and acks values Kafka refuses.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn extreme_values_are_answered_as_kafka_answers_them() {
+    use kafka_protocol::messages::list_offsets_request::{ListOffsetsPartition, ListOffsetsTopic};
+    use kafka_protocol::messages::{BrokerId, ListOffsetsRequest};
+    bounded(async {
+        let b = start(Config {
+            followers: 0,
+            topics: vec![TOPIC.into()],
+            ..Config::default()
+        })
+        .await;
+        let mut w = Wire::connect(b.addr).await.unwrap();
+        w.append(TOPIC, 0, &[b"x"]).await.unwrap();
+        // Partition 0 named three times is one partition, the position
+        // named last (-1: out of range).
+        let t = Instant::now();
+        let f = w
+            .call(
+                &wire::fetch(
+                    TOPIC,
+                    &[
+                        (0, i64::MIN),
+                        (0, i64::MAX),
+                        (0, -1),
+                        (i32::MIN, 0),
+                        (i32::MAX, 0),
+                    ],
+                    Duration::from_secs(20),
+                    i32::MAX,
+                    i32::MAX,
+                ),
+                wire::FETCH_VERSION,
+            )
+            .await
+            .unwrap();
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "errors are answered at once"
+        );
+        let codes: Vec<_> = f.responses[0]
+            .partitions
+            .iter()
+            .map(|p| p.error_code)
+            .collect();
+        assert_eq!(codes, [1, 3, 3]);
+        // Negative limits: answered at once with the first batch (Kafka's
+        // minOneMessage).
+        let f = w
+            .call(
+                &wire::fetch(TOPIC, &[(0, 0)], Duration::ZERO, -5, -5).with_max_wait_ms(-1),
+                wire::FETCH_VERSION,
+            )
+            .await
+            .unwrap();
+        assert!(!f.responses[0].partitions[0]
+            .records
+            .as_ref()
+            .unwrap()
+            .is_empty());
+        let at = |p: i32, ts: i64| {
+            ListOffsetsPartition::default()
+                .with_partition_index(p)
+                .with_timestamp(ts)
+        };
+        let lo = w
+            .call(
+                &ListOffsetsRequest::default()
+                    .with_replica_id(BrokerId(-1))
+                    .with_topics(vec![ListOffsetsTopic::default()
+                        .with_name(topic_name(TOPIC))
+                        .with_partitions(vec![at(0, i64::MAX), at(1, i64::MIN), at(-1, -1)])]),
+                7,
+            )
+            .await
+            .unwrap();
+        let got: Vec<_> = lo.topics[0]
+            .partitions
+            .iter()
+            .map(|p| (p.error_code, p.offset, p.timestamp))
+            .collect();
+        assert_eq!(got, [(0, -1, -1), (0, -1, -1), (3, -1, -1)]);
+        // A fetch waiting i32::MAX ms whose client hangs up: cancelled.
+        let mut gone = Wire::connect(b.addr).await.unwrap();
+        gone.send(
+            &wire::fetch(TOPIC, &[(0, 1)], Duration::ZERO, i32::MAX, 1 << 20)
+                .with_max_wait_ms(i32::MAX),
+            wire::FETCH_VERSION,
+        )
+        .await
+        .unwrap();
+        until("parked", || b.broker.fetches.delayed() == 1).await;
+        drop(gone);
+        until("cancelled", || b.broker.fetches.delayed() == 0).await;
+        // acks=all with the longest timeout completes once replicated.
+        let r = w
+            .call(
+                &wire::produce(TOPIC, 0, -1, Duration::ZERO, wire::batch(&[b"y"]))
+                    .with_timeout_ms(i32::MAX),
+                wire::PRODUCE_VERSION,
+            )
+            .await
+            .unwrap();
+        assert_eq!(wire::produce_error(&r), 0);
+        b.shutdown().await;
+
+        let b = start(Config {
+            topics: vec![TOPIC.into()],
+            stuck_follower: Some(0),
+            ..Config::default()
+        })
+        .await;
+        let mut w = Wire::connect(b.addr).await.unwrap();
+        for timeout in [0, -5, i32::MIN] {
+            let t = Instant::now();
+            let r = w
+                .call(
+                    &wire::produce(TOPIC, 0, -1, Duration::ZERO, wire::batch(&[b"x"]))
+                        .with_timeout_ms(timeout),
+                    wire::PRODUCE_VERSION,
+                )
+                .await
+                .unwrap();
+            assert_eq!(
+                wire::produce_error(&r),
+                ResponseError::RequestTimedOut.code()
+            );
+            assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+        }
+        for acks in [2, -2, i16::MIN, i16::MAX] {
+            let r = w
+                .call(
+                    &wire::produce(TOPIC, 1, acks, Duration::ZERO, wire::batch(&[b"x"])),
+                    wire::PRODUCE_VERSION,
+                )
+                .await
+                .unwrap();
+            assert_eq!(
+                wire::produce_error(&r),
+                ResponseError::InvalidRequiredAcks.code()
+            );
+        }
+        assert_eq!(b.broker.topics.partition(TOPIC, 1).unwrap().log_end(), 0);
     })
     .await
 }

@@ -165,3 +165,113 @@ async fn answers_nobody_reads_stay_within_the_budget() {
     .await
     .expect("bounded");
 }
+
+/// A fetch naming four partitions 100,000 times over, parked in the
+/// purgatory, holds what its admission charged (its frame and the decoded
+/// request's arrays) and no more: Kafka keys a fetch's partitions by topic
+/// and partition, so it is four partitions, four watches.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parked_fetch_holds_no_more_than_its_charge() {
+    use kafka_protocol::messages::fetch_request::{FetchPartition, FetchTopic};
+    use kafka_protocol::messages::{BrokerId, FetchRequest};
+    let _alone = ONE_AT_A_TIME.lock().await;
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let b = BrokerHandle::start(Config {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            followers: 0,
+            topics: vec!["t".into()],
+            ..Config::default()
+        })
+        .await
+        .expect("the broker starts");
+        let req = FetchRequest::default()
+            .with_replica_id(BrokerId(-1))
+            .with_max_wait_ms(60_000)
+            .with_min_bytes(i32::MAX)
+            .with_max_bytes(1 << 20)
+            .with_session_epoch(-1)
+            .with_topics(vec![FetchTopic::default()
+                .with_topic(TopicName(s("t")))
+                .with_partitions(
+                    (0..100_000)
+                        .map(|i| {
+                            FetchPartition::default()
+                                .with_partition(i % 4)
+                                .with_fetch_offset(0)
+                                .with_partition_max_bytes(1 << 20)
+                        })
+                        .collect(),
+                )]);
+        let mut w = Wire::connect(b.addr).await.unwrap();
+        let before = alloc::live_bytes();
+        w.send(&req, 11).await.unwrap();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        while b.broker.fetches.delayed() != 1 || b.broker.fetches.metrics().watched == 0 {
+            assert!(tokio::time::Instant::now() < deadline, "parked");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        // (Time for a registration of more watches to finish.)
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(b.broker.fetches.metrics().watched, 4);
+        let grown = alloc::live_bytes() - before;
+        let charged = b.broker.budget.in_use() as isize;
+        assert!(
+            grown < charged + (512 << 10),
+            "one parked fetch holds {grown} bytes, {charged} charged"
+        );
+        drop(w);
+        b.shutdown().await;
+    })
+    .await
+    .expect("bounded");
+}
+
+/// The logs hold at most `max_log_bytes` of the heap, in large batches or
+/// in many small ones (each counted with what keeping it costs): the oldest
+/// go as new ones come.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_logs_stay_within_max_log_bytes() {
+    let _alone = ONE_AT_A_TIME.lock().await;
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let limit = 4 << 20;
+        let b = BrokerHandle::start(Config {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            followers: 0,
+            topics: vec!["t".into()],
+            max_log_bytes: limit,
+            ..Config::default()
+        })
+        .await
+        .expect("the broker starts");
+        let mut w = Wire::connect(b.addr).await.unwrap();
+        w.append("t", 0, &[b"warm"]).await.unwrap();
+        let before = alloc::live_bytes();
+        let value = vec![7u8; 900 << 10];
+        for _ in 0..20 {
+            let r = w.append("t", 0, &[&value]).await.unwrap();
+            assert_eq!(wire::produce_error(&r), 0);
+        }
+        let grown = alloc::live_bytes() - before;
+        assert!(
+            grown < limit as isize + (1 << 20),
+            "20 batches of 900 KiB hold {grown} bytes with a {limit}-byte limit"
+        );
+        // 20,000 batches of one record of one byte, sent with acks=0, then
+        // one more whose answer says they were all handled.
+        for i in 0..20_000 {
+            let p = wire::produce("t", i % 4, 0, Duration::ZERO, wire::batch(&[b"v"]));
+            w.send(&p, wire::PRODUCE_VERSION).await.unwrap();
+        }
+        let r = w.append("t", 0, &[b"v"]).await.unwrap();
+        assert_eq!(wire::produce_error(&r), 0);
+        let grown = alloc::live_bytes() - before;
+        assert!(
+            grown < limit as isize + (1 << 20),
+            "small batches hold {grown} bytes with a {limit}-byte limit"
+        );
+        assert!(b.broker.topics.log_bytes() <= limit);
+        b.shutdown().await;
+    })
+    .await
+    .expect("bounded");
+}

@@ -43,7 +43,7 @@ enum Command {
     /// (the default).
     Demo,
     /// Runs the broker until Ctrl-C.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Compares fetch waiting strategies under parked consumers.
     Bench(bench::BenchArgs),
 }
@@ -108,9 +108,18 @@ pub struct ServeArgs {
     /// The most topics the broker creates.
     #[arg(long, default_value_t = 10_000)]
     max_topics: usize,
-    /// The most bytes one fetch answer carries.
+    /// The most bytes one fetch answer carries (its first batch is sent whole
+    /// even if larger, as Kafka does).
     #[arg(long, default_value_t = 55 << 20)]
     fetch_max_bytes: usize,
+    /// The largest record batch a produce may store (Kafka's
+    /// `max.message.bytes`); larger ones get MESSAGE_TOO_LARGE.
+    #[arg(long, default_value_t = 1_048_588)]
+    max_message_bytes: usize,
+    /// The most bytes the logs of all partitions hold together; past it the
+    /// oldest replicated batches are dropped and log start offsets move up.
+    #[arg(long, default_value_t = 1 << 30)]
+    max_log_bytes: usize,
     /// The shortest session timeout a group member may ask for, in ms
     /// (Kafka's `group.min.session.timeout.ms`).
     #[arg(long, default_value_t = 6_000)]
@@ -149,6 +158,8 @@ impl ServeArgs {
             idle_timeout: Duration::from_millis(self.idle_ms),
             max_topics: self.max_topics,
             fetch_max_bytes: self.fetch_max_bytes,
+            max_message_bytes: self.max_message_bytes,
+            max_log_bytes: self.max_log_bytes,
             metrics_addr: self.metrics_addr,
             groups: broker::groups::GroupLimits {
                 min_session: Duration::from_millis(self.group_min_session_ms),
@@ -164,7 +175,7 @@ fn main() {
     let code = runtime.block_on(async {
         match args.command.unwrap_or(Command::Demo) {
             Command::Demo => demo::run().await,
-            Command::Serve(s) => serve(s).await,
+            Command::Serve(s) => serve(*s).await,
             Command::Bench(b) => bench::run(b).await,
         }
     });

@@ -1,17 +1,20 @@
 //! `Fetch`: answer at once if `min_bytes` are readable below the high
 //! watermark, else wait for them or for `max_wait_ms`.
 
+use std::collections::hash_map::Entry;
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use kafka_protocol::error::ResponseError;
 use kafka_protocol::messages::fetch_response::{FetchableTopicResponse, PartitionData};
-use kafka_protocol::messages::{FetchRequest, FetchResponse};
+use kafka_protocol::messages::{FetchRequest, FetchResponse, TopicName};
 use tokio::time::Instant;
 use tokio_purgatory::{Operation, Watch};
 
 use super::frame::{Budget, Held};
+use super::log::Topic;
 use super::{Broker, FetchWait, Gone, Partition};
 
 /// One partition of a fetch.
@@ -27,7 +30,7 @@ struct Want {
 #[derive(Default)]
 pub struct Fetch {
     /// (topic name, its partitions), in the request's order.
-    topics: Vec<(kafka_protocol::messages::TopicName, Vec<Want>)>,
+    topics: Vec<(TopicName, Vec<Want>)>,
     min_bytes: u64,
     max_bytes: usize,
     closing: Arc<AtomicBool>,
@@ -43,20 +46,27 @@ impl Fetch {
             .filter_map(|w| w.part.as_ref().ok().map(|p| (p, w)))
     }
 
-    /// Bytes readable now, counted up to `min_bytes`.
+    /// Bytes readable now, counted up to `min_bytes`, each partition's at
+    /// most its `partition_max_bytes` (Kafka's `DelayedFetch`: "we take the
+    /// partition fetch size as upper bound when accumulating the bytes").
     fn available(&self) -> u64 {
         let mut sum = 0;
         for (part, w) in self.wants() {
             if sum >= self.min_bytes {
                 break;
             }
-            sum += part.available(w.offset, self.min_bytes - sum);
+            sum += part.available(w.offset, w.max_bytes as u64);
         }
         sum
     }
 
+    /// Answerable now: `min_bytes` are readable, or a partition's position
+    /// fell below its log start (retention dropped what it was waiting at;
+    /// Kafka's `DelayedFetch` completes then, answering `OFFSET_OUT_OF_RANGE`).
     fn enough(&self) -> bool {
-        self.min_bytes == 0 || self.available() >= self.min_bytes
+        self.min_bytes == 0
+            || self.available() >= self.min_bytes
+            || self.wants().any(|(part, w)| w.offset < part.log_start())
     }
 
     /// The response with what is readable now, at most `max_bytes` in all
@@ -78,16 +88,24 @@ impl Fetch {
         for (name, wants) in &self.topics {
             let mut t = FetchableTopicResponse::default().with_topic(name.clone());
             for w in wants {
-                let mut p = PartitionData::default()
-                    .with_partition_index(w.index)
-                    .with_log_start_offset(0);
-                match &w.part {
-                    Ok(part) => {
-                        let read = part.read(w.offset, w.max_bytes.min(left), first, &mut charge);
+                let mut p = PartitionData::default().with_partition_index(w.index);
+                let read = w.part.as_ref().map_err(|e| *e).and_then(|part| {
+                    let read = part.read(w.offset, w.max_bytes.min(left), first, &mut charge);
+                    // Retention may have dropped the position while the
+                    // fetch waited.
+                    if w.offset < read.log_start {
+                        Err(ResponseError::OffsetOutOfRange)
+                    } else {
+                        Ok(read)
+                    }
+                });
+                match read {
+                    Ok(read) => {
                         first &= read.records.is_empty();
                         left = left.saturating_sub(read.records.len());
                         p.high_watermark = read.high_watermark as i64;
                         p.last_stable_offset = read.high_watermark as i64;
+                        p.log_start_offset = read.log_start as i64;
                         p.records = Some(read.records);
                     }
                     Err(e) => {
@@ -134,34 +152,71 @@ pub async fn handle(
     request: FetchRequest,
     held: &Held,
 ) -> Result<FetchResponse, Gone> {
-    let mut topics = Vec::new();
-    for topic in &request.topics {
-        let wants = topic
-            .partitions
-            .iter()
-            .map(|p| {
-                let part = broker
-                    .topics
-                    .partition(&topic.topic, p.partition)
-                    .ok_or(ResponseError::UnknownTopicOrPartition)
-                    .and_then(|part| {
-                        // Past the log end, or before its start: out of range.
-                        if p.fetch_offset < 0 || p.fetch_offset as u64 > part.log_end() {
-                            Err(ResponseError::OffsetOutOfRange)
-                        } else {
-                            Ok(part)
-                        }
-                    });
-                Want {
-                    part,
-                    index: p.partition,
-                    offset: p.fetch_offset.max(0) as u64,
-                    max_bytes: p.partition_max_bytes.max(0) as usize,
-                }
-            })
-            .collect();
-        topics.push((topic.topic.clone(), wants));
+    // Fetch sessions (KIP-227) are not kept. A full fetch (epoch 0 or -1)
+    // is answered in full with session id 0, which tells the client that no
+    // session was made (as Kafka answers when its session cache is full); any
+    // other epoch is an incremental fetch in a session this broker cannot
+    // have, answered FETCH_SESSION_ID_NOT_FOUND with no partitions, as Kafka
+    // answers (the client then starts over with a full fetch).
+    if !matches!(request.session_epoch, -1 | 0) {
+        return Ok(
+            FetchResponse::default().with_error_code(ResponseError::FetchSessionIdNotFound.code())
+        );
     }
+    // Kafka keys a fetch's partitions by topic and partition (a linked map):
+    // one named twice is one partition of the answer, with the position and
+    // limit named last, and one watch; a request cannot make a high
+    // watermark move check it more than once per distinct partition. Each
+    // distinct topic is looked up once.
+    let mut topics: Vec<(TopicName, Option<Arc<Topic>>, Vec<Want>)> = Vec::new();
+    let mut topic_at: HashMap<&str, usize> = HashMap::new();
+    let mut want_at: HashMap<(usize, i32), usize> = HashMap::new();
+    for topic in &request.topics {
+        let ti = *topic_at.entry(topic.topic.as_str()).or_insert_with(|| {
+            let found = broker.topics.get(&topic.topic);
+            topics.push((topic.topic.clone(), found, Vec::new()));
+            topics.len() - 1
+        });
+        let (_, found, wants) = &mut topics[ti];
+        for p in &topic.partitions {
+            let part = found
+                .as_ref()
+                .and_then(|t| {
+                    usize::try_from(p.partition)
+                        .ok()
+                        .and_then(|i| t.partitions.get(i))
+                })
+                .cloned()
+                .ok_or(ResponseError::UnknownTopicOrPartition)
+                .and_then(|part| {
+                    // Before the log start, or past the log end: out of range.
+                    if p.fetch_offset < part.log_start() as i64
+                        || p.fetch_offset as u64 > part.log_end()
+                    {
+                        Err(ResponseError::OffsetOutOfRange)
+                    } else {
+                        Ok(part)
+                    }
+                });
+            let want = Want {
+                part,
+                index: p.partition,
+                offset: p.fetch_offset.max(0) as u64,
+                max_bytes: p.partition_max_bytes.max(0) as usize,
+            };
+            match want_at.entry((ti, p.partition)) {
+                Entry::Occupied(at) => wants[*at.get()] = want,
+                Entry::Vacant(at) => {
+                    at.insert(wants.len());
+                    wants.push(want);
+                }
+            }
+        }
+    }
+    let topics = topics
+        .into_iter()
+        .map(|(name, _, wants)| (name, wants))
+        .collect();
     let fetch = Fetch {
         topics,
         min_bytes: request.min_bytes.max(0) as u64,

@@ -6,7 +6,9 @@
 //! first charged to one [`Budget`] shared by all connections. When the budget
 //! is spent, connections stop reading until memory comes back, as Kafka's
 //! `queued.max.request.bytes` makes them. A connection that claims 100 MiB
-//! and sends nothing so costs its 4 bytes; one that sends fast waits its turn.
+//! and sends nothing more so costs a first buffer (4 KiB, charged once the
+//! size is whole, before the first body byte), not 100 MiB; one that sends
+//! fast waits its turn.
 //!
 //! Once a frame is whole, [`admit`] walks it ([`super::shape`]) and charges
 //! what decoding it will allocate. The frame and both charges stay held until

@@ -1,12 +1,21 @@
 //! Topics, partitions and their in-memory logs.
 //!
-//! A partition's log is the record batches producers sent, stored as they
-//! arrived (format v2, any compression: the broker never opens them) with
-//! their base offset rewritten, as Kafka's leader does. The CRC of a v2 batch
-//! starts after the base offset, so the rewrite keeps it valid.
+//! A partition's log is the record batches producers sent, one per produce
+//! and partition, each checked as Kafka checks what it stores ([`check`]) and
+//! stored as it arrived (format v2, any compression: the broker never
+//! decompresses) with its base offset rewritten, as Kafka's leader does. The
+//! CRC of a v2 batch starts after the base offset, so the rewrite keeps it
+//! valid.
+//!
+//! The logs together hold at most `max_log_bytes` (each batch counted with
+//! what keeping it costs): past it the oldest batches go first, across
+//! partitions, and each partition's log start offset moves up past what it
+//! lost, as Kafka's size-based retention drops a partition's oldest segments.
+//! Like Kafka's, it drops only what is replicated (below the high watermark);
+//! an append that would need more room than that frees is refused.
 
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
 use bytes::{Buf, Bytes, BytesMut};
@@ -22,33 +31,76 @@ struct Batch {
     /// One past its last offset.
     end: u64,
     max_timestamp: i64,
+    /// Bytes appended to the partition before it (its position in the log,
+    /// as a segment file's): what lies between two batches is the difference
+    /// of their positions, whatever was dropped before them.
+    position: u64,
     bytes: Bytes,
 }
+
+/// What keeping a batch costs beyond its bytes: its entries in the
+/// partition's log and in the retention order (each queue's room up to twice
+/// what it holds), and its allocation's bookkeeping. Counted against
+/// `max_log_bytes`, so that a flood of tiny batches is bounded too.
+pub const BATCH_COST: usize =
+    2 * (std::mem::size_of::<Batch>() + std::mem::size_of::<(Arc<Partition>, u64)>()) + 32;
 
 /// Why an append was refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AppendError {
-    /// Not record batches of format v2, cut short, or failing their CRC
-    /// (Kafka's `CORRUPT_MESSAGE`).
+    /// Not a record batch of a format Kafka knows, failing its CRC, too
+    /// short for its header, or flagged with a codec that does not exist or
+    /// holding bytes that are not that codec's (Kafka's `CORRUPT_MESSAGE`).
     Corrupt,
-    /// Well-formed batches whose contents disagree: a record count that is
-    /// not the last offset delta + 1, or records out of order (Kafka's
-    /// `INVALID_RECORD`).
+    /// A record set Kafka refuses with `INVALID_RECORD`: no batch, more than
+    /// one, one of an older format (magic 0 or 1), a base offset other than
+    /// 0, or a well-formed batch whose contents disagree (a record count that
+    /// is not the last offset delta + 1, records out of order).
     Invalid,
+    /// A batch over `max.message.bytes` (Kafka's `MESSAGE_TOO_LARGE`).
+    TooLarge,
+    /// Zstandard in a produce older than version 7 (Kafka's
+    /// `UNSUPPORTED_COMPRESSION_TYPE`).
+    UnsupportedCompression,
+    /// The logs are full of what cannot be dropped yet, because it is not
+    /// replicated (Kafka's answer when it cannot write its log,
+    /// `KAFKA_STORAGE_ERROR`, retriable).
+    Full,
+}
+
+/// A record set that passed [`check`]: its one batch.
+pub struct Checked {
+    batch: Bytes,
+    count: u64,
+    max_timestamp: i64,
 }
 
 /// What a read found below the high watermark.
 pub struct Read {
     pub records: Bytes,
     pub high_watermark: u64,
+    /// The log start when it read: a position below it is out of range.
+    pub log_start: u64,
 }
 
-/// A partition: its log, its log end, its high watermark, and how far each
-/// follower has copied it.
+/// A partition's log: its batches, oldest first.
+#[derive(Default)]
+struct Log {
+    batches: VecDeque<Batch>,
+    /// Bytes appended since the partition was made: the next batch's
+    /// position.
+    appended: u64,
+}
+
+/// A partition: its log, its log start and end, its high watermark, and how
+/// far each follower has copied it.
 pub struct Partition {
     pub key: PartitionKey,
     pub index: i32,
-    log: Mutex<Vec<Batch>>,
+    log: Mutex<Log>,
+    /// The first offset the log holds (Kafka's log start offset): 0 until
+    /// retention drops batches.
+    log_start: AtomicU64,
     log_end: AtomicU64,
     high_watermark: AtomicU64,
     /// Each follower's copied offset (its log end).
@@ -74,7 +126,8 @@ impl Partition {
         Partition {
             key,
             index,
-            log: Mutex::new(Vec::new()),
+            log: Mutex::new(Log::default()),
+            log_start: AtomicU64::new(0),
             log_end: AtomicU64::new(0),
             high_watermark: AtomicU64::new(0),
             copied: (0..followers).map(|_| AtomicU64::new(0)).collect(),
@@ -89,6 +142,10 @@ impl Partition {
         }
     }
 
+    pub fn log_start(&self) -> u64 {
+        self.log_start.load(Ordering::Acquire)
+    }
+
     pub fn log_end(&self) -> u64 {
         self.log_end.load(Ordering::Acquire)
     }
@@ -97,34 +154,49 @@ impl Partition {
         self.high_watermark.load(Ordering::Acquire)
     }
 
-    /// Appends the batches in `records`, giving them the next offsets.
-    /// Returns the first and one past the last offset given.
-    pub fn append(&self, records: &Bytes, now_ms: i64) -> Result<(u64, u64), AppendError> {
-        let batches = split_batches(records)?;
+    /// Appends `checked`'s batch, giving it the next offsets, and puts it in
+    /// `order` for retention (under the log's lock, so each partition's
+    /// entries there are in its log's order). Returns the first and one past
+    /// the last offset given.
+    fn append(self: &Arc<Self>, checked: Checked, now_ms: i64, order: &Order) -> (u64, u64) {
         let mut log = self.log.lock().unwrap();
-        let first = self.log_end.load(Ordering::Relaxed);
-        let mut next = first;
-        for (raw, count, max_timestamp) in batches {
-            let mut batch = BytesMut::from(&raw[..]);
-            batch[..8].copy_from_slice(&(next as i64).to_be_bytes());
-            let max_timestamp = if max_timestamp < 0 {
-                now_ms
-            } else {
-                max_timestamp
-            };
-            log.push(Batch {
-                base: next,
-                end: next + count,
-                max_timestamp,
-                bytes: batch.freeze(),
-            });
-            next += count;
-        }
+        let base = self.log_end.load(Ordering::Relaxed);
+        let end = base + checked.count;
+        let mut batch = BytesMut::from(&checked.batch[..]);
+        batch[..8].copy_from_slice(&(base as i64).to_be_bytes());
+        let max_timestamp = if checked.max_timestamp < 0 {
+            now_ms
+        } else {
+            checked.max_timestamp
+        };
+        let position = log.appended;
+        log.appended += batch.len() as u64;
+        log.batches.push_back(Batch {
+            base,
+            end,
+            max_timestamp,
+            position,
+            bytes: batch.freeze(),
+        });
+        order.lock().unwrap().push_back((self.clone(), end));
         // Published under the lock, so log ends only grow.
-        self.log_end.store(next, Ordering::Release);
-        Ok((first, next))
+        self.log_end.store(end, Ordering::Release);
+        (base, end)
     }
 
+    /// Drops the batches that end at or before `end` and moves the log
+    /// start past them; returns what they cost.
+    fn drop_until(&self, end: u64) -> usize {
+        let mut log = self.log.lock().unwrap();
+        let mut freed = 0;
+        while log.batches.front().is_some_and(|b| b.end <= end) {
+            let b = log.batches.pop_front().unwrap();
+            freed += b.bytes.len() + BATCH_COST;
+            self.log_start.fetch_max(b.end, Ordering::AcqRel);
+        }
+        shrink(&mut log.batches);
+        freed
+    }
     /// Records follower `f` as having copied up to `offset`, which was the
     /// leader's log end at `appended`; returns the new high watermark if it
     /// moved. A follower out of the ISR that has reached the high watermark
@@ -216,29 +288,34 @@ impl Partition {
         (hw > before).then_some(hw)
     }
 
-    /// Bytes of whole batches from `offset` up to the high watermark, counted
-    /// until `enough` is reached.
-    pub fn available(&self, offset: u64, enough: u64) -> u64 {
+    /// Bytes of whole batches from the one holding `offset` up to the high
+    /// watermark, at most `most` (Kafka's `DelayedFetch` counts at most a
+    /// partition's `partition_max_bytes` of it towards `min_bytes`). Two
+    /// binary searches and the batches' positions: the same cost whatever
+    /// the log holds.
+    pub fn available(&self, offset: u64, most: u64) -> u64 {
         let hw = self.high_watermark();
         if offset >= hw {
             return 0;
         }
         let log = self.log.lock().unwrap();
-        let mut bytes = 0;
-        for b in &log[first_batch(&log, offset)..] {
-            if b.end > hw || bytes >= enough {
-                break;
-            }
-            bytes += b.bytes.len() as u64;
+        let from = first_batch(&log.batches, offset);
+        // The high watermark is always at a batch's end.
+        let to = log.batches.partition_point(|b| b.end <= hw);
+        if from >= to {
+            return 0;
         }
-        bytes
+        let last = &log.batches[to - 1];
+        let bytes = last.position + last.bytes.len() as u64 - log.batches[from].position;
+        bytes.min(most)
     }
 
     /// Whole batches from the one holding `offset`, below the high watermark,
     /// at most `max_bytes` of them unless the first alone is larger (then just
     /// the first, so a consumer always makes progress, as Kafka does). Each
     /// batch is copied only once `charge` has taken its size (the caller's
-    /// memory budget); the first it refuses ends the read.
+    /// memory budget); the first it refuses ends the read. Nothing below the
+    /// log start (the caller answers `OFFSET_OUT_OF_RANGE`).
     pub fn read(
         &self,
         offset: u64,
@@ -249,8 +326,10 @@ impl Partition {
         let hw = self.high_watermark();
         let log = self.log.lock().unwrap();
         let mut out = BytesMut::new();
-        if offset < hw {
-            for b in &log[first_batch(&log, offset)..] {
+        // The log start moves under the log's lock: read with it.
+        let log_start = self.log_start();
+        if offset < hw && offset >= log_start {
+            for b in log.batches.range(first_batch(&log.batches, offset)..) {
                 if b.end > hw {
                     break;
                 }
@@ -267,29 +346,32 @@ impl Partition {
         Read {
             records: out.freeze(),
             high_watermark: hw,
+            log_start,
         }
     }
 
     /// Kafka's offset-by-time lookup, at batch granularity, among what is
-    /// replicated: the first batch whose newest record is at least
+    /// kept and replicated: the first batch whose newest record is at least
     /// `timestamp`, as (its first offset, its newest record's timestamp);
     /// `None` when no record is that new.
     pub fn offset_for_time(&self, timestamp: i64) -> Option<(u64, i64)> {
         let hw = self.high_watermark();
         let log = self.log.lock().unwrap();
-        log.iter()
+        log.batches
+            .iter()
             .take_while(|b| b.end <= hw)
             .find(|b| b.max_timestamp >= timestamp)
             .map(|b| (b.base, b.max_timestamp))
     }
 
     /// Kafka's `MAX_TIMESTAMP` lookup, at batch granularity, among what is
-    /// replicated: the last offset of the (first) batch holding the newest
-    /// timestamp, with that timestamp; `None` when nothing is.
+    /// kept and replicated: the last offset of the (first) batch holding the
+    /// newest timestamp, with that timestamp; `None` when nothing is.
     pub fn newest_timestamp(&self) -> Option<(u64, i64)> {
         let hw = self.high_watermark();
         let log = self.log.lock().unwrap();
-        log.iter()
+        log.batches
+            .iter()
             .take_while(|b| b.end <= hw)
             .fold(None, |best: Option<&Batch>, b| match best {
                 Some(m) if m.max_timestamp >= b.max_timestamp => Some(m),
@@ -300,35 +382,69 @@ impl Partition {
 }
 
 /// Index of the batch holding `offset` (or the first after it).
-fn first_batch(log: &[Batch], offset: u64) -> usize {
+fn first_batch(log: &VecDeque<Batch>, offset: u64) -> usize {
     log.partition_point(|b| b.end <= offset)
 }
 
-/// Splits `records` into v2 batches, each checked as Kafka's `LogValidator`
-/// checks what it stores: (bytes, record count, max timestamp).
-fn split_batches(records: &Bytes) -> Result<Vec<(Bytes, u64, i64)>, AppendError> {
-    let mut rest = records.clone();
-    let mut out = Vec::new();
-    while !rest.is_empty() {
-        if rest.len() < HEADER {
-            return Err(AppendError::Corrupt);
-        }
-        let length = (&rest[8..12]).get_i32();
-        let magic = rest[16];
-        if length < (HEADER - 12) as i32 || magic != 2 {
-            return Err(AppendError::Corrupt);
-        }
-        let size = 12 + length as usize;
-        if rest.len() < size {
-            return Err(AppendError::Corrupt);
-        }
-        let batch = rest.split_to(size);
-        out.push(check_batch(&batch)?);
+/// Gives back a queue's room once it holds under half of it, so that its
+/// room stays within twice what it holds (a queue that emptied after a burst
+/// does not keep the burst's size); amortized, as its growth is.
+fn shrink<T>(queue: &mut VecDeque<T>) {
+    if queue.capacity() > 4 && queue.len() < queue.capacity() / 2 {
+        queue.shrink_to(queue.len());
     }
-    if out.is_empty() {
-        return Err(AppendError::Corrupt);
+}
+
+/// Every stored batch in the order it was appended, as (its partition, its
+/// end): the order retention drops them in.
+type Order = Mutex<VecDeque<(Arc<Partition>, u64)>>;
+
+/// The room the logs share.
+struct Store {
+    /// The most the logs hold, each batch counted with [`BATCH_COST`].
+    limit: usize,
+    /// What they hold, and what appends under way have reserved.
+    used: AtomicUsize,
+    order: Order,
+}
+
+impl Store {
+    /// Reserves `cost` bytes, dropping the oldest batches until they fit;
+    /// `false` (nothing reserved) when what can be dropped, the replicated
+    /// batches at the front, does not free enough.
+    fn reserve(&self, cost: usize) -> bool {
+        if self.used.fetch_add(cost, Ordering::AcqRel) + cost <= self.limit {
+            return true;
+        }
+        loop {
+            if self.used.load(Ordering::Acquire) <= self.limit {
+                return true;
+            }
+            // The order's lock is never held while a log's is taken (an
+            // append takes them the other way round).
+            let oldest = {
+                let mut order = self.order.lock().unwrap();
+                match order.front() {
+                    Some((part, end)) if *end <= part.high_watermark() => {
+                        let oldest = order.pop_front();
+                        shrink(&mut order);
+                        oldest
+                    }
+                    _ => None,
+                }
+            };
+            match oldest {
+                Some((part, end)) => {
+                    let freed = part.drop_until(end);
+                    self.used.fetch_sub(freed, Ordering::AcqRel);
+                }
+                None => {
+                    self.used.fetch_sub(cost, Ordering::AcqRel);
+                    return false;
+                }
+            }
+        }
     }
-    Ok(out)
 }
 
 /// The v2 batch header: base offset (8), length (4), leader epoch (4), magic
@@ -337,12 +453,80 @@ fn split_batches(records: &Bytes) -> Result<Vec<(Bytes, u64, i64)>, AppendError>
 /// record count (4).
 const HEADER: usize = 61;
 
-/// Checks one whole v2 batch: its CRC-32C (over everything after the CRC),
-/// its record count against its last offset delta, and, when it is not
-/// compressed, each record's framing and offset delta. This broker has no
-/// codecs, so a compressed batch's records are not opened (Kafka decompresses
-/// and checks them too).
-fn check_batch(batch: &Bytes) -> Result<(Bytes, u64, i64), AppendError> {
+/// The base offset and length that open every batch, whatever its format
+/// (Kafka's `LOG_OVERHEAD`).
+const LOG_OVERHEAD: usize = 12;
+
+/// The smallest length a batch of any format may announce (Kafka's
+/// `RECORD_OVERHEAD_V0`).
+const MIN_LENGTH: i32 = 14;
+
+/// Checks a produce's records as Kafka does before it stores them, in
+/// Kafka's order: `ProduceRequest.validateRecords` (versions 3 and up:
+/// exactly one batch, of format v2, zstd only from version 7), then
+/// `UnifiedLog.analyzeAndValidateRecords` (base offset 0, at most
+/// `max_message_bytes`, CRC-32C) and `LogValidator` (the record count against
+/// the last offset delta; each record's framing and offset delta when
+/// uncompressed). A compressed batch is not decompressed (this broker has no
+/// codecs): its codec must be one Kafka knows, and its records must begin as
+/// that codec's stream does (gzip, LZ4 frame, zstd frame; snappy has no such
+/// mark).
+pub fn check(
+    records: Option<&Bytes>,
+    version: i16,
+    max_message_bytes: usize,
+) -> Result<Checked, AppendError> {
+    // Kafka's batch iterator finds no batch in fewer bytes than a batch's
+    // opening, or than the first batch announces.
+    let Some(records) = records else {
+        return Err(AppendError::Invalid);
+    };
+    if records.len() < LOG_OVERHEAD {
+        return Err(AppendError::Invalid);
+    }
+    let length = (&records[8..12]).get_i32();
+    if length < MIN_LENGTH {
+        return Err(AppendError::Corrupt);
+    }
+    if records.len() <= 16 {
+        return Err(AppendError::Invalid);
+    }
+    let magic = records[16] as i8;
+    if !(0..=2).contains(&magic) {
+        return Err(AppendError::Corrupt);
+    }
+    let size = LOG_OVERHEAD + length as usize;
+    if records.len() < size || magic != 2 {
+        return Err(AppendError::Invalid);
+    }
+    // A v2 batch's attributes follow its CRC (a length of at least 14 puts
+    // them inside it).
+    match records[22] & 0x07 {
+        // Kafka: "Unknown compression type id" (an exception of no API error
+        // of its own; CORRUPT_MESSAGE says what is wrong).
+        5..=7 => return Err(AppendError::Corrupt),
+        4 if version < 7 => return Err(AppendError::UnsupportedCompression),
+        _ => {}
+    }
+    if records.len() > size {
+        return Err(AppendError::Invalid);
+    }
+    if (&records[..8]).get_i64() != 0 {
+        return Err(AppendError::Invalid);
+    }
+    if size > max_message_bytes {
+        return Err(AppendError::TooLarge);
+    }
+    if size < HEADER {
+        return Err(AppendError::Corrupt);
+    }
+    check_batch(records)
+}
+
+/// Checks one whole v2 batch of at least a header: its CRC-32C (over
+/// everything after the CRC), its record count against its last offset
+/// delta, and its records (see [`check`]).
+fn check_batch(batch: &Bytes) -> Result<Checked, AppendError> {
     let crc = (&batch[17..21]).get_u32();
     if crc32c::crc32c(&batch[21..]) != crc {
         return Err(AppendError::Corrupt);
@@ -355,10 +539,26 @@ fn check_batch(batch: &Bytes) -> Result<(Bytes, u64, i64), AppendError> {
     if count <= 0 || last_delta.checked_add(1) != Some(count) {
         return Err(AppendError::Invalid);
     }
-    if attributes & 0x07 == 0 {
-        check_records(&batch[HEADER..], count)?;
+    let records = &batch[HEADER..];
+    let stream_opens_with: &[u8] = match attributes & 0x07 {
+        0 => return check_records(records, count).map(|()| checked(batch, count, max_timestamp)),
+        1 => &[0x1f, 0x8b],             // gzip
+        3 => &[0x04, 0x22, 0x4d, 0x18], // LZ4 frame
+        4 => &[0x28, 0xb5, 0x2f, 0xfd], // zstd frame
+        _ => &[],                       // snappy
+    };
+    if !records.starts_with(stream_opens_with) {
+        return Err(AppendError::Corrupt);
     }
-    Ok((batch.clone(), count as u64, max_timestamp))
+    Ok(checked(batch, count, max_timestamp))
+}
+
+fn checked(batch: &Bytes, count: i32, max_timestamp: i64) -> Checked {
+    Checked {
+        batch: batch.clone(),
+        count: count as u64,
+        max_timestamp,
+    }
 }
 
 /// Walks the records of an uncompressed batch: `count` records, each exactly
@@ -439,24 +639,58 @@ pub struct Topic {
     pub partitions: Vec<Arc<Partition>>,
 }
 
-/// Every topic, created on first use with `partitions` partitions.
+/// Every topic, created on first use with `partitions` partitions, and the
+/// room their logs share.
 pub struct Topics {
     by_name: RwLock<HashMap<Arc<str>, Arc<Topic>>>,
     partitions: i32,
     followers: usize,
     auto_create: bool,
     max_topics: usize,
+    store: Store,
 }
 
 impl Topics {
-    pub fn new(partitions: i32, followers: usize, auto_create: bool, max_topics: usize) -> Topics {
+    pub fn new(
+        partitions: i32,
+        followers: usize,
+        auto_create: bool,
+        max_topics: usize,
+        max_log_bytes: usize,
+    ) -> Topics {
         Topics {
             by_name: RwLock::new(HashMap::new()),
             partitions,
             followers,
             auto_create,
             max_topics,
+            store: Store {
+                limit: max_log_bytes,
+                used: AtomicUsize::new(0),
+                order: Mutex::new(VecDeque::new()),
+            },
         }
+    }
+
+    /// Appends a checked batch to `part`, first dropping the oldest
+    /// replicated batches of any partition if the logs have no room for it
+    /// (see the module docs). Returns the first and one past the last offset
+    /// given.
+    pub fn append(
+        &self,
+        part: &Arc<Partition>,
+        checked: Checked,
+        now_ms: i64,
+    ) -> Result<(u64, u64), AppendError> {
+        if !self.store.reserve(checked.batch.len() + BATCH_COST) {
+            return Err(AppendError::Full);
+        }
+        Ok(part.append(checked, now_ms, &self.store.order))
+    }
+
+    /// What the logs hold now, each batch counted with [`BATCH_COST`].
+    pub fn log_bytes(&self) -> usize {
+        self.store.used.load(Ordering::Acquire)
     }
 
     pub fn get(&self, name: &str) -> Option<Arc<Topic>> {
@@ -528,7 +762,7 @@ impl Topics {
 }
 
 /// Kafka's rule: 1 to 249 characters of ASCII letters, digits, '.', '_', '-'.
-fn valid_topic_name(name: &str) -> bool {
+pub fn valid_topic_name(name: &str) -> bool {
     !name.is_empty()
         && name.len() < 250
         && name != "."

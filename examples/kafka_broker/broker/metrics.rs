@@ -173,7 +173,7 @@ pub fn render(broker: &Broker) -> String {
         ),
         (
             "batches_refused",
-            "Partitions of produces refused for a corrupt or invalid batch.",
+            "Partitions of produces refused for a corrupt, invalid or oversized batch.",
             &s.batches_refused,
         ),
         (
@@ -196,6 +196,13 @@ pub fn render(broker: &Broker) -> String {
         "broker_request_memory_bytes {}",
         broker.budget.in_use()
     );
+    family(
+        &mut out,
+        "broker_log_bytes",
+        "gauge",
+        "What the logs hold now (at most --max-log-bytes), each batch with what keeping it costs.",
+    );
+    let _ = writeln!(out, "broker_log_bytes {}", broker.topics.log_bytes());
     out
 }
 

@@ -106,8 +106,20 @@ pub struct Config {
     /// The most topics the broker holds; creation on first use stops there.
     pub max_topics: usize,
     /// The most bytes one fetch answer carries, whatever the request asks
-    /// (Kafka's broker `fetch.max.bytes`).
+    /// (Kafka's broker `fetch.max.bytes`), except that the first batch it
+    /// finds is sent whole even if larger, as Kafka does, so that a consumer
+    /// always makes progress (a batch is at most `max_message_bytes`).
     pub fetch_max_bytes: usize,
+    /// The largest record batch a produce may store (Kafka's
+    /// `max.message.bytes`, 1048588 by default); a larger one is refused
+    /// with `MESSAGE_TOO_LARGE`.
+    pub max_message_bytes: usize,
+    /// The most the logs of all partitions hold together, each batch counted
+    /// with what keeping it costs ([`log::BATCH_COST`]); past it the oldest
+    /// replicated batches are dropped, across partitions, and their
+    /// partitions' log start offsets move up (Kafka's size-based retention).
+    /// Apart from `memory_budget`, which is for requests in flight.
+    pub max_log_bytes: usize,
     /// Where to serve the metrics in Prometheus' text format, if anywhere.
     pub metrics_addr: Option<SocketAddr>,
     /// The group coordinator's limits.
@@ -136,6 +148,8 @@ impl Default for Config {
             idle_timeout: Duration::from_secs(600),
             max_topics: 10_000,
             fetch_max_bytes: 55 << 20,
+            max_message_bytes: 1_048_588,
+            max_log_bytes: 1 << 30,
             metrics_addr: None,
             groups: groups::GroupLimits::default(),
         }
@@ -151,7 +165,8 @@ pub struct Stats {
     pub connections_dropped_while_waiting: AtomicU64,
     /// Connections closed for a refused frame, a slow frame, or idleness.
     pub connections_refused: AtomicU64,
-    /// Partitions of produce requests refused for a corrupt or invalid batch.
+    /// Partitions of produce requests refused for a corrupt, invalid or
+    /// oversized batch.
     pub batches_refused: AtomicU64,
 }
 
@@ -219,6 +234,16 @@ impl BrokerHandle {
                 "memory_budget must be at least max_request_bytes + max_decoded_bytes",
             ));
         }
+        // The logs must have room for the largest batch.
+        if config.max_log_bytes < config.max_message_bytes.saturating_add(log::BATCH_COST) {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!(
+                    "max_log_bytes must be at least max_message_bytes + {}",
+                    log::BATCH_COST
+                ),
+            ));
+        }
         let listener = TcpListener::bind(config.listen).await?;
         let addr = listener.local_addr()?;
         let advertised = match &config.advertise {
@@ -269,6 +294,7 @@ impl BrokerHandle {
             config.followers,
             config.auto_create_topics,
             config.max_topics,
+            config.max_log_bytes,
         );
         for t in &config.topics {
             topics.create(t, config.partitions);

@@ -1,16 +1,19 @@
 //! `Produce`: append, then answer at once (`acks` 0 and 1) or once the high
 //! watermark covers the records (`acks=-1`), waiting in the produce purgatory.
 
+use std::collections::hash_map::Entry;
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use kafka_protocol::error::ResponseError;
+use kafka_protocol::messages::produce_request::PartitionProduceData;
 use kafka_protocol::messages::produce_response::{PartitionProduceResponse, TopicProduceResponse};
-use kafka_protocol::messages::{ProduceRequest, ProduceResponse};
+use kafka_protocol::messages::{ProduceRequest, ProduceResponse, TopicName};
 use tokio_purgatory::{Completion, Operation, Watch};
 
-use super::log::AppendError;
+use super::log::{self, AppendError, Topic};
 use super::{Broker, Gone, Partition};
 
 /// What a produce's answer needs of each partition it wrote to.
@@ -74,6 +77,41 @@ impl Operation for DelayedProduce {
     }
 }
 
+/// Checks one partition's records and appends them; Kafka's error for them
+/// when they are refused.
+fn append(
+    broker: &Broker,
+    part: &Arc<Partition>,
+    data: &PartitionProduceData,
+    version: i16,
+    now: i64,
+) -> Result<(u64, u64), ResponseError> {
+    let appended = log::check(
+        data.records.as_ref(),
+        version,
+        broker.config.max_message_bytes,
+    )
+    .and_then(|checked| broker.topics.append(part, checked, now));
+    match appended {
+        Ok((base, end)) => {
+            broker.followers.appended(broker, part, end);
+            Ok((base, end))
+        }
+        Err(e) => {
+            if e != AppendError::Full {
+                broker.stats.batches_refused.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(match e {
+                AppendError::Corrupt => ResponseError::CorruptMessage,
+                AppendError::Invalid => ResponseError::InvalidRecord,
+                AppendError::TooLarge => ResponseError::MessageTooLarge,
+                AppendError::UnsupportedCompression => ResponseError::UnsupportedCompressionType,
+                AppendError::Full => ResponseError::KafkaStorageError,
+            })
+        }
+    }
+}
+
 fn now_ms() -> i64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -81,65 +119,107 @@ fn now_ms() -> i64 {
 }
 
 /// Handles a produce: `Ok(None)` for `acks=0` (no answer is sent), `Err`
-/// when the broker stopped under it (the connection is closed).
+/// when the connection is to be closed: the broker stopped under it, or an
+/// `acks=0` produce failed (Kafka closes the connection then, the only way a
+/// producer that reads no answer finds out; it then refreshes its metadata).
+///
+/// As Kafka does, the request's partitions are keyed by topic and partition:
+/// one named twice is appended once, with the records named last, and
+/// answered once (a request cannot make the broker do more than its
+/// distinct partitions ask).
 pub async fn handle(
     broker: &Broker,
     request: ProduceRequest,
+    version: i16,
 ) -> Result<Option<ProduceResponse>, Gone> {
     let acks = request.acks;
+    // Each distinct topic once (looked up once), in the request's order,
+    // with each of its distinct partitions' last entry.
+    type Named<'a> = (
+        &'a TopicName,
+        Option<Arc<Topic>>,
+        Vec<&'a PartitionProduceData>,
+    );
+    let mut topics: Vec<Named> = Vec::new();
+    let mut topic_at: HashMap<&str, usize> = HashMap::new();
+    let mut slot_at: HashMap<(usize, i32), usize> = HashMap::new();
+    for topic in &request.topic_data {
+        let ti = *topic_at.entry(topic.name.as_str()).or_insert_with(|| {
+            topics.push((&topic.name, broker.topics.get(&topic.name), Vec::new()));
+            topics.len() - 1
+        });
+        let parts = &mut topics[ti].2;
+        for data in &topic.partition_data {
+            match slot_at.entry((ti, data.index)) {
+                Entry::Occupied(at) => parts[*at.get()] = data,
+                Entry::Vacant(at) => {
+                    at.insert(parts.len());
+                    parts.push(data);
+                }
+            }
+        }
+    }
     let mut response = ProduceResponse::default();
     let mut writes = Vec::new();
+    let mut failed = false;
     let now = now_ms();
-    for (ti, topic) in request.topic_data.iter().enumerate() {
-        let mut t = TopicProduceResponse::default().with_name(topic.name.clone());
-        for (pi, data) in topic.partition_data.iter().enumerate() {
+    for (ti, (name, topic, parts)) in topics.iter().enumerate() {
+        let mut t = TopicProduceResponse::default().with_name((*name).clone());
+        for (pi, data) in parts.iter().enumerate() {
             let mut p = PartitionProduceResponse::default()
                 .with_index(data.index)
                 .with_base_offset(-1)
-                .with_log_append_time_ms(-1);
-            let error = if !matches!(acks, -1..=1) {
-                Some(ResponseError::InvalidRequiredAcks)
+                .with_log_append_time_ms(-1)
+                .with_log_start_offset(-1);
+            let part = topic.as_ref().and_then(|t| {
+                usize::try_from(data.index)
+                    .ok()
+                    .and_then(|i| t.partitions.get(i))
+            });
+            let appended = if !matches!(acks, -1..=1) {
+                Err(ResponseError::InvalidRequiredAcks)
             } else {
-                match broker.topics.partition(&topic.name, data.index) {
-                    None => Some(ResponseError::UnknownTopicOrPartition),
+                match part {
+                    None => Err(ResponseError::UnknownTopicOrPartition),
                     // Kafka refuses an acks=all produce before appending when
                     // the ISR is smaller than min.insync.replicas.
                     Some(part)
                         if acks == -1 && part.isr_size() < broker.config.min_insync_replicas =>
                     {
-                        Some(ResponseError::NotEnoughReplicas)
+                        Err(ResponseError::NotEnoughReplicas)
                     }
-                    Some(part) => match data.records.as_ref().map(|r| part.append(r, now)) {
-                        Some(Ok((base, end))) => {
-                            broker.followers.appended(broker, &part, end);
-                            p.base_offset = base as i64;
-                            writes.push(Write {
-                                part,
-                                end,
-                                slot: (ti, pi),
-                            });
-                            None
-                        }
-                        None | Some(Err(AppendError::Corrupt)) => {
-                            broker.stats.batches_refused.fetch_add(1, Ordering::Relaxed);
-                            Some(ResponseError::CorruptMessage)
-                        }
-                        Some(Err(AppendError::Invalid)) => {
-                            broker.stats.batches_refused.fetch_add(1, Ordering::Relaxed);
-                            Some(ResponseError::InvalidRecord)
-                        }
-                    },
+                    Some(part) => append(broker, part, data, version, now)
+                        .map(|(base, end)| (part, base, end)),
                 }
             };
-            if let Some(e) = error {
-                p.error_code = e.code();
+            match appended {
+                Ok((part, base, end)) => {
+                    p.base_offset = base as i64;
+                    p.log_start_offset = part.log_start() as i64;
+                    writes.push(Write {
+                        part: part.clone(),
+                        end,
+                        slot: (ti, pi),
+                    });
+                }
+                Err(e) => {
+                    failed = true;
+                    p.error_code = e.code();
+                }
             }
             t.partition_responses.push(p);
         }
         response.responses.push(t);
     }
+    if acks == 0 {
+        if failed {
+            tracing::debug!("an acks=0 produce failed: its connection is closed, as Kafka does");
+            return Err(Gone);
+        }
+        return Ok(None);
+    }
     if acks != -1 || writes.is_empty() {
-        return Ok((acks != 0).then_some(response));
+        return Ok(Some(response));
     }
     let watches: Vec<_> = writes
         .iter()

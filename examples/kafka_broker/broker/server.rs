@@ -3,6 +3,7 @@
 //! does, and the answers that need no waiting (`ApiVersions`, `Metadata`,
 //! `ListOffsets`).
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -10,6 +11,7 @@ use std::sync::Arc;
 use bytes::{BufMut, Bytes, BytesMut};
 use kafka_protocol::error::ResponseError;
 use kafka_protocol::messages::api_versions_response::ApiVersion;
+use kafka_protocol::messages::list_offsets_request::ListOffsetsPartition;
 use kafka_protocol::messages::list_offsets_response::{
     ListOffsetsPartitionResponse, ListOffsetsTopicResponse,
 };
@@ -26,6 +28,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::frame::{admit, Admitted, Close, Frame, Reader};
+use super::log::valid_topic_name;
 use super::shape::Refused;
 use super::{fetch, produce, Broker, Gone};
 
@@ -73,32 +76,29 @@ pub async fn accept(listener: TcpListener, broker: Arc<Broker>, stop: Cancellati
 }
 
 /// Serves one connection: reads a request, answers it, reads the next. While
-/// a request waits, the socket is still read (up to one whole pipelined
-/// frame, then only watched for the end of the stream), so a client that
-/// hangs up is seen at once: its waiting request is dropped, which cancels
-/// it.
+/// a request is in flight the connection reads nothing more, as Kafka's
+/// broker mutes it: what the client pipelines waits in the socket (the
+/// connection holds no more than the request in flight), and is read and
+/// answered in order once the answer before it is written. The socket is
+/// only watched meanwhile for the client hanging up, whatever it sent that
+/// is still unread, so a client that hangs up is seen at once: its waiting
+/// request is dropped, which cancels it.
 ///
 /// A connection is closed, with a log line, when a frame is refused (its size
 /// or shape; see [`super::shape`]), when a frame takes longer than
 /// `frame_timeout` to arrive, when there is no memory to decode it within
-/// `frame_timeout`, when its answer is not read within `frame_timeout`, when
-/// a frame pipelined behind a waiting request has been held (with the memory
-/// charged for it) for `frame_timeout`, or when no request comes for
-/// `idle_timeout`.
+/// `frame_timeout`, when its answer is not read within `frame_timeout`, or
+/// when no request comes for `idle_timeout`; and, as Kafka closes it, when an
+/// `acks=0` produce fails.
 async fn serve(stream: TcpStream, broker: Arc<Broker>, stop: CancellationToken) {
     let peer = stream.peer_addr().ok();
     let (mut rd, mut wr) = stream.into_split();
     let config = &broker.config;
     let mut reader = Reader::new(broker.budget.clone(), config.max_request_bytes);
-    // A pipelined frame, and since when it has been held.
-    let mut pipelined: Option<(Frame, Instant)> = None;
     loop {
-        let frame = match pipelined.take() {
-            Some((f, _)) => f,
-            None => match next_frame(&mut reader, &mut rd, &broker, &stop).await {
-                Ok(f) => f,
-                Err(close) => return closed(&broker, peer, close),
-            },
+        let frame = match next_frame(&mut reader, &mut rd, &broker, &stop).await {
+            Ok(f) => f,
+            Err(close) => return closed(&broker, peer, close),
         };
         // Waiting for memory to decode it is bounded like the frame's arrival.
         let deadline = Instant::now() + config.frame_timeout;
@@ -114,33 +114,16 @@ async fn serve(stream: TcpStream, broker: Arc<Broker>, stop: CancellationToken) 
         };
         let work = answer(&broker, &admitted);
         tokio::pin!(work);
-        let reply = loop {
-            // A pipelined frame that has begun must arrive in time too, and
-            // one that has arrived is held (its memory charged) only so long.
-            let late = match &pipelined {
-                None => reader
-                    .started()
-                    .map(|t| (t, "the frame did not arrive in time")),
-                Some((_, since)) => Some((*since, "a pipelined request waited too long")),
-            };
-            tokio::select! {
-                reply = &mut work => break reply,
-                _ = tokio::time::sleep_until(late.map_or_else(Instant::now, |(t, _)| t + config.frame_timeout)), if late.is_some() => {
-                    let why = Refused(late.map_or("", |(_, why)| why).into());
-                    return closed(&broker, peer, Close::Refused(why));
-                }
-                read = read_or_watch(&mut reader, &mut rd, pipelined.is_some()) => match read {
-                    // Kept for its turn.
-                    Ok(frame) => pipelined = frame.map(|f| (f, Instant::now())),
-                    Err(Close::Gone) => {
-                        broker
-                            .stats
-                            .connections_dropped_while_waiting
-                            .fetch_add(1, Ordering::Relaxed);
-                        return; // drops `work`: its waiting request is cancelled
-                    }
-                    Err(close) => return closed(&broker, peer, close),
-                },
+        let reply = tokio::select! {
+            // The request first: one answered at once never watches.
+            biased;
+            reply = &mut work => reply,
+            () = hung_up(&mut rd) => {
+                broker
+                    .stats
+                    .connections_dropped_while_waiting
+                    .fetch_add(1, Ordering::Relaxed);
+                return; // drops `work`: its waiting request is cancelled
             }
         };
         match reply {
@@ -167,22 +150,58 @@ async fn serve(stream: TcpStream, broker: Arc<Broker>, stop: CancellationToken) 
     }
 }
 
-/// While no frame is held: reads on towards the next one. While one is held:
-/// reads nothing more, and only watches for the peer to hang up (once it has
-/// sent more, what it sent waits its turn, and this waits for ever).
-async fn read_or_watch(
-    reader: &mut Reader,
-    rd: &mut OwnedReadHalf,
-    holding: bool,
-) -> Result<Option<Frame>, Close> {
-    if !holding {
-        return reader.step(rd).await;
-    }
+/// Resolves once the peer has hung up (or the socket failed), whether or not
+/// bytes it sent are still unread.
+async fn hung_up(rd: &mut OwnedReadHalf) {
+    // Nothing unread (the common case): the end of the stream is what the
+    // next read finds.
     let mut probe = [0u8; 1];
     match rd.peek(&mut probe).await {
-        Ok(0) | Err(_) => Err(Close::Gone),
-        Ok(_) => std::future::pending().await,
+        Ok(0) | Err(_) => return,
+        Ok(_) => {}
     }
+    // The client pipelined more behind the waiting request: that stays
+    // unread, in the socket, and hides the end of the stream from reads.
+    hung_up_behind_unread(rd).await
+}
+
+/// Waits for the end of the stream behind unread bytes without touching the
+/// connection's own readiness (the read after the answer needs it): on a
+/// second registration of the socket, a duplicate of its descriptor (held
+/// only while a request waits with bytes behind it), each arrival of more
+/// bytes wakes it once and the end of the stream ends it.
+#[cfg(unix)]
+async fn hung_up_behind_unread(rd: &OwnedReadHalf) {
+    use std::os::fd::AsFd;
+    use tokio::io::Interest;
+    let watch = rd
+        .as_ref()
+        .as_fd()
+        .try_clone_to_owned()
+        .and_then(|fd| TcpStream::from_std(std::net::TcpStream::from(fd)));
+    let Ok(watch) = watch else {
+        // No descriptor to spare: the request ends in its own time.
+        tracing::debug!("cannot watch a waiting connection for its hang-up");
+        return std::future::pending().await;
+    };
+    loop {
+        match watch.ready(Interest::READABLE).await {
+            Ok(ready) if !ready.is_read_closed() => {
+                // Seen: wait for the next event, on this registration only.
+                let _ = watch.try_io(Interest::READABLE, || {
+                    Err::<(), _>(std::io::ErrorKind::WouldBlock.into())
+                });
+            }
+            _ => return,
+        }
+    }
+}
+
+/// Elsewhere than on Unix the end of a stream behind unread bytes is not
+/// seen: the request ends in its own time.
+#[cfg(not(unix))]
+async fn hung_up_behind_unread(_: &OwnedReadHalf) {
+    std::future::pending().await
 }
 
 /// Reads the next frame, closing an idle connection and one whose frame
@@ -250,7 +269,22 @@ async fn answer(broker: &Broker, admitted: &Admitted) -> Result<Option<BytesMut>
         return Err(Gone);
     }
     match key {
-        ApiKey::ApiVersions => encode(id, version, &api_versions()).map(Some),
+        ApiKey::ApiVersions => {
+            let request: ApiVersionsRequest = decode(&mut frame, version)?;
+            // Kafka (KIP-511): from version 3 the client names its software
+            // and version, each matching
+            // `[a-zA-Z0-9](?:[a-zA-Z0-9\-.]*[a-zA-Z0-9])?`, or the request is
+            // answered INVALID_REQUEST, without the versions.
+            let r = if version >= 3
+                && !(software_label(&request.client_software_name)
+                    && software_label(&request.client_software_version))
+            {
+                ApiVersionsResponse::default().with_error_code(ResponseError::InvalidRequest.code())
+            } else {
+                api_versions()
+            };
+            encode(id, version, &r).map(Some)
+        }
         ApiKey::Metadata => {
             let r = metadata(broker, &decode(&mut frame, version)?, version);
             encode(id, version, &r).map(Some)
@@ -259,10 +293,12 @@ async fn answer(broker: &Broker, admitted: &Admitted) -> Result<Option<BytesMut>
             let r = list_offsets(broker, &decode(&mut frame, version)?);
             encode(id, version, &r).map(Some)
         }
-        ApiKey::Produce => match produce::handle(broker, decode(&mut frame, version)?).await? {
-            Some(r) => encode(id, version, &r).map(Some),
-            None => Ok(None),
-        },
+        ApiKey::Produce => {
+            match produce::handle(broker, decode(&mut frame, version)?, version).await? {
+                Some(r) => encode(id, version, &r).map(Some),
+                None => Ok(None),
+            }
+        }
         ApiKey::Fetch => {
             let r = fetch::handle(broker, decode(&mut frame, version)?, &admitted.answer).await?;
             encode(id, version, &r).map(Some)
@@ -349,6 +385,16 @@ fn encode<T: Encodable + HeaderVersion>(
     Ok(out)
 }
 
+/// A client software name or version as Kafka accepts it: letters, digits,
+/// '-' and '.', beginning and ending with a letter or digit.
+fn software_label(s: &str) -> bool {
+    let b = s.as_bytes();
+    b.first().is_some_and(u8::is_ascii_alphanumeric)
+        && b.last().is_some_and(u8::is_ascii_alphanumeric)
+        && b.iter()
+            .all(|&c| c.is_ascii_alphanumeric() || c == b'-' || c == b'.')
+}
+
 fn api_versions() -> ApiVersionsResponse {
     ApiVersionsResponse::default().with_api_keys(
         SUPPORTED
@@ -372,7 +418,25 @@ fn metadata(broker: &Broker, request: &MetadataRequest, version: i16) -> Metadat
         None => true,
         Some(ts) => ts.is_empty() && version == 0,
     };
-    let topics = if all {
+    // From version 12 topics may be asked for by ID; Kafka then answers by
+    // ID alone. This broker gives its topics no IDs, so each ID asked for is
+    // answered once, UNKNOWN_TOPIC_ID, as Kafka answers one it does not know.
+    let mut ids = std::collections::HashSet::new();
+    let unknown_ids: Vec<_> = request
+        .topics
+        .iter()
+        .flatten()
+        .filter(|t| version >= 12 && !t.topic_id.is_nil() && ids.insert(t.topic_id))
+        .map(|t| {
+            MetadataResponseTopic::default()
+                .with_topic_id(t.topic_id)
+                .with_name(None)
+                .with_error_code(ResponseError::UnknownTopicId.code())
+        })
+        .collect();
+    let topics = if !unknown_ids.is_empty() {
+        Vec::new()
+    } else if all {
         broker
             .topics
             .all()
@@ -414,9 +478,17 @@ fn metadata(broker: &Broker, request: &MetadataRequest, version: i16) -> Metadat
             topics
                 .into_iter()
                 .map(|(name, topic)| {
+                    // Kafka answers a topic it does not have whose name it
+                    // would refuse (`Topic.validate`) INVALID_TOPIC_EXCEPTION,
+                    // whether or not the request allows creation.
+                    let missing = if valid_topic_name(&name) {
+                        ResponseError::UnknownTopicOrPartition
+                    } else {
+                        ResponseError::InvalidTopicException
+                    };
                     let t = MetadataResponseTopic::default().with_name(Some(name));
                     match topic {
-                        None => t.with_error_code(ResponseError::UnknownTopicOrPartition.code()),
+                        None => t.with_error_code(missing.code()),
                         Some(topic) => t.with_partitions(
                             topic
                                 .partitions
@@ -432,6 +504,7 @@ fn metadata(broker: &Broker, request: &MetadataRequest, version: i16) -> Metadat
                         ),
                     }
                 })
+                .chain(unknown_ids)
                 .collect(),
         )
 }
@@ -481,51 +554,70 @@ fn isr_nodes(p: &super::Partition) -> Vec<BrokerId> {
         .collect()
 }
 
-/// Latest (-1) is the high watermark, earliest (-2) is 0, max timestamp (-3,
-/// from version 7) the newest record's batch; a timestamp finds the first
-/// batch holding a record at least that new, answered with that batch's
-/// newest timestamp (Kafka answers with the record's own: this broker keeps
-/// timestamps per batch), or offset -1 and timestamp -1 when there is none,
-/// as Kafka does.
+/// Latest (-1) is the high watermark, earliest (-2) the log start, max
+/// timestamp (-3, from version 7) the newest record's batch; a timestamp
+/// finds the first batch holding a record at least that new, answered with
+/// that batch's newest timestamp (Kafka answers with the record's own: this
+/// broker keeps timestamps per batch), or offset -1 and timestamp -1 when
+/// there is none, as Kafka does. A partition named twice is answered
+/// INVALID_REQUEST at each mention, as Kafka answers it.
 fn list_offsets(broker: &Broker, request: &ListOffsetsRequest) -> ListOffsetsResponse {
+    // Each distinct topic looked up once; how often each partition is named.
+    let mut topic_at: HashMap<&str, usize> = HashMap::new();
+    let mut found = Vec::new();
+    let mut named: HashMap<(usize, i32), u32> = HashMap::new();
+    let at: Vec<usize> = request
+        .topics
+        .iter()
+        .map(|t| {
+            let ti = *topic_at.entry(t.name.as_str()).or_insert_with(|| {
+                found.push(broker.topics.get(&t.name));
+                found.len() - 1
+            });
+            for p in &t.partitions {
+                *named.entry((ti, p.partition_index)).or_default() += 1;
+            }
+            ti
+        })
+        .collect();
+    let answer = |ti: usize, p: &ListOffsetsPartition| {
+        let r = ListOffsetsPartitionResponse::default()
+            .with_partition_index(p.partition_index)
+            .with_timestamp(-1)
+            .with_offset(-1);
+        if named[&(ti, p.partition_index)] > 1 {
+            return r.with_error_code(ResponseError::InvalidRequest.code());
+        }
+        let part = found[ti].as_ref().and_then(|t| {
+            usize::try_from(p.partition_index)
+                .ok()
+                .and_then(|i| t.partitions.get(i))
+        });
+        let Some(part) = part else {
+            return r.with_error_code(ResponseError::UnknownTopicOrPartition.code());
+        };
+        let found = match p.timestamp {
+            -1 => Some((part.high_watermark(), -1)),
+            -2 => Some((part.log_start(), -1)),
+            -3 => part.newest_timestamp(),
+            ts if ts >= 0 => part.offset_for_time(ts),
+            // Other negative timestamps name nothing this broker serves.
+            _ => None,
+        };
+        // Kafka answers "no such record" with offset -1 and timestamp -1, no
+        // error.
+        let (offset, ts) = found.map_or((-1, -1), |(o, ts)| (o as i64, ts));
+        r.with_offset(offset).with_timestamp(ts)
+    };
     ListOffsetsResponse::default().with_topics(
         request
             .topics
             .iter()
-            .map(|t| {
+            .zip(at)
+            .map(|(t, ti)| {
                 ListOffsetsTopicResponse::default()
                     .with_name(t.name.clone())
-                    .with_partitions(
-                        t.partitions
-                            .iter()
-                            .map(|p| {
-                                let r = ListOffsetsPartitionResponse::default()
-                                    .with_partition_index(p.partition_index)
-                                    .with_timestamp(-1);
-                                match broker.topics.partition(&t.name, p.partition_index) {
-                                    None => r.with_offset(-1).with_error_code(
-                                        ResponseError::UnknownTopicOrPartition.code(),
-                                    ),
-                                    Some(part) => {
-                                        let found = match p.timestamp {
-                                            -1 => Some((part.high_watermark(), -1)),
-                                            -2 => Some((0, -1)),
-                                            -3 => part.newest_timestamp(),
-                                            ts if ts >= 0 => part.offset_for_time(ts),
-                                            // Other negative timestamps name
-                                            // nothing this broker serves.
-                                            _ => None,
-                                        };
-                                        // Kafka answers "no such record" with
-                                        // offset -1 and timestamp -1, no error.
-                                        let (offset, ts) =
-                                            found.map_or((-1, -1), |(o, ts)| (o as i64, ts));
-                                        r.with_offset(offset).with_timestamp(ts)
-                                    }
-                                }
-                            })
-                            .collect(),
-                    )
+                    .with_partitions(t.partitions.iter().map(|p| answer(ti, p)).collect())
             })
             .collect(),
     )
