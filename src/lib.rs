@@ -318,11 +318,12 @@
 //!   it until it completes, is cancelled or expires (a registration, whose
 //!   timeout is not armed yet, until such a storm pauses). On the thread that
 //!   checks it: the check's own walk of its own keys is not an event to it
-//!   (it knows what it did); a walk from the check of another operation that
-//!   this check caused (through a walk of its own) makes it check once more
-//!   when it ends, and an event raised so during that re-run does not again
-//!   (checks that walk each other's keys each time they run would otherwise
-//!   re-run each other for ever on one thread).
+//!   (it knows what it did); a walk from code the check caused through a
+//!   walk of its own (another operation's check, expiry or drop) makes it
+//!   check once more when it ends. While such a re-run runs, events raised
+//!   on that thread, by it or by what it runs, ask for no re-run of checks
+//!   under way there (checks that walk each other's keys each time they run
+//!   would otherwise re-run each other for ever on one thread).
 //! - **Never early.** Nothing expires before its deadline. Deadlines are rounded
 //!   up to the tick (default 100 µs), so expiry is late by less than one tick
 //!   plus the time the reaper waits to be scheduled (Tokio's own timer rounds its

@@ -540,11 +540,15 @@ where
     /// no lock (nothing else can reach `op`), and only an operation still
     /// pending goes into its cell, under one hold of its lock. Then as
     /// [`run_checks`](Self::run_checks).
-    pub(crate) fn first_watched_check(&self, me: u64, mut op: O) -> Checked<O> {
+    pub(crate) fn first_watched_check(&self, me: u64, op: O) -> Checked<O> {
         let outer = Innermost::enter(self.cell);
-        let out = catch_unwind(AssertUnwindSafe(|| op.try_complete()));
+        let checked = self.first_watched_check_marked(me, op);
         Innermost::leave(outer);
-        match out {
+        checked
+    }
+
+    fn first_watched_check_marked(&self, me: u64, mut op: O) -> Checked<O> {
+        match catch_unwind(AssertUnwindSafe(|| op.try_complete())) {
             Ok(Some(output)) => return self.completed(Some(op), output),
             Ok(None) => {}
             Err(panic) => self.shared.panics().caught("try_complete", panic),
@@ -610,23 +614,22 @@ where
     /// This thread runs the operation's check, and the event comes from code
     /// that check runs. The check's own call back into itself (walking its own
     /// key) is nothing new to it; code it runs that is not the check itself
-    /// (another operation's check, reached through a walk it made) may have
-    /// found it ready after it read its state, and so asks for a re-run, told
-    /// `reached` (see [`Life::ask_from_inside`] for the bound on such asks).
+    /// (another operation's check, expiry or drop, reached through a walk it
+    /// made) may have found it ready after it read its state, and so asks for
+    /// a re-run, told `reached`. Not while this thread runs a re-run asked so
+    /// (see [`Innermost`]): that bounds what one event costs.
     #[cold]
     fn ask_from_inside(&self, me: u64, reached: Option<u64>) -> bool {
-        if Innermost::is(self.cell) {
+        if Innermost::is(self.cell) || Innermost::is_quiet() {
             return false;
-        }
-        let handed = self.shared.handed();
-        if let Some(level) = reached {
-            handed.offer(self.id, level);
         }
         let asked = self
             .life
             .ask_from_inside(self.generation(), me, &self.cell.owner);
-        if !asked && reached.is_some() {
-            handed.take(&self.id);
+        // The re-run is this thread's, after this call returns: the level
+        // may follow the request.
+        if let (true, Some(level)) = (asked, reached) {
+            self.shared.handed().offer(self.id, level);
         }
         false
     }
@@ -635,18 +638,28 @@ where
     /// level of the advance that asked for the check, if one did). A re-run is
     /// told the level handed over by the advances that asked for it, or, when
     /// none did, the level the check before it was told.
+    ///
+    /// Marks the cell as the one checked innermost on this thread (see
+    /// [`Innermost`]) until the loop ends, after what its end runs (the
+    /// operation's drop, its expiry).
     #[inline(always)]
-    pub(crate) fn run_checks(&self, me: u64, mut reached: Option<u64>) -> Checked<O> {
+    pub(crate) fn run_checks(&self, me: u64, reached: Option<u64>) -> Checked<O> {
+        let outer = Innermost::enter(self.cell);
+        let checked = self.check_loop(me, reached, outer);
+        Innermost::leave(outer);
+        checked
+    }
+
+    #[inline(always)]
+    fn check_loop(&self, me: u64, mut reached: Option<u64>, outer: usize) -> Checked<O> {
         let cell = self.cell;
         loop {
             let mut guard = lock(&cell.op);
             let op = guard.as_mut().expect("a checked operation is present");
-            let outer = Innermost::enter(cell);
             let out = catch_unwind(AssertUnwindSafe(|| match reached {
                 Some(level) => op.try_complete_reached(level),
                 None => op.try_complete(),
             }));
-            Innermost::leave(outer);
             // Completed: the operation comes out under the same hold of its
             // lock (the state is ours until `complete`, so nothing else takes it).
             let done = match &out {
@@ -665,6 +678,8 @@ where
             if let Some(level) = self.shared.handed().take(&self.id) {
                 reached = Some(level);
             }
+            // A re-run asked from inside runs quiet.
+            Innermost::rerun(cell, outer, cell.owner.is_rerun_here());
         }
     }
 
@@ -1121,30 +1136,66 @@ mod loom_timer_slot {
     }
 }
 
-/// The cell whose check runs innermost on this thread (its address, 0 when
-/// none): tells a check's own call back into itself from an event that code
-/// it runs raises on its operation (see [`Op::ask_from_inside`]).
-struct Innermost;
+/// What runs innermost on this thread, for events on an operation this
+/// thread checks: the cell whose check (with what its end runs: the
+/// operation's drop, its expiry) or registration check runs innermost, and
+/// whether a re-run asked from inside runs around it ("quiet"). One word,
+/// the marked thing's address shifted up one bit, the quiet bit below; 0
+/// when nothing runs.
+///
+/// An event on an operation this thread checks is the check's own doing
+/// when that check is the innermost (it walked its own key: nothing new to
+/// it); otherwise it comes from code the check ran (another operation's
+/// check, expiry or drop), and asks for a re-run once the check ends. While
+/// such a re-run runs, and whatever it runs, no such ask is made: one event
+/// so re-runs each check it reaches on this thread at most once, and what
+/// those re-runs reach not at all (checks that walk each other's keys every
+/// time they run would otherwise re-run each other for ever, or at a cost
+/// doubling with each one in a line).
+pub(crate) struct Innermost;
 
 thread_local! {
     static INNERMOST: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
 impl Innermost {
-    /// `cell`'s check begins on this thread; returns the one it runs inside.
+    /// The word for `at`, quiet or not.
     #[inline(always)]
-    fn enter<T>(cell: &T) -> usize {
-        INNERMOST.with(|c| c.replace(std::ptr::from_ref(cell).addr()))
+    fn word<T>(at: &T, quiet: bool) -> usize {
+        std::ptr::from_ref(at).addr() << 1 | usize::from(quiet)
     }
 
-    /// The check [`enter`](Self::enter) began ended; `outer` runs innermost again.
+    /// `at`'s check (or a registration's) begins on this thread, quiet if
+    /// what it runs inside is; returns the word to put back.
     #[inline(always)]
-    fn leave(outer: usize) {
+    pub(crate) fn enter<T>(at: &T) -> usize {
+        INNERMOST.with(|c| {
+            let outer = c.get();
+            c.set(Self::word(at, outer & 1 != 0));
+            outer
+        })
+    }
+
+    /// A run of `at`'s check begins (inside what `outer` marked), quiet if
+    /// it is a re-run asked from inside or what it runs inside is quiet.
+    #[inline(always)]
+    fn rerun<T>(at: &T, outer: usize, asked_from_inside: bool) {
+        INNERMOST.with(|c| c.set(Self::word(at, outer & 1 != 0 || asked_from_inside)));
+    }
+
+    /// What [`enter`](Self::enter) began ended: `outer` again.
+    #[inline(always)]
+    pub(crate) fn leave(outer: usize) {
         INNERMOST.with(|c| c.set(outer));
     }
 
-    /// Whether `cell`'s check is the one running innermost on this thread.
-    fn is<T>(cell: &T) -> bool {
-        INNERMOST.with(|c| c.get() == std::ptr::from_ref(cell).addr())
+    /// Whether `at`'s check is the one running innermost on this thread.
+    fn is<T>(at: &T) -> bool {
+        INNERMOST.with(|c| c.get() >> 1 == Self::word(at, false) >> 1)
+    }
+
+    /// Whether a re-run asked from inside runs on this thread.
+    fn is_quiet() -> bool {
+        INNERMOST.with(|c| c.get() & 1 != 0)
     }
 }

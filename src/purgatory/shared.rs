@@ -13,7 +13,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::books::{Books, Fate};
-use super::cell::{Checked, Op, OpCell};
+use super::cell::{Checked, Innermost, Op, OpCell};
 use super::error::{OperationError, WatchError};
 use super::keys::Watches;
 use super::operation::Operation;
@@ -427,7 +427,12 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
     /// A registration's first check, before anything is watched; a panic in
     /// it is contained (and counts as "not yet").
     pub(crate) fn first_check(&self, op: &mut O) -> Option<O::Output> {
-        match catch_unwind(AssertUnwindSafe(|| op.try_complete())) {
+        // Not the check of an operation this thread checks: an event its
+        // check raises on one of those asks for a re-run (see `Innermost`).
+        let outer = Innermost::enter(&*op);
+        let out = catch_unwind(AssertUnwindSafe(|| op.try_complete()));
+        Innermost::leave(outer);
+        match out {
             Ok(out) => out,
             Err(panic) => {
                 self.panics.caught("try_complete", panic);

@@ -516,12 +516,12 @@ mod tests {
         assert_eq!(life.release(), Released::Kept);
     }
 
-    /// Code a check runs asks for a re-run from the checking thread once:
-    /// during the re-run it caused, such asks are not made; a re-run asked
-    /// only by other threads allows them again. The flags never hide the
-    /// checking thread's id, and leave nothing behind.
+    /// Code a check runs asks for a re-run from the checking thread: the
+    /// re-run it causes is marked (the check loop runs it quiet), the next
+    /// one is not unless asked so again; other threads ask as ever. The
+    /// flags never hide the checking thread's id, and leave nothing behind.
     #[test]
-    fn asks_from_inside_a_check_rerun_it_once() {
+    fn asks_from_inside_a_check_mark_the_rerun() {
         let s: Slab<Cell> = Slab::new();
         let id = fresh(&s);
         let (life, owner) = (s.life(id), Owner::default());
@@ -534,10 +534,11 @@ mod tests {
         );
         assert!(life.ask_from_inside(generation, 1, &owner));
         assert!(life.is_checked_by(1, &owner));
+        assert!(!owner.is_rerun_here());
         assert_eq!(life.end_check(1, &owner), AfterNotYet::Recheck);
         assert!(life.is_checked_by(1, &owner));
-        assert!(!life.ask_from_inside(generation, 1, &owner), "bounded");
-        // Another thread asks during that re-run: the next one allows asks.
+        assert!(owner.is_rerun_here());
+        // Another thread asks during that re-run: the next one is not marked.
         assert_eq!(
             life.begin_check_or_ask(generation, 2, &owner, || {}),
             Begin::Asked
@@ -547,8 +548,10 @@ mod tests {
             Begin::Mine
         );
         assert_eq!(life.end_check(1, &owner), AfterNotYet::Recheck);
+        assert!(!owner.is_rerun_here());
         assert!(life.ask_from_inside(generation, 1, &owner));
         assert_eq!(life.end_check(1, &owner), AfterNotYet::Recheck);
+        assert!(owner.is_rerun_here());
         assert_eq!(life.end_check(1, &owner), AfterNotYet::Release);
         assert!(!life.is_checked_by(1, &owner));
         assert!(
@@ -559,6 +562,7 @@ mod tests {
             life.begin_check_or_ask(generation, 1, &owner, || {}),
             Begin::Checking
         );
+        assert!(!owner.is_rerun_here());
         assert_eq!(life.end_check(1, &owner), AfterNotYet::Release);
         assert_eq!(life.claim(generation, CANCEL), Claim::Won);
     }

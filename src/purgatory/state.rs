@@ -42,10 +42,11 @@
 //! word), so that its own check calling back into itself (walking its own key)
 //! is not taken for an outside event: a re-run for that would loop forever.
 //! Code the check runs that is not the check itself (another operation's
-//! check, reached through a walk the check made) may find the operation
-//! ready, after the check read its state: it asks for one re-run from inside
-//! ([`Life::ask_from_inside`]), and flags beside the thread id bound such
-//! re-runs, so that checks walking each other's keys cannot loop.
+//! check, expiry or drop, reached through a walk the check made) may find
+//! the operation ready, after the check read its state: it asks for a re-run
+//! from inside ([`Life::ask_from_inside`]), and a flag beside the thread id
+//! marks that re-run, which the check loop runs quiet (no such asks), so
+//! that checks walking each other's keys cannot loop.
 
 use std::collections::HashMap;
 use std::hash::Hash;
@@ -76,7 +77,8 @@ const GENERATION_SHIFT: u32 = 32;
 /// thread (see [`Life::ask_from_inside`]).
 const ASKED_HERE: u64 = 1 << 63;
 /// Checker flag: this run is a re-run code the run before it asked for from
-/// the checking thread; such asks are not made again during it.
+/// the checking thread (the check loop runs it quiet: see `Innermost` in
+/// `cell.rs`).
 const RERUN_HERE: u64 = 1 << 62;
 /// The checker word's thread id, below its flags.
 const THREAD: u64 = RERUN_HERE - 1;
@@ -186,6 +188,14 @@ impl Owner {
         self.fate.store(0, Ordering::Relaxed);
         self.keys.store(keys, Ordering::Relaxed);
         self.checker.store(me, Ordering::Relaxed);
+    }
+
+    /// Whether the run of the check under way (by the thread reading) is a
+    /// re-run asked from inside the run before it
+    /// ([`Life::ask_from_inside`]).
+    #[inline]
+    pub(crate) fn is_rerun_here(&self) -> bool {
+        self.checker.load(Ordering::Relaxed) & RERUN_HERE != 0
     }
 
     /// The number of watch lists holding the cell.
@@ -461,19 +471,16 @@ impl Life {
 
     /// Thread `me`, which runs the check of the use `generation`
     /// ([`Begin::Mine`]), asks from inside it for the check to run again once
-    /// it ends: the call comes from code the check runs, but not from the
-    /// check itself (another operation's check that this one caused, through
-    /// a walk of its own, found this operation ready: the answer the check
-    /// is about to give was read before). Returns whether it asked.
-    ///
-    /// Asks made during a re-run that such an ask caused are not made (and
-    /// `false` returned): checks that walk each other's keys every time they
-    /// run would otherwise re-run each other for ever on one thread, where no
-    /// expiry can come between them.
+    /// it ends: the call comes from code the check runs, not from the check
+    /// itself (another operation's check, expiry or drop, reached through a
+    /// walk of its own, found this operation ready: the answer the check is
+    /// about to give was read before). The re-run is marked as asked so
+    /// ([`Owner::is_rerun_here`]). Returns whether it asked (not when the
+    /// caller is not the checker).
     pub(crate) fn ask_from_inside(&self, generation: NonZeroU32, me: u64, owner: &Owner) -> bool {
         // Only this thread writes the word while it checks.
         let checker = owner.checker.load(Ordering::Relaxed);
-        if checker & THREAD != me || checker & RERUN_HERE != 0 {
+        if checker & THREAD != me {
             return false;
         }
         let mut s = self.0.load(Ordering::Acquire);
