@@ -382,9 +382,11 @@
 //!   `Clone` run before any lock).
 //! - **Finished operations free their memory at once**: the operation at once, an
 //!   output as soon as its handle reads it or is dropped. Its cell
-//!   ([`Purgatory::cell_bytes`]) is reused by the next registration; the
-//!   purgatory keeps cells for the most operations it has had pending at once,
-//!   so registering allocates nothing in the steady state. What stays in other
+//!   ([`Purgatory::cell_bytes`]) is reused by the next registration once the
+//!   operation's handle and every `OpRef` to it are gone; the purgatory keeps
+//!   cells for the most operations it has held in cells at once (pending, or
+//!   finished with a handle still held), so registering allocates nothing in
+//!   the steady state. What stays in other
 //!   keys' lists is a tombstone of 8 bytes (24 at a level), removed by the next walk of that key,
 //!   an amortised purge, or the purge an expiry or cancellation starts once
 //!   tombstones are as many as live entries (and at least 16), and counted in
@@ -397,11 +399,12 @@
 //! - **Overload is refused, not queued.** At the pending limit, registrations come
 //!   back with their operation; without a limit, memory is linear in pending
 //!   operations: what they own returns once they finish, and their cells are
-//!   kept for the operations that follow (at most the peak pending, each
+//!   kept for the operations that follow (the peak held in cells, pending or
+//!   finished with a handle still held, in whole pages, each
 //!   [`Purgatory::cell_bytes`]; [`PurgatoryMetrics::cells`] counts them).
 //!
-//! The repository's `docs/design.md` (reliability) and `tests/README.md` say which test checks
-//! each of these.
+//! In the source repository, `docs/design.md` (reliability) and
+//! `tests/README.md` say which test checks each of these.
 //!
 //! # Feature flags
 //!

@@ -260,7 +260,6 @@ impl Hub {
 ///
 /// // One shuts down (its last owner is dropped); the others are served on.
 /// drop(fetch);
-/// tokio::task::yield_now().await;
 /// assert_eq!(reaper.serving(), 2);
 /// # }
 /// ```
@@ -299,7 +298,10 @@ impl Reaper {
         Ok(Reaper::start_on(&runtime_handle(None)?))
     }
 
-    /// Spawns a shared reaper task on the runtime of `handle`.
+    /// Spawns a shared reaper task on the runtime of `handle`. On a runtime
+    /// already shut down the task never runs: the reaper reads as stopped
+    /// ([`is_stopped`](Self::is_stopped)) and builds on it fail
+    /// ([`BuildError::is_reaper_stopped`]).
     ///
     /// # Examples
     ///
@@ -317,8 +319,8 @@ impl Reaper {
         Reaper { hub }
     }
 
-    /// How many open purgatories and timers this reaper serves (a purgatory shut
-    /// down is let go of on the reaper's next turn).
+    /// How many open purgatories and timers this reaper serves (one shut down
+    /// is not counted from then on; the task lets go of it on its next turn).
     ///
     /// # Examples
     ///

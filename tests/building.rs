@@ -168,6 +168,15 @@ fn settings_checked_before_runtime_and_reaper() {
     let e = b().reaper(&reaper).build_on(rt2.handle()).unwrap_err();
     assert!(e.is_reaper_stopped(), "{e}");
 
+    // A reaper started on a runtime already shut down: stopped at once.
+    let rt3 = support::paused();
+    let handle = rt3.handle().clone();
+    drop(rt3);
+    let reaper = Reaper::start_on(&handle);
+    assert!(reaper.is_stopped());
+    let e = b().reaper(&reaper).build().unwrap_err();
+    assert!(e.is_reaper_stopped(), "{e}");
+
     // Clone, Eq, Debug of the error
     let e2 = e.clone();
     assert_eq!(e, e2);

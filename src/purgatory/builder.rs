@@ -79,8 +79,9 @@ impl<K: WatchKey, O: Operation, S: BuildHasher + Send + Sync + 'static> Purgator
         "tokio_purgatory::Purgatory::<u32, Op>::builder()"
     );
 
-    /// The name that labels this purgatory's `tracing` events (default
-    /// `"purgatory"`).
+    /// The name that labels this purgatory's `tracing` events and, with the
+    /// `metrics` feature, the `name` label of every series it records
+    /// (default `"purgatory"`).
     ///
     /// # Examples
     ///
@@ -273,12 +274,15 @@ impl<K: WatchKey, O: Operation, S: BuildHasher + Send + Sync + 'static> Purgator
         }
     }
 
-    /// Builds the purgatory and spawns its reaper on the current runtime.
+    /// Builds the purgatory and spawns its reaper on the current runtime (with
+    /// a shared [`reaper`](Self::reaper), joins that one instead, and needs
+    /// no current runtime).
     ///
     /// # Errors
     ///
     /// When a setting is out of range (the error names it), no runtime
-    /// is current ([`BuildError::is_no_runtime`]), or the shared
+    /// is current and no shared reaper was given
+    /// ([`BuildError::is_no_runtime`]), or the shared
     /// [`Reaper`](crate::Reaper) given to [`reaper`](Self::reaper) has stopped
     /// ([`BuildError::is_reaper_stopped`]).
     ///
@@ -301,7 +305,9 @@ impl<K: WatchKey, O: Operation, S: BuildHasher + Send + Sync + 'static> Purgator
         self.build_inner(None)
     }
 
-    /// Builds the purgatory and spawns its reaper on the runtime of `handle`.
+    /// Builds the purgatory and spawns its reaper on the runtime of `handle`
+    /// (with a shared [`reaper`](Self::reaper), joins that one instead, and
+    /// `handle` is not used).
     ///
     /// # Errors
     ///

@@ -4,9 +4,10 @@ use std::fmt;
 
 /// [`Purgatory::try_complete_else_watch`](crate::Purgatory::try_complete_else_watch)
 /// (or its `_at`, `_levels` and `_levels_at` forms) refused an operation; the
-/// operation is handed back, unchecked, or checked and not completed (the
-/// refusals that come after the first check: capacity, a shutdown or drain
-/// racing the registration).
+/// operation is handed back, unchecked (no keys, the pending limit, a drain,
+/// a shutdown or a lost reaper found on arrival), or checked and not
+/// completed (a shutdown or a lost reaper racing the registration, or the
+/// purgatory's room for cells used up).
 ///
 /// It is an error type (`Display`, `std::error::Error`) that carries the
 /// operation, so it is `Send + Sync` only when the operation is. To pass the

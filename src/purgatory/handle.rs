@@ -67,6 +67,16 @@ pub enum OperationStatus {
 /// Because dropping cancels, the handle is `#[must_use]`: an unused handle is a
 /// compile-time warning.
 ///
+/// # Shutdown
+///
+/// Holding a handle does not keep the purgatory open. When it shuts down
+/// ([`Purgatory::shutdown`](crate::Purgatory::shutdown), or its last clone
+/// dropped), a pending operation's handle resolves to
+/// [`OperationError::Shutdown`]; when its reaper task is lost (its runtime
+/// shut down), to [`OperationError::ReaperGone`]. An operation being checked
+/// on another thread at that moment resolves so once that check says "not
+/// yet" (a check that completes it wins).
+///
 /// ```compile_fail
 /// #![deny(unused_must_use)]
 /// # struct Op;
@@ -520,6 +530,10 @@ impl<K: WatchKey, O: Operation> Drop for OperationHandle<K, O> {
 /// operation has finished (completed, expired, cancelled, or handed back by a
 /// shutdown), its methods do nothing and say so: `try_complete` returns
 /// `false`, `update` and `cancel` return `None`, `reset` returns `false`.
+/// Holding one does not keep the purgatory open: after a shutdown its
+/// operation reads [`OperationStatus::HandedBack`] (handed back by
+/// `shutdown()`) or [`OperationStatus::Cancelled`] (dropped with the
+/// purgatory's last clone, or with a lost reaper).
 ///
 /// # Examples
 ///
@@ -740,7 +754,8 @@ where
         self.cell.op().update(f)
     }
 
-    /// Whether the operation has finished (completed, expired, or cancelled).
+    /// Whether the operation has finished (completed, expired, cancelled, or
+    /// handed back by a shutdown).
     ///
     /// # Examples
     ///
@@ -855,6 +870,17 @@ where
     /// Cancels the operation and hands it back; its handle resolves to
     /// [`OperationError::Cancelled`]. `None` when it had finished, or a check
     /// running at this moment will finish it.
+    ///
+    /// # Concurrency
+    ///
+    /// However it races a completion, the expiry, another cancel (this one,
+    /// a dropped handle, [`Purgatory::cancel_for_key`](crate::Purgatory::cancel_for_key))
+    /// or a shutdown, the operation finishes once: the call that finishes it
+    /// first wins, and only a cancel that wins hands the operation back here
+    /// (a shutdown that wins hands it back to its caller instead). When a
+    /// check runs on another thread at that moment, the cancel is left to it:
+    /// `None` here, and that check cancels it (dropping it, contained) once it
+    /// says "not yet", unless it completes it.
     ///
     /// # Examples
     ///

@@ -1231,7 +1231,8 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
 
     /// Hands back every pending operation, in no particular order, and stops
     /// serving this purgatory's timeouts (its reaper task ends, unless it is a
-    /// shared [`Reaper`](crate::Reaper) that serves others); their handles resolve to
+    /// shared [`Reaper`](crate::Reaper) that serves others or that a `Reaper`
+    /// handle still names); their handles resolve to
     /// [`OperationError::Shutdown`]. Walks, advances and cancellations by key
     /// find nothing from then on (they return 0, or an empty list). Registration
     /// afterwards fails with [`WatchError::Shutdown`]. Returns an empty list when

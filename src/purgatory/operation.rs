@@ -26,8 +26,10 @@ use std::hash::Hash;
 /// while `try_complete` runs; no lock of the purgatory's is held, so both methods
 /// may call back into the purgatory (walk keys, their own included, register
 /// operations, shut it down). They run on whatever thread caused them: the caller
-/// of `try_complete_watched` or of registration, or the reaper task for expiry.
-/// Keep them short and non-blocking.
+/// of a walk (`try_complete_watched`, `try_complete_reached`), of registration
+/// or of [`OpRef::try_complete`](crate::OpRef::try_complete), or the reaper
+/// task for expiry (or the thread whose check was running when the timeout
+/// fired, once that check says "not yet"). Keep them short and non-blocking.
 ///
 /// A walk from inside `try_complete` does not check this operation again
 /// while its check runs (that would overlap it): a walk of its own keys is
@@ -86,6 +88,36 @@ pub trait Operation: Send + 'static {
 
     /// Returns the output if the operation can complete now, `None` if it must go
     /// on waiting.
+    ///
+    /// Calls never overlap, never come after the operation finished, and
+    /// an event during one makes it run again: see the trait's
+    /// "Concurrency" section for the threads it runs on and what it may call.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tokio_purgatory::Operation;
+    ///
+    /// /// Done once enough bytes are readable.
+    /// struct MinBytes { readable: std::sync::Arc<std::sync::atomic::AtomicUsize>, min: usize }
+    ///
+    /// impl Operation for MinBytes {
+    ///     type Output = usize;
+    ///     fn try_complete(&mut self) -> Option<usize> {
+    ///         let n = self.readable.load(std::sync::atomic::Ordering::Acquire);
+    ///         (n >= self.min).then_some(n)
+    ///     }
+    ///     fn on_expiration(self) -> usize {
+    ///         self.readable.load(std::sync::atomic::Ordering::Acquire)
+    ///     }
+    /// }
+    ///
+    /// let readable = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(10));
+    /// let mut op = MinBytes { readable: readable.clone(), min: 100 };
+    /// assert_eq!(op.try_complete(), None);
+    /// readable.store(150, std::sync::atomic::Ordering::Release);
+    /// assert_eq!(op.try_complete(), Some(150));
+    /// ```
     fn try_complete(&mut self) -> Option<Self::Output>;
 
     /// The check as run by

@@ -85,7 +85,9 @@ impl TimerBuilder {
         self
     }
 
-    /// A name for `tracing` events (default `"timer"`).
+    /// The name that labels this timer's `tracing` events and, with the
+    /// `metrics` feature, the `name` label of every series it records
+    /// (default `"timer"`).
     ///
     /// # Examples
     ///

@@ -38,7 +38,8 @@ use crate::core::{Closed, Refused};
 #[derive(PartialEq, Eq)]
 #[non_exhaustive]
 pub enum ScheduleError<T> {
-    /// The timer holds its configured maximum of pending timeouts.
+    /// The timer holds its configured maximum of pending entries
+    /// ([`TimerBuilder::max_pending`](crate::TimerBuilder::max_pending)).
     AtCapacity(T),
     /// The timer was shut down ([`Timer::shutdown`](crate::Timer::shutdown)).
     Shutdown(T),
@@ -124,7 +125,7 @@ impl<T> std::error::Error for ScheduleError<T> {}
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum TimerError {
-    /// The timer held its configured maximum of pending timeouts when the sleep
+    /// The timer held its configured maximum of pending entries when the sleep
     /// was created, or the task was scheduled.
     AtCapacity,
     /// The timer was shut down (or, for a sleep, its last
@@ -137,7 +138,7 @@ pub enum TimerError {
 impl fmt::Display for TimerError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
-            TimerError::AtCapacity => "timer is at its limit of pending timeouts",
+            TimerError::AtCapacity => "timer is at its limit of pending entries",
             TimerError::Shutdown => "timer is shut down",
             TimerError::ReaperGone => "timer's reaper task is gone",
         })

@@ -346,7 +346,8 @@ impl TaskHandle {
     }
 
     /// Whether the task is waiting for its deadline (a repeating task: for its
-    /// next run; not while a run is under way).
+    /// next run; not while a run is under way). A snapshot: the reaper may
+    /// take the task out for running, or a shutdown hand it back, right after.
     ///
     /// # Examples
     ///
@@ -366,7 +367,8 @@ impl TaskHandle {
         key.is_some_and(|k| self.core.contains(k))
     }
 
-    /// What became of the task.
+    /// What became of the task: a snapshot, which the reaper running it or a
+    /// shutdown may change right after.
     ///
     /// # Examples
     ///

@@ -707,7 +707,7 @@ impl Timer {
         TimeoutFuture::new(future, self.sleep_until(deadline))
     }
 
-    /// Pending timeouts and sleeps. Exact when no other call races it.
+    /// Pending entries: tasks, sleeps and timeouts. Exact when no other call races it.
     ///
     /// # Examples
     ///
@@ -810,9 +810,9 @@ impl Timer {
     ///
     /// | metric | type | what |
     /// |---|---|---|
-    /// | `tokio_purgatory_timer_pending` | gauge | timeouts and sleeps waiting |
+    /// | `tokio_purgatory_timer_pending` | gauge | tasks, sleeps and timeouts waiting |
     /// | `tokio_purgatory_timer_expired_total` | counter | entries that reached their deadline |
-    /// | `tokio_purgatory_panicked_total` | counter | tasks that panicked |
+    /// | `tokio_purgatory_panicked_total` | counter | panics caught in user code ([`TimerMetrics::panicked`]) |
     /// | `tokio_purgatory_reaper_wakeups_total`, `_turns_total` | counter | as for a purgatory |
     /// | `tokio_purgatory_reaper_busy_seconds`, `_longest_turn_seconds`, `_largest_batch` | gauge | as for a purgatory |
     /// | `tokio_purgatory_lateness_seconds` | histogram | how late each entry fired (recorded live) |
@@ -920,7 +920,7 @@ impl Timer {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct TimerMetrics {
-    /// Timeouts and sleeps waiting.
+    /// Entries waiting: tasks, sleeps and timeouts.
     pub pending: usize,
     /// Entries that reached their deadline and were carried out: tasks run
     /// (an async task spawned), sleeps and timeouts fired. A repeating or
