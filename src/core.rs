@@ -30,7 +30,7 @@ use tokio::time::Instant;
 use crate::clock::{far_future, Clock};
 use crate::contain::{quietly, Panics};
 use crate::histogram::Recorder;
-use crate::reaper::{Host, Hub, Next, ReaperMetrics, Served};
+use crate::reaper::{Host, Hub, Next, ReaperMetrics, Served, Turn};
 use crate::settings::{BuildError, Settings};
 use crate::sync::{lock, thread_index, Mutex, MutexGuard, Padded, Striped};
 use crate::wake::{WakeTarget, NEVER};
@@ -336,7 +336,10 @@ impl<J: Job<Ctx = C>, C: Send + Sync + 'static> Core<J, C> {
     /// An entry went in at `tick`: notifies the reaper if it sleeps past it, or
     /// if it is overdue (see [`WakeTarget::overdue`]).
     fn entered(&self, tick: u64, now: Instant) {
-        if self.wake.lower(tick) || self.wake.overdue(self.clock.now_tick(now)) {
+        // A lowered target notifies unless the reaper, shared with other
+        // cores, already sleeps until no later than this entry is due.
+        let earlier = self.wake.lower(tick) && self.hub.sleeps_past(self.clock.instant_of(tick));
+        if earlier || self.wake.overdue(self.clock.now_tick(now)) {
             self.hub.wake();
         }
     }
@@ -635,7 +638,11 @@ impl<J: Job<Ctx = C>, C: Send + Sync + 'static> Core<J, C> {
 }
 
 impl<J: Job<Ctx = C>, C: Send + Sync + 'static> Served for Core<J, C> {
-    fn serve(&self) -> Next {
+    fn begin_turn(&self) {
+        self.wake.begin_turn();
+    }
+
+    fn serve(&self) -> Turn {
         // The buffer is taken out of its lock: the jobs run with no lock held.
         let mut scratch = std::mem::take(&mut *lock(&self.scratch));
         // The turn's span: made, entered, left and closed by the application's
@@ -650,13 +657,18 @@ impl<J: Job<Ctx = C>, C: Send + Sync + 'static> Served for Core<J, C> {
         })
         .unwrap_or_else(tracing::Span::none);
         let entered = quietly(|| span.enter());
-        self.wake.begin_turn();
         let (more, next, now) = self.turn(&mut scratch);
-        let target = self.wake.end_turn(next);
         *lock(&self.scratch) = scratch;
-        let next = if more || target <= now {
-            // A batch was cut short, or a task run this turn scheduled work
-            // already due.
+        quietly(move || drop(entered));
+        quietly(move || drop(span));
+        Turn { more, next, now }
+    }
+
+    fn end_turn(&self, turn: Turn) -> Next {
+        let target = self.wake.end_turn(turn.next);
+        if turn.more || target <= turn.now {
+            // A batch was cut short, or a task run this turn (of this core or
+            // another served by the same reaper) scheduled work already due.
             Next::Again
         } else {
             quietly(|| {
@@ -669,10 +681,7 @@ impl<J: Job<Ctx = C>, C: Send + Sync + 'static> Served for Core<J, C> {
                     .instant_of(target)
                     .unwrap_or_else(|| far_future(Instant::now()))
             }))
-        };
-        quietly(move || drop(entered));
-        quietly(move || drop(span));
-        next
+        }
     }
 
     fn is_closed(&self) -> bool {

@@ -340,7 +340,12 @@
 //! - **Idle costs nothing.** The reaper wakes once per distinct due time, and not
 //!   at all while nothing is scheduled; an entry due before everything else
 //!   pending wakes a sleeping reaper once more, to set its alarm earlier; a task
-//!   rescheduling itself from inside its own run costs one wake-up per run.
+//!   rescheduling itself from inside its own run costs one wake-up per run (on
+//!   a shared [`Reaper`], also when it schedules on another timer or
+//!   purgatory the reaper serves). An entry that leaves before it is due
+//!   (cancelled, completed, moved later, a timeout whose future won) does not
+//!   move the alarm set for it: if it was the earliest, the reaper wakes once
+//!   at that instant, finds nothing due, and sleeps until what is next.
 //! - **Nothing is lost on rejection.** A refused operation or task is handed back
 //!   in the error ([`WatchError`], [`timer::ScheduleError`]).
 //! - **Shutdown loses nothing.** `shutdown()` hands back every pending operation or

@@ -21,14 +21,32 @@ use crate::sync::{lock, Mutex};
 /// What the reaper task needs of a core, whatever its jobs' type: one task can
 /// so serve the cores of several purgatories and timers.
 pub(crate) trait Served: Send + Sync {
-    /// One turn: runs what is due and returns what the reaper does next.
-    fn serve(&self) -> Next;
+    /// The reaper's turn begins: inserts from now on lower the core's wake
+    /// target silently (see `wake.rs`), whichever core the reaper serves, until
+    /// [`end_turn`](Self::end_turn). The reaper begins the turn of every core
+    /// it serves before it serves any, so that a task of one core scheduling
+    /// on another costs no wake-up.
+    fn begin_turn(&self);
+    /// Runs what is due, the turn begun.
+    fn serve(&self) -> Turn;
+    /// The turn ends, after every core was served: what the reaper does next
+    /// for this core.
+    fn end_turn(&self, turn: Turn) -> Next;
     /// Whether the core is closed (the reaper lets go of it).
     fn is_closed(&self) -> bool;
     /// The reaper woke from a sleep.
     fn woke(&self);
     /// The reaper task is gone: closes the core and abandons what waits in it.
     fn reaper_gone(&self);
+}
+
+/// What a core's turn found: whether a batch was cut short, the earliest
+/// due tick left in its wheels, and the tick the turn read as now.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Turn {
+    pub(crate) more: bool,
+    pub(crate) next: u64,
+    pub(crate) now: u64,
 }
 
 /// What a core asks of the reaper after a turn.
@@ -115,6 +133,12 @@ pub struct ReaperMetrics {
 pub(crate) struct Hub {
     notify: Notify,
     inner: Mutex<HubInner>,
+    /// The instant the task sleeps until, set before it sleeps; `None` while
+    /// it ends a turn, and while it sleeps with nothing scheduled. A core
+    /// whose wake target an insert lowered notifies the task only if it
+    /// sleeps past that insert's deadline ([`Hub::sleeps_past`]): another
+    /// core may hold an earlier one.
+    alarm: Mutex<Option<Instant>>,
 }
 
 /// Nothing behind its lock, which is not held while a formatter writes.
@@ -157,6 +181,7 @@ impl Hub {
                 runtime,
                 ..HubInner::default()
             }),
+            alarm: Mutex::new(None),
         }
     }
 
@@ -193,6 +218,26 @@ impl Hub {
     #[inline]
     pub(crate) fn wake(&self) {
         self.notify.notify_one();
+    }
+
+    /// Whether the task would wake later than `deadline` (`None`: past what
+    /// `Instant` holds), or may: a core's insert that lowered the core's wake
+    /// target then notifies it. Called after that lowering: the task clears
+    /// its alarm before it ends any core's turn, and each end of a turn reads
+    /// the target the insert lowered (a read-modify-write of it), so an
+    /// insert either is seen by the end of its core's turn or finds the
+    /// alarm cleared or set by that turn's end.
+    pub(crate) fn sleeps_past(&self, deadline: Option<Instant>) -> bool {
+        match (*lock(&self.alarm), deadline) {
+            (None, _) => true,
+            (Some(_), None) => false,
+            (Some(at), Some(deadline)) => deadline < at,
+        }
+    }
+
+    /// Sets the alarm the task is about to sleep until (see [`Hub::sleeps_past`]).
+    fn set_alarm(&self, at: Option<Instant>) {
+        *lock(&self.alarm) = at;
     }
 }
 
@@ -415,6 +460,8 @@ async fn run_reaper(guard: ReaperGuard) {
     let hub = &*guard.0;
     let mut serving: Vec<Arc<dyn Served>> = Vec::new();
     let mut closed: Vec<Arc<dyn Served>> = Vec::new();
+    // What each core's turn found, until every core was served.
+    let mut turns: Vec<Option<Turn>> = Vec::new();
     let mut sleep = std::pin::pin!(tokio::time::sleep_until(far_future(Instant::now())));
     loop {
         {
@@ -435,18 +482,26 @@ async fn run_reaper(guard: ReaperGuard) {
             }
             serving.extend(inner.cores.iter().cloned());
         }
+        turns.clear();
+        turns.resize(serving.len(), None);
         // Let go of closed cores with the lock released.
         closed.drain(..).for_each(let_go);
         let mut again = false;
         let mut wake_at: Option<Instant> = None;
-        for core in &serving {
+        serving.iter().for_each(|core| core.begin_turn());
+        for (core, turn) in serving.iter().zip(turns.iter_mut()) {
             // One closed earlier in this turn (by a task or an operation of
             // another core served by this task) is left as it was closed: its
             // counters keep their values after a shutdown.
-            if core.is_closed() {
-                continue;
+            if !core.is_closed() {
+                *turn = Some(core.serve());
             }
-            match core.serve() {
+        }
+        // Inserts now notify, unless the alarm set below is earlier.
+        hub.set_alarm(None);
+        for (core, turn) in serving.iter().zip(turns.iter_mut()) {
+            let Some(turn) = turn.take() else { continue };
+            match core.end_turn(turn) {
                 Next::Again => again = true,
                 Next::Sleep(Some(at)) => wake_at = Some(wake_at.map_or(at, |w| w.min(at))),
                 Next::Sleep(None) => {}
@@ -458,6 +513,7 @@ async fn run_reaper(guard: ReaperGuard) {
             tokio::task::yield_now().await;
             continue;
         }
+        hub.set_alarm(wake_at);
         match wake_at {
             Some(at) => {
                 sleep.as_mut().reset(at);

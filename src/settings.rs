@@ -74,7 +74,9 @@ macro_rules! wheel_setters {
         /// The tick: the wheel's unit of time, longer than zero (default 100 µs;
         /// a zero tick makes `build` fail with a [`BuildError`](crate::BuildError)).
         /// Deadlines are rounded up to whole ticks, so a timeout is late by less
-        /// than one tick, never early. The reaper sleeps on Tokio's timer, which
+        /// than one tick, never early, plus what Tokio's timer adds to the
+        /// reaper's sleep (up to 2 ms: see the crate's "Never early"
+        /// guarantee). The reaper sleeps on Tokio's timer, which
         /// wakes at most once a millisecond, so a tick below 1 ms cuts lateness
         /// without adding wake-ups; a larger tick means fewer wake-ups for sparse
         /// timeouts.

@@ -14,8 +14,14 @@
 //! sleeper wakes up to about two milliseconds after the instant it asked for.
 //! Inserts read the clock anyway, so an insert that finds the target passed while
 //! the reaper sleeps claims the turn ([`WakeTarget::overdue`]) and notifies: under
-//! load, the load itself wakes the reaper within a tick of what is due. Loom
-//! checks the protocol (`loom_wake`).
+//! load, the load itself wakes the reaper within a tick of what is due.
+//!
+//! A reaper shared by several cores begins every core's turn before it serves
+//! any (a task of one core scheduling on another lowers that core's target
+//! silently), clears the hub's alarm before it ends any, and sets the alarm to
+//! the instant it then sleeps until: an insert that lowers a sleeping core's
+//! target notifies only when the reaper would sleep past it (another core may
+//! hold an earlier target). Loom checks the protocol (`loom_wake`).
 
 use std::sync::atomic::Ordering;
 
@@ -239,6 +245,88 @@ mod loom_wake {
             t.join().unwrap();
             assert!(target <= 20, "the rescheduled entry is slept until");
             assert!(!notified, "an insert inside the turn woke the reaper again");
+        });
+    }
+
+    /// Two cores on one shared reaper, as `run_reaper` serves them: every
+    /// turn begun before any core is served, the hub's alarm cleared before
+    /// any turn ends, each turn ended, the alarm set to the earliest target.
+    /// An insert into the second core (a task of the first running in the
+    /// turn, or a producer racing it) notifies only when the reaper would
+    /// sleep past it (`Hub::sleeps_past`): it is never slept through, and one
+    /// made inside the turn leaves no notification.
+    #[test]
+    fn loom_a_shared_reaper_never_sleeps_through_an_insert_into_another_core() {
+        struct Shared {
+            a: Model,
+            b: Model,
+            /// The hub's alarm: `None` between turns' ends and the sleep.
+            alarm: Mutex<Option<u64>>,
+        }
+        fn insert_b(m: &Shared, tick: u64) -> bool {
+            {
+                let mut w = m.b.wheel.lock().unwrap();
+                *w = (*w).min(tick);
+            }
+            let earlier =
+                m.b.wake.lower(tick) && m.alarm.lock().unwrap().is_none_or(|at| tick < at);
+            if earlier {
+                m.a.permit.store(true, SeqCst);
+            }
+            earlier
+        }
+        fn turn(m: &Shared) -> u64 {
+            m.a.wake.begin_turn();
+            m.b.wake.begin_turn();
+            let (next_a, next_b) = (*m.a.wheel.lock().unwrap(), *m.b.wheel.lock().unwrap());
+            *m.alarm.lock().unwrap() = None;
+            let at = m.a.wake.end_turn(next_a).min(m.b.wake.end_turn(next_b));
+            *m.alarm.lock().unwrap() = Some(at);
+            at
+        }
+        loom::model(|| {
+            let m = Arc::new(Shared {
+                a: Model {
+                    wake: WakeTarget::new(),
+                    wheel: Mutex::new(30),
+                    permit: AtomicBool::new(false),
+                    slept_until: AtomicU64::new(0),
+                },
+                b: Model {
+                    wake: WakeTarget::new(),
+                    wheel: Mutex::new(u64::MAX),
+                    permit: AtomicBool::new(false),
+                    slept_until: AtomicU64::new(0),
+                },
+                alarm: Mutex::new(None),
+            });
+            // The reaper sleeps until 30, the first core's earliest entry:
+            // an insert into the second core due later wakes nobody.
+            assert_eq!(turn(&m), 30);
+            assert!(!insert_b(&m, 40), "an insert past the alarm notified");
+            // At 30 the reaper wakes on its own timer and runs the entry due
+            // then (the first core's next is at 100), while a producer
+            // inserts into the second core an entry due at 35: past the old
+            // alarm, before what the reaper would sleep until without it.
+            *m.a.wheel.lock().unwrap() = 100;
+            let producer = {
+                let m = m.clone();
+                thread::spawn(move || {
+                    insert_b(&m, 35);
+                })
+            };
+            let slept = turn(&m);
+            producer.join().unwrap();
+            assert!(
+                slept <= 35 || m.a.permit.load(SeqCst),
+                "slept until {slept} with an entry due at 35 and no notification"
+            );
+            // A task of the first core scheduling on the second inside the
+            // turn leaves no notification behind.
+            m.a.permit.store(false, SeqCst);
+            m.a.wake.begin_turn();
+            m.b.wake.begin_turn();
+            assert!(!insert_b(&m, 5), "an insert inside the turn notified");
         });
     }
 }
