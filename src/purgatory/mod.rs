@@ -1,7 +1,38 @@
 //! The purgatory: operations that wait on watch keys until they complete or time
 //! out.
 //!
-//! See [`Purgatory`] and the [crate docs](crate).
+//! See [`Purgatory`] and the [crate docs](crate). Every item here is also at the
+//! crate's root.
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+//! use std::sync::atomic::{AtomicBool, Ordering};
+//! use std::sync::Arc;
+//! use std::time::Duration;
+//! use tokio_purgatory::purgatory::{Completion, Operation, Purgatory};
+//!
+//! /// Done once the flag is set; "timed out" otherwise.
+//! struct Wait(Arc<AtomicBool>);
+//! impl Operation for Wait {
+//!     type Output = &'static str;
+//!     fn try_complete(&mut self) -> Option<&'static str> {
+//!         self.0.load(Ordering::Acquire).then_some("done")
+//!     }
+//!     fn on_expiration(self) -> &'static str {
+//!         "timed out"
+//!     }
+//! }
+//!
+//! let p: Purgatory<&str, Wait> = Purgatory::new();
+//! let ready = Arc::new(AtomicBool::new(false));
+//! let handle = p
+//!     .try_complete_else_watch(Wait(ready.clone()), Duration::from_secs(1), ["topic-0"])
+//!     .unwrap();
+//! ready.store(true, Ordering::Release);
+//! assert_eq!(p.try_complete_watched("topic-0"), 1);
+//! assert_eq!(handle.await, Ok(Completion::Completed("done")));
+//! # }
+//! ```
 
 mod books;
 mod builder;
