@@ -58,6 +58,12 @@ pub(crate) trait Job: Send + 'static {
     fn keeps_room(&self) -> bool {
         false
     }
+    /// At the end of each turn: housekeeping of the core's owner left to the
+    /// reaper (a purgatory's purge of a map with nothing pending). Returns
+    /// whether more is left: the reaper takes another turn at once.
+    fn after_turn(_ctx: &Self::Ctx) -> bool {
+        false
+    }
 }
 
 /// Why a timer stopped accepting work.
@@ -331,6 +337,13 @@ impl<J: Job<Ctx = C>, C: Send + Sync + 'static> Core<J, C> {
         };
         self.entered(tick, now);
         Ok(TimerKey::new(shard, key))
+    }
+
+    /// Work for the reaper is due now (see [`Job::after_turn`]): notifies it
+    /// unless it is in a turn of this core, or will take one by now.
+    pub(crate) fn poke(&self) {
+        let now = Instant::now();
+        self.entered(self.clock.now_tick(now), now);
     }
 
     /// An entry went in at `tick`: notifies the reaper if it sleeps past it, or
@@ -610,6 +623,8 @@ impl<J: Job<Ctx = C>, C: Send + Sync + 'static> Core<J, C> {
             };
             next = next.min(shard_next.unwrap_or(u64::MAX));
         }
+        // The owner's housekeeping, counted in the turn's time.
+        let more = J::after_turn(&self.ctx) || more;
         let c = &self.counters;
         let nanos = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
         c.turns.fetch_add(1, Ordering::Relaxed);

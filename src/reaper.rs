@@ -134,7 +134,7 @@ pub(crate) struct Hub {
     notify: Notify,
     inner: Mutex<HubInner>,
     /// The instant the task sleeps until, set before it sleeps; `None` while
-    /// it ends a turn, and while it sleeps with nothing scheduled. A core
+    /// it is awake, and while it sleeps with nothing scheduled. A core
     /// whose wake target an insert lowered notifies the task only if it
     /// sleeps past that insert's deadline ([`Hub::sleeps_past`]): another
     /// core may hold an earlier one.
@@ -223,10 +223,12 @@ impl Hub {
     /// Whether the task would wake later than `deadline` (`None`: past what
     /// `Instant` holds), or may: a core's insert that lowered the core's wake
     /// target then notifies it. Called after that lowering: the task clears
-    /// its alarm before it ends any core's turn, and each end of a turn reads
-    /// the target the insert lowered (a read-modify-write of it), so an
-    /// insert either is seen by the end of its core's turn or finds the
-    /// alarm cleared or set by that turn's end.
+    /// its alarm as it wakes, before it lists the cores it serves and ends
+    /// any turn, and each end of a turn reads the target the insert lowered
+    /// (a read-modify-write of it), so an insert either is seen by the end
+    /// of its core's turn or finds the alarm cleared or set by that turn's
+    /// end; an insert into a core attached after the listing finds it
+    /// cleared.
     pub(crate) fn sleeps_past(&self, deadline: Option<Instant>) -> bool {
         match (*lock(&self.alarm), deadline) {
             (None, _) => true,
@@ -464,6 +466,9 @@ async fn run_reaper(guard: ReaperGuard) {
     let mut turns: Vec<Option<Turn>> = Vec::new();
     let mut sleep = std::pin::pin!(tokio::time::sleep_until(far_future(Instant::now())));
     loop {
+        // Inserts notify while the task is awake, unless their core's turn has
+        // begun (a core attached during this turn is not served in it).
+        hub.set_alarm(None);
         {
             let mut inner = lock(&hub.inner);
             let mut i = 0;
@@ -497,8 +502,6 @@ async fn run_reaper(guard: ReaperGuard) {
                 *turn = Some(core.serve());
             }
         }
-        // Inserts now notify, unless the alarm set below is earlier.
-        hub.set_alarm(None);
         for (core, turn) in serving.iter().zip(turns.iter_mut()) {
             let Some(turn) = turn.take() else { continue };
             match core.end_turn(turn) {

@@ -18,7 +18,8 @@
 //!
 //! A reaper shared by several cores begins every core's turn before it serves
 //! any (a task of one core scheduling on another lowers that core's target
-//! silently), clears the hub's alarm before it ends any, and sets the alarm to
+//! silently), clears the hub's alarm as it wakes (before it lists the cores:
+//! one attached meanwhile is not served in that turn), and sets the alarm to
 //! the instant it then sleeps until: an insert that lowers a sleeping core's
 //! target notifies only when the reaper would sleep past it (another core may
 //! hold an earlier target). Loom checks the protocol (`loom_wake`).
@@ -248,9 +249,9 @@ mod loom_wake {
         });
     }
 
-    /// Two cores on one shared reaper, as `run_reaper` serves them: every
-    /// turn begun before any core is served, the hub's alarm cleared before
-    /// any turn ends, each turn ended, the alarm set to the earliest target.
+    /// Two cores on one shared reaper, as `run_reaper` serves them: the hub's
+    /// alarm cleared as the task wakes, every turn begun before any core is
+    /// served, each turn ended, the alarm set to the earliest target.
     /// An insert into the second core (a task of the first running in the
     /// turn, or a producer racing it) notifies only when the reaper would
     /// sleep past it (`Hub::sleeps_past`): it is never slept through, and one
@@ -276,10 +277,10 @@ mod loom_wake {
             earlier
         }
         fn turn(m: &Shared) -> u64 {
+            *m.alarm.lock().unwrap() = None;
             m.a.wake.begin_turn();
             m.b.wake.begin_turn();
             let (next_a, next_b) = (*m.a.wheel.lock().unwrap(), *m.b.wheel.lock().unwrap());
-            *m.alarm.lock().unwrap() = None;
             let at = m.a.wake.end_turn(next_a).min(m.b.wake.end_turn(next_b));
             *m.alarm.lock().unwrap() = Some(at);
             at

@@ -935,7 +935,9 @@ async fn an_idle_purgatory_after_many_expiries_in_one_turn_holds_no_keys() {
     );
 }
 
-/// The same with one wide operation cancelled by dropping its handle.
+/// The same with one wide operation cancelled by dropping its handle: the
+/// dropping thread purges a bounded part, and the reaper's turns the rest,
+/// without waking the reaper more than once.
 #[tokio::test(start_paused = true)]
 async fn an_idle_purgatory_after_one_wide_operation_is_dropped_holds_no_keys() {
     let p: Purgatory<u32, Op> = Purgatory::new();
@@ -943,7 +945,19 @@ async fn an_idle_purgatory_after_one_wide_operation_is_dropped_holds_no_keys() {
     let h = p
         .try_complete_else_watch(Op::new(&never), ms(10_000), 0..5_000)
         .unwrap();
+    settle().await;
+    let woken = p.metrics().reaper_wakeups;
     drop(h);
+    assert!(
+        p.metrics().keys < 5_000,
+        "the dropping thread purged a part"
+    );
+    settle().await;
+    assert!(
+        p.metrics().reaper_wakeups <= woken + 1,
+        "one wake-up for the rest: {:?}",
+        p.metrics()
+    );
     assert_eq!(
         shape(&p),
         (0, 0, 0, 0),

@@ -525,7 +525,7 @@ where
                     .shared
                     .closed()
                     .map_or(OperationError::Cancelled, OperationError::from);
-                self.shared.drop_contained("drop of an operation", op);
+                self.drop_marked(op);
                 self.finish(Err(why), Fate::Cancelled, true);
                 // As the cancel would have, had it not been left to this check.
                 self.shared.tidy();
@@ -654,6 +654,9 @@ where
     fn check_loop(&self, me: u64, mut reached: Option<u64>, outer: usize) -> Checked<O> {
         let cell = self.cell;
         loop {
+            // A run asked from inside the run before it (here, or before the
+            // registration's check handed over to this loop) runs quiet.
+            Innermost::rerun(cell, outer, cell.owner.is_rerun_here());
             let mut guard = lock(&cell.op);
             let op = guard.as_mut().expect("a checked operation is present");
             let out = catch_unwind(AssertUnwindSafe(|| match reached {
@@ -678,9 +681,16 @@ where
             if let Some(level) = self.shared.handed().take(&self.id) {
                 reached = Some(level);
             }
-            // A re-run asked from inside runs quiet.
-            Innermost::rerun(cell, outer, cell.owner.is_rerun_here());
         }
+    }
+
+    /// Drops the operation (contained) as its check's end would: marked as
+    /// the innermost check on this thread, so that an event its drop raises on
+    /// a check running further up is not taken for that check's own doing.
+    pub(crate) fn drop_marked(&self, op: O) {
+        let outer = Innermost::enter(self.cell);
+        self.shared.drop_contained("drop of an operation", op);
+        Innermost::leave(outer);
     }
 
     fn take_op(&self) -> O {

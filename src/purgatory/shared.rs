@@ -39,6 +39,10 @@ const SWEEP_SLICE: usize = 128;
 /// tombstones as live entries (see [`Shared::tidy`]): a map that small is
 /// purged whole.
 const SMALL_LISTS: usize = 1024;
+/// Slices a tidy, or a reaper turn going on with an idle purge, does at most:
+/// [`SMALL_LISTS`] entries' worth, and a few more for keys whose lists are
+/// only levels.
+const TIDY_SLICES: usize = SMALL_LISTS / SWEEP_SLICE + 9;
 /// Live cells a walk brings in (reads once, each) before it checks them.
 const WARM: usize = 64;
 
@@ -62,6 +66,12 @@ impl<K: WatchKey, O: Operation> Job for Expiry<K, O> {
     const KIND: &'static str = "purgatory";
     /// The purgatory, lent to the core once it is built.
     type Ctx = Lent<K, O>;
+
+    fn after_turn(ctx: &Self::Ctx) -> bool {
+        ctx.get()
+            .and_then(Weak::upgrade)
+            .is_some_and(|shared| shared.continue_idle_purge())
+    }
 
     fn expire(self, ctx: &Self::Ctx, late: Option<Duration>) -> bool {
         match ctx.get().and_then(Weak::upgrade) {
@@ -146,6 +156,9 @@ struct Purge {
     /// The purge under way, or the last one, done (its room kept).
     sweep: Mutex<Sweep>,
     sweeping: AtomicBool,
+    /// The purge of a map with nothing pending goes on in the reaper's turns
+    /// (see [`Shared::tidy`]).
+    idle_rest: AtomicBool,
     purged: AtomicU64,
 }
 
@@ -250,6 +263,7 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
             purge: Padded(Purge {
                 sweep: Mutex::new(Sweep::idle()),
                 sweeping: AtomicBool::new(false),
+                idle_rest: AtomicBool::new(false),
                 purged: AtomicU64::new(0),
             }),
             purge_interval,
@@ -495,7 +509,7 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
                 None => {
                     // Cancelled by key meanwhile (its call could not tidy
                     // while this registration held the operation).
-                    self.drop_contained("drop of an operation", op);
+                    cell.drop_marked(op);
                     cell.finish(Err(OperationError::Cancelled), Fate::Cancelled, true);
                     self.tidy();
                     Ok(())
@@ -852,11 +866,13 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
     /// A small map (at most [`SMALL_LISTS`] entries) is purged whole here.
     /// A larger one is only marked for the purge, which the slices of later
     /// registrations and walks carry out, so that this call (often the
-    /// reaper's) never lists every key; except once nothing is pending, when
-    /// this call purges the whole map (an idle purgatory, or a closed one,
-    /// may see no later call): every entry it visits is then a tombstone it
-    /// removes, so the cost stays proportional to the operations that left
-    /// them. The check sums the stripes of both counts.
+    /// reaper's) never lists every key. Once nothing is pending, an idle
+    /// purgatory may see no later call: this call does the same bounded
+    /// part, and the reaper's turns the rest, the same part each
+    /// ([`continue_idle_purge`](Self::continue_idle_purge)), so that no turn
+    /// of a reaper (which may serve others) stalls on a large map; a closed
+    /// purgatory, whose reaper serves it no more, is purged whole here. The
+    /// check sums the stripes of both counts.
     pub(crate) fn tidy(&self) {
         let entries = self.watchers.len();
         if entries == 0 {
@@ -872,26 +888,54 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
             self.purge.0.sweeping.store(true, Ordering::Release);
             return;
         }
-        // SMALL_LISTS / SWEEP_SLICE slices, and a few more for keys whose
-        // lists are only levels, or the whole map once nothing is pending;
-        // another thread on the purge ends this. A pass this call did not
-        // begin may have visited some keys before their operations finished,
-        // and would not look at them again: when it ends here, one more
-        // begins, so that the map is purged whole.
-        let slices = if idle {
+        let closed = self.core.closed().is_some();
+        let slices = if idle && closed {
             usize::MAX
         } else {
-            SMALL_LISTS / SWEEP_SLICE + 8
+            TIDY_SLICES
         };
+        if !self.purge_slices(slices) && idle && !closed {
+            // The rest in the reaper's turns: work due now for its core.
+            self.purge.0.idle_rest.store(true, Ordering::Release);
+            self.core.poke();
+        }
+    }
+
+    /// Up to `slices` slices of the purge (another thread on the purge ends
+    /// this); returns whether a pass ended that covers every list. A pass
+    /// this call did not begin may have visited some keys before their
+    /// operations finished, and would not look at them again: when it ends
+    /// here, one more begins, so that the map is purged whole.
+    fn purge_slices(&self, slices: usize) -> bool {
         let mut began = false;
-        for _ in 0..=slices {
+        for _ in 0..slices {
             match self.purge_slice() {
-                Slice::Busy => break,
+                Slice::Busy => return false,
                 Slice::Going { began: b } => began |= b,
-                Slice::Done { began: b } if began || b => break,
+                Slice::Done { began: b } if began || b => return true,
                 Slice::Done { .. } => {}
             }
         }
+        false
+    }
+
+    /// At the end of a reaper turn: goes on with the purge of a map with
+    /// nothing pending that [`tidy`](Self::tidy) left, the same bounded part
+    /// per turn. Returns whether more is left (the reaper takes another turn
+    /// at once, after letting other tasks run). Once operations are pending
+    /// again, their registrations and walks carry the purge instead.
+    pub(crate) fn continue_idle_purge(&self) -> bool {
+        let purge = &self.purge.0;
+        if !purge.idle_rest.load(Ordering::Acquire) {
+            return false;
+        }
+        let entries = self.watchers.len();
+        let more =
+            entries > 0 && self.books.tombstones() >= entries && !self.purge_slices(TIDY_SLICES);
+        if !more {
+            purge.idle_rest.store(false, Ordering::Release);
+        }
+        more
     }
 
     /// One slice of the purge, starting a pass if none is under way.
