@@ -9,9 +9,11 @@
 //! goes on), keys found by their borrowed forms, keys equal to nothing or
 //! whose hash moves (their operations finish by their timeout and the map
 //! still empties). The map holds no keys once nothing is pending, however
-//! wide the operations were. Threads racing registrations (duplicate keys,
-//! levels), walks, advances and cancellations by key over a tiny key space
-//! finish each operation once and leave the map empty.
+//! wide the operations were; on a shared reaper, a large map left with
+//! nothing pending is purged over several of its turns, a timer sharing it
+//! served meanwhile. Threads racing registrations (duplicate keys, levels),
+//! walks, advances and cancellations by key over a tiny key space finish
+//! each operation once and leave the map empty.
 
 mod support;
 
@@ -24,7 +26,7 @@ use std::time::Duration;
 
 use tokio::time::advance;
 use tokio_purgatory::{
-    Completion, Operation, OperationError, Purgatory, Watch, WatchKey, WeakPurgatory,
+    Completion, Operation, OperationError, Purgatory, Reaper, Timer, Watch, WatchKey, WeakPurgatory,
 };
 
 use support::rng::Rng;
@@ -964,6 +966,77 @@ async fn an_idle_purgatory_after_one_wide_operation_is_dropped_holds_no_keys() {
         "nothing pending, idle: {:?}",
         p.metrics()
     );
+}
+
+/// 20,000 operations on keys of their own, on a purgatory sharing its
+/// reaper with a timer, expire together. Once nothing is pending the map is
+/// purged a bounded part per reaper turn, not whole in the turn of the last
+/// expiry (which would hold up the timer for as long): between the reaper's
+/// turns the test sees the map still being purged, nothing pending, over
+/// more than one turn; a timer task asked for then runs on the reaper's next
+/// turn, before the purge ends; and the map empties.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn an_idle_purge_of_a_large_map_on_a_shared_reaper_is_spread_over_turns() {
+    const N: u32 = 20_000;
+    let reaper = Reaper::start().unwrap();
+    let p: Purgatory<u32, Op> = Purgatory::builder().reaper(&reaper).build().unwrap();
+    let timer = Timer::builder().reaper(&reaper).build().unwrap();
+    let never = Arc::new(AtomicBool::new(false));
+    for k in 0..N {
+        p.try_complete_else_watch(Op::new(&never), ms(300), [k])
+            .unwrap()
+            .detach();
+    }
+    advance(ms(299)).await;
+    settle().await;
+    assert_eq!(shape(&p), (N as usize, N as usize, 0, N as usize));
+    advance(ms(2)).await;
+    // Between the reaper's turns (it lets other tasks run between turns it
+    // takes at once): the turns at which the map was seen being purged with
+    // nothing pending, and the keys a timer task found when it ran.
+    let mut purging_turns = Vec::new();
+    let timer_saw_keys = Arc::new(Mutex::new(None));
+    let mut asked = false;
+    for _ in 0..100_000 {
+        let m = p.metrics();
+        if m.delayed == 0 {
+            if m.keys == 0 {
+                break;
+            }
+            if purging_turns.last() != Some(&m.reaper.turns) {
+                purging_turns.push(m.reaper.turns);
+            }
+            if !asked {
+                asked = true;
+                let (saw, p) = (timer_saw_keys.clone(), p.clone());
+                timer
+                    .schedule(Duration::ZERO, move || {
+                        *saw.lock().unwrap() = Some(p.metrics().keys);
+                    })
+                    .unwrap();
+            }
+        }
+        tokio::task::yield_now().await;
+    }
+    let m = p.metrics();
+    assert_eq!(m.expired, N as u64);
+    assert_eq!(
+        (m.delayed, m.watched, m.tombstones, m.keys),
+        (0, 0, 0, 0),
+        "nothing pending, after the reaper's turns: {m:?}"
+    );
+    assert!(
+        purging_turns.len() > 1,
+        "the purge with nothing pending was seen between {} turns (turns at {:?}): {m:?}",
+        purging_turns.len(),
+        purging_turns
+    );
+    let saw = timer_saw_keys.lock().unwrap().take();
+    assert!(
+        saw.is_some_and(|keys| keys > 0),
+        "the timer's task ran during the purge (keys it saw: {saw:?})"
+    );
+    assert!(balanced(&m));
 }
 
 // ---------------------------------------------------------------------------

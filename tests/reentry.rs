@@ -1,15 +1,15 @@
-//! Checks that call back into the purgatory, and events raised on the
-//! thread that runs a check by what that check caused. An operation whose
-//! check walked another key, and was made ready and had its key walked by
-//! what that walk ran (another operation's check, the first or a later
-//! check of an operation it registered, an expiry left to a nested check,
-//! the drop of an operation it completed), checks once more before the
-//! outside event returns instead of waiting for its timeout; so does one
-//! whose nested check asks and then panics, or one in another purgatory,
-//! told the level it was advanced to. A level handed over by another thread
-//! while a check runs survives a nested advance on the checking thread; a
-//! cancel racing such a re-run wins once. Checks that walk each other's keys
-//! every time they run, in rings and in lines, end: each check an event
+//! Checks that call back into the purgatory, and events raised on the thread
+//! that runs a check by what that check caused. An operation whose check walked
+//! another key, and was made ready and had its key walked by what that walk ran
+//! (another operation's check, the first or a later check of an operation it
+//! registered, an expiry left to a nested check, the drop of an operation it
+//! completed or that was cancelled during its check), checks once more before
+//! the outside event returns instead of waiting for its timeout; so does one
+//! whose nested check asks and then panics, or one in another purgatory, told
+//! the level it was advanced to. A level handed over by another thread while a
+//! check runs survives a nested advance on the checking thread; a cancel racing
+//! such a re-run wins once. Checks that walk each other's keys every time they
+//! run, in rings and in lines, end: each check an event (or a registration)
 //! reaches re-runs at most once, and what those re-runs reach asks for no
 //! re-run, so a line of n such checks costs at most n² checks per event.
 
@@ -325,6 +325,103 @@ fn a_drop_run_inside_a_check_that_readies_it_is_not_lost() {
         assert!(ha.is_finished(), "before the walk returned");
         assert_eq!(hb.await, Ok(Completion::Completed(7)));
         assert_eq!(ha.await, Ok(Completion::Completed(1)));
+        let m = p.metrics();
+        assert_eq!((m.delayed, m.panicked), (0, 0), "{m:?}");
+    });
+}
+
+/// X's check reads its state, then walks "a", where A's check is held (on
+/// thread W). This thread cancels A meanwhile, which is left to that check.
+/// A says "not yet", so its check ends `Cancelled` and A is dropped by X's
+/// walk, on W, inside X's check. A's `Drop` makes X ready and walks "x": X
+/// checks once more and completes within the outside walk, as it does when A
+/// is dropped because it completed (the control below).
+#[test]
+fn a_drop_of_an_operation_cancelled_during_its_nested_check_readies_the_outer() {
+    drop_during_a_nested_check_readies_the_outer(false);
+}
+
+/// The control: A completes in its held check instead of being cancelled,
+/// and its drop readies X the same way.
+#[test]
+fn a_drop_of_an_operation_completed_during_its_nested_check_readies_the_outer() {
+    drop_during_a_nested_check_readies_the_outer(true);
+}
+
+/// X watches "x", A watches "a"; A's drop makes X ready and walks "x". A
+/// walk of "x" on thread W runs X's check, which walks "a", where A's check
+/// is held; A then completes (`complete`) or is cancelled from this thread.
+fn drop_during_a_nested_check_readies_the_outer(complete: bool) {
+    within(20, move || {
+        let rt = support::paused();
+        let p: P = {
+            let _in = rt.enter();
+            Purgatory::new()
+        };
+        let s = slot_of(&p);
+        let x_ready = Arc::new(AtomicBool::new(false));
+        let gate = Gate::new();
+        let hold = Arc::new(AtomicBool::new(false));
+        let mut a = {
+            let (gate, hold) = (gate.clone(), hold.clone());
+            Op::new(move |_| {
+                if hold.swap(false, Ordering::SeqCst) {
+                    gate.hold();
+                    return complete.then_some(5);
+                }
+                None
+            })
+        };
+        a.on_drop = Some({
+            let (s, x_ready) = (s.clone(), x_ready.clone());
+            Arc::new(move || {
+                x_ready.store(true, Ordering::SeqCst);
+                s.get().unwrap().try_complete_watched(&"x");
+            })
+        });
+        let walk_a = Arc::new(AtomicBool::new(false));
+        let x = {
+            let (s, x_ready, walk_a) = (s.clone(), x_ready.clone(), walk_a.clone());
+            Op::new(move |_| {
+                let ready = x_ready.load(Ordering::SeqCst);
+                if walk_a.swap(false, Ordering::SeqCst) {
+                    s.get().unwrap().try_complete_watched(&"a");
+                }
+                ready.then_some(1)
+            })
+        };
+        let (ha, hx) = rt.block_on(async {
+            let ha = p.try_complete_else_watch(a, ms(10_000), ["a"]).unwrap();
+            let hx = p.try_complete_else_watch(x, ms(10_000), ["x"]).unwrap();
+            (ha, hx)
+        });
+        let a_ref = ha.op_ref().unwrap();
+        walk_a.store(true, Ordering::SeqCst);
+        hold.store(true, Ordering::SeqCst);
+        let w = {
+            let p = p.clone();
+            std::thread::spawn(move || p.try_complete_watched(&"x"))
+        };
+        gate.reached();
+        if !complete {
+            assert!(a_ref.cancel().is_none(), "left to A's check on W");
+        }
+        gate.open();
+        let walked = w.join().unwrap();
+        assert!(x_ready.load(Ordering::SeqCst), "A's drop readied X");
+        assert_eq!(
+            walked,
+            1,
+            "the outside walk completed X (X finished: {})",
+            hx.is_finished()
+        );
+        let a_end = if complete {
+            Ok(Completion::Completed(5))
+        } else {
+            Err(OperationError::Cancelled)
+        };
+        assert_eq!(rt.block_on(ha), a_end);
+        assert_eq!(rt.block_on(hx), Ok(Completion::Completed(1)));
         let m = p.metrics();
         assert_eq!((m.delayed, m.panicked), (0, 0), "{m:?}");
     });
@@ -819,6 +916,46 @@ fn a_ring_of_checks_ends_with_each_at_most_twice() {
             assert_eq!(p.metrics().panicked, 0, "ring of {n}");
             assert_eq!(p.shutdown().len(), n, "ring of {n}: all still pending");
         }
+    });
+}
+
+/// N's check walks "b" every time it runs; B's check walks "n" every time.
+/// Each check an event reaches re-runs at most once, the re-run asked from
+/// inside running quiet (what it reaches asks for none): a walk of "n" from
+/// outside runs N twice, and N's registration runs it three times (its
+/// first check, its second once it watches, one quiet re-run), not four.
+#[test]
+fn a_registrations_rerun_asked_from_inside_runs_quiet() {
+    paused_within(20, || async {
+        let p: P = Purgatory::new();
+        let s = slot_of(&p);
+        let b = {
+            let s = s.clone();
+            Op::new(move |_| {
+                s.get().unwrap().try_complete_watched(&"n");
+                None
+            })
+        };
+        let hb = p.try_complete_else_watch(b, ms(1000), ["b"]).unwrap();
+        let n = {
+            let s = s.clone();
+            Op::new(move |_| {
+                s.get().unwrap().try_complete_watched(&"b");
+                None
+            })
+        };
+        let n_checks = n.checks.clone();
+        let hn = p.try_complete_else_watch(n, ms(1000), ["n"]).unwrap();
+        let at_registration = n_checks.swap(0, Ordering::SeqCst);
+        p.try_complete_watched(&"n");
+        let per_walk = n_checks.load(Ordering::SeqCst);
+        assert_eq!(per_walk, 2, "a walk: the check and one quiet re-run");
+        assert_eq!(
+            at_registration, 3,
+            "registration: first check, second check, one quiet re-run"
+        );
+        assert!(!hb.is_finished() && !hn.is_finished());
+        assert_eq!(p.metrics().panicked, 0);
     });
 }
 

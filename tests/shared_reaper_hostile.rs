@@ -1,18 +1,20 @@
 //! Reapers, shared and of their own, used hostilely around shutdowns, lost
 //! runtimes, drains and weak handles. A timer shut down by a neighbour's task
-//! on their shared reaper keeps its counters; a repeating task's run under
-//! way when a shutdown comes on another thread is not handed back (real
-//! threads, bounded); a reaper on a runtime without time reads as lost; a
-//! kept `Reaper` outlives everything it served and ends with its last
-//! handle; a purgatory or timer keeps the clock of its reaper's runtime,
-//! whichever runtime builds it. When the reaper's runtime is dropped: tasks
-//! awaiting every kind of handle, operations and tasks whose `Drop` panics,
-//! a drain waiting on another runtime, registrations racing on other threads
-//! (each handed back or resolving `ReaperGone`, none lost), async tasks not
-//! started, and a large watcher map, which empties. One purgatory shut down
-//! from another's expiry, keys whose `Drop` panics or calls back in during a
-//! shutdown, a weak heartbeat that stops with its timer. A reaper of its own
-//! ends with its purgatory or timer, whatever handles are still held.
+//! on their shared reaper keeps its counters; a repeating task's run under way
+//! when a shutdown comes on another thread is not handed back (real threads,
+//! bounded); a timer or purgatory attached to a shared reaper during its turn
+//! (by a task that turn runs, or by another thread meanwhile) is not slept
+//! through; a reaper on a runtime without time reads as lost; a kept `Reaper`
+//! outlives everything it served and ends with its last handle; a purgatory or
+//! timer keeps the clock of its reaper's runtime, whichever runtime builds it.
+//! When the reaper's runtime is dropped: tasks awaiting every kind of handle,
+//! operations and tasks whose `Drop` panics, a drain waiting on another
+//! runtime, registrations racing on other threads (each handed back or
+//! resolving `ReaperGone`, none lost), async tasks not started, and a large
+//! watcher map, which empties. One purgatory shut down from another's expiry,
+//! keys whose `Drop` panics or calls back in during a shutdown, a weak
+//! heartbeat that stops with its timer. A reaper of its own ends with its
+//! purgatory or timer, whatever handles are still held.
 
 mod support;
 
@@ -577,6 +579,129 @@ async fn a_purgatory_dropped_by_another_reapers_task() {
     drop(timer);
     settle().await;
     assert_eq!(alive_tasks(), base);
+}
+
+// ---------------------------------------------------------------------------
+// A core attached during a turn. The reaper's alarm (the instant it sleeps
+// until) must not still be set while it is awake: a timer or purgatory
+// attached during a turn, which that turn does not serve, would find the
+// previous alarm earlier than its first entry, not notify, and the reaper
+// would then sleep through that entry (for ever, with nothing else due).
+
+/// Steps the paused clock 1 ms at a time over `total`, letting the reaper
+/// run after each step.
+async fn step(total: Duration) {
+    for _ in 0..total.as_millis() {
+        advance(ms(1)).await;
+        settle().await;
+    }
+}
+
+/// A task of timer A, run in the shared reaper's turn, builds timer B on the
+/// same reaper and schedules on it 20 ms later: B's task runs.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_timer_attached_during_a_turn_is_not_slept_through() {
+    let reaper = Reaper::start().unwrap();
+    let a = Timer::builder().reaper(&reaper).build().unwrap();
+    let fired = Arc::new(AtomicBool::new(false));
+    let kept: Arc<Mutex<Option<Timer>>> = Arc::default();
+    {
+        let (reaper, fired, kept) = (reaper.clone(), fired.clone(), kept.clone());
+        a.schedule(ms(10), move || {
+            let b = Timer::builder().reaper(&reaper).build().unwrap();
+            b.schedule(ms(20), move || fired.store(true, Ordering::SeqCst))
+                .unwrap();
+            *kept.lock().unwrap() = Some(b);
+        })
+        .unwrap();
+    }
+    settle().await;
+    step(ms(200)).await;
+    let b = kept.lock().unwrap().take().expect("A's task ran");
+    assert!(
+        fired.load(Ordering::SeqCst),
+        "B's task, due at 30 ms, had not run at 200 ms: {:?}",
+        b.metrics()
+    );
+    assert_eq!(b.metrics().expired, 1);
+}
+
+/// The same with a purgatory: A's task builds purgatory B on the reaper and
+/// registers an operation with a 20 ms timeout on it, which expires.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_purgatory_attached_during_a_turn_is_not_slept_through() {
+    let reaper = Reaper::start().unwrap();
+    let a = Timer::builder().reaper(&reaper).build().unwrap();
+    let kept: Arc<Mutex<Option<Purgatory<u32, Never>>>> = Arc::default();
+    {
+        let (reaper, kept) = (reaper.clone(), kept.clone());
+        a.schedule(ms(10), move || {
+            let b: Purgatory<u32, Never> = Purgatory::builder().reaper(&reaper).build().unwrap();
+            b.try_complete_else_watch(Never, ms(20), [1])
+                .unwrap()
+                .detach();
+            *kept.lock().unwrap() = Some(b);
+        })
+        .unwrap();
+    }
+    settle().await;
+    step(ms(200)).await;
+    let b = kept.lock().unwrap().take().expect("A's task ran");
+    let m = b.metrics();
+    assert_eq!(
+        (m.expired, m.delayed),
+        (1, 0),
+        "B's operation, due at 30 ms, had not expired at 200 ms: {m:?}"
+    );
+    assert!(balanced(&m));
+}
+
+/// With real threads and real time: another thread builds timer B on the
+/// reaper and schedules on it 30 ms later while A's task holds the reaper's
+/// turn. B's task runs (waited for up to 5 s).
+#[test]
+fn a_timer_attached_by_another_thread_during_a_turn_is_not_slept_through() {
+    within(20, || {
+        let rt = support::multi();
+        rt.block_on(async {
+            let reaper = Reaper::start().unwrap();
+            let a = Timer::builder().reaper(&reaper).build().unwrap();
+            let (in_tx, in_rx) = std::sync::mpsc::sync_channel::<()>(1);
+            let (go_tx, go_rx) = std::sync::mpsc::sync_channel::<()>(1);
+            a.schedule(ms(10), move || {
+                in_tx.send(()).unwrap();
+                go_rx.recv_timeout(Duration::from_secs(10)).expect("let go");
+            })
+            .unwrap();
+            let fired = Arc::new(AtomicBool::new(false));
+            let b = {
+                let (fired, reaper) = (fired.clone(), reaper.clone());
+                tokio::task::spawn_blocking(move || {
+                    in_rx
+                        .recv_timeout(Duration::from_secs(5))
+                        .expect("A's task ran");
+                    // The reaper is inside A's task, in its turn.
+                    let b = Timer::builder().reaper(&reaper).build().unwrap();
+                    b.schedule(ms(30), move || fired.store(true, Ordering::SeqCst))
+                        .unwrap();
+                    go_tx.send(()).unwrap();
+                    b
+                })
+                .await
+                .unwrap()
+            };
+            let since = std::time::Instant::now();
+            while !fired.load(Ordering::SeqCst) && since.elapsed() < Duration::from_secs(5) {
+                tokio::time::sleep(ms(5)).await;
+            }
+            assert!(
+                fired.load(Ordering::SeqCst),
+                "B's task, due 30 ms after it was scheduled, had not run {:?} later: {:?}",
+                since.elapsed(),
+                b.metrics()
+            );
+        });
+    });
 }
 
 // ---------------------------------------------------------------------------
