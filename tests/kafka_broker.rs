@@ -436,6 +436,91 @@ async fn a_hang_up_cancels_and_shutdown_answers_what_waits() {
     .await
 }
 
+/// A hang-up behind a partial frame pipelined after a waiting request is
+/// seen at once, also after more bytes of that frame arrived while it
+/// waited (each wakes the watch, which then waits again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hang_up_behind_a_partial_frame_is_seen_at_once() {
+    use std::sync::atomic::Ordering;
+    use tokio::io::AsyncWriteExt;
+    bounded(async {
+        let b = start(Config {
+            followers: 0,
+            topics: vec![TOPIC.into()],
+            ..Config::default()
+        })
+        .await;
+        let mut c = tokio::net::TcpStream::connect(b.addr).await.unwrap();
+        let long = wire::fetch(TOPIC, &[(0, 0)], Duration::from_secs(30), 1, 1 << 20);
+        let mut all = raw_frame(&long, wire::FETCH_VERSION, 1);
+        // A size and part of a header.
+        all.extend_from_slice(&[0, 0, 0, 40, 0, 18]);
+        c.write_all(&all).await.unwrap();
+        until("parked", || b.broker.fetches.delayed() == 1).await;
+        for _ in 0..5 {
+            c.write_all(&[0]).await.unwrap();
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(b.broker.fetches.delayed(), 1);
+        drop(c);
+        until("cancelled", || b.broker.fetches.delayed() == 0).await;
+        assert_eq!(
+            b.broker
+                .stats
+                .connections_dropped_while_waiting
+                .load(Ordering::Relaxed),
+            1
+        );
+        b.shutdown().await;
+    })
+    .await
+}
+
+/// A client that shuts down its sending side (half-closes) after a request
+/// that is answered at once gets its answer. One that half-closes while its
+/// request waits is taken for one that hung up, as the README says: the
+/// broker sees the same end of the stream either way (a peer that closed
+/// the socket sends the same FIN), and it cancels at once what a client
+/// that hung up left waiting. Kafka, which does not read a muted connection,
+/// would answer it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_half_close_is_a_hang_up_once_a_request_waits() {
+    use std::sync::atomic::Ordering;
+    use tokio::io::AsyncWriteExt;
+    bounded(async {
+        let b = start(Config {
+            followers: 0,
+            topics: vec![TOPIC.into()],
+            ..Config::default()
+        })
+        .await;
+        let versions = kafka_protocol::messages::ApiVersionsRequest::default();
+        let mut c = tokio::net::TcpStream::connect(b.addr).await.unwrap();
+        c.write_all(&raw_frame(&versions, 0, 7)).await.unwrap();
+        c.shutdown().await.unwrap();
+        let answer = read_answer::<kafka_protocol::messages::ApiVersionsRequest>(&mut c, 0).await;
+        assert_eq!(answer.map(|(id, _)| id), Some(7));
+        let mut c = tokio::net::TcpStream::connect(b.addr).await.unwrap();
+        let fetch = wire::fetch(TOPIC, &[(0, 0)], Duration::from_secs(30), 1, 1 << 20);
+        c.write_all(&raw_frame(&fetch, wire::FETCH_VERSION, 8))
+            .await
+            .unwrap();
+        until("parked", || b.broker.fetches.delayed() == 1).await;
+        c.shutdown().await.unwrap();
+        until("cancelled", || b.broker.fetches.delayed() == 0).await;
+        assert!(closed_within(&mut c, Duration::from_secs(5)).await);
+        assert_eq!(
+            b.broker
+                .stats
+                .connections_dropped_while_waiting
+                .load(Ordering::Relaxed),
+            1
+        );
+        b.shutdown().await;
+    })
+    .await
+}
+
 /// Reads from `conn` until the broker closes it; `false` if it stays open
 /// past `within`.
 async fn closed_within(conn: &mut tokio::net::TcpStream, within: Duration) -> bool {
@@ -913,6 +998,62 @@ async fn min_insync_replicas_refuses_acks_all_once_the_isr_is_too_small() {
             ResponseError::NotEnoughReplicas.code()
         );
         assert_eq!(b.broker.topics.partition(TOPIC, 0).unwrap().log_end(), end);
+        b.shutdown().await;
+    })
+    .await
+}
+
+/// With the only follower out of the ISR the leader alone is the ISR, and,
+/// as in Kafka, each append moves the high watermark to the log end: an
+/// `acks=all` produce is answered at once, and retention (which drops only
+/// what is replicated) keeps making room. (The high watermark once moved at
+/// the ISR shrink and never again: `acks=all` timed out and, once the logs
+/// were full, every append was refused.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_leader_alone_in_the_isr_each_append_commits() {
+    bounded(async {
+        let limit = 16 << 10;
+        let b = start(Config {
+            followers: 1,
+            stuck_follower: Some(0),
+            replica_lag_max: Duration::from_millis(300),
+            max_produce_wait: Duration::from_secs(5),
+            topics: vec![TOPIC.into()],
+            max_message_bytes: 4096,
+            max_log_bytes: limit,
+            ..Config::default()
+        })
+        .await;
+        let mut w = Wire::connect(b.addr).await.unwrap();
+        let r = w.append(TOPIC, 0, &[b"a"]).await.unwrap();
+        assert_eq!(wire::produce_error(&r), 0);
+        let p = b.broker.topics.partition(TOPIC, 0).unwrap();
+        until("the follower leaves the ISR", || {
+            p.in_sync_followers().is_empty() && p.high_watermark() == 1
+        })
+        .await;
+        // acks=1: committed by the time it is answered.
+        let r = w.append(TOPIC, 0, &[b"b"]).await.unwrap();
+        assert_eq!(wire::produce_error(&r), 0);
+        assert_eq!((p.high_watermark(), p.log_end()), (2, 2));
+        // acks=all: covered at once, not REQUEST_TIMED_OUT.
+        let r = w
+            .call(
+                &wire::produce(TOPIC, 0, -1, Duration::from_secs(5), wire::batch(&[b"c"])),
+                wire::PRODUCE_VERSION,
+            )
+            .await
+            .unwrap();
+        assert_eq!(wire::produce_error(&r), 0);
+        assert_eq!(p.high_watermark(), 3);
+        // Past the logs' limit, retention drops what is committed.
+        for _ in 0..20 {
+            let r = w.append(TOPIC, 0, &[&[1u8; 3000]]).await.unwrap();
+            assert_eq!(wire::produce_error(&r), 0);
+            assert_eq!(p.high_watermark(), p.log_end());
+        }
+        assert!(p.log_start() > 3);
+        assert!(b.broker.topics.log_bytes() <= limit);
         b.shutdown().await;
     })
     .await
@@ -1420,6 +1561,128 @@ async fn retention_drops_only_what_is_replicated() {
         assert_eq!(wire::produce_error(&r), 0);
         assert!(part.log_start() > 0);
         assert!(b.broker.topics.log_bytes() <= limit);
+    })
+    .await
+}
+
+/// An append refused for want of room drops nothing: what dropping the
+/// replicated batches would free is added up first, and here it is not
+/// enough, so partition 1's replicated batch stays (it once went anyway,
+/// moving its log start for an append that was then refused).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_append_drops_nothing() {
+    bounded(async {
+        let limit = 16 << 10;
+        let b = start(Config {
+            followers: 1,
+            replica_lag: Duration::from_millis(1),
+            topics: vec![TOPIC.into()],
+            max_message_bytes: 4096,
+            max_log_bytes: limit,
+            ..Config::default()
+        })
+        .await;
+        let mut w = Wire::connect(b.addr).await.unwrap();
+        // One small replicated batch, on partition 1.
+        let r = w.append(TOPIC, 1, &[b"keep me"]).await.unwrap();
+        assert_eq!(wire::produce_error(&r), 0);
+        let p1 = b.broker.topics.partition(TOPIC, 1).unwrap();
+        until("it is replicated", || p1.high_watermark() == 1).await;
+        // The follower stops copying; small batches it does not copy fill
+        // the logs up to near the limit.
+        b.broker.set_stuck(0, true);
+        while b.broker.topics.log_bytes() + 600 <= limit {
+            let r = w.append(TOPIC, 0, &[&[1u8; 300]]).await.unwrap();
+            assert_eq!(wire::produce_error(&r), 0);
+        }
+        // A batch that would not fit even with the replicated one dropped.
+        let big = [2u8; 3900];
+        let r = w.append(TOPIC, 0, &[&big]).await.unwrap();
+        assert_eq!(
+            wire::produce_error(&r),
+            ResponseError::KafkaStorageError.code()
+        );
+        assert_eq!((p1.log_start(), p1.log_end()), (0, 1), "nothing dropped");
+        // Retriable: once the follower has caught up there is room.
+        b.broker.set_stuck(0, false);
+        let p0 = b.broker.topics.partition(TOPIC, 0).unwrap();
+        until("the follower catches up", || {
+            p0.high_watermark() == p0.log_end()
+        })
+        .await;
+        let r = w.append(TOPIC, 0, &[&big]).await.unwrap();
+        assert_eq!(wire::produce_error(&r), 0);
+        assert_eq!(p1.log_start(), 1, "the oldest went first");
+        assert!(b.broker.topics.log_bytes() <= limit);
+        b.shutdown().await;
+    })
+    .await
+}
+
+/// Retention looks past batches that are not replicated yet at the front of
+/// its order (32 of them, with their partitions' batches behind them) for
+/// the replicated batches of other partitions: one partition waiting for its
+/// follower does not refuse every append. With more than that in the way,
+/// an append that needs room is refused. The follower is stuck: the test
+/// copies partitions by hand, as the follower would.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retention_looks_past_batches_not_replicated_yet() {
+    bounded(async {
+        let limit = 32 << 10;
+        let b = start(Config {
+            followers: 1,
+            stuck_follower: Some(0),
+            partitions: 40,
+            topics: vec![TOPIC.into()],
+            max_message_bytes: 4096,
+            max_log_bytes: limit,
+            ..Config::default()
+        })
+        .await;
+        let mut w = Wire::connect(b.addr).await.unwrap();
+        let part = |p| b.broker.topics.partition(TOPIC, p).unwrap();
+        // Partition `p` copied up to its log end by the (only) follower.
+        let copy = |p| {
+            let p = part(p);
+            if let Some(hw) = p.copied(0, p.log_end(), Instant::now()) {
+                b.broker.high_watermark_moved(&p, hw);
+            }
+        };
+        // The oldest batches: one small one on each of partitions 0 to 32,
+        // none copied: 33 in the way.
+        for p in 0..=32 {
+            let r = w.append(TOPIC, p, &[b"wait"]).await.unwrap();
+            assert_eq!(wire::produce_error(&r), 0);
+        }
+        // Then partition 39's, each copied at once, until the logs are full.
+        let last = part(39);
+        let value = vec![7u8; 3000];
+        let code = loop {
+            let r = w.append(TOPIC, 39, &[&value]).await.unwrap();
+            match wire::produce_error(&r) {
+                0 => copy(39),
+                code => break code,
+            }
+            assert!(last.log_end() < 20, "the logs keep filling");
+        };
+        assert_eq!(code, ResponseError::KafkaStorageError.code());
+        assert_eq!(last.log_start(), 0);
+        // Partition 0's copied and dropped first: 32 left in the way, and
+        // retention looks past them to partition 39's.
+        copy(0);
+        for _ in 0..10 {
+            let r = w.append(TOPIC, 39, &[&value]).await.unwrap();
+            assert_eq!(wire::produce_error(&r), 0);
+            copy(39);
+            assert!(b.broker.topics.log_bytes() <= limit);
+        }
+        assert_eq!(part(0).log_start(), 1);
+        assert!(last.log_start() >= 10);
+        for p in 1..=32 {
+            let p = part(p);
+            assert_eq!((p.log_start(), p.high_watermark(), p.log_end()), (0, 0, 1));
+        }
+        b.shutdown().await;
     })
     .await
 }

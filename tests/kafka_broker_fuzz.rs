@@ -10,6 +10,9 @@
 //!   broker still answers a bystander connection, the memory it holds for
 //!   requests stays within its budget, and its logs hold only batches that
 //!   well-formed requests sent.
+//! - Over one connection, mutated and whole batches, reads at the logs'
+//!   edges and replication in random order against small logs: retention
+//!   keeps them within their limit and whole after every request.
 //!
 //! The seed is printed; `PURGATORY_FUZZ_SEED=n cargo test --test
 //! kafka_broker_fuzz` replays a run. Real sockets on 127.0.0.1 and real time,
@@ -700,5 +703,249 @@ async fn hostile_frames_over_sockets_leave_the_broker_serving_and_its_logs_clean
     );
     assert!(stored > 0, "some well-formed produces were stored");
     assert!(b.topics.all().len() <= 20);
+    handle.shutdown().await;
+}
+
+fn pick<T: Copy>(rng: &mut Rng, xs: &[T]) -> T {
+    xs[rng.below(xs.len() as u64) as usize]
+}
+
+/// A one-record batch, and whether it is left as made; else damaged in a
+/// few places (a byte, its length, magic, codec, last offset delta, record
+/// count, a truncation, bytes added, a codec's opening), its CRC made right
+/// again most of the time.
+fn mutated_batch(rng: &mut Rng) -> (Bytes, bool) {
+    let value = vec![rng.below(256) as u8; rng.below(2000) as usize];
+    let mut b = wire::batch(&[&value]).to_vec();
+    if rng.below(4) == 0 {
+        return (b.into(), true);
+    }
+    for _ in 0..1 + rng.below(3) {
+        if b.len() < 61 {
+            break;
+        }
+        match rng.below(9) {
+            0 => {
+                let i = rng.below(b.len() as u64) as usize;
+                b[i] = rng.below(256) as u8;
+            }
+            1 => {
+                let len = b.len() as i32;
+                let v = pick(
+                    rng,
+                    &[
+                        i32::MIN,
+                        -1,
+                        0,
+                        13,
+                        14,
+                        15,
+                        48,
+                        49,
+                        len - 13,
+                        len - 12,
+                        len - 11,
+                        i32::MAX,
+                    ],
+                );
+                b[8..12].copy_from_slice(&v.to_be_bytes());
+            }
+            2 => b[16] = pick(rng, &[0u8, 1, 2, 3, 0x80, 0xff]),
+            3 => b[22] = (b[22] & !7) | rng.below(8) as u8,
+            4 => {
+                let v = pick(rng, &[i32::MIN, -1, 0, 1, 2, 3, i32::MAX]);
+                b[23..27].copy_from_slice(&v.to_be_bytes());
+            }
+            5 => {
+                let v = pick(rng, &[i32::MIN, -1, 0, 1, 2, 3, i32::MAX]);
+                b[57..61].copy_from_slice(&v.to_be_bytes());
+            }
+            6 => b.truncate(rng.below(b.len() as u64 + 1) as usize),
+            7 => {
+                let extra = rng.below(80) as usize;
+                b.extend((0..extra).map(|_| rng.below(256) as u8));
+            }
+            _ => {
+                if b.len() > 65 {
+                    b[22] = (b[22] & !7) | pick(rng, &[1u8, 2, 3, 4]);
+                    let mark: &[u8] = pick(
+                        rng,
+                        &[
+                            &[0x1f, 0x8b][..],
+                            &[0x04, 0x22, 0x4d, 0x18],
+                            &[0x28, 0xb5, 0x2f, 0xfd],
+                        ],
+                    );
+                    b[61..61 + mark.len()].copy_from_slice(mark);
+                }
+            }
+        }
+    }
+    if b.len() >= 21 && rng.below(4) != 0 {
+        let crc = crc32c::crc32c(&b[21..]);
+        b[17..21].copy_from_slice(&crc.to_be_bytes());
+    }
+    (b.into(), false)
+}
+
+/// Mutated and whole batches, fetches and offset lookups at the logs' edges
+/// (below, at and past the log start and end), and replication in random
+/// order (the follower is stuck: the test copies partitions by hand, as it
+/// would), on one connection against a broker whose logs hold 16 KiB: the
+/// connection stays up, a whole batch is stored or refused only for want of
+/// room, and after every request the logs are within `max_log_bytes` with
+/// log start <= high watermark <= log end for each partition. Every so
+/// often everything is copied and what retention counts is checked against
+/// what the logs hold.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retention_and_reads_at_the_log_edges_keep_the_logs_whole() {
+    let seed = seed();
+    let limit = 16 << 10;
+    let handle = BrokerHandle::start(Config {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        followers: 1,
+        stuck_follower: Some(0),
+        partitions: 3,
+        topics: vec!["t".into()],
+        max_message_bytes: 4096,
+        max_log_bytes: limit,
+        ..Config::default()
+    })
+    .await
+    .expect("the broker starts");
+    let b = handle.broker.clone();
+    let mut w = wire::Wire::connect(handle.addr).await.unwrap();
+    let part = |p: i32| b.topics.partition("t", p).unwrap();
+    let copy = |p: i32| {
+        let p = part(p);
+        if let Some(hw) = p.copied(0, p.log_end(), tokio::time::Instant::now()) {
+            b.high_watermark_moved(&p, hw);
+        }
+    };
+    // What keeping a batch costs beyond its bytes.
+    let first = wire::batch(&[b"first"]);
+    let r = w.append("t", 0, &[b"first"]).await.unwrap();
+    assert_eq!(wire::produce_error(&r), 0);
+    let batch_cost = b.topics.log_bytes() - first.len();
+    let mut rng = Rng(seed);
+    let run = async {
+        for i in 0..4000 {
+            let p = pick(&mut rng, &[-1, 0, 1, 2, 3]);
+            let at = |p: i32| {
+                b.topics
+                    .partition("t", p.max(0))
+                    .map_or((0, 0), |p| (p.log_start() as i64, p.log_end() as i64))
+            };
+            match rng.below(8) {
+                0..=2 => {
+                    let (records, whole) = mutated_batch(&mut rng);
+                    let version = pick(&mut rng, &[3i16, 7, 9]);
+                    let produce = wire::produce("t", p, 1, Duration::from_secs(5), records);
+                    let r = w
+                        .call(&produce, version)
+                        .await
+                        .expect("the connection stays up");
+                    let code = wire::produce_error(&r);
+                    if whole && (0..3).contains(&p) {
+                        assert!(
+                            code == 0
+                                || code
+                                    == kafka_protocol::error::ResponseError::KafkaStorageError
+                                        .code(),
+                            "seed {seed}, step {i}: a whole batch refused with {code}"
+                        );
+                    }
+                }
+                3 | 4 => {
+                    let (start, end) = at(p);
+                    let offset = pick(
+                        &mut rng,
+                        &[
+                            -2,
+                            -1,
+                            0,
+                            start - 1,
+                            start,
+                            start + 1,
+                            end - 1,
+                            end,
+                            end + 1,
+                            i64::MAX,
+                        ],
+                    );
+                    let max_bytes = pick(&mut rng, &[i32::MIN, -1, 0, 1, 100, 5000, i32::MAX]);
+                    let min_bytes = pick(&mut rng, &[i32::MIN, 0, 1, 1000, i32::MAX]);
+                    let other = pick(&mut rng, &[0, 1, 2]);
+                    let fetch = wire::fetch(
+                        "t",
+                        &[(p, offset), (other, offset)],
+                        Duration::from_millis(rng.below(4)),
+                        min_bytes,
+                        max_bytes,
+                    );
+                    w.call(&fetch, wire::FETCH_VERSION)
+                        .await
+                        .expect("the connection stays up");
+                }
+                5 => {
+                    let ts = pick(
+                        &mut rng,
+                        &[i64::MIN, -4, -3, -2, -1, 0, wire::now_ms(), i64::MAX],
+                    );
+                    let other = pick(&mut rng, &[0, 1, 2, 3]);
+                    let req = ListOffsetsRequest::default()
+                        .with_replica_id(BrokerId(-1))
+                        .with_topics(vec![ListOffsetsTopic::default()
+                            .with_name(TopicName(StrBytes::from_static_str("t")))
+                            .with_partitions(vec![
+                                ListOffsetsPartition::default()
+                                    .with_partition_index(p)
+                                    .with_timestamp(ts),
+                                ListOffsetsPartition::default()
+                                    .with_partition_index(other)
+                                    .with_timestamp(ts),
+                            ])]);
+                    w.call(&req, 7).await.expect("the connection stays up");
+                }
+                // Partition 2 is not copied every other 500 steps: its
+                // batches are then in the way of the others' at the front of
+                // the retention order.
+                _ => {
+                    let q = pick(&mut rng, &[0, 0, 0, 1, 1, 2]);
+                    if q != 2 || (i / 500) % 2 == 0 {
+                        copy(q);
+                    }
+                }
+            }
+            assert!(
+                b.topics.log_bytes() <= limit,
+                "seed {seed}, step {i}: the logs hold {} bytes",
+                b.topics.log_bytes()
+            );
+            for q in b.topics.all_partitions() {
+                let (s, h, e) = (q.log_start(), q.high_watermark(), q.log_end());
+                assert!(
+                    s <= h && h <= e,
+                    "seed {seed}, step {i}: start {s} hw {h} end {e}"
+                );
+            }
+            if i % 500 == 499 {
+                // Everything copied, so readable: the logs' batches and their
+                // costs are what retention counts.
+                let mut held = 0;
+                for p in 0..3 {
+                    copy(p);
+                    let q = part(p);
+                    let read = q.read(q.log_start(), usize::MAX, true, &mut |_| true);
+                    let kept = batches(read.records);
+                    held += kept.iter().map(|k| k.len() + batch_cost).sum::<usize>();
+                }
+                assert_eq!(held, b.topics.log_bytes(), "seed {seed}, step {i}");
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(120), run)
+        .await
+        .expect("in time");
     handle.shutdown().await;
 }

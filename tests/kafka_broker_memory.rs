@@ -1,8 +1,10 @@
 //! The Kafka-protocol broker example's memory stays within its bounds
 //! whatever clients send: it keeps nothing of a request's frame beyond what
-//! it stores, and answers a client does not read stay within its memory
-//! budget. The live heap is counted process-wide, so the tests here run one
-//! at a time; real sockets, each test bounded by a timeout.
+//! it stores, answers a client does not read stay within its memory budget,
+//! retention does not move its whole order at each append, and the
+//! descriptor watched for a hang-up goes with its request. The live heap and
+//! the descriptors are counted process-wide, so the tests here run one at a
+//! time; real sockets, each test bounded by a timeout.
 
 #[path = "../examples/kafka_broker/broker/mod.rs"]
 #[allow(dead_code)]
@@ -14,9 +16,38 @@ mod wire;
 mod support;
 use support::alloc;
 
-#[global_allocator]
-static GLOBAL: alloc::Counting = alloc::Counting;
+/// The live-heap count, and a count of the allocations and reallocations of
+/// at least [`BIG`] bytes (a measure of the whole retention order being
+/// moved: nothing else here is that large).
+struct CountingBig;
 
+static BIG_ONES: AtomicU64 = AtomicU64::new(0);
+const BIG: usize = 1 << 20;
+
+// SAFETY: forwards every call unchanged to `alloc::Counting`.
+unsafe impl GlobalAlloc for CountingBig {
+    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+        if l.size() >= BIG {
+            BIG_ONES.fetch_add(1, Ordering::Relaxed);
+        }
+        unsafe { alloc::Counting.alloc(l) }
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+        unsafe { alloc::Counting.dealloc(p, l) }
+    }
+    unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
+        if new.max(l.size()) >= BIG {
+            BIG_ONES.fetch_add(1, Ordering::Relaxed);
+        }
+        unsafe { alloc::Counting.realloc(p, l, new) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: CountingBig = CountingBig;
+
+use std::alloc::{GlobalAlloc, Layout};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use broker::{BrokerHandle, Config};
@@ -270,6 +301,228 @@ async fn the_logs_stay_within_max_log_bytes() {
             "small batches hold {grown} bytes with a {limit}-byte limit"
         );
         assert!(b.broker.topics.log_bytes() <= limit);
+        b.shutdown().await;
+    })
+    .await
+    .expect("bounded");
+}
+
+/// One produce (acks=1) of a one-record batch of `value` to each of
+/// partitions `0..parts` of "t".
+fn to_every_partition(parts: i32, value: &[u8]) -> kafka_protocol::messages::ProduceRequest {
+    use kafka_protocol::messages::produce_request::{PartitionProduceData, TopicProduceData};
+    let batch = wire::batch(&[value]);
+    kafka_protocol::messages::ProduceRequest::default()
+        .with_acks(1)
+        .with_timeout_ms(5000)
+        .with_topic_data(vec![TopicProduceData::default()
+            .with_name(TopicName(s("t")))
+            .with_partition_data(
+                (0..parts)
+                    .map(|p| {
+                        PartitionProduceData::default()
+                            .with_index(p)
+                            .with_records(Some(batch.clone()))
+                    })
+                    .collect(),
+            )])
+}
+
+/// The retention order (one queue of every stored batch) gives room back
+/// with hysteresis: with the logs full and the order just past half its
+/// room (as right after it doubled), appends that each drop two older
+/// batches (one entry fewer each time) once shrank it to its length at every
+/// append and had the push after double it again, two moves of the whole
+/// order per append under its lock. 2,000 such appends now move it a few
+/// times at most.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retention_does_not_reallocate_its_order_at_each_append() {
+    let _alone = ONE_AT_A_TIME.lock().await;
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let parts = 1000;
+        // Each stored tiny batch's cost, measured below; the logs hold
+        // 2^17 + 2 of them, so the order has just doubled to 2^18 entries of
+        // room (several MiB: each of its moves is a BIG reallocation).
+        let held = (1 << 17) + 2;
+        let tiny = wire::batch(&[b"x"]).len();
+        let probe = BrokerHandle::start(Config {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            followers: 0,
+            topics: vec!["t".into()],
+            ..Config::default()
+        })
+        .await
+        .expect("the broker starts");
+        Wire::connect(probe.addr)
+            .await
+            .unwrap()
+            .append("t", 0, &[b"x"])
+            .await
+            .unwrap();
+        let cost = probe.broker.topics.log_bytes();
+        let batch_cost = cost - tiny;
+        probe.shutdown().await;
+        let limit = held * cost;
+        let b = BrokerHandle::start(Config {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            followers: 0,
+            partitions: parts,
+            topics: vec!["t".into()],
+            max_log_bytes: limit,
+            ..Config::default()
+        })
+        .await
+        .expect("the broker starts");
+        let mut w = Wire::connect(b.addr).await.unwrap();
+        // Fill the logs with tiny batches, and go on past the limit.
+        let to_all = to_every_partition(parts, b"x");
+        let p0 = b.broker.topics.partition("t", 0).unwrap();
+        for round in 0.. {
+            let r = w.call(&to_all, wire::PRODUCE_VERSION).await.unwrap();
+            assert_eq!(produce_errors(&r), 0);
+            if p0.log_start() > 5 {
+                break;
+            }
+            assert!(round < 1000, "the logs filled");
+        }
+        assert_eq!(b.broker.topics.log_bytes(), limit);
+        // Batches that each cost exactly two tiny ones: each append drops two.
+        let value = (0..4096)
+            .map(|v| vec![0u8; v])
+            .find(|v| wire::batch(&[v]).len() == 2 * tiny + batch_cost)
+            .expect("a value of that size");
+        let to_all = to_every_partition(parts, &value);
+        let before = BIG_ONES.load(Ordering::Relaxed);
+        for _ in 0..2 {
+            let r = w.call(&to_all, wire::PRODUCE_VERSION).await.unwrap();
+            assert_eq!(produce_errors(&r), 0);
+        }
+        let big = BIG_ONES.load(Ordering::Relaxed) - before;
+        assert_eq!(b.broker.topics.log_bytes(), limit);
+        assert!(
+            big <= 4,
+            "2,000 appends moved the retention order {big} times (amortized: a few)"
+        );
+        b.shutdown().await;
+    })
+    .await
+    .expect("bounded");
+}
+
+/// Partitions refused in a produce's answer.
+fn produce_errors(r: &kafka_protocol::messages::ProduceResponse) -> usize {
+    r.responses
+        .iter()
+        .flat_map(|t| &t.partition_responses)
+        .filter(|p| p.error_code != 0)
+        .count()
+}
+
+/// A raw request frame (size, header, body), for requests written several at
+/// a time on one connection.
+fn raw_frame<R: kafka_protocol::protocol::Request>(req: &R, version: i16, id: i32) -> Vec<u8> {
+    use bytes::BufMut;
+    use kafka_protocol::messages::RequestHeader;
+    use kafka_protocol::protocol::Encodable;
+    let mut out = bytes::BytesMut::new();
+    out.put_i32(0);
+    RequestHeader::default()
+        .with_request_api_key(R::KEY)
+        .with_request_api_version(version)
+        .with_correlation_id(id)
+        .with_client_id(Some(s("raw")))
+        .encode(&mut out, R::header_version(version))
+        .unwrap();
+    req.encode(&mut out, version).unwrap();
+    let size = (out.len() - 4) as i32;
+    out[..4].copy_from_slice(&size.to_be_bytes());
+    out.to_vec()
+}
+
+/// Reads one whole answer frame: its correlation id; `None` once closed.
+async fn answer_id(c: &mut tokio::net::TcpStream) -> Option<i32> {
+    use tokio::io::AsyncReadExt;
+    let size = c.read_i32().await.ok()?;
+    let mut body = vec![0; size.clamp(4, 1 << 24) as usize];
+    c.read_exact(&mut body).await.ok()?;
+    Some(i32::from_be_bytes(body[..4].try_into().unwrap()))
+}
+
+fn open_descriptors() -> usize {
+    std::fs::read_dir("/proc/self/fd").unwrap().count()
+}
+
+/// A request that waits with bytes pipelined behind it has the socket's
+/// descriptor duplicated to watch for the client hanging up; the duplicate
+/// goes when the request ends, answered or cancelled by the hang-up, and
+/// does not pile up per request. (Descriptors are counted process-wide,
+/// hence here, one test at a time.)
+#[cfg(target_os = "linux")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_hang_up_watch_keeps_no_descriptor_past_its_request() {
+    use kafka_protocol::messages::ApiVersionsRequest;
+    use tokio::io::AsyncWriteExt;
+    let _alone = ONE_AT_A_TIME.lock().await;
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let b = BrokerHandle::start(Config {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            followers: 0,
+            topics: vec!["t".into()],
+            ..Config::default()
+        })
+        .await
+        .expect("the broker starts");
+        // Each round: a fetch that waits 15 ms, an ApiVersions behind it.
+        let round = |i: i32| {
+            let fetch = wire::fetch("t", &[(0, 0)], Duration::from_millis(15), 1, 1 << 20);
+            let mut both = raw_frame(&fetch, wire::FETCH_VERSION, 2 * i);
+            both.extend(raw_frame(&ApiVersionsRequest::default(), 0, 2 * i + 1));
+            both
+        };
+        let mut c = tokio::net::TcpStream::connect(b.addr).await.unwrap();
+        // Warm up (the runtime's threads, the first connection's descriptors).
+        c.write_all(&round(0)).await.unwrap();
+        assert_eq!(answer_id(&mut c).await, Some(0));
+        assert_eq!(answer_id(&mut c).await, Some(1));
+        let before = open_descriptors();
+        for i in 1..=100 {
+            c.write_all(&round(i)).await.unwrap();
+            assert_eq!(answer_id(&mut c).await, Some(2 * i));
+            assert_eq!(answer_id(&mut c).await, Some(2 * i + 1));
+        }
+        assert!(
+            open_descriptors() <= before,
+            "descriptors left by answered requests"
+        );
+        // Clients hanging up while their fetch waits, half a frame behind it.
+        for i in 0..30 {
+            let mut c = tokio::net::TcpStream::connect(b.addr).await.unwrap();
+            let long = wire::fetch("t", &[(0, 0)], Duration::from_secs(30), 1, 1 << 20);
+            let mut both = raw_frame(&long, wire::FETCH_VERSION, i);
+            both.extend_from_slice(&[0, 0]);
+            c.write_all(&both).await.unwrap();
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+            while b.broker.fetches.delayed() == 0 {
+                assert!(tokio::time::Instant::now() < deadline, "parked");
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            drop(c);
+            while b.broker.fetches.delayed() > 0 {
+                assert!(tokio::time::Instant::now() < deadline, "cancelled");
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }
+        // Each connection's task ends as it sees its hang-up.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while open_descriptors() > before {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{} descriptors open, {before} before",
+                open_descriptors()
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        drop(c);
         b.shutdown().await;
     })
     .await

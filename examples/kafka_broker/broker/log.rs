@@ -11,8 +11,10 @@
 //! what keeping it costs): past it the oldest batches go first, across
 //! partitions, and each partition's log start offset moves up past what it
 //! lost, as Kafka's size-based retention drops a partition's oldest segments.
-//! Like Kafka's, it drops only what is replicated (below the high watermark);
-//! an append that would need more room than that frees is refused.
+//! Like Kafka's, it drops only what is replicated (below the high watermark):
+//! it looks past up to [`LOOK_PAST`] batches not replicated yet at the front
+//! of the order for replicated ones of other partitions. An append that would
+//! need more room than that frees is refused, and then drops nothing.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -38,12 +40,19 @@ struct Batch {
     bytes: Bytes,
 }
 
+/// A stored batch's entry in the retention order: its partition, its end,
+/// and what keeping it costs (its bytes and [`BATCH_COST`]).
+struct Kept {
+    part: Arc<Partition>,
+    end: u64,
+    cost: usize,
+}
+
 /// What keeping a batch costs beyond its bytes: its entries in the
 /// partition's log and in the retention order (each queue's room up to twice
-/// what it holds), and its allocation's bookkeeping. Counted against
-/// `max_log_bytes`, so that a flood of tiny batches is bounded too.
-pub const BATCH_COST: usize =
-    2 * (std::mem::size_of::<Batch>() + std::mem::size_of::<(Arc<Partition>, u64)>()) + 32;
+/// what it holds, see [`shrink`]), and its allocation's bookkeeping. Counted
+/// against `max_log_bytes`, so that a flood of tiny batches is bounded too.
+pub const BATCH_COST: usize = 2 * (std::mem::size_of::<Batch>() + std::mem::size_of::<Kept>()) + 32;
 
 /// Why an append was refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -170,6 +179,7 @@ impl Partition {
             checked.max_timestamp
         };
         let position = log.appended;
+        let cost = batch.len() + BATCH_COST;
         log.appended += batch.len() as u64;
         log.batches.push_back(Batch {
             base,
@@ -178,25 +188,28 @@ impl Partition {
             position,
             bytes: batch.freeze(),
         });
-        order.lock().unwrap().push_back((self.clone(), end));
+        order.lock().unwrap().push_back(Kept {
+            part: self.clone(),
+            end,
+            cost,
+        });
         // Published under the lock, so log ends only grow.
         self.log_end.store(end, Ordering::Release);
         (base, end)
     }
 
     /// Drops the batches that end at or before `end` and moves the log
-    /// start past them; returns what they cost.
-    fn drop_until(&self, end: u64) -> usize {
+    /// start past them (what they cost is given back by the caller, which
+    /// took their entries out of the retention order).
+    fn drop_until(&self, end: u64) {
         let mut log = self.log.lock().unwrap();
-        let mut freed = 0;
         while log.batches.front().is_some_and(|b| b.end <= end) {
             let b = log.batches.pop_front().unwrap();
-            freed += b.bytes.len() + BATCH_COST;
             self.log_start.fetch_max(b.end, Ordering::AcqRel);
         }
         shrink(&mut log.batches);
-        freed
     }
+
     /// Records follower `f` as having copied up to `offset`, which was the
     /// leader's log end at `appended`; returns the new high watermark if it
     /// moved. A follower out of the ISR that has reached the high watermark
@@ -386,18 +399,31 @@ fn first_batch(log: &VecDeque<Batch>, offset: u64) -> usize {
     log.partition_point(|b| b.end <= offset)
 }
 
-/// Gives back a queue's room once it holds under half of it, so that its
-/// room stays within twice what it holds (a queue that emptied after a burst
-/// does not keep the burst's size); amortized, as its growth is.
+/// Gives back a queue's room once it holds under half of it, keeping room for
+/// half as much again as it holds. Its room so stays within twice what it
+/// holds (as [`BATCH_COST`] counts it; a queue that emptied after a burst
+/// does not keep the burst's size), and a reallocation either way is
+/// followed by at least a quarter of the length in pushes or pops before the
+/// next: amortized, as its growth is. (Giving it back down to exactly its
+/// length would have the next push double it again: a queue at half its
+/// room, popped twice and pushed once per append, would be reallocated
+/// whole twice per append.)
 fn shrink<T>(queue: &mut VecDeque<T>) {
     if queue.capacity() > 4 && queue.len() < queue.capacity() / 2 {
-        queue.shrink_to(queue.len());
+        queue.shrink_to(queue.len() + queue.len() / 2);
     }
 }
 
-/// Every stored batch in the order it was appended, as (its partition, its
-/// end): the order retention drops them in.
-type Order = Mutex<VecDeque<(Arc<Partition>, u64)>>;
+/// Every stored batch in the order it was appended: the order retention
+/// drops them in.
+type Order = Mutex<VecDeque<Kept>>;
+
+/// How many batches retention looks past at the front of the order when they
+/// cannot be dropped yet (not replicated), for replicated batches of other
+/// partitions behind them. Bounded, so that an append's search under the
+/// order's lock is too: with more than this many in the way, an append that
+/// needs room is refused.
+const LOOK_PAST: usize = 32;
 
 /// The room the logs share.
 struct Store {
@@ -409,41 +435,80 @@ struct Store {
 }
 
 impl Store {
-    /// Reserves `cost` bytes, dropping the oldest batches until they fit;
-    /// `false` (nothing reserved) when what can be dropped, the replicated
-    /// batches at the front, does not free enough.
+    /// Reserves `cost` bytes, dropping the oldest batches that can be
+    /// dropped until it fits: the replicated ones from the front of the
+    /// order, looking past up to [`LOOK_PAST`] that cannot be. What they
+    /// would free is added up first: when it is not enough, nothing is
+    /// dropped and nothing reserved (`false`).
     fn reserve(&self, cost: usize) -> bool {
         if self.used.fetch_add(cost, Ordering::AcqRel) + cost <= self.limit {
             return true;
         }
-        loop {
-            if self.used.load(Ordering::Acquire) <= self.limit {
+        let taken = {
+            let mut order = self.order.lock().unwrap();
+            // Others may have made room meanwhile (what is dropped is given
+            // back under this lock).
+            let Some(need) = self
+                .used
+                .load(Ordering::Acquire)
+                .checked_sub(self.limit)
+                .filter(|&n| n > 0)
+            else {
                 return true;
-            }
-            // The order's lock is never held while a log's is taken (an
-            // append takes them the other way round).
-            let oldest = {
-                let mut order = self.order.lock().unwrap();
-                match order.front() {
-                    Some((part, end)) if *end <= part.high_watermark() => {
-                        let oldest = order.pop_front();
-                        shrink(&mut order);
-                        oldest
-                    }
-                    _ => None,
-                }
             };
-            match oldest {
-                Some((part, end)) => {
-                    let freed = part.drop_until(end);
-                    self.used.fetch_sub(freed, Ordering::AcqRel);
-                }
-                None => {
-                    self.used.fetch_sub(cost, Ordering::AcqRel);
-                    return false;
+            // The positions of the batches left in place. (A partition's
+            // batches behind one of them are not replicated either, unless
+            // its high watermark moves meanwhile: then dropping a later one
+            // drops the one left too, replicated by then, whose cost stays
+            // counted until its entry is taken, dropping nothing more.)
+            let mut left = [0usize; LOOK_PAST];
+            let (mut skipped, mut freed, mut upto) = (0, 0, 0);
+            for (i, k) in order.iter().enumerate() {
+                if k.end <= k.part.high_watermark() {
+                    freed += k.cost;
+                    if freed >= need {
+                        upto = i + 1;
+                        break;
+                    }
+                } else if skipped == LOOK_PAST {
+                    break;
+                } else {
+                    left[skipped] = i;
+                    skipped += 1;
                 }
             }
+            if upto == 0 {
+                drop(order);
+                self.used.fetch_sub(cost, Ordering::AcqRel);
+                return false;
+            }
+            // Enough: take the droppable batches of the first `upto` out of
+            // the order, and put the others back in front, in order.
+            let mut taken = Vec::with_capacity(upto - skipped);
+            let mut back = Vec::with_capacity(skipped);
+            let mut next_left = left[..skipped].iter().peekable();
+            for (i, k) in order.drain(..upto).enumerate() {
+                if next_left.next_if_eq(&&i).is_some() {
+                    back.push(k);
+                } else {
+                    taken.push(k);
+                }
+            }
+            for k in back.into_iter().rev() {
+                order.push_front(k);
+            }
+            shrink(&mut order);
+            // Given back now, under the lock, so that the next append to
+            // look counts it.
+            self.used.fetch_sub(freed, Ordering::AcqRel);
+            taken
+        };
+        // The order's lock is never held while a log's is taken (an append
+        // takes them the other way round).
+        for k in taken {
+            k.part.drop_until(k.end);
         }
+        true
     }
 }
 

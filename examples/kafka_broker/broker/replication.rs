@@ -2,8 +2,9 @@
 //! happened, and moves the partition's high watermark when it was the last
 //! one behind. A follower that has not caught up for `replica_lag_max` leaves
 //! the partition's ISR (checked every half of it, as Kafka's ISR expiration
-//! task does), which lets the high watermark go on without it; it joins again
-//! once it has copied up to the high watermark.
+//! task does), which lets the high watermark go on without it (each append
+//! recomputes it, so with no follower in the ISR it follows the log end); it
+//! joins again once it has copied up to the high watermark.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
@@ -49,20 +50,20 @@ impl Followers {
         Followers { each }
     }
 
-    /// `part` grew to `log_end`: each follower copies it after the lag. With
-    /// no followers the leader alone is the in-sync set.
+    /// `part` grew to `log_end`: each follower copies it after the lag, and
+    /// the high watermark is recomputed at once, as Kafka's leader does after
+    /// each append: with no follower in the ISR (none at all, or each left
+    /// it) the leader alone is the in-sync set, and the high watermark
+    /// follows the log end.
     pub fn appended(&self, broker: &Broker, part: &Arc<Partition>, log_end: u64) {
-        if self.each.is_empty() {
-            if let Some(hw) = part.advance_high_watermark() {
-                broker.high_watermark_moved(part, hw);
-            }
-            return;
-        }
         let now = Instant::now();
         for f in &self.each {
             if let Some(tx) = &*f.tx.lock().unwrap() {
                 let _ = tx.send((part.clone(), log_end, now));
             }
+        }
+        if let Some(hw) = part.advance_high_watermark() {
+            broker.high_watermark_moved(part, hw);
         }
     }
 
