@@ -1150,8 +1150,9 @@ mod loom_timer_slot {
 /// thread checks: the cell whose check (with what its end runs: the
 /// operation's drop, its expiry) or registration check runs innermost, and
 /// whether a re-run asked from inside runs around it ("quiet"). One word,
-/// the marked thing's address shifted up one bit, the quiet bit below; 0
-/// when nothing runs.
+/// the marked thing's address (a cell, or the purgatory for a registration's
+/// check before its cell: both aligned to more than a byte) with the quiet
+/// bit as its lowest; 0 when nothing runs.
 ///
 /// An event on an operation this thread checks is the check's own doing
 /// when that check is the innermost (it walked its own key: nothing new to
@@ -1172,7 +1173,8 @@ impl Innermost {
     /// The word for `at`, quiet or not.
     #[inline(always)]
     fn word<T>(at: &T, quiet: bool) -> usize {
-        std::ptr::from_ref(at).addr() << 1 | usize::from(quiet)
+        debug_assert!(std::mem::align_of::<T>() > 1);
+        std::ptr::from_ref(at).addr() | usize::from(quiet)
     }
 
     /// `at`'s check (or a registration's) begins on this thread, quiet if
@@ -1201,7 +1203,7 @@ impl Innermost {
 
     /// Whether `at`'s check is the one running innermost on this thread.
     fn is<T>(at: &T) -> bool {
-        INNERMOST.with(|c| c.get() >> 1 == Self::word(at, false) >> 1)
+        INNERMOST.with(|c| c.get() & !1 == Self::word(at, false))
     }
 
     /// Whether a re-run asked from inside runs on this thread.

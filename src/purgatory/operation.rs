@@ -89,9 +89,10 @@ pub trait Operation: Send + 'static {
     /// Returns the output if the operation can complete now, `None` if it must go
     /// on waiting.
     ///
-    /// Calls never overlap, never come after the operation finished, and
-    /// an event during one makes it run again: see the trait's
-    /// "Concurrency" section for the threads it runs on and what it may call.
+    /// Calls never overlap and never come after the operation finished; an
+    /// event from another thread during one makes it run again. See the
+    /// trait's "Concurrency" section for the threads it runs on, what it may
+    /// call, and events its own walks raise.
     ///
     /// # Examples
     ///

@@ -443,7 +443,7 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
     pub(crate) fn first_check(&self, op: &mut O) -> Option<O::Output> {
         // Not the check of an operation this thread checks: an event its
         // check raises on one of those asks for a re-run (see `Innermost`).
-        let outer = Innermost::enter(&*op);
+        let outer = Innermost::enter(self);
         let out = catch_unwind(AssertUnwindSafe(|| op.try_complete()));
         Innermost::leave(outer);
         match out {
