@@ -152,8 +152,8 @@ impl<K: WatchKey, O: Operation> Drop for Owner<K, O> {
 /// nothing pending, starts a purge at once, whatever the interval. Keys
 /// whose lists empty are removed.
 /// [`PurgatoryMetrics::tombstones`] counts them, apart from live watch
-/// entries. A key's list keeps the room it grew to, up to 4,096 entries (8
-/// bytes each), whatever it holds; one a burst grew past that gives the room back once it
+/// entries. A key's list keeps the room it grew to, up to 4,096 entries of
+/// each kind (8 bytes each, 24 at a level), whatever it holds; one a burst grew past that gives the room back once it
 /// holds under a quarter of it (keeping twice what it holds, and at least
 /// 1,024).
 ///
