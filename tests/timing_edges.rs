@@ -997,7 +997,7 @@ async fn auto_advance_over_ten_years() {
     assert!(when >= at && when - at < Duration::from_micros(100) + TOKIO_SLACK);
 }
 
-/// Boundary of the 1 ns-tick finding: 250 years (below 2^63 ns) still fires.
+/// The 1 ns tick at its boundary: 250 years (below 2^63 ns) still fires.
 #[tokio::test(start_paused = true)]
 async fn one_ns_tick_deadline_250_years_fires() {
     let timer = Timer::builder().tick(ns(1)).build().unwrap();
