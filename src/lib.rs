@@ -345,7 +345,10 @@
 //!   purgatory the reaper serves). An entry that leaves before it is due
 //!   (cancelled, completed, moved later, a timeout whose future won) does not
 //!   move the alarm set for it: if it was the earliest, the reaper wakes once
-//!   at that instant, finds nothing due, and sleeps until what is next.
+//!   at that instant, finds nothing due, and sleeps until what is next. A
+//!   purgatory left with nothing pending and more than about 1,000 watch
+//!   entries to purge has the reaper take the rest in turns of its own (woken
+//!   once for them when a thread other than the reaper's left it idle).
 //! - **Nothing is lost on rejection.** A refused operation or task is handed back
 //!   in the error ([`WatchError`], [`timer::ScheduleError`]).
 //! - **Shutdown loses nothing.** `shutdown()` hands back every pending operation or
