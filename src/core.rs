@@ -64,6 +64,10 @@ pub(crate) trait Job: Send + 'static {
     fn after_turn(_ctx: &Self::Ctx) -> bool {
         false
     }
+    /// The reaper task is gone and every job was abandoned: the owner's
+    /// housekeeping it would have done (a purgatory's purge left to its
+    /// turns) is done now.
+    fn after_reaper_gone(_ctx: &Self::Ctx) {}
 }
 
 /// Why a timer stopped accepting work.
@@ -720,6 +724,9 @@ impl<J: Job<Ctx = C>, C: Send + Sync + 'static> Served for Core<J, C> {
                     job.abandon(&self.ctx, Closed::ReaperGone)
                 });
             }
+            self.panics.run("housekeeping after a lost reaper", || {
+                J::after_reaper_gone(&self.ctx)
+            });
             quietly(|| {
                 tracing::warn!(
                     timer = &*self.name,

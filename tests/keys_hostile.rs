@@ -1211,3 +1211,40 @@ async fn cancel_for_key_hands_back_an_operation_on_the_key_three_ways_once() {
     );
     assert!(balanced(&m));
 }
+
+/// The reaper's runtime goes while the reaper is left the rest of an idle
+/// purge: the purgatory is closed (its reaper lost), and a closed purgatory
+/// is purged whole at once, with nothing further asked of it.
+#[test]
+fn a_reaper_lost_during_an_idle_purge_leaves_no_keys() {
+    within(60, || {
+        let rt = support::paused();
+        let p: Purgatory<u32, support::FlagOp> =
+            Purgatory::builder().build_on(rt.handle()).unwrap();
+        rt.block_on(async {
+            let h = p
+                .try_complete_else_watch(
+                    support::FlagOp(Arc::new(AtomicBool::new(false))),
+                    ms(10_000),
+                    0..20_000,
+                )
+                .unwrap();
+            settle().await;
+            // Cancelled off the reaper: a bounded part here, the rest left.
+            drop(h);
+            // One reaper turn, then the runtime goes.
+            tokio::task::yield_now().await;
+            tokio::task::yield_now().await;
+        });
+        let before = p.metrics();
+        assert!(before.keys > 0 && before.keys < 20_000, "{before:?}");
+        drop(rt);
+        assert!(p.is_shutdown());
+        let m = p.metrics();
+        assert_eq!(
+            (m.delayed, m.watched, m.tombstones, m.keys),
+            (0, 0, 0, 0),
+            "{m:?}"
+        );
+    });
+}

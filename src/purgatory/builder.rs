@@ -170,12 +170,14 @@ impl<K: WatchKey, O: Operation, S: BuildHasher + Send + Sync + 'static> Purgator
     /// So the keys of hang-ups and expiries that nobody else watches leave
     /// the map soon after their tombstones come to equal the live entries.
     /// The expiry or cancellation that leaves nothing pending starts a purge
-    /// of the whole map, whatever the count: that call does the same bounded
+    /// of the whole map, whatever the count: that call notes the keys (a
+    /// word each, sorted: time in proportion to the keys, about what one
+    /// expiry turn of that many operations takes) and does the same bounded
     /// part (about 1,000 entries), and the reaper task the rest, as much
-    /// again per turn, between its other work (so a reaper shared with other
-    /// purgatories and timers never stalls on one large map). The keys a now
-    /// idle purgatory held leave the map so, with no further call; a closed
-    /// purgatory, which its reaper serves no more, is purged whole at once.
+    /// again per turn, between its other work. The keys a now idle purgatory
+    /// held leave the map so, with no further call; a closed purgatory, which
+    /// its reaper serves no more (shut down, or its reaper lost), is purged
+    /// whole at once.
     ///
     /// # Examples
     ///

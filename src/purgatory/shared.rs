@@ -73,6 +73,14 @@ impl<K: WatchKey, O: Operation> Job for Expiry<K, O> {
             .is_some_and(|shared| shared.continue_idle_purge())
     }
 
+    fn after_reaper_gone(ctx: &Self::Ctx) {
+        // A purge left to the reaper's turns: the purgatory is closed now,
+        // and tidy purges the whole map.
+        if let Some(shared) = ctx.get().and_then(Weak::upgrade) {
+            shared.tidy();
+        }
+    }
+
     fn expire(self, ctx: &Self::Ctx, late: Option<Duration>) -> bool {
         match ctx.get().and_then(Weak::upgrade) {
             Some(shared) => {
@@ -867,10 +875,10 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
     /// A larger one is only marked for the purge, which the slices of later
     /// registrations and walks carry out, so that this call (often the
     /// reaper's) never lists every key. Once nothing is pending, an idle
-    /// purgatory may see no later call: this call does the same bounded
-    /// part, and the reaper's turns the rest, the same part each
-    /// ([`continue_idle_purge`](Self::continue_idle_purge)), so that no turn
-    /// of a reaper (which may serve others) stalls on a large map; a closed
+    /// purgatory may see no later call: this call starts the pass (which
+    /// notes every key's hash, one word each, and sorts them) and does the
+    /// same bounded part, and the reaper's turns the rest, the same part each
+    /// ([`continue_idle_purge`](Self::continue_idle_purge)); a closed
     /// purgatory, whose reaper serves it no more, is purged whole here. The
     /// check sums the stripes of both counts.
     pub(crate) fn tidy(&self) {
@@ -923,7 +931,9 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
     /// nothing pending that [`tidy`](Self::tidy) left, the same bounded part
     /// per turn. Returns whether more is left (the reaper takes another turn
     /// at once, after letting other tasks run). Once operations are pending
-    /// again, their registrations and walks carry the purge instead.
+    /// again, their registrations and walks carry the purge instead, a slice
+    /// each, and the next expiry or cancellation that leaves nothing pending
+    /// hands it back here (one that completes does not look).
     pub(crate) fn continue_idle_purge(&self) -> bool {
         let purge = &self.purge.0;
         if !purge.idle_rest.load(Ordering::Acquire) {
