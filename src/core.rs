@@ -306,15 +306,17 @@ impl<J: Job<Ctx = C>, C: Send + Sync + 'static> Core<J, C> {
         deadline: Instant,
         job: J,
     ) -> Result<TimerKey, Refused<J>> {
-        // Closed first: a closed core says so even while it reads as full (a
-        // repeating task that shut its timer down keeps its room through its run).
-        if let Some(why) = self.closed() {
-            return Err(Refused::Closed(job, why));
-        }
         if let Some(max) = self.max_pending {
             // Taken only while there is room (see `take_room`).
             if !crate::sync::take_room(&self.pending, max) {
-                return Err(Refused::AtCapacity(job));
+                // A closed core says so even while it reads as full (a
+                // repeating task that shut its timer down keeps its room
+                // through its run). An insert that finds room learns of a
+                // close in `place`.
+                return Err(match self.closed() {
+                    Some(why) => Refused::Closed(job, why),
+                    None => Refused::AtCapacity(job),
+                });
             }
         }
         self.place(now, deadline, job)

@@ -644,7 +644,8 @@ where
     /// operation's drop, its expiry).
     #[inline(always)]
     pub(crate) fn run_checks(&self, me: u64, reached: Option<u64>) -> Checked<O> {
-        let outer = Innermost::enter(self.cell);
+        // Each run of the loop marks the cell (`Innermost::rerun`).
+        let outer = Innermost::current();
         let checked = self.check_loop(me, reached, outer);
         Innermost::leave(outer);
         checked
@@ -654,8 +655,9 @@ where
     fn check_loop(&self, me: u64, mut reached: Option<u64>, outer: usize) -> Checked<O> {
         let cell = self.cell;
         loop {
-            // A run asked from inside the run before it (here, or before the
-            // registration's check handed over to this loop) runs quiet.
+            // Each run marks the cell as the innermost check; one asked from
+            // inside the run before it (here, or before the registration's
+            // check handed over to this loop) runs quiet.
             Innermost::rerun(cell, outer, cell.owner.is_rerun_here());
             let mut guard = lock(&cell.op);
             let op = guard.as_mut().expect("a checked operation is present");
@@ -1193,6 +1195,12 @@ impl Innermost {
     #[inline(always)]
     fn rerun<T>(at: &T, outer: usize, asked_from_inside: bool) {
         INNERMOST.with(|c| c.set(Self::word(at, outer & 1 != 0 || asked_from_inside)));
+    }
+
+    /// The word now: what a check beginning runs inside.
+    #[inline(always)]
+    fn current() -> usize {
+        INNERMOST.with(std::cell::Cell::get)
     }
 
     /// What [`enter`](Self::enter) began ended: `outer` again.
