@@ -146,6 +146,101 @@ struct Shard<J> {
     wheel: Wheel<J>,
 }
 
+/// Registrations and schedules refused, by reason: each was handed back
+/// in its error ([`WatchError`](crate::WatchError) or
+/// [`ScheduleError`](crate::ScheduleError)), or, for a sleep or a timeout,
+/// its entry was refused when it was made. A refused operation or task is
+/// not counted anywhere else (a purgatory's
+/// [`registered`](crate::PurgatoryMetrics::registered) counts only those it
+/// took). A registration that raced a shutdown after it was taken is not a
+/// refusal: it is counted as registered and handed back. Registrations whose
+/// key code panicked are not counted either (the panic reaches the caller).
+///
+/// Counts only grow, and keep their values after a shutdown. Read with
+/// [`Purgatory::metrics`](crate::Purgatory::metrics) and
+/// [`Timer::metrics`](crate::Timer::metrics); exported as
+/// `tokio_purgatory_refused_total` with a `reason` label (the `metrics`
+/// feature).
+///
+/// # Examples
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+/// use std::time::Duration;
+/// use tokio_purgatory::{Operation, Purgatory, Timer};
+///
+/// struct Op;
+/// impl Operation for Op {
+///     type Output = ();
+///     fn try_complete(&mut self) -> Option<()> { None }
+///     fn on_expiration(self) {}
+/// }
+///
+/// let p: Purgatory<u32, Op> = Purgatory::builder().max_pending(1).build().unwrap();
+/// let _held = p.try_complete_else_watch(Op, Duration::from_secs(1), [1]).unwrap();
+/// assert!(p.try_complete_else_watch(Op, Duration::from_secs(1), [2]).is_err());
+/// assert!(p.try_complete_else_watch(Op, Duration::from_secs(1), Vec::<u32>::new()).is_err());
+/// let refused = p.metrics().refused;
+/// assert_eq!((refused.at_capacity, refused.no_keys, refused.total()), (1, 1, 2));
+/// assert_eq!(p.metrics().registered, 1, "refusals are not registrations");
+///
+/// let timer = Timer::new();
+/// timer.shutdown();
+/// assert!(timer.schedule(Duration::from_secs(1), || {}).is_err());
+/// assert_eq!(timer.metrics().refused.shutdown, 1);
+/// # }
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct RefusedMetrics {
+    /// Refused at the limit of pending operations or entries
+    /// ([`max_pending`](crate::PurgatoryBuilder::max_pending)), or because a
+    /// purgatory holds as many operations as it can name.
+    pub at_capacity: u64,
+    /// Refused after [`shutdown`](crate::Purgatory::shutdown).
+    pub shutdown: u64,
+    /// Refused because the reaper task was gone.
+    pub reaper_gone: u64,
+    /// Refused while a purgatory drains ([`drain`](crate::Purgatory::drain));
+    /// always 0 for a timer.
+    pub draining: u64,
+    /// Refused for an empty key list; always 0 for a timer.
+    pub no_keys: u64,
+}
+
+impl RefusedMetrics {
+    /// Refusals for every reason.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let timer = tokio_purgatory::Timer::new();
+    /// assert_eq!(timer.metrics().refused.total(), 0);
+    /// # }
+    /// ```
+    pub fn total(&self) -> u64 {
+        self.at_capacity
+            .saturating_add(self.shutdown)
+            .saturating_add(self.reaper_gone)
+            .saturating_add(self.draining)
+            .saturating_add(self.no_keys)
+    }
+
+    /// Each reason with its label in the exported metric, and its count; the
+    /// reasons only a purgatory has come last.
+    #[cfg(feature = "metrics")]
+    pub(crate) fn by_reason(&self) -> [(&'static str, u64); 5] {
+        [
+            ("at_capacity", self.at_capacity),
+            ("shutdown", self.shutdown),
+            ("reaper_gone", self.reaper_gone),
+            ("draining", self.draining),
+            ("no_keys", self.no_keys),
+        ]
+    }
+}
+
 /// Counters kept by the core (all monotonic), written by the reaper (and,
 /// for an expiry a turn left to a running check, by that check).
 #[derive(Debug, Default)]
@@ -160,9 +255,34 @@ pub(crate) struct Counters {
     pub(crate) turn_nanos: AtomicU64,
     pub(crate) longest_turn_nanos: AtomicU64,
     pub(crate) largest_batch: AtomicU64,
+    /// Inserts refused: at the limit, shut down, reaper gone.
+    pub(crate) refused_at_capacity: AtomicU64,
+    pub(crate) refused_shutdown: AtomicU64,
+    pub(crate) refused_reaper_gone: AtomicU64,
 }
 
 impl Counters {
+    /// Counts an insert refused.
+    fn refused<J>(&self, why: &Refused<J>) {
+        let counter = match why {
+            Refused::AtCapacity(_) => &self.refused_at_capacity,
+            Refused::Closed(_, Closed::Shutdown) => &self.refused_shutdown,
+            Refused::Closed(_, Closed::ReaperGone) => &self.refused_reaper_gone,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The inserts refused so far (the timer's refusals).
+    pub(crate) fn refusals(&self) -> RefusedMetrics {
+        RefusedMetrics {
+            at_capacity: self.refused_at_capacity.load(Ordering::Relaxed),
+            shutdown: self.refused_shutdown.load(Ordering::Relaxed),
+            reaper_gone: self.refused_reaper_gone.load(Ordering::Relaxed),
+            draining: 0,
+            no_keys: 0,
+        }
+    }
+
     /// The reaper's work so far.
     pub(crate) fn reaper(&self) -> ReaperMetrics {
         ReaperMetrics {
@@ -313,14 +433,19 @@ impl<J: Job<Ctx = C>, C: Send + Sync + 'static> Core<J, C> {
                 // repeating task that shut its timer down keeps its room
                 // through its run). An insert that finds room learns of a
                 // close in `place`.
-                return Err(match self.closed() {
+                let refused = match self.closed() {
                     Some(why) => Refused::Closed(job, why),
                     None => Refused::AtCapacity(job),
-                });
+                };
+                self.counters.refused(&refused);
+                return Err(refused);
             }
         }
-        self.place(now, deadline, job)
-            .map_err(|(job, why)| Refused::Closed(job, why))
+        self.place(now, deadline, job).map_err(|(job, why)| {
+            let refused = Refused::Closed(job, why);
+            self.counters.refused(&refused);
+            refused
+        })
     }
 
     /// Puts `job` in a wheel, its room under the limit already taken (given back

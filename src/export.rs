@@ -32,6 +32,19 @@ impl Labels<'_> {
         metrics::counter!(metric, &[kind, name, ("walk", walk.to_owned())]).absolute(value);
     }
 
+    /// Sets `tokio_purgatory_refused_total` of each reason given (label
+    /// `reason`) to its count.
+    pub(crate) fn refused(&self, reasons: &[(&'static str, u64)]) {
+        for &(reason, value) in reasons {
+            let [kind, name] = self.pairs();
+            metrics::counter!(
+                "tokio_purgatory_refused_total",
+                &[kind, name, ("reason", reason.to_owned())]
+            )
+            .absolute(value);
+        }
+    }
+
     /// Sets gauge `metric` to `value`.
     pub(crate) fn gauge(&self, metric: &'static str, value: f64) {
         metrics::gauge!(metric, &self.pairs()).set(value);

@@ -461,8 +461,8 @@ mod test_rng;
 // item of `purgatory` and `timer`, so either path names the same item.
 pub use purgatory::{
     ChecksMetrics, Completion, Histogram, OpRef, Operation, OperationError, OperationHandle,
-    OperationStatus, Purgatory, PurgatoryBuilder, PurgatoryMetrics, ReaperMetrics, WalkMetrics,
-    Watch, WatchError, WatchErrorKind, WatchKey, WeakPurgatory,
+    OperationStatus, Purgatory, PurgatoryBuilder, PurgatoryMetrics, ReaperMetrics, RefusedMetrics,
+    WalkMetrics, Watch, WatchError, WatchErrorKind, WatchKey, WeakPurgatory,
 };
 pub use reaper::Reaper;
 pub use settings::BuildError;

@@ -38,6 +38,10 @@ async fn every_metric_reaches_the_recorder_with_its_labels() {
         .try_complete_else_watch(Op, Duration::from_secs(60), [7])
         .unwrap();
     assert_eq!(p.try_complete_watched(&7), 0);
+    // A refusal: handed back, counted under its reason.
+    assert!(p
+        .try_complete_else_watch(Op, Duration::from_secs(1), Vec::<u32>::new())
+        .is_err());
     timer.schedule(Duration::from_millis(5), || {}).unwrap();
     tokio::time::advance(Duration::from_millis(14)).await;
     for h in handles {
@@ -116,6 +120,22 @@ async fn every_metric_reaches_the_recorder_with_its_labels() {
         counter(&format!(
             "tokio_purgatory_checks_completed_total{{{pl},walk={walk}}}"
         ));
+    }
+    for (reason, n) in [
+        ("at_capacity", 0),
+        ("shutdown", 0),
+        ("reaper_gone", 0),
+        ("draining", 0),
+        ("no_keys", 1),
+    ] {
+        let k = format!("tokio_purgatory_refused_total{{{pl},reason={reason}}}");
+        assert_eq!(counter(&k), n, "{k}");
+        // A timer refuses only at the limit, shut down or with its reaper gone.
+        let k = format!("tokio_purgatory_refused_total{{{tl},reason={reason}}}");
+        match reason {
+            "draining" | "no_keys" => assert!(!got.contains_key(&k), "{k}"),
+            _ => assert_eq!(counter(&k), 0, "{k}"),
+        }
     }
     // Lateness: one sample per expiry, recorded live, 4 ms each for the
     // purgatory's three (deadline 10 ms, taken out at 14 ms) and 9 ms for

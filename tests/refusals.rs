@@ -26,8 +26,8 @@ use std::sync::{Arc, Mutex};
 use tokio::time::Instant;
 use tokio_purgatory::timer::{TimeoutError, TimerError};
 use tokio_purgatory::{
-    Completion, Operation, OperationError, Purgatory, Timer, Watch, WatchError, WatchErrorKind,
-    WeakPurgatory,
+    Completion, Operation, OperationError, Purgatory, RefusedMetrics, Timer, Watch, WatchError,
+    WatchErrorKind, WeakPurgatory,
 };
 use tokio_test::{assert_pending, assert_ready, task};
 
@@ -196,6 +196,45 @@ fn reg(
     }
 }
 
+/// The count of refusals for `kind` in `r`.
+fn refused_for(r: &RefusedMetrics, kind: WatchErrorKind) -> u64 {
+    match kind {
+        WatchErrorKind::NoKeys => r.no_keys,
+        WatchErrorKind::AtCapacity => r.at_capacity,
+        WatchErrorKind::Shutdown => r.shutdown,
+        WatchErrorKind::ReaperGone => r.reaper_gone,
+        WatchErrorKind::Draining => r.draining,
+        _ => unreachable!(),
+    }
+}
+
+/// `reg` refused: the refusal counted once, under its reason only, and not
+/// as a registration.
+fn refuse(p: &P, form: Form, op: Op, keys: Vec<Key>) -> WatchError<Op> {
+    let before = p.metrics();
+    let e = reg(p, form, op, keys).unwrap_err();
+    let after = p.metrics();
+    for kind in [
+        WatchErrorKind::NoKeys,
+        WatchErrorKind::AtCapacity,
+        WatchErrorKind::Shutdown,
+        WatchErrorKind::ReaperGone,
+        WatchErrorKind::Draining,
+    ] {
+        let grew = refused_for(&after.refused, kind) - refused_for(&before.refused, kind);
+        assert_eq!(
+            grew,
+            u64::from(kind == e.kind()),
+            "{form:?} {kind:?}: {:?} -> {:?}",
+            before.refused,
+            after.refused
+        );
+    }
+    assert_eq!(after.refused.total(), before.refused.total() + 1);
+    assert_eq!(after.registered, before.registered, "{form:?}");
+    e
+}
+
 fn display(k: WatchErrorKind) -> &'static str {
     match k {
         WatchErrorKind::NoKeys => "operation has no watch keys",
@@ -262,7 +301,7 @@ async fn every_form_refused_for_each_reason_hands_back_intact() {
         let p: P = Purgatory::builder().max_pending(1).build().unwrap();
         let c = Arc::new(Counts::default());
         let kd = Arc::new(AtomicUsize::new(0));
-        let e = reg(&p, form, Op::new(1, &c), vec![]).unwrap_err();
+        let e = refuse(&p, form, Op::new(1, &c), vec![]);
         check_refusal(form, e, WatchErrorKind::NoKeys, 1, &c, &kd, 0);
 
         // AtCapacity (an op whose check would complete it: still refused unchecked)
@@ -274,7 +313,7 @@ async fn every_form_refused_for_each_reason_hands_back_intact() {
         let mut op = Op::new(2, &c);
         op.complete = true;
         let keys = vec![Key::new(1, &kd), Key::new(2, &kd), Key::new(1, &kd)];
-        let e = reg(&p, form, op, keys).unwrap_err();
+        let e = refuse(&p, form, op, keys);
         check_refusal(form, e, WatchErrorKind::AtCapacity, 2, &c, &kd, 3);
         let m = p.metrics();
         assert_eq!(m.registered, 1, "{form:?} {m:?}");
@@ -284,7 +323,7 @@ async fn every_form_refused_for_each_reason_hands_back_intact() {
         assert_pending!(d.poll());
         let c = Arc::new(Counts::default());
         let kd = Arc::new(AtomicUsize::new(0));
-        let e = reg(&p, form, Op::new(3, &c), vec![Key::new(3, &kd)]).unwrap_err();
+        let e = refuse(&p, form, Op::new(3, &c), vec![Key::new(3, &kd)]);
         check_refusal(form, e, WatchErrorKind::AtCapacity, 3, &c, &kd, 1);
         drop(h); // cancel: room back, drain ends
         assert!(d.is_woken());
@@ -292,24 +331,23 @@ async fn every_form_refused_for_each_reason_hands_back_intact() {
         drop(d);
         let c = Arc::new(Counts::default());
         let kd = Arc::new(AtomicUsize::new(0));
-        let e = reg(
+        let e = refuse(
             &p,
             form,
             Op::new(4, &c),
             vec![Key::new(3, &kd), Key::new(4, &kd)],
-        )
-        .unwrap_err();
+        );
         check_refusal(form, e, WatchErrorKind::Draining, 4, &c, &kd, 2);
 
         // Shutdown (while draining: Shutdown wins)
         drop(p.shutdown());
         let c = Arc::new(Counts::default());
         let kd = Arc::new(AtomicUsize::new(0));
-        let e = reg(&p, form, Op::new(5, &c), vec![Key::new(5, &kd)]).unwrap_err();
+        let e = refuse(&p, form, Op::new(5, &c), vec![Key::new(5, &kd)]);
         check_refusal(form, e, WatchErrorKind::Shutdown, 5, &c, &kd, 1);
         // NoKeys still wins over Shutdown
         let c = Arc::new(Counts::default());
-        let e = reg(&p, form, Op::new(6, &c), vec![]).unwrap_err();
+        let e = refuse(&p, form, Op::new(6, &c), vec![]);
         check_refusal(form, e, WatchErrorKind::NoKeys, 6, &c, &kd, 1);
 
         let m = p.metrics();
@@ -317,6 +355,18 @@ async fn every_form_refused_for_each_reason_hands_back_intact() {
             (m.registered, m.cancelled, m.handed_back, m.panicked),
             (1, 1, 0, 0),
             "{form:?} {m:?}"
+        );
+        let r = m.refused;
+        assert_eq!(
+            (
+                r.no_keys,
+                r.at_capacity,
+                r.draining,
+                r.shutdown,
+                r.reaper_gone
+            ),
+            (2, 2, 1, 1, 0),
+            "{form:?} {r:?}"
         );
         assert!(balanced(&m));
         assert_eq!(m.watched, 0, "{m:?}");
@@ -351,7 +401,7 @@ fn every_form_refused_with_the_reaper_gone_hands_back_intact() {
             assert_eq!(h.await, Err(OperationError::ReaperGone));
             let c = Arc::new(Counts::default());
             let kd = Arc::new(AtomicUsize::new(0));
-            let e = reg(&p, form, Op::new(1, &c), vec![Key::new(1, &kd)]).unwrap_err();
+            let e = refuse(&p, form, Op::new(1, &c), vec![Key::new(1, &kd)]);
             check_refusal(form, e, WatchErrorKind::ReaperGone, 1, &c, &kd, 1);
             // drain after the reaper is gone returns (nothing pending).
             tokio::time::timeout(ms(10), p.drain())
@@ -359,7 +409,7 @@ fn every_form_refused_with_the_reaper_gone_hands_back_intact() {
                 .expect("drain returns");
             let c = Arc::new(Counts::default());
             let kd = Arc::new(AtomicUsize::new(0));
-            let e = reg(&p, form, Op::new(2, &c), vec![Key::new(1, &kd)]).unwrap_err();
+            let e = refuse(&p, form, Op::new(2, &c), vec![Key::new(1, &kd)]);
             check_refusal(form, e, WatchErrorKind::ReaperGone, 2, &c, &kd, 1);
             let m = p.metrics();
             assert!(balanced(&m), "{m:?}");
@@ -415,6 +465,10 @@ async fn a_first_check_that_shuts_down_is_refused_with_shutdown() {
             }));
             let e = reg(&p, form, op, vec![Key::new(1, &kd), Key::new(2, &kd)]).unwrap_err();
             assert_eq!(e.kind(), WatchErrorKind::Shutdown, "{form:?}");
+            // Taken, then handed back by the shutdown: not a refusal.
+            let m = p.metrics();
+            assert_eq!((m.registered, m.handed_back), (1, 1), "{m:?}");
+            assert_eq!(m.refused.total(), 0, "{m:?}");
             assert_eq!(c.drops.load(Ordering::SeqCst), 0, "{form:?}");
             assert_eq!(c.clones.load(Ordering::SeqCst), 0);
             let checks = c.checks.load(Ordering::SeqCst);
@@ -464,6 +518,7 @@ async fn a_second_check_that_shuts_down_is_refused_with_shutdown() {
         let m = p.metrics();
         assert!(balanced(&m), "{m:?}");
         assert_eq!((m.registered, m.handed_back), (1, 1), "{m:?}");
+        assert_eq!(m.refused.total(), 0, "not a refusal: {m:?}");
         assert_eq!(m.watched, 0, "{m:?}");
     }
 }
@@ -528,7 +583,7 @@ async fn keys_whose_drop_panics_during_refusals_are_contained() {
             let c = Arc::new(Counts::default());
             let before = kd.load(Ordering::SeqCst);
             // a duplicate key too
-            let e = reg(&p, form, Op::new(1, &c), vec![bad(1), bad(2), bad(1)]).unwrap_err();
+            let e = refuse(&p, form, Op::new(1, &c), vec![bad(1), bad(2), bad(1)]);
             expected_panics += 3;
             assert_eq!(e.kind(), want, "{form:?}");
             assert_eq!(kd.load(Ordering::SeqCst) - before, 3);
@@ -657,6 +712,8 @@ fn racing_at_the_limit() {
     }
     let m = p.metrics();
     assert_eq!(m.registered, 37 * 5);
+    assert_eq!(m.refused.at_capacity, 163 * 5, "each refusal counted once");
+    assert_eq!(m.refused.total(), 163 * 5);
     assert!(balanced(&m));
     drop(p.shutdown());
 }
@@ -716,6 +773,13 @@ fn shutdown_racing_registrations() {
         assert_eq!(c.drops.load(Ordering::SeqCst), 80);
         let m = p.metrics();
         assert!(balanced(&m), "{m:?}");
+        // Each attempt is either refused (counted once, at the limit or shut
+        // down) or taken (a registration the shutdown raced is taken, then
+        // handed back).
+        let r = m.refused;
+        assert_eq!(m.registered + r.total(), 80, "{m:?}");
+        assert_eq!(r.at_capacity + r.shutdown, r.total(), "{r:?}");
+        assert!(m.registered >= n_back as u64, "{m:?}");
     }
 }
 
@@ -747,6 +811,29 @@ fn tdisplay(k: TimerError) -> &'static str {
 /// undropped and still runnable, sleeps and timeouts failing with it, a
 /// refused timeout's future handed back unpolled, a ready one still winning.
 fn every_schedule_form(timer: &Timer, want: TimerError) {
+    let before = timer.metrics().refused;
+    every_schedule_form_refused(timer, want);
+    // Four schedules, two sleeps and three timeouts: each refusal counted
+    // once, under its reason only.
+    let after = timer.metrics().refused;
+    let grew = |f: fn(&RefusedMetrics) -> u64| f(&after) - f(&before);
+    let n = |w| if w == want { 9 } else { 0 };
+    assert_eq!(
+        grew(|r| r.at_capacity),
+        n(TimerError::AtCapacity),
+        "{after:?}"
+    );
+    assert_eq!(grew(|r| r.shutdown), n(TimerError::Shutdown), "{after:?}");
+    assert_eq!(
+        grew(|r| r.reaper_gone),
+        n(TimerError::ReaperGone),
+        "{after:?}"
+    );
+    assert_eq!((after.draining, after.no_keys), (0, 0), "never for a timer");
+    assert_eq!(after.total() - before.total(), 9);
+}
+
+fn every_schedule_form_refused(timer: &Timer, want: TimerError) {
     let c = Arc::new(TCounts::default());
     // schedule
     let p = Probe(c.clone());

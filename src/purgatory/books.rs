@@ -7,7 +7,9 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::task::{Context, Poll, Waker};
 
+use super::WatchErrorKind;
 use crate::contain::Panics;
+use crate::core::RefusedMetrics;
 use crate::sync::{lock, Mutex, Padded, Striped};
 
 /// How a finished operation is counted.
@@ -40,6 +42,17 @@ impl Fate {
     }
 }
 
+/// Where a refusal for `kind` is counted in a stripe.
+fn refusal_index(kind: WatchErrorKind) -> usize {
+    match kind {
+        WatchErrorKind::AtCapacity => 0,
+        WatchErrorKind::Shutdown => 1,
+        WatchErrorKind::ReaperGone => 2,
+        WatchErrorKind::Draining => 3,
+        WatchErrorKind::NoKeys => 4,
+    }
+}
+
 /// One thread stripe's share of the per-operation counts.
 ///
 /// Each fact is counted once: an admission, a turning back, and each fate. What
@@ -63,6 +76,9 @@ struct Stripe {
     /// removed: a finish adds its keys, a removal takes off what it removed.
     /// Wrapping, so a stripe may go below zero; the sum is exact.
     tombstones: AtomicU64,
+    /// Registrations refused, by [`WatchErrorKind`] (in its order): those
+    /// turned back after admission, and those refused before.
+    refused: [AtomicU64; 5],
 }
 
 impl Stripe {
@@ -337,6 +353,29 @@ impl Books {
             .map(|s| s.admitted.load(Ordering::SeqCst))
             .sum();
         admitted.saturating_sub(left) as usize
+    }
+
+    /// Counts a registration refused for `why` (and handed back).
+    pub(crate) fn refused(&self, why: WatchErrorKind) {
+        self.mine().refused[refusal_index(why)].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The refusals so far, by reason.
+    pub(crate) fn refusals(&self) -> RefusedMetrics {
+        let mut n = [0u64; 5];
+        for s in self.stripes.iter() {
+            for (sum, count) in n.iter_mut().zip(&s.refused) {
+                *sum = sum.wrapping_add(count.load(Ordering::Relaxed));
+            }
+        }
+        let at = |kind| n[refusal_index(kind)];
+        RefusedMetrics {
+            at_capacity: at(WatchErrorKind::AtCapacity),
+            shutdown: at(WatchErrorKind::Shutdown),
+            reaper_gone: at(WatchErrorKind::ReaperGone),
+            draining: at(WatchErrorKind::Draining),
+            no_keys: at(WatchErrorKind::NoKeys),
+        }
     }
 
     pub(crate) fn totals(&self) -> Totals {

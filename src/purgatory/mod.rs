@@ -66,6 +66,7 @@ use self::keys::{KeyPanic, Taken, Watches};
 pub use self::operation::{Completion, Operation, WatchKey};
 use self::shared::{closed_refusal, Shared};
 use crate::clock::deadline_after;
+pub use crate::core::RefusedMetrics;
 pub use crate::histogram::Histogram;
 pub use crate::reaper::ReaperMetrics;
 use crate::settings::Settings;
@@ -773,7 +774,9 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
         };
         if let Err(refusal) = shared.admit(&keys) {
             shared.drop_keys(keys);
-            return Err(refusal.with(op));
+            let refused = refusal.with(op);
+            shared.count_refusal(refused.kind());
+            return Err(refused);
         }
         crate::contain::quietly(|| {
             tracing::trace!(purgatory = shared.name(), keys = keys.len(), "register");
@@ -797,6 +800,7 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
             // As many operations pending as the slab holds.
             shared.refuse_admitted();
             shared.drop_keys(keys);
+            shared.count_refusal(WatchErrorKind::AtCapacity);
             return Err(WatchError::AtCapacity(op));
         };
         // The registration's reference to the cell, let go on every way
@@ -1188,6 +1192,7 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
     /// | `tokio_purgatory_handed_back_total` | counter | handed back at shutdown |
     /// | `tokio_purgatory_purged_total` | counter | tombstones removed by the purge |
     /// | `tokio_purgatory_panicked_total` | counter | panics caught in user code |
+    /// | `tokio_purgatory_refused_total` | counter | registrations refused, per `reason` (`at_capacity`, `shutdown`, `reaper_gone`, `draining`, `no_keys`) |
     /// | `tokio_purgatory_walks_total` | counter | walks, per `walk` |
     /// | `tokio_purgatory_checks_total` | counter | checks asked for, per `walk` |
     /// | `tokio_purgatory_checks_completed_total` | counter | checks that completed, per `walk` |
@@ -1490,6 +1495,9 @@ pub struct PurgatoryMetrics {
     pub checks: ChecksMetrics,
     /// The reaper's turns on this purgatory's timeouts.
     pub reaper: ReaperMetrics,
+    /// Registrations refused, by reason, each operation handed back in its
+    /// [`WatchError`]; not counted in `registered`.
+    pub refused: RefusedMetrics,
 }
 
 /// Checks asked for by events, per kind (see [`PurgatoryMetrics::checks`]).

@@ -19,6 +19,7 @@ use super::keys::Watches;
 use super::operation::Operation;
 use super::slab::{Id, Slab};
 use super::state::Handed;
+use super::WatchErrorKind;
 use super::WatchKey;
 use super::{ChecksMetrics, PurgatoryMetrics, WalkMetrics};
 use crate::contain::Panics;
@@ -685,7 +686,13 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
                 by_reference: self.walk_metrics(WalkKind::Reference),
             },
             reaper: self.core.counters.reaper(),
+            refused: self.books.refusals(),
         }
+    }
+
+    /// Counts a registration refused for `why`.
+    pub(crate) fn count_refusal(&self, why: WatchErrorKind) {
+        self.books.refused(why);
     }
 
     /// Reports the snapshot through the `metrics` facade (see
@@ -706,6 +713,7 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         l.counter("tokio_purgatory_handed_back_total", m.handed_back);
         l.counter("tokio_purgatory_purged_total", m.purged);
         l.counter("tokio_purgatory_panicked_total", m.panicked);
+        l.refused(&m.refused.by_reason());
         for (walk, w) in [
             ("key", m.checks.key_walks),
             ("level", m.checks.level_advances),

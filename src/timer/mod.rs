@@ -84,6 +84,7 @@ pub type TimeoutStatus = TaskStatus;
 pub use self::task::UnrunTask;
 use self::task::{refused_task, Chain, Repeating, TimerJob};
 use crate::clock::deadline_after;
+pub use crate::core::RefusedMetrics;
 use crate::core::{Closed, Core, Job, Refused};
 pub use crate::histogram::Histogram;
 pub use crate::reaper::ReaperMetrics;
@@ -775,6 +776,7 @@ impl Timer {
             panicked: self.core().panics.count(),
             reaper_wakeups: self.core().wakeups(),
             reaper: c.reaper(),
+            refused: c.refusals(),
         }
     }
 
@@ -813,6 +815,7 @@ impl Timer {
     /// | `tokio_purgatory_timer_pending` | gauge | tasks, sleeps and timeouts waiting |
     /// | `tokio_purgatory_timer_expired_total` | counter | entries that reached their deadline |
     /// | `tokio_purgatory_panicked_total` | counter | panics caught in user code ([`TimerMetrics::panicked`]) |
+    /// | `tokio_purgatory_refused_total` | counter | schedules refused, per `reason` (`at_capacity`, `shutdown`, `reaper_gone`) |
     /// | `tokio_purgatory_reaper_wakeups_total`, `_turns_total` | counter | as for a purgatory |
     /// | `tokio_purgatory_reaper_busy_seconds`, `_longest_turn_seconds`, `_largest_batch` | gauge | as for a purgatory |
     /// | `tokio_purgatory_lateness_seconds` | histogram | how late each entry fired (recorded live) |
@@ -832,6 +835,8 @@ impl Timer {
         l.gauge("tokio_purgatory_timer_pending", m.pending as f64);
         l.counter("tokio_purgatory_timer_expired_total", m.expired);
         l.counter("tokio_purgatory_panicked_total", m.panicked);
+        // A timer never refuses for `draining` or `no_keys` (the last two).
+        l.refused(&m.refused.by_reason()[..3]);
         l.reaper(&m.reaper, m.reaper_wakeups);
     }
 
@@ -937,6 +942,12 @@ pub struct TimerMetrics {
     pub reaper_wakeups: u64,
     /// The reaper's turns on this timer's entries.
     pub reaper: ReaperMetrics,
+    /// Schedules refused, by reason: tasks, repeating and async tasks handed
+    /// back in a [`ScheduleError`], and sleeps and timeouts whose entry was
+    /// refused when they were made (a sleep then resolves to the
+    /// [`TimerError`] at once, a timeout too unless its future is ready
+    /// first).
+    pub refused: RefusedMetrics,
 }
 
 /// A [`Timer::schedule_async`] entry in the wheel: spawns the future at the

@@ -131,6 +131,27 @@ pub fn render(broker: &Broker) -> String {
     }
     family(
         &mut out,
+        "tokio_purgatory_refused_total",
+        "counter",
+        "Registrations refused and handed back, per reason.",
+    );
+    for (p, m, _) in &purgatories {
+        let r = &m.refused;
+        for (reason, v) in [
+            ("at_capacity", r.at_capacity),
+            ("shutdown", r.shutdown),
+            ("reaper_gone", r.reaper_gone),
+            ("draining", r.draining),
+            ("no_keys", r.no_keys),
+        ] {
+            let _ = writeln!(
+                out,
+                "tokio_purgatory_refused_total{{name=\"{p}\",reason=\"{reason}\"}} {v}"
+            );
+        }
+    }
+    family(
+        &mut out,
         "tokio_purgatory_reaper_busy_seconds_total",
         "counter",
         "Time the reaper's turns took, summed.",
