@@ -147,3 +147,44 @@ async fn no_allocation_per_operation_in_the_steady_state() {
         "expiring a hundred operations allocates nothing"
     );
 }
+
+/// The cancellation that leaves a large map with nothing pending starts the
+/// purge of the whole map, and does a bounded part of it in the call: that
+/// part notes the keys of the shards it reaches (a word each), not every key
+/// of the map. 100,000 keys noted at once would take 800 KB on this thread;
+/// a shard's share (64 shards) is about 12 KB.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn the_call_that_starts_an_idle_purge_notes_a_shard_not_the_map() {
+    const KEYS: u32 = 100_000;
+    let p: Purgatory<u32, Op> = Purgatory::new();
+    let flag = Arc::new(AtomicBool::new(false));
+    let mut handles: Vec<_> = (0..KEYS)
+        .map(|k| {
+            p.try_complete_else_watch(Op(flag.clone()), Duration::from_secs(60), [k])
+                .unwrap()
+        })
+        .collect();
+    let last = handles.pop().unwrap();
+    drop(handles); // cancelled: tombstones, the map marked for a purge
+    assert_eq!(p.metrics().keys, KEYS as usize, "nothing has purged yet");
+
+    let held = alloc::reset_peak_here();
+    drop(last); // nothing pending: this call starts the purge of the map
+    let peak = alloc::peak_here() - held;
+    let m = p.metrics();
+    assert!(m.keys < KEYS as usize, "the call purged a part: {m:?}");
+    assert!(
+        peak < 200_000,
+        "the call took {peak} bytes at its peak; the whole map's hashes are 800,000"
+    );
+
+    // The reaper's turns purge the rest.
+    for _ in 0..10_000 {
+        if p.metrics().keys == 0 {
+            break;
+        }
+        tokio::task::yield_now().await;
+    }
+    let m = p.metrics();
+    assert_eq!((m.keys, m.watched), (0, 0), "{m:?}");
+}

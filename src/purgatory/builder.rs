@@ -158,8 +158,8 @@ impl<K: WatchKey, O: Operation, S: BuildHasher + Send + Sync + 'static> Purgator
     /// visits at most 128 plain entries (a key's watches at a
     /// level, kept in a heap, are visited in one go when the purge reaches
     /// them), and the purge ends once it has been through every key. No call stalls for a pass over every list;
-    /// the purge itself notes the keys it will visit when it starts, one word
-    /// per key. Walking a key also removes its own tombstones.
+    /// the purge notes the keys of one watcher shard at a time as it reaches
+    /// it, one word per key. Walking a key also removes its own tombstones.
     ///
     /// Whatever the interval, an expiry or a cancellation (by a dropped
     /// handle, `cancel` or [`OpRef::cancel`](crate::OpRef::cancel)) that
@@ -170,11 +170,10 @@ impl<K: WatchKey, O: Operation, S: BuildHasher + Send + Sync + 'static> Purgator
     /// So the keys of hang-ups and expiries that nobody else watches leave
     /// the map soon after their tombstones come to equal the live entries.
     /// The expiry or cancellation that leaves nothing pending starts a purge
-    /// of the whole map, whatever the count: that call notes the keys (a
-    /// word each, sorted: time in proportion to the keys, about what one
-    /// expiry turn of that many operations takes) and does the same bounded
-    /// part (about 1,000 entries), and the reaper task the rest, as much
-    /// again per turn, between its other work. The keys a now idle purgatory
+    /// of the whole map, whatever the count: that call does the same bounded
+    /// part (about 1,000 entries, and the keys of the shards it reaches,
+    /// noted and sorted a shard at a time), and the reaper task the rest, as
+    /// much again per turn, between its other work. The keys a now idle purgatory
     /// held leave the map so, with no further call; a closed purgatory, which
     /// its reaper serves no more (shut down, or its reaper lost), is purged
     /// whole at once.

@@ -883,9 +883,10 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
     /// A larger one is only marked for the purge, which the slices of later
     /// registrations and walks carry out, so that this call (often the
     /// reaper's) never lists every key. Once nothing is pending, an idle
-    /// purgatory may see no later call: this call starts the pass (which
-    /// notes every key's hash, one word each, and sorts them) and does the
-    /// same bounded part, and the reaper's turns the rest, the same part each
+    /// purgatory may see no later call: this call starts the pass and does
+    /// the same bounded part (the pass notes the keys' hashes a shard at a
+    /// time, as it reaches each), and the reaper's turns the rest, the same
+    /// part each
     /// ([`continue_idle_purge`](Self::continue_idle_purge)); a closed
     /// purgatory, whose reaper serves it no more, is purged whole here. The
     /// check sums the stripes of both counts.

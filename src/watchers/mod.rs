@@ -115,10 +115,16 @@ pub(crate) struct Removed<K, V> {
 /// has gone into a key's list is kept in the list (`List::hole`).
 #[derive(Debug)]
 pub(crate) struct Sweep {
-    /// The keys in the table when the purge began, by stored hash: each
-    /// shard's in order of their low bits (about the order of their buckets),
-    /// so that keys of one hash lie side by side.
+    /// The keys of the shard being swept, by stored hash, noted when the
+    /// sweep reached that shard: in order of their low bits (about the order
+    /// of their buckets), so that keys of one hash lie side by side. One
+    /// shard at a time, so that no slice notes (and sorts) more than one
+    /// shard's keys, however large the map.
     hashes: Vec<u64>,
+    /// The shard `hashes` came from.
+    shard: usize,
+    /// The shards to sweep (0 for a sweep with nothing to visit).
+    shards: usize,
     /// The next key to visit.
     next: usize,
     /// Which of the keys of the next one's hash it is, in the table's probe
@@ -137,7 +143,7 @@ pub(crate) struct Sweep {
 impl Sweep {
     /// Whether every key has been visited.
     pub(crate) fn is_done(&self) -> bool {
-        self.next >= self.hashes.len()
+        self.next >= self.hashes.len() && self.shard + 1 >= self.shards
     }
 
     /// A sweep with nothing to visit (done), to be started by
@@ -145,6 +151,8 @@ impl Sweep {
     pub(crate) fn idle() -> Sweep {
         Sweep {
             hashes: Vec::new(),
+            shard: 0,
+            shards: 0,
             next: 0,
             nth: 0,
             begun: false,
@@ -547,8 +555,8 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
         }
     }
 
-    /// Begins a purge: notes every key now in the table (their stored hashes, so
-    /// no key code runs), for [`sweep`](Self::sweep) to visit in slices.
+    /// Begins a purge, for [`sweep`](Self::sweep) to visit in slices (see
+    /// [`restart_sweep`](Self::restart_sweep)).
     #[cfg(test)]
     pub(crate) fn start_sweep(&self) -> Sweep {
         let mut sweep = Sweep::idle();
@@ -556,21 +564,26 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
         sweep
     }
 
-    /// Starts `sweep` again over the keys in the table now, in the room it
-    /// kept: each shard locked in turn, its stored hashes noted (no key code
-    /// runs, nothing is dropped under the locks).
+    /// Starts `sweep` again over every shard, from the first: its keys are
+    /// noted now, each later shard's when the sweep reaches it (so a key
+    /// added to a shard not reached yet is visited too).
     pub(crate) fn restart_sweep(&self, sweep: &mut Sweep) {
+        sweep.shards = self.lists.count();
+        self.note_shard(sweep, 0);
+    }
+
+    /// Points `sweep` at shard `i`, in the room it kept: the shard locked,
+    /// its stored hashes noted (no key code runs, nothing is dropped under
+    /// the lock), then sorted with the lock released.
+    fn note_shard(&self, sweep: &mut Sweep, i: usize) {
         sweep.hashes.clear();
-        for i in 0..self.lists.count() {
-            let from = sweep.hashes.len();
-            {
-                let table = self.lists.lock(i);
-                sweep.hashes.extend(table.iter().map(|s| s.hash));
-            }
-            // Equal hashes are in one shard: sorting each shard's part
-            // brings them together.
-            sweep.hashes[from..].sort_unstable_by_key(|h| h.reverse_bits());
+        {
+            let table = self.lists.lock(i);
+            sweep.hashes.extend(table.iter().map(|s| s.hash));
         }
+        // Equal hashes are in one shard: sorting brings them together.
+        sweep.hashes.sort_unstable_by_key(|h| h.reverse_bits());
+        sweep.shard = i;
         sweep.next = 0;
         sweep.nth = 0;
         sweep.begun = false;
@@ -593,6 +606,11 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
         let mut left = budget.max(1);
         let before = removed.entries.len();
         while left > 0 && !sweep.is_done() {
+            if sweep.next >= sweep.hashes.len() {
+                // This shard is swept: on to the next.
+                self.note_shard(sweep, sweep.shard + 1);
+                continue;
+            }
             let hash = sweep.hashes[sweep.next];
             let mut key_done = true;
             let entries = &mut removed.entries;
