@@ -33,9 +33,11 @@ use std::hash::Hash;
 ///
 /// A walk from inside `try_complete` does not check this operation again
 /// while its check runs (that would overlap it): a walk of its own keys is
-/// taken as known to it; when the walk runs another operation's check,
-/// expiry or drop that walks this operation's key (it made this one ready,
-/// say), this check runs once more after it returns "not yet" (see the
+/// taken as known to it; when the walk (or a registration or cancellation
+/// by key it makes) runs another operation's check, expiry or drop, or the
+/// drop of a key the purgatory let go, that walks this operation's key (it
+/// made this one ready, say), this check runs once more after it returns
+/// "not yet" (see the
 /// crate's guarantees, "No missed events", for the bound on such re-runs).
 ///
 /// # Panics and drops

@@ -563,9 +563,19 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
     }
 
     /// Drops keys the purgatory holds no more, with no lock held, each drop
-    /// contained.
+    /// contained. A key's `Drop` is not the check of an operation this thread
+    /// checks (if any; the keys may be dropped by a walk, a cancellation or a
+    /// registration that check made): an event it raises on that operation
+    /// asks for a re-run (see `Innermost`). Keys with no drop code need no
+    /// such mark.
     pub(crate) fn drop_keys(&self, keys: impl IntoIterator<Item = K>) {
-        self.panics.drop_each("drop of a key", keys);
+        if std::mem::needs_drop::<K>() {
+            let outer = Innermost::enter(self);
+            self.panics.drop_each("drop of a key", keys);
+            Innermost::leave(outer);
+        } else {
+            self.panics.drop_each("drop of a key", keys);
+        }
     }
 
     /// Drops what was taken out of the watcher map, with no lock held. The

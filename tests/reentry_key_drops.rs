@@ -1,0 +1,655 @@
+//! Events raised on the checking thread by user values the purgatory drops
+//! on behalf of what a check did (the map's copy of a key its walk, advance,
+//! cancellation by key or registration let go, an output, a waker): the
+//! check runs once more within the outside event, as "No missed events"
+//! promises, instead of waiting for its timeout. Paused time, one thread.
+
+mod support;
+
+use std::hash::{Hash, Hasher};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::task::{Context, Wake, Waker};
+use std::time::Duration;
+
+use tokio_purgatory::{Completion, OpRef, Operation, Purgatory, WeakPurgatory};
+
+use support::{balanced, ms};
+
+type Hook = Arc<dyn Fn() + Send + Sync>;
+
+struct K {
+    id: u32,
+    hook: Option<Hook>,
+}
+impl Clone for K {
+    fn clone(&self) -> K {
+        K {
+            id: self.id,
+            hook: self.hook.clone(),
+        }
+    }
+}
+impl PartialEq for K {
+    fn eq(&self, o: &K) -> bool {
+        self.id == o.id
+    }
+}
+impl Eq for K {}
+impl Hash for K {
+    fn hash<H: Hasher>(&self, h: &mut H) {
+        self.id.hash(h)
+    }
+}
+impl Drop for K {
+    fn drop(&mut self) {
+        if let Some(h) = self.hook.take() {
+            h();
+        }
+    }
+}
+fn k(id: u32) -> K {
+    K { id, hook: None }
+}
+
+struct Out(Option<Hook>);
+impl Drop for Out {
+    fn drop(&mut self) {
+        if let Some(h) = self.0.take() {
+            h();
+        }
+    }
+}
+impl std::fmt::Debug for Out {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Out")
+    }
+}
+
+type Body = Box<dyn FnMut() -> Option<Out> + Send>;
+struct Op {
+    body: Body,
+    checks: Arc<AtomicUsize>,
+}
+impl Operation for Op {
+    type Output = Out;
+    fn try_complete(&mut self) -> Option<Out> {
+        self.checks.fetch_add(1, Ordering::SeqCst);
+        (self.body)()
+    }
+    fn on_expiration(self) -> Out {
+        Out(None)
+    }
+}
+
+type P = Purgatory<K, Op>;
+
+/// A's check reads its flag, then walks key 9 (B's only key). B completes;
+/// key 9's list empties and the map drops its copy of the key; that drop
+/// sets A's flag and walks key 1 (A's key). The event came from code A's
+/// walk caused, after A read its state: A must check once more before the
+/// outer walk returns, not sit until its timeout.
+#[test]
+fn a_key_dropped_by_the_checks_own_walk_raises_an_event() {
+    support::paused_within(10, || async {
+        let p: P = Purgatory::new();
+        let weak: Arc<OnceLock<WeakPurgatory<K, Op>>> = Arc::default();
+        weak.set(p.downgrade()).ok().unwrap();
+        let ready_a = Arc::new(AtomicBool::new(false));
+        let go = Arc::new(AtomicBool::new(false));
+        let armed = Arc::new(AtomicBool::new(false));
+        let hook: Hook = {
+            let (w, r, armed) = (weak.clone(), ready_a.clone(), armed.clone());
+            Arc::new(move || {
+                if armed.swap(false, Ordering::SeqCst) {
+                    r.store(true, Ordering::SeqCst);
+                    w.get()
+                        .unwrap()
+                        .upgrade()
+                        .unwrap()
+                        .try_complete_watched(&k(1));
+                }
+            })
+        };
+        let b = Op {
+            body: Box::new(|| Some(Out(None))),
+            checks: Arc::default(),
+        };
+        // B's first check would complete it: make it wait for `go`.
+        let go_b = go.clone();
+        let b = Op {
+            body: Box::new(move || go_b.load(Ordering::SeqCst).then(|| Out(None))),
+            checks: b.checks,
+        };
+        let hb = p
+            .try_complete_else_watch(
+                b,
+                Duration::from_secs(100),
+                [K {
+                    id: 9,
+                    hook: Some(hook.clone()),
+                }],
+            )
+            .unwrap();
+        let a_checks = Arc::new(AtomicUsize::new(0));
+        let (w2, r2, g2) = (weak.clone(), ready_a.clone(), go.clone());
+        let a = Op {
+            body: Box::new(move || {
+                let ready = r2.load(Ordering::SeqCst);
+                if g2.load(Ordering::SeqCst) && !ready {
+                    w2.get()
+                        .unwrap()
+                        .upgrade()
+                        .unwrap()
+                        .try_complete_watched(&k(9));
+                }
+                ready.then(|| Out(None))
+            }),
+            checks: a_checks.clone(),
+        };
+        let ha = p
+            .try_complete_else_watch(a, Duration::from_secs(100), [k(1)])
+            .unwrap();
+        armed.store(true, Ordering::SeqCst);
+        go.store(true, Ordering::SeqCst);
+        let done = p.try_complete_watched(&k(1));
+        assert!(hb.is_finished(), "B completed");
+        assert!(!armed.load(Ordering::SeqCst), "the key's drop ran");
+        assert!(ready_a.load(Ordering::SeqCst));
+        let finished_at_once = ha.is_finished();
+        let checks = a_checks.load(Ordering::SeqCst);
+        let start = tokio::time::Instant::now();
+        let out = ha.await;
+        assert!(
+            finished_at_once && matches!(out, Ok(Completion::Completed(_))),
+            "A missed the event its own walk's key drop raised: walk returned {done}, \
+             A checked {checks} times, finished at once: {finished_at_once}; \
+             it ended {out:?} after {:?} more",
+            start.elapsed()
+        );
+        let m = p.metrics();
+        assert!(balanced(&m), "{m:?}");
+    });
+}
+
+/// The same with the map's key copy dropped by cancel_for_key called from
+/// A's check (not a walk): reported separately.
+#[test]
+fn a_key_dropped_by_a_cancel_for_key_in_the_check_raises_an_event() {
+    support::paused_within(10, || async {
+        let p: P = Purgatory::new();
+        let weak: Arc<OnceLock<WeakPurgatory<K, Op>>> = Arc::default();
+        weak.set(p.downgrade()).ok().unwrap();
+        let ready_a = Arc::new(AtomicBool::new(false));
+        let go = Arc::new(AtomicBool::new(false));
+        let armed = Arc::new(AtomicBool::new(false));
+        let hook: Hook = {
+            let (w, r, armed) = (weak.clone(), ready_a.clone(), armed.clone());
+            Arc::new(move || {
+                if armed.swap(false, Ordering::SeqCst) {
+                    r.store(true, Ordering::SeqCst);
+                    w.get()
+                        .unwrap()
+                        .upgrade()
+                        .unwrap()
+                        .try_complete_watched(&k(1));
+                }
+            })
+        };
+        let hb = p
+            .try_complete_else_watch(
+                Op {
+                    body: Box::new(|| None),
+                    checks: Arc::default(),
+                },
+                Duration::from_secs(100),
+                [K {
+                    id: 9,
+                    hook: Some(hook.clone()),
+                }],
+            )
+            .unwrap();
+        let a_checks = Arc::new(AtomicUsize::new(0));
+        let (w2, r2, g2) = (weak.clone(), ready_a.clone(), go.clone());
+        let a = Op {
+            body: Box::new(move || {
+                let ready = r2.load(Ordering::SeqCst);
+                if g2.load(Ordering::SeqCst) && !ready {
+                    drop(w2.get().unwrap().upgrade().unwrap().cancel_for_key(&k(9)));
+                }
+                ready.then(|| Out(None))
+            }),
+            checks: a_checks.clone(),
+        };
+        let ha = p
+            .try_complete_else_watch(a, Duration::from_secs(100), [k(1)])
+            .unwrap();
+        armed.store(true, Ordering::SeqCst);
+        go.store(true, Ordering::SeqCst);
+        p.try_complete_watched(&k(1));
+        assert!(hb.is_finished());
+        assert!(!armed.load(Ordering::SeqCst), "the key's drop ran");
+        assert!(
+            ha.is_finished(),
+            "A missed the event raised by a key drop its cancel_for_key caused; checks {}",
+            a_checks.load(Ordering::SeqCst)
+        );
+    });
+}
+
+/// A's check completes B by reference; B's handle is detached, so B's output
+/// is dropped at once; that drop sets A's flag and walks A's key. A must run
+/// once more.
+#[test]
+fn an_output_dropped_by_a_check_by_reference_raises_an_event() {
+    support::paused_within(10, || async {
+        let p: P = Purgatory::new();
+        let weak: Arc<OnceLock<WeakPurgatory<K, Op>>> = Arc::default();
+        weak.set(p.downgrade()).ok().unwrap();
+        let ready_a = Arc::new(AtomicBool::new(false));
+        let go = Arc::new(AtomicBool::new(false));
+        let (w1, r1, g1) = (weak.clone(), ready_a.clone(), go.clone());
+        let b = Op {
+            body: Box::new(move || {
+                if !g1.load(Ordering::SeqCst) {
+                    return None;
+                }
+                let (w, r) = (w1.clone(), r1.clone());
+                Some(Out(Some(Arc::new(move || {
+                    r.store(true, Ordering::SeqCst);
+                    w.get()
+                        .unwrap()
+                        .upgrade()
+                        .unwrap()
+                        .try_complete_watched(&k(1));
+                }))))
+            }),
+            checks: Arc::default(),
+        };
+        let hb = p
+            .try_complete_else_watch(b, Duration::from_secs(100), [k(9)])
+            .unwrap();
+        let b_ref = hb.op_ref().unwrap();
+        hb.detach();
+        let a_checks = Arc::new(AtomicUsize::new(0));
+        let (r2, g2) = (ready_a.clone(), go.clone());
+        let a = Op {
+            body: Box::new(move || {
+                let ready = r2.load(Ordering::SeqCst);
+                if g2.load(Ordering::SeqCst) && !ready {
+                    b_ref.try_complete();
+                }
+                ready.then(|| Out(None))
+            }),
+            checks: a_checks.clone(),
+        };
+        let ha = p
+            .try_complete_else_watch(a, Duration::from_secs(100), [k(1)])
+            .unwrap();
+        go.store(true, Ordering::SeqCst);
+        p.try_complete_watched(&k(1));
+        assert!(ready_a.load(Ordering::SeqCst));
+        assert!(
+            ha.is_finished(),
+            "A missed the event its nested by-reference check's output drop raised; checks {}",
+            a_checks.load(Ordering::SeqCst)
+        );
+    });
+}
+
+struct HookWake(Hook);
+impl Wake for HookWake {
+    fn wake(self: Arc<Self>) {
+        (self.0)();
+    }
+}
+
+/// A's check walks B's key; B completes and its handle's waker (user code)
+/// sets A's flag and walks A's key. A must run once more.
+#[test]
+fn a_handle_waker_woken_by_the_checks_walk_raises_an_event() {
+    support::paused_within(10, || async {
+        let p: P = Purgatory::new();
+        let weak: Arc<OnceLock<WeakPurgatory<K, Op>>> = Arc::default();
+        weak.set(p.downgrade()).ok().unwrap();
+        let ready_a = Arc::new(AtomicBool::new(false));
+        let go = Arc::new(AtomicBool::new(false));
+        let g1 = go.clone();
+        let b = Op {
+            body: Box::new(move || g1.load(Ordering::SeqCst).then(|| Out(None))),
+            checks: Arc::default(),
+        };
+        let mut hb = p
+            .try_complete_else_watch(b, Duration::from_secs(100), [k(9)])
+            .unwrap();
+        let waker = {
+            let (w, r) = (weak.clone(), ready_a.clone());
+            Waker::from(Arc::new(HookWake(Arc::new(move || {
+                r.store(true, Ordering::SeqCst);
+                w.get()
+                    .unwrap()
+                    .upgrade()
+                    .unwrap()
+                    .try_complete_watched(&k(1));
+            }))))
+        };
+        assert!(std::pin::Pin::new(&mut hb)
+            .poll(&mut Context::from_waker(&waker))
+            .is_pending());
+        let a_checks = Arc::new(AtomicUsize::new(0));
+        let (w2, r2, g2) = (weak.clone(), ready_a.clone(), go.clone());
+        let a = Op {
+            body: Box::new(move || {
+                let ready = r2.load(Ordering::SeqCst);
+                if g2.load(Ordering::SeqCst) && !ready {
+                    w2.get()
+                        .unwrap()
+                        .upgrade()
+                        .unwrap()
+                        .try_complete_watched(&k(9));
+                }
+                ready.then(|| Out(None))
+            }),
+            checks: a_checks.clone(),
+        };
+        let ha = p
+            .try_complete_else_watch(a, Duration::from_secs(100), [k(1)])
+            .unwrap();
+        go.store(true, Ordering::SeqCst);
+        p.try_complete_watched(&k(1));
+        assert!(ready_a.load(Ordering::SeqCst));
+        assert!(
+            ha.is_finished(),
+            "A missed the event raised by a waker its walk woke; checks {}",
+            a_checks.load(Ordering::SeqCst)
+        );
+        assert!(hb.await.is_ok());
+        let _ = (ms(1), Completion::<u8>::Expired(0), Mutex::new(()));
+        let _: Option<OpRef<K, Op>> = None;
+    });
+}
+
+use std::future::Future;
+
+struct DropHook(Option<Hook>);
+impl Drop for DropHook {
+    fn drop(&mut self) {
+        if let Some(h) = self.0.take() {
+            h();
+        }
+    }
+}
+
+/// Control for the first test: the same event raised by B's operation
+/// Drop (which the crate runs when A's walk completes B) is seen: A runs
+/// once more and completes within the outer walk.
+#[test]
+fn control_an_operation_dropped_by_the_checks_own_walk_raises_an_event() {
+    support::paused_within(10, || async {
+        let p: P = Purgatory::new();
+        let weak: Arc<OnceLock<WeakPurgatory<K, Op>>> = Arc::default();
+        weak.set(p.downgrade()).ok().unwrap();
+        let ready_a = Arc::new(AtomicBool::new(false));
+        let go = Arc::new(AtomicBool::new(false));
+        let g1 = go.clone();
+        let guard = {
+            let (w, r) = (weak.clone(), ready_a.clone());
+            DropHook(Some(Arc::new(move || {
+                r.store(true, Ordering::SeqCst);
+                w.get()
+                    .unwrap()
+                    .upgrade()
+                    .unwrap()
+                    .try_complete_watched(&k(1));
+            })))
+        };
+        let b = Op {
+            body: Box::new(move || {
+                let _ = &guard;
+                g1.load(Ordering::SeqCst).then(|| Out(None))
+            }),
+            checks: Arc::default(),
+        };
+        let hb = p
+            .try_complete_else_watch(b, Duration::from_secs(100), [k(9)])
+            .unwrap();
+        let (w2, r2, g2) = (weak.clone(), ready_a.clone(), go.clone());
+        let a = Op {
+            body: Box::new(move || {
+                let ready = r2.load(Ordering::SeqCst);
+                if g2.load(Ordering::SeqCst) && !ready {
+                    w2.get()
+                        .unwrap()
+                        .upgrade()
+                        .unwrap()
+                        .try_complete_watched(&k(9));
+                }
+                ready.then(|| Out(None))
+            }),
+            checks: Arc::default(),
+        };
+        let ha = p
+            .try_complete_else_watch(a, Duration::from_secs(100), [k(1)])
+            .unwrap();
+        go.store(true, Ordering::SeqCst);
+        p.try_complete_watched(&k(1));
+        assert!(hb.is_finished());
+        assert!(ready_a.load(Ordering::SeqCst));
+        assert!(
+            ha.is_finished(),
+            "A re-runs after an operation drop's event"
+        );
+    });
+}
+
+/// A's check registers C; the key A handed to that registration is dropped
+/// by it (the map keeps its own clone), and that drop sets A's flag and
+/// walks A's key.
+#[test]
+fn a_key_dropped_by_a_registration_in_the_check_raises_an_event() {
+    support::paused_within(10, || async {
+        let p: P = Purgatory::new();
+        let weak: Arc<OnceLock<WeakPurgatory<K, Op>>> = Arc::default();
+        weak.set(p.downgrade()).ok().unwrap();
+        let ready_a = Arc::new(AtomicBool::new(false));
+        let go = Arc::new(AtomicBool::new(false));
+        let hook: Hook = {
+            let (w, r) = (weak.clone(), ready_a.clone());
+            Arc::new(move || {
+                r.store(true, Ordering::SeqCst);
+                w.get()
+                    .unwrap()
+                    .upgrade()
+                    .unwrap()
+                    .try_complete_watched(&k(1));
+            })
+        };
+        let kept: Arc<Mutex<Vec<tokio_purgatory::OperationHandle<K, Op>>>> = Arc::default();
+        let (w2, r2, g2, kp) = (weak.clone(), ready_a.clone(), go.clone(), kept.clone());
+        let a = Op {
+            body: Box::new(move || {
+                let ready = r2.load(Ordering::SeqCst);
+                if g2.swap(false, Ordering::SeqCst) && !ready {
+                    // The map keeps a clone without the hook? No: clones carry
+                    // it too; only the one dropped first matters here.
+                    let key = K {
+                        id: 9,
+                        hook: Some(hook.clone()),
+                    };
+                    let c = Op {
+                        body: Box::new(|| None),
+                        checks: Arc::default(),
+                    };
+                    let h = w2
+                        .get()
+                        .unwrap()
+                        .upgrade()
+                        .unwrap()
+                        .try_complete_else_watch(c, Duration::from_secs(100), [key])
+                        .map_err(|_| ())
+                        .unwrap();
+                    kp.lock().unwrap().push(h);
+                }
+                ready.then(|| Out(None))
+            }),
+            checks: Arc::default(),
+        };
+        let ha = p
+            .try_complete_else_watch(a, Duration::from_secs(100), [k(1)])
+            .unwrap();
+        go.store(true, Ordering::SeqCst);
+        p.try_complete_watched(&k(1));
+        assert!(ready_a.load(Ordering::SeqCst), "the key was dropped");
+        assert!(
+            ha.is_finished(),
+            "A missed the event raised by the drop of a key its registration dropped"
+        );
+        drop(p.shutdown());
+    });
+}
+
+/// The level form of the first test: A's check advances key 9 (B waits on
+/// it at a level); B completes, key 9's list empties and the map drops its
+/// key, whose Drop readies A and advances A's key past the level A is being
+/// checked for (an advance to that same level again reaches nothing new:
+/// A's watch already waits for the next one).
+#[test]
+fn a_key_dropped_by_the_checks_own_advance_raises_an_event() {
+    support::paused_within(10, || async {
+        let p: P = Purgatory::new();
+        let weak: Arc<OnceLock<WeakPurgatory<K, Op>>> = Arc::default();
+        weak.set(p.downgrade()).ok().unwrap();
+        let ready_a = Arc::new(AtomicBool::new(false));
+        let go = Arc::new(AtomicBool::new(false));
+        let armed = Arc::new(AtomicBool::new(false));
+        let hook: Hook = {
+            let (w, r, armed) = (weak.clone(), ready_a.clone(), armed.clone());
+            Arc::new(move || {
+                if armed.swap(false, Ordering::SeqCst) {
+                    r.store(true, Ordering::SeqCst);
+                    w.get()
+                        .unwrap()
+                        .upgrade()
+                        .unwrap()
+                        .try_complete_reached(&k(1), 6);
+                }
+            })
+        };
+        let b = Op {
+            body: Box::new(|| Some(Out(None))),
+            checks: Arc::default(),
+        };
+        let g1 = go.clone();
+        let b = Op {
+            body: Box::new(move || g1.load(Ordering::SeqCst).then(|| Out(None))),
+            checks: b.checks,
+        };
+        let hb = p
+            .try_complete_else_watch_levels(
+                b,
+                Duration::from_secs(100),
+                [tokio_purgatory::Watch::level(
+                    K {
+                        id: 9,
+                        hook: Some(hook.clone()),
+                    },
+                    3,
+                )],
+            )
+            .unwrap();
+        let (w2, r2, g2) = (weak.clone(), ready_a.clone(), go.clone());
+        let a = Op {
+            body: Box::new(move || {
+                let ready = r2.load(Ordering::SeqCst);
+                if g2.load(Ordering::SeqCst) && !ready {
+                    w2.get()
+                        .unwrap()
+                        .upgrade()
+                        .unwrap()
+                        .try_complete_reached(&k(9), 3);
+                }
+                ready.then(|| Out(None))
+            }),
+            checks: Arc::default(),
+        };
+        let ha = p
+            .try_complete_else_watch_levels(
+                a,
+                Duration::from_secs(100),
+                [tokio_purgatory::Watch::level(k(1), 5)],
+            )
+            .unwrap();
+        armed.store(true, Ordering::SeqCst);
+        go.store(true, Ordering::SeqCst);
+        p.try_complete_reached(&k(1), 5);
+        assert!(hb.is_finished(), "B completed");
+        assert!(ready_a.load(Ordering::SeqCst), "the key's drop ran");
+        assert!(
+            ha.is_finished(),
+            "A missed the event raised by the key drop of its own advance"
+        );
+    });
+}
+
+/// The operation holding the last purgatory clone is cancelled by its
+/// handle's drop: the purgatory closes inside that drop; the other pending
+/// operation resolves Shutdown, each operation is dropped once.
+#[test]
+fn the_last_clone_goes_with_an_operation_its_handle_drop_cancelled() {
+    support::paused_within(10, || async {
+        struct Holder {
+            _p: Option<P>,
+            drops: Arc<AtomicUsize>,
+        }
+        impl Drop for Holder {
+            fn drop(&mut self) {
+                self.drops.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        let p: P = Purgatory::new();
+        let weak = p.downgrade();
+        let drops = Arc::new(AtomicUsize::new(0));
+        let holder = Arc::new(Mutex::new(Some(Holder {
+            _p: None,
+            drops: drops.clone(),
+        })));
+        let h2 = holder.clone();
+        let a = Op {
+            body: Box::new(move || {
+                let _ = &h2;
+                None
+            }),
+            checks: Arc::default(),
+        };
+        let b_drops = Arc::new(AtomicUsize::new(0));
+        struct Counted(Arc<AtomicUsize>);
+        impl Drop for Counted {
+            fn drop(&mut self) {
+                self.0.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        let bc = Counted(b_drops.clone());
+        let b = Op {
+            body: Box::new(move || {
+                let _ = &bc;
+                None
+            }),
+            checks: Arc::default(),
+        };
+        let ha = p
+            .try_complete_else_watch(a, Duration::from_secs(100), [k(1)])
+            .unwrap();
+        let hb = p
+            .try_complete_else_watch(b, Duration::from_secs(100), [k(2)])
+            .unwrap();
+        holder.lock().unwrap().as_mut().unwrap()._p = Some(p);
+        drop(holder); // A's closure now holds the only Arc to the holder
+        drop(ha); // cancels A: its drop drops the last clone
+        assert!(weak.upgrade().is_none());
+        assert_eq!(drops.load(Ordering::SeqCst), 1);
+        let r = tokio::time::timeout(ms(1), hb).await.expect("resolved");
+        assert_eq!(r.unwrap_err(), tokio_purgatory::OperationError::Shutdown);
+        assert_eq!(b_drops.load(Ordering::SeqCst), 1);
+        let _ = balanced;
+    });
+}
