@@ -757,3 +757,93 @@ async fn schedule_async_refusal_hands_back_the_future() {
     drop(e);
     assert_eq!(Arc::strong_count(&marker), 1);
 }
+
+/// A future that is ready at once (counting its polls in the second
+/// field), holding `OnDrop` until it is dropped.
+struct ReadyHolding(#[allow(dead_code)] OnDrop, Arc<AtomicUsize>);
+impl std::future::Future for ReadyHolding {
+    type Output = ();
+    fn poll(self: std::pin::Pin<&mut Self>, _: &mut std::task::Context<'_>) -> std::task::Poll<()> {
+        self.1.fetch_add(1, Ordering::SeqCst);
+        std::task::Poll::Ready(())
+    }
+}
+
+/// An async task has finished once its future returned `Ready`: from then
+/// on `cancel` says `false` and `is_finished` says `true`, even while the
+/// future is still being dropped (here, read from that drop).
+#[tokio::test(start_paused = true)]
+async fn an_async_task_that_returned_ready_is_finished_before_its_drop() {
+    let timer = Timer::new();
+    let handle: Arc<std::sync::OnceLock<tokio_purgatory::AsyncTaskHandle>> = Arc::default();
+    let seen: Arc<Mutex<Option<(bool, bool)>>> = Arc::default();
+    let (h, s) = (handle.clone(), seen.clone());
+    let guard = OnDrop(Some(Box::new(move || {
+        let h = h.get().expect("scheduled");
+        *s.lock().unwrap() = Some((h.is_finished(), h.cancel()));
+    })));
+    let ran = Arc::new(AtomicUsize::new(0));
+    let r = ran.clone();
+    let t = timer.schedule_async(ms(1), ReadyHolding(guard, r)).unwrap();
+    assert!(handle.set(t).is_ok());
+    advance(ms(2)).await;
+    settle().await;
+    assert_eq!(ran.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        *seen.lock().unwrap(),
+        Some((true, false)),
+        "(is_finished, cancel) read from the future's drop after it returned"
+    );
+    let h = handle.get().unwrap();
+    assert!(h.is_finished() && !h.cancel() && !h.is_pending());
+}
+
+/// Cancelled in the reaper's turn that starts it (by another task due at
+/// the same time, which may run before or after the start), an async task
+/// never starts: `cancel` says `true`, the future is dropped unpolled, and
+/// the handle reads finished. A future that panics reads finished too, and
+/// cannot be cancelled after.
+#[tokio::test(start_paused = true)]
+async fn an_async_task_cancelled_in_the_turn_that_starts_it_never_starts() {
+    let timer = Timer::new();
+    let ran = Arc::new(AtomicUsize::new(0));
+    let dropped = Arc::new(AtomicUsize::new(0));
+    let (r, d) = (ran.clone(), dropped.clone());
+    let guard = OnDrop(Some(Box::new(move || {
+        d.fetch_add(1, Ordering::SeqCst);
+    })));
+    let handle: Arc<std::sync::OnceLock<tokio_purgatory::AsyncTaskHandle>> = Arc::default();
+    let said: Arc<Mutex<Option<bool>>> = Arc::default();
+    let (h, s) = (handle.clone(), said.clone());
+    timer
+        .schedule(ms(1), move || {
+            *s.lock().unwrap() = Some(h.get().expect("scheduled").cancel());
+        })
+        .unwrap();
+    let t = timer
+        .schedule_async(ms(1), async move {
+            let _guard = &guard;
+            r.fetch_add(1, Ordering::SeqCst);
+        })
+        .unwrap();
+    assert!(handle.set(t).is_ok());
+    advance(ms(2)).await;
+    settle().await;
+    assert_eq!(
+        *said.lock().unwrap(),
+        Some(true),
+        "cancelled before it started"
+    );
+    assert_eq!(ran.load(Ordering::SeqCst), 0, "never polled");
+    assert_eq!(dropped.load(Ordering::SeqCst), 1, "dropped unpolled, once");
+    let t = handle.get().unwrap();
+    assert!(t.is_finished() && !t.cancel() && !t.is_pending());
+
+    let p = timer
+        .schedule_async(ms(1), async { panic!("an async task panics") })
+        .unwrap();
+    advance(ms(2)).await;
+    settle().await;
+    assert!(p.is_finished(), "a panic ends it");
+    assert!(!p.cancel());
+}

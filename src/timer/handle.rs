@@ -400,12 +400,75 @@ impl TaskHandle {
 #[derive(Debug)]
 pub(super) enum Start {
     /// In the wheel, or handed back by a shutdown and neither run nor
-    /// dropped yet.
-    Waiting,
-    /// Spawned as a Tokio task.
-    Running(tokio::task::AbortHandle),
+    /// dropped yet (`None`); or spawned as a Tokio task whose first poll has
+    /// not come yet (its abort handle, once `start` has recorded it).
+    Waiting(Option<tokio::task::AbortHandle>),
+    /// Polled: the future has started (its task's abort handle, once `start`
+    /// has recorded it; the first poll may come first).
+    Running(Option<tokio::task::AbortHandle>),
+    /// Returned `Ready`, panicked, or was dropped by its runtime.
+    Finished,
     /// Cancelled, before or after it started, or dropped unrun.
     Cancelled,
+}
+
+impl Start {
+    /// In the wheel or handed back: not spawned.
+    pub(super) fn is_unspawned(&self) -> bool {
+        matches!(self, Start::Waiting(None))
+    }
+}
+
+/// Marks the future finished: when it returns `Ready` (before it is
+/// dropped), and when dropped at the end of its task however that comes (it
+/// panicked, its task was aborted, or a runtime shutting down dropped it
+/// unpolled); unless it was cancelled.
+struct Finish(Arc<Mutex<Start>>);
+
+impl Finish {
+    fn mark(&self) {
+        let mut s = lock(&self.0);
+        if !matches!(*s, Start::Cancelled) {
+            *s = Start::Finished;
+        }
+    }
+}
+
+impl Drop for Finish {
+    fn drop(&mut self) {
+        self.mark();
+    }
+}
+
+/// The task that runs a scheduled future: at its first poll it starts the
+/// future unless a cancel came first (then the future is dropped there,
+/// unpolled, with no lock held); once the future returns `Ready` it reads
+/// as finished, before its drop runs.
+async fn gated<Fut>(finish: Finish, future: Fut)
+where
+    Fut: std::future::Future<Output = ()>,
+{
+    {
+        let mut s = lock(&finish.0);
+        match &mut *s {
+            Start::Cancelled => {
+                drop(s);
+                drop(future);
+                return;
+            }
+            Start::Waiting(abort) => *s = Start::Running(abort.take()),
+            Start::Running(_) | Start::Finished => {}
+        }
+    }
+    let mut future = std::pin::pin!(future);
+    std::future::poll_fn(|cx| {
+        let polled = future.as_mut().poll(cx);
+        if polled.is_ready() {
+            finish.mark();
+        }
+        polled
+    })
+    .await;
 }
 
 /// The handle of a future scheduled with
@@ -498,7 +561,7 @@ impl AsyncTaskHandle {
     }
 
     pub(super) fn waiting() -> Arc<Mutex<Start>> {
-        Arc::new(Mutex::new(Start::Waiting))
+        Arc::new(Mutex::new(Start::Waiting(None)))
     }
 
     /// Spawns `future` unless it was cancelled first: what the wheel's task
@@ -508,7 +571,7 @@ impl AsyncTaskHandle {
     /// scheduled). With neither, it cannot start: it is dropped unrun, and
     /// its handle reads cancelled. Returns whether it was spawned.
     pub(super) fn start<Fut>(
-        start: &Mutex<Start>,
+        start: &Arc<Mutex<Start>>,
         future: Fut,
         scheduled_on: Option<&tokio::runtime::Handle>,
     ) -> bool
@@ -531,15 +594,21 @@ impl AsyncTaskHandle {
             },
         };
         // Spawned with no lock held (a runtime shutting down drops the
-        // future inside `spawn`); a cancel that lands meanwhile finds it
-        // `Waiting`, marks it cancelled, and the task is aborted here.
-        let abort = runtime.spawn(future).abort_handle();
+        // future inside `spawn`). Whether the future starts is decided at
+        // the task's first poll, under the lock (see `gated`): a cancel that
+        // lands before it keeps it from starting, even while this call has
+        // not recorded the task yet; one that lands after aborts the task.
+        let abort = runtime
+            .spawn(gated(Finish(start.clone()), future))
+            .abort_handle();
         let mut s = lock(start);
-        if matches!(*s, Start::Cancelled) {
-            drop(s);
-            abort.abort();
-        } else {
-            *s = Start::Running(abort);
+        match &mut *s {
+            Start::Waiting(kept) | Start::Running(kept) => *kept = Some(abort),
+            Start::Cancelled => {
+                drop(s);
+                abort.abort();
+            }
+            Start::Finished => {}
         }
         true
     }
@@ -548,12 +617,18 @@ impl AsyncTaskHandle {
     /// and dropped unpolled (on this thread, with no lock of ours held);
     /// once running, its task is aborted (dropped at its next `.await`, on
     /// the runtime). Returns whether this call cancelled it: `false` once it
-    /// has run to completion or was cancelled before.
+    /// has finished (returned `Ready`, panicked, or was dropped with its
+    /// runtime) or was cancelled before.
     ///
     /// # Concurrent calls
     ///
-    /// Racing the deadline, the future either never starts (`true`) or
-    /// starts and is aborted (`true` unless it had already finished).
+    /// Racing the deadline, the future either never starts (`true`; if its
+    /// task was already spawned, it drops the future unpolled), or has
+    /// started and its task is aborted (`true`; a future that returns
+    /// `Ready` before its next `.await` still completes), or had already
+    /// finished (`false`). What the future does between its last statement
+    /// and returning `Ready` races the cancel like any code of a task being
+    /// aborted.
     ///
     /// # Examples
     ///
@@ -570,21 +645,32 @@ impl AsyncTaskHandle {
     pub fn cancel(&self) -> bool {
         let mut s = lock(&self.start);
         match std::mem::replace(&mut *s, Start::Cancelled) {
-            Start::Waiting => {
+            Start::Waiting(spawned) => {
                 // Out of the wheel if still there (it never starts); if the
                 // reaper is running its task right now, that task finds the
-                // state cancelled and does not spawn it.
+                // state cancelled and does not spawn it, and a task spawned
+                // already drops it at its first poll.
                 let taken = self.timeout.cancel_and_take();
                 drop(s);
+                if let Some(abort) = spawned {
+                    abort.abort();
+                }
                 // The future, unpolled: the user's value, its drop contained.
                 self.timeout.core.panics.drop_value("drop of a task", taken);
                 true
             }
             Start::Running(abort) => {
                 drop(s);
-                let running = !abort.is_finished();
-                abort.abort();
-                running
+                // Not recorded yet: `start` aborts it when it finds the
+                // state cancelled.
+                if let Some(abort) = abort {
+                    abort.abort();
+                }
+                true
+            }
+            Start::Finished => {
+                *s = Start::Finished;
+                false
             }
             Start::Cancelled => false,
         }
@@ -611,7 +697,7 @@ impl AsyncTaskHandle {
     /// # }
     /// ```
     pub fn reset(&self, delay: Duration) -> bool {
-        matches!(*lock(&self.start), Start::Waiting) && self.timeout.reset(delay)
+        lock(&self.start).is_unspawned() && self.timeout.reset(delay)
     }
 
     /// Whether the future is still waiting for its deadline.
@@ -629,12 +715,13 @@ impl AsyncTaskHandle {
     /// # }
     /// ```
     pub fn is_pending(&self) -> bool {
-        matches!(*lock(&self.start), Start::Waiting) && self.timeout.is_pending()
+        lock(&self.start).is_unspawned() && self.timeout.is_pending()
     }
 
-    /// Whether the future has finished: run to completion, cancelled, or
-    /// dropped unrun because it can no longer start (its last `Timer` clone
-    /// was dropped, or a shutdown handed it back and that task was dropped).
+    /// Whether the future has finished: run to completion (from the moment
+    /// it returned `Ready`), panicked, cancelled, or dropped unrun because it
+    /// can no longer start (its last `Timer` clone was dropped, or a shutdown
+    /// handed it back and that task was dropped) or with its runtime.
     ///
     /// # Examples
     ///
@@ -650,10 +737,6 @@ impl AsyncTaskHandle {
     /// # }
     /// ```
     pub fn is_finished(&self) -> bool {
-        match &*lock(&self.start) {
-            Start::Waiting => false,
-            Start::Running(abort) => abort.is_finished(),
-            Start::Cancelled => true,
-        }
+        matches!(*lock(&self.start), Start::Finished | Start::Cancelled)
     }
 }

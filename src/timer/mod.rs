@@ -994,7 +994,7 @@ struct Unrun(Arc<Mutex<handle::Start>>);
 impl Drop for Unrun {
     fn drop(&mut self) {
         let mut start = lock(&self.0);
-        if matches!(*start, handle::Start::Waiting) {
+        if start.is_unspawned() {
             *start = handle::Start::Cancelled;
         }
     }
