@@ -1737,6 +1737,36 @@ fn a_reset_from_a_check_holding_a_left_expiry_says_false() {
     });
 }
 
+/// A check the expiry was left to cancels its own operation and says "not
+/// yet": `OpRef::cancel` answers `None` (the cancel is left to the check),
+/// and the cancel wins over the expiry left before it, as its docs say: the
+/// operation ends `Cancelled`, is never expired, has no lateness sample, and
+/// is dropped once.
+#[test]
+fn a_cancel_left_to_a_check_holding_a_left_expiry_wins() {
+    paused_within(10, || async {
+        let said: Arc<Mutex<Option<bool>>> = Arc::default();
+        let s2 = said.clone();
+        let s = held(move |me, _| {
+            *s2.lock().unwrap() = Some(me.cancel().is_some());
+            None
+        });
+        assert!(!s.run().await);
+        assert_eq!(*said.lock().unwrap(), Some(false), "left to the check");
+        let p = s.p.as_ref().unwrap();
+        let r = tokio::time::timeout(ms(1), s.h).await.expect("resolved");
+        assert_eq!(fate(r), Err(OperationError::Cancelled));
+        advance(Duration::from_secs(20)).await;
+        settle().await;
+        assert_eq!(s.t.expiries(1), 0);
+        assert_eq!(s.t.drops(1), 1);
+        let m = p.metrics();
+        assert!(balanced(&m), "{m:?}");
+        assert_eq!((m.cancelled, m.expired), (1, 0));
+        assert_eq!(p.lateness().count(), 0);
+    });
+}
+
 /// A check the expiry was left to resets its timeout and then completes:
 /// the operation is completed, once, with no lateness sample, and nothing
 /// expires later at the reset's deadline.

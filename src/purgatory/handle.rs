@@ -878,9 +878,12 @@ where
     /// or a shutdown, the operation finishes once: the call that finishes it
     /// first wins, and only a cancel that wins hands the operation back here
     /// (a shutdown that wins hands it back to its caller instead). When a
-    /// check runs on another thread at that moment, the cancel is left to it:
-    /// `None` here, and that check cancels it (dropping it, contained) once it
-    /// says "not yet", unless it completes it.
+    /// check runs at that moment (on another thread, or further up this
+    /// one's stack), the cancel is left to it: `None` here, and that check
+    /// cancels it (dropping it, contained) once it says "not yet", unless it
+    /// completes it. A cancel left so also wins over the timeout if that
+    /// fired during the same check (neither finished it first: the check's
+    /// end does, and a cancel is what the application asked for last).
     ///
     /// # Examples
     ///
