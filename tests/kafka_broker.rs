@@ -2164,3 +2164,78 @@ async fn extreme_values_are_answered_as_kafka_answers_them() {
     })
     .await
 }
+
+/// Kafka's `UnifiedLog.fetchOffsetByTimestamp` answers EARLIEST_LOCAL_TIMESTAMP
+/// (-4) with the log start offset when remote storage is off (all of a log
+/// here is local), whatever the request's version: the same answer as
+/// EARLIEST (-2). It was answered "no such record" (-1, -1).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn list_offsets_earliest_local_is_the_log_start() {
+    use kafka_protocol::messages::list_offsets_request::{ListOffsetsPartition, ListOffsetsTopic};
+    use kafka_protocol::messages::{BrokerId, ListOffsetsRequest};
+    bounded(async {
+        let b = start(Config {
+            topics: vec![TOPIC.into()],
+            ..Config::default()
+        })
+        .await;
+        let mut w = Wire::connect(b.addr).await.unwrap();
+        for _ in 0..2 {
+            let r = w.append(TOPIC, 0, &[b"v"]).await.unwrap();
+            assert_eq!(wire::produce_error(&r), 0);
+        }
+        let ask = |ts: i64| {
+            ListOffsetsRequest::default()
+                .with_replica_id(BrokerId(-1))
+                .with_topics(vec![ListOffsetsTopic::default()
+                    .with_name(topic_name(TOPIC))
+                    .with_partitions(vec![ListOffsetsPartition::default()
+                        .with_partition_index(0)
+                        .with_timestamp(ts)])])
+        };
+        let mut got = vec![];
+        for ts in [-2i64, -4] {
+            let r = w.call(&ask(ts), 7).await.unwrap();
+            let p = &r.topics[0].partitions[0];
+            got.push((p.error_code, p.offset, p.timestamp));
+        }
+        assert_eq!(got[0], (0, 0, -1));
+        assert_eq!(got[1], got[0], "-4 against -2 (error, offset, timestamp)");
+        b.shutdown().await;
+    })
+    .await
+}
+
+/// Topics created on first use stop at `max_partitions` as at `max_topics`:
+/// the partition state clients can make the broker keep is bounded however
+/// many partitions a topic has (a topic it does not create is answered
+/// UNKNOWN_TOPIC_OR_PARTITION, as one past `max_topics` is).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn creation_on_first_use_stops_at_max_partitions() {
+    use kafka_protocol::messages::metadata_request::MetadataRequestTopic;
+    use kafka_protocol::messages::MetadataRequest;
+    bounded(async {
+        let b = start(Config {
+            partitions: 4,
+            max_partitions: 10,
+            ..Config::default()
+        })
+        .await;
+        let mut w = Wire::connect(b.addr).await.unwrap();
+        let mut codes = vec![];
+        for name in ["a", "b", "c", "a"] {
+            let req = MetadataRequest::default()
+                .with_topics(Some(vec![
+                    MetadataRequestTopic::default().with_name(Some(topic_name(name)))
+                ]))
+                .with_allow_auto_topic_creation(true);
+            let r = w.call(&req, 9).await.unwrap();
+            codes.push((r.topics[0].error_code, r.topics[0].partitions.len()));
+        }
+        let unknown = ResponseError::UnknownTopicOrPartition.code();
+        assert_eq!(codes, [(0, 4), (0, 4), (unknown, 0), (0, 4)]);
+        assert_eq!(b.broker.topics.all_partitions().len(), 8);
+        b.shutdown().await;
+    })
+    .await
+}

@@ -1,10 +1,12 @@
 //! The Kafka-protocol broker example's memory stays within its bounds
 //! whatever clients send: it keeps nothing of a request's frame beyond what
-//! it stores, answers a client does not read stay within its memory budget,
-//! retention does not move its whole order at each append, and the
-//! descriptor watched for a hang-up goes with its request. The live heap and
-//! the descriptors are counted process-wide, so the tests here run one at a
-//! time; real sockets, each test bounded by a timeout.
+//! it stores (a request that waits holds its own state, not its frame, and
+//! overlong strings are refused), answers a client does not read (records,
+//! metadata) stay within its memory budget, member ids handed out stay
+//! within their bound, retention does not move its whole order at each
+//! append, and the descriptor watched for a hang-up goes with its request.
+//! The live heap and the descriptors are counted process-wide, so the tests
+//! here run one at a time; real sockets, each test bounded by a timeout.
 
 #[path = "../examples/kafka_broker/broker/mod.rs"]
 #[allow(dead_code)]
@@ -198,9 +200,12 @@ async fn answers_nobody_reads_stay_within_the_budget() {
 }
 
 /// A fetch naming four partitions 100,000 times over, parked in the
-/// purgatory, holds what its admission charged (its frame and the decoded
-/// request's arrays) and no more: Kafka keys a fetch's partitions by topic
-/// and partition, so it is four partitions, four watches.
+/// purgatory, holds what it stays charged and no more: Kafka keys a fetch's
+/// partitions by topic and partition, so it is four partitions, four
+/// watches. And it lets go of its frame and decoded request before it waits
+/// (as Kafka releases a request's buffer once its handler returns): it used
+/// to keep them, and their charge (some 10 MiB here), for its whole wait, up
+/// to `i32::MAX` ms.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_parked_fetch_holds_no_more_than_its_charge() {
     use kafka_protocol::messages::fetch_request::{FetchPartition, FetchTopic};
@@ -249,6 +254,10 @@ async fn a_parked_fetch_holds_no_more_than_its_charge() {
         assert!(
             grown < charged + (512 << 10),
             "one parked fetch holds {grown} bytes, {charged} charged"
+        );
+        assert!(
+            charged < 64 << 10,
+            "one parked fetch of four partitions stays charged {charged} bytes"
         );
         drop(w);
         b.shutdown().await;
@@ -527,4 +536,369 @@ async fn the_hang_up_watch_keeps_no_descriptor_past_its_request() {
     })
     .await
     .expect("bounded");
+}
+
+// ---- groups and small APIs: what requests keep is bounded -----------------
+
+#[path = "support/kafka_raw.rs"]
+mod kafka_raw;
+
+use kafka_protocol::error::ResponseError;
+use kafka_protocol::messages::join_group_request::JoinGroupRequestProtocol;
+use kafka_protocol::messages::metadata_request::MetadataRequestTopic;
+use kafka_protocol::messages::sync_group_request::SyncGroupRequestAssignment;
+use kafka_protocol::messages::{
+    ApiVersionsRequest, JoinGroupRequest, MetadataRequest, SyncGroupRequest,
+};
+
+/// Runs a test body on a broker of `config` (listening on an ephemeral
+/// port), one test at a time, bounded by a minute.
+async fn alone_with<F: std::future::Future<Output = ()>>(
+    config: Config,
+    body: impl FnOnce(BrokerHandle) -> F,
+) {
+    let _alone = ONE_AT_A_TIME.lock().await;
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let b = BrokerHandle::start(Config {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            ..config
+        })
+        .await
+        .expect("the broker starts");
+        body(b).await
+    })
+    .await
+    .expect("bounded");
+}
+
+fn join_req(group: &str, id: &str, session: i32, rebalance: i32) -> JoinGroupRequest {
+    JoinGroupRequest::default()
+        .with_group_id(GroupId(s(group)))
+        .with_session_timeout_ms(session)
+        .with_rebalance_timeout_ms(rebalance)
+        .with_member_id(s(id))
+        .with_protocol_type(s("consumer"))
+        .with_protocols(vec![JoinGroupRequestProtocol::default()
+            .with_name(s("range"))
+            .with_metadata(bytes::Bytes::from_static(b"m"))])
+}
+
+/// A bystander's ApiVersions is answered within 5 s.
+async fn bystander(b: &BrokerHandle) -> bool {
+    tokio::time::timeout(Duration::from_secs(5), async {
+        let mut w = Wire::connect(b.addr).await.ok()?;
+        w.call(&ApiVersionsRequest::default(), 2).await.ok()
+    })
+    .await
+    .ok()
+    .flatten()
+    .is_some_and(|r| r.error_code == 0)
+}
+
+/// Polls on the wall clock for up to `secs`.
+async fn until(secs: u64, what: &str, cond: impl Fn() -> bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(secs);
+    while !cond() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "waited too long until {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Metadata for every topic is a ~20-byte request whose answer grows with
+/// what the broker holds (here ~10 MB: 6,000 topics of 200-character names,
+/// 16 partitions each), held until written (up to `frame_timeout`). It was
+/// never charged to the memory budget, as fetch and offset fetch answers
+/// are: 40 clients that asked and never read (small receive buffers) held
+/// 312 MiB on a 64 MiB budget. Charged now, an answer with no room closes
+/// its connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metadata_answers_are_charged_to_the_budget() {
+    let budget = 64 << 20;
+    let config = Config {
+        partitions: 16,
+        max_request_bytes: 8 << 20,
+        max_decoded_bytes: 8 << 20,
+        memory_budget: budget,
+        ..Config::default()
+    };
+    alone_with(config, |b| async move {
+        let mut w = Wire::connect(b.addr).await.unwrap();
+        for chunk in 0..6 {
+            let names: Vec<MetadataRequestTopic> = (0..1000)
+                .map(|i| {
+                    MetadataRequestTopic::default().with_name(Some(TopicName(s(&format!(
+                        "{chunk}-{i:05}-{}",
+                        "n".repeat(190)
+                    )))))
+                })
+                .collect();
+            let r = w
+                .call(
+                    &MetadataRequest::default()
+                        .with_topics(Some(names))
+                        .with_allow_auto_topic_creation(true),
+                    9,
+                )
+                .await
+                .unwrap();
+            assert!(r.topics.iter().all(|t| t.error_code == 0));
+        }
+        drop(w);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let before = alloc::live_bytes();
+        let mut socks = vec![];
+        for i in 0..40 {
+            let sock = tokio::net::TcpSocket::new_v4().unwrap();
+            sock.set_recv_buffer_size(4096).unwrap();
+            let mut st = sock.connect(b.addr).await.unwrap();
+            let all = MetadataRequest::default().with_topics(None);
+            tokio::io::AsyncWriteExt::write_all(&mut st, &kafka_raw::frame(&all, 1, i))
+                .await
+                .unwrap();
+            socks.push(st);
+        }
+        let mut most = 0;
+        for _ in 0..30 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            most = most.max(alloc::live_bytes() - before);
+        }
+        assert!(bystander(&b).await);
+        assert!(
+            most <= budget as isize + (8 << 20),
+            "40 unread Metadata answers hold {} MiB (budget {} MiB)",
+            most >> 20,
+            budget >> 20
+        );
+        drop(socks);
+        b.shutdown().await;
+    })
+    .await
+}
+
+/// Kafka's generated decoders refuse any string longer than 0x7fff bytes
+/// (`"string field groupId had invalid length"`), compact ones included, and
+/// Kafka closes the connection of a request it cannot parse. Compact
+/// (flexible-version) strings here could be as long as the frame: 16 commits
+/// (OffsetCommit v8) to groups whose ids were 4 MiB each kept 64 MiB for as
+/// long as the broker runs, and 16 v7 joins (two-step, pending ids held for
+/// the session) as much again. Now each connection is closed, nothing kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overlong_compact_group_ids_are_not_kept() {
+    let config = Config {
+        topics: vec!["t".into()],
+        ..Config::default()
+    };
+    alone_with(config, |b| async move {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let before = alloc::live_bytes();
+        let mut kept = 0;
+        for i in 0..16 {
+            let g = format!("{i:02}{}", "g".repeat(4 << 20));
+            let mut w = Wire::connect(b.addr).await.unwrap();
+            let commit = OffsetCommitRequest::default()
+                .with_group_id(GroupId(s(&g)))
+                .with_generation_id_or_member_epoch(-1)
+                .with_topics(vec![OffsetCommitRequestTopic::default()
+                    .with_name(TopicName(s("t")))
+                    .with_partitions(vec![OffsetCommitRequestPartition::default()
+                        .with_partition_index(0)
+                        .with_committed_offset(1)])]);
+            if w.call(&commit, 8).await.is_ok() {
+                kept += 1;
+            }
+            let g = format!("j{i:02}{}", "g".repeat(4 << 20));
+            let mut w = Wire::connect(b.addr).await.unwrap();
+            if w.call(&join_req(&g, "", 1_800_000, 1000), 7).await.is_ok() {
+                kept += 1;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let grown = alloc::live_bytes() - before;
+        assert!(bystander(&b).await);
+        assert!(
+            kept == 0 && grown < 4 << 20,
+            "group ids of 4 MiB: {kept} requests answered, {} MiB held",
+            grown >> 20
+        );
+        // At the limit, a group id is taken.
+        let mut w = Wire::connect(b.addr).await.unwrap();
+        let g = "g".repeat(0x7fff);
+        let r = w.call(&join_req(&g, "", 10_000, 1000), 7).await.unwrap();
+        assert_eq!(r.error_code, ResponseError::MemberIdRequired.code());
+        b.shutdown().await;
+    })
+    .await
+}
+
+/// A JoinGroup that waits for its round (up to its rebalance timeout,
+/// i32::MAX ms, 24.8 days) kept its whole frame charged to the memory
+/// budget until it was answered, though nothing of the frame is used after
+/// decoding (here 15 MiB of a tagged field the decoder keeps and the
+/// coordinator ignores). Kafka releases a request's buffer once its handler
+/// returns (`finally request.releaseBuffer()`), before the join waits. Four
+/// such joins and a partial frame took the whole 64 MiB budget, and a
+/// bystander's ApiVersions then waited for memory that did not come back.
+/// A parked join now keeps only what it holds; so does a parked sync, and a
+/// parked fetch (checked in `a_parked_fetch_holds_no_more_than_its_charge`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parked_joins_and_syncs_do_not_hold_the_budget() {
+    let config = Config {
+        memory_budget: 64 << 20,
+        max_request_bytes: 16 << 20,
+        max_decoded_bytes: 16 << 20,
+        groups: broker::groups::GroupLimits {
+            min_session: Duration::from_millis(50),
+            ..Default::default()
+        },
+        ..Config::default()
+    };
+    alone_with(config, |b| async move {
+        let padded = |r: JoinGroupRequest, i: usize| {
+            let mut r = r;
+            let pad = bytes::Bytes::from(vec![i as u8; 15 << 20]);
+            r.unknown_tagged_fields.insert(1000, pad);
+            r
+        };
+        // A stable member that does not rejoin: the joins wait.
+        let mut w = Wire::connect(b.addr).await.unwrap();
+        let r = w.call(&join_req("g", "", 60_000, 300), 3).await.unwrap();
+        let (leader, gen) = (r.member_id.to_string(), r.generation_id);
+        let sync = SyncGroupRequest::default()
+            .with_group_id(GroupId(s("g")))
+            .with_generation_id(gen)
+            .with_member_id(s(&leader));
+        assert_eq!(w.call(&sync, 3).await.unwrap().error_code, 0);
+        let mut parked = vec![];
+        for i in 0..4 {
+            let mut c = Wire::connect(b.addr).await.unwrap();
+            let first = c
+                .call(&join_req("g", "", 60_000, i32::MAX), 6)
+                .await
+                .unwrap();
+            assert_eq!(first.error_code, ResponseError::MemberIdRequired.code());
+            let req = padded(join_req("g", &first.member_id, 60_000, i32::MAX), i);
+            c.send(&req, 6).await.unwrap();
+            parked.push(c);
+            until(10, "the join parked", || {
+                b.broker.groups.joins.delayed() == i + 1
+            })
+            .await;
+        }
+        let in_use = b.broker.budget.in_use();
+        assert!(
+            in_use < 1 << 20,
+            "4 parked joins of 15 MiB frames hold {in_use} bytes of the budget"
+        );
+        // The rest of the budget, taken by a frame that arrives slowly.
+        let mut slow = tokio::net::TcpStream::connect(b.addr).await.unwrap();
+        use tokio::io::AsyncWriteExt;
+        slow.write_all(&(15i32 << 20).to_be_bytes()).await.unwrap();
+        slow.write_all(&vec![0u8; 6 << 20]).await.unwrap_or(());
+        assert!(bystander(&b).await, "a bystander is answered");
+        // The leader rejoins: the round ends; a follower's sync (15 MiB of
+        // padding) waits for the leader's, holding none of its frame.
+        let r = w
+            .call(&join_req("g", &leader, 60_000, 300), 3)
+            .await
+            .unwrap();
+        assert_eq!(r.error_code, 0);
+        let gen = r.generation_id;
+        let mut f = parked.pop().unwrap();
+        let fr = f.receive::<JoinGroupRequest>(6).await.unwrap();
+        assert_eq!((fr.error_code, fr.generation_id), (0, gen));
+        let mut fsync = SyncGroupRequest::default()
+            .with_group_id(GroupId(s("g")))
+            .with_generation_id(gen)
+            .with_member_id(fr.member_id.clone());
+        fsync
+            .unknown_tagged_fields
+            .insert(1000, bytes::Bytes::from(vec![9u8; 15 << 20]));
+        f.send(&fsync, 4).await.unwrap();
+        until(10, "the sync parked", || {
+            b.broker.groups.syncs.delayed() == 1
+        })
+        .await;
+        let in_use = b.broker.budget.in_use();
+        // The slow frame holds 8 MiB (its buffer doubles as it arrives).
+        assert!(
+            in_use < 9 << 20,
+            "a parked sync of a 15 MiB frame (and the slow frame) hold {in_use} bytes"
+        );
+        let lsync = SyncGroupRequest::default()
+            .with_group_id(GroupId(s("g")))
+            .with_generation_id(gen)
+            .with_member_id(s(&leader))
+            .with_assignments(vec![SyncGroupRequestAssignment::default()
+                .with_member_id(fr.member_id.clone())
+                .with_assignment(bytes::Bytes::from_static(b"x"))]);
+        assert_eq!(w.call(&lsync, 3).await.unwrap().error_code, 0);
+        let fs = f.receive::<SyncGroupRequest>(4).await.unwrap();
+        assert_eq!((fs.error_code, &fs.assignment[..]), (0, &b"x"[..]));
+        drop((parked, slow));
+        b.shutdown().await;
+    })
+    .await
+}
+
+/// Member ids handed out and not joined yet (KIP-394, MEMBER_ID_REQUIRED)
+/// are kept up to a session (30 min at most), about 470 bytes each: the
+/// coordinator could hold `max_groups` x `max_members` (1000 x 1000) of them,
+/// 450 MiB, outside every byte bound. They are counted in `max_kept_bytes`
+/// now: with it at 2 MiB, a flood of first-step joins is refused
+/// COORDINATOR_LOAD_IN_PROGRESS once the ids given out reach it, and the
+/// heap holds no more than the bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pending_member_ids_are_bounded_in_bytes() {
+    let bound = 2 << 20;
+    let config = Config {
+        groups: broker::groups::GroupLimits {
+            max_kept_bytes: bound,
+            ..Default::default()
+        },
+        ..Config::default()
+    };
+    alone_with(config, |b| async move {
+        let mut st = tokio::net::TcpStream::connect(b.addr).await.unwrap();
+        // Warm up (one group, one id) so the counted growth is per id.
+        let mut w = Wire::connect(b.addr).await.unwrap();
+        w.call(&join_req("warm", "", 600_000, 1000), 5)
+            .await
+            .unwrap();
+        let before = alloc::live_bytes();
+        let (mut given, mut refused, mut id) = (0, 0, 0);
+        let client = "c".repeat(64); // the longest kept in a member id
+        for g in 0..10 {
+            let mut out = Vec::new();
+            for _ in 0..1000 {
+                id += 1;
+                let join = join_req(&format!("p{g}"), "", 1_800_000, 1000);
+                out.extend(kafka_raw::frame_from(&client, &join, 5, id));
+            }
+            tokio::io::AsyncWriteExt::write_all(&mut st, &out)
+                .await
+                .unwrap();
+            for _ in 0..1000 {
+                let (_, r) = kafka_raw::read_answer::<JoinGroupRequest>(&mut st, 5)
+                    .await
+                    .unwrap();
+                match r.error_code {
+                    c if c == ResponseError::MemberIdRequired.code() => given += 1,
+                    c if c == ResponseError::CoordinatorLoadInProgress.code() => refused += 1,
+                    c => panic!("error {c}"),
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let grown = alloc::live_bytes() - before;
+        assert!(bystander(&b).await);
+        assert!(
+            refused > 0 && grown <= bound as isize,
+            "{given} pending ids given ({refused} refused) hold {grown} bytes (bound {bound})"
+        );
+        b.shutdown().await;
+    })
+    .await
 }

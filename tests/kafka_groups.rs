@@ -572,14 +572,10 @@ async fn an_offset_fetch_answer_is_charged_to_the_budget() {
             left -= k;
         }
         let grown = peak() - before;
-        eprintln!(
-            "a {sent}-byte OffsetFetch: a {size}-byte answer; heap peak +{} MiB",
-            grown >> 20
-        );
         drop(w);
         assert!(
             grown < budget as isize,
-            "a {}-byte OffsetFetch made the broker allocate {} MiB (budget {} MiB)",
+            "a {}-byte OffsetFetch (a {size}-byte answer) made the broker allocate {} MiB (budget {} MiB)",
             sent,
             grown >> 20,
             budget >> 20
@@ -1269,6 +1265,812 @@ async fn sync_and_find_coordinator() {
             .await
             .unwrap();
         assert_eq!((r.error_code, r.port), (0, b.addr.port() as i32));
+        b.shutdown().await;
+    })
+    .await
+}
+
+// ===========================================================================
+// Kafka's answers and hostile clients, request by request
+// ===========================================================================
+
+#[path = "support/kafka_raw.rs"]
+mod kafka_raw;
+#[path = "support/proc.rs"]
+mod procfs;
+
+/// A join of `id` (empty: a new member) with these timeouts.
+fn join_req(group: &str, id: &str, session: i32, rebalance: i32) -> JoinGroupRequest {
+    JoinGroupRequest::default()
+        .with_group_id(GroupId(s(group)))
+        .with_session_timeout_ms(session)
+        .with_rebalance_timeout_ms(rebalance)
+        .with_member_id(s(id))
+        .with_protocol_type(s("consumer"))
+        .with_protocols(vec![JoinGroupRequestProtocol::default()
+            .with_name(s("range"))
+            .with_metadata(Bytes::from_static(b"m"))])
+}
+
+/// A commit to topic `T` of (partition, offset, metadata).
+fn commit_md(
+    group: &str,
+    gen: i32,
+    id: &str,
+    offs: &[(i32, i64, Option<String>)],
+) -> OffsetCommitRequest {
+    let mut r = commit_req(
+        group,
+        gen,
+        id,
+        T,
+        &offs.iter().map(|&(p, o, _)| (p, o)).collect::<Vec<_>>(),
+    );
+    for (p, (_, _, md)) in r.topics[0].partitions.iter_mut().zip(offs) {
+        p.committed_metadata = md.as_deref().map(s);
+    }
+    r
+}
+
+/// An OffsetFetch of topic `T`'s `parts`.
+fn offsets_req(group: &str, parts: &[i32]) -> OffsetFetchRequest {
+    OffsetFetchRequest::default()
+        .with_group_id(GroupId(s(group)))
+        .with_topics(Some(vec![OffsetFetchRequestTopic::default()
+            .with_name(TopicName(s(T)))
+            .with_partition_indexes(parts.to_vec())]))
+}
+
+/// Joins alone at v3 (no two-step) on `w`, leader of a new generation, and
+/// syncs: the member id and generation.
+async fn stable_on(w: &mut Wire, g: &str, session: i32) -> (String, i32) {
+    let r = w.call(&join_req(g, "", session, 300), 3).await.unwrap();
+    assert_eq!(r.error_code, 0);
+    let id = r.member_id.to_string();
+    let sync = SyncGroupRequest::default()
+        .with_group_id(GroupId(s(g)))
+        .with_generation_id(r.generation_id)
+        .with_member_id(s(&id))
+        .with_assignments(vec![SyncGroupRequestAssignment::default()
+            .with_member_id(s(&id))
+            .with_assignment(Bytes::from_static(b"a"))]);
+    assert_eq!(w.call(&sync, 3).await.unwrap().error_code, 0);
+    (id, r.generation_id)
+}
+
+/// A bystander's ApiVersions is answered within 5 s.
+async fn bystander(b: &BrokerHandle) -> bool {
+    tokio::time::timeout(Duration::from_secs(5), async {
+        let mut w = Wire::connect(b.addr).await.ok()?;
+        w.call(&ApiVersionsRequest::default(), 2).await.ok()
+    })
+    .await
+    .ok()
+    .flatten()
+    .is_some_and(|r| r.error_code == 0)
+}
+
+/// Kafka (`GroupCoordinator.isValidGroupId`, and `GroupCoordinatorService`'s
+/// `isGroupIdNotEmpty` in the new coordinator): Heartbeat, SyncGroup and
+/// LeaveGroup with an empty group id are answered INVALID_GROUP_ID (24).
+/// They were answered UNKNOWN_MEMBER_ID (25), and LeaveGroup v3 NONE.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn empty_group_id_on_heartbeat_sync_leave_is_invalid_group_id() {
+    let _one = ONE.lock().await;
+    bounded(async {
+        let b = start(quick()).await;
+        let mut w = Wire::connect(b.addr).await.unwrap();
+        let hb = w
+            .call(
+                &HeartbeatRequest::default()
+                    .with_group_id(GroupId(s("")))
+                    .with_generation_id(1)
+                    .with_member_id(s("m")),
+                3,
+            )
+            .await
+            .unwrap()
+            .error_code;
+        let sy = w
+            .call(
+                &SyncGroupRequest::default()
+                    .with_group_id(GroupId(s("")))
+                    .with_generation_id(1)
+                    .with_member_id(s("m")),
+                3,
+            )
+            .await
+            .unwrap()
+            .error_code;
+        let lv0 = w
+            .call(
+                &LeaveGroupRequest::default()
+                    .with_group_id(GroupId(s("")))
+                    .with_member_id(s("m")),
+                1,
+            )
+            .await
+            .unwrap()
+            .error_code;
+        let lv3 = w
+            .call(
+                &LeaveGroupRequest::default()
+                    .with_group_id(GroupId(s("")))
+                    .with_members(vec![MemberIdentity::default().with_member_id(s("m"))]),
+                3,
+            )
+            .await
+            .unwrap()
+            .error_code;
+        let inv = code(ResponseError::InvalidGroupId);
+        assert_eq!(
+            (hb, sy, lv0, lv3),
+            (inv, inv, inv, inv),
+            "heartbeat, sync, leave v1, leave v3 (top level) for group \"\""
+        );
+        b.shutdown().await;
+    })
+    .await
+}
+
+/// Kafka accepts OffsetCommit and OffsetFetch for the empty group id
+/// (`isValidGroupId`: "For backwards compatibility, we support the offset
+/// commit APIs for the empty groupId"; the new coordinator checks only
+/// `isGroupIdNotNull` for them). It was refused INVALID_GROUP_ID.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn empty_group_id_commit_is_stored_as_kafka_does() {
+    let _one = ONE.lock().await;
+    bounded(async {
+        let b = start(quick()).await;
+        let mut w = Wire::connect(b.addr).await.unwrap();
+        let r = w
+            .call(&commit_md("", -1, "", &[(0, 42, None)]), 7)
+            .await
+            .unwrap();
+        let committed = r.topics[0].partitions[0].error_code;
+        let f = w.call(&offsets_req("", &[0]), 7).await.unwrap();
+        assert_eq!(
+            (committed, f.topics[0].partitions[0].committed_offset),
+            (0, 42),
+            "commit to group \"\" (code) and the offset read back"
+        );
+        b.shutdown().await;
+    })
+    .await
+}
+
+/// Kafka (`FindCoordinatorRequest.CoordinatorType.forId`): an unknown key
+/// type throws InvalidRequestException, answered INVALID_REQUEST (42), at
+/// v1-3 and per key at v4. It was answered COORDINATOR_NOT_AVAILABLE, as
+/// transactions' (key type 1, covered elsewhere) are.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn find_coordinator_unknown_key_type_is_invalid_request() {
+    let _one = ONE.lock().await;
+    bounded(async {
+        let b = start(quick()).await;
+        let mut w = Wire::connect(b.addr).await.unwrap();
+        let mut got = vec![];
+        for kt in [5i8, -1, i8::MAX] {
+            let r = w
+                .call(
+                    &FindCoordinatorRequest::default()
+                        .with_key(s("g"))
+                        .with_key_type(kt),
+                    3,
+                )
+                .await
+                .unwrap();
+            got.push(r.error_code);
+            let r = w
+                .call(
+                    &FindCoordinatorRequest::default()
+                        .with_coordinator_keys(vec![s("g")])
+                        .with_key_type(kt),
+                    4,
+                )
+                .await
+                .unwrap();
+            got.push(r.coordinators[0].error_code);
+        }
+        assert!(bystander(&b).await);
+        assert_eq!(got, vec![code(ResponseError::InvalidRequest); 6]);
+        b.shutdown().await;
+    })
+    .await
+}
+
+/// Kafka (`ClassicGroup.validateOffsetCommit`: "if (generationId < 0 &&
+/// isInState(EMPTY)) return"; `OffsetMetadataManager` creates a simple group
+/// for an unknown id when the generation is < 0): a commit with generation
+/// -1 to an unknown or empty group is stored whatever member id it names. It
+/// was refused ILLEGAL_GENERATION and UNKNOWN_MEMBER_ID.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn simple_commit_naming_a_member_id_is_stored() {
+    let _one = ONE.lock().await;
+    bounded(async {
+        let b = start(quick()).await;
+        let mut w = Wire::connect(b.addr).await.unwrap();
+        // Unknown group.
+        let r = w
+            .call(&commit_md("simple", -1, "consumer-1", &[(0, 7, None)]), 7)
+            .await
+            .unwrap();
+        let unknown = r.topics[0].partitions[0].error_code;
+        // Known, empty group (offsets only).
+        let r = w
+            .call(&commit_md("simple2", -1, "", &[(0, 1, None)]), 7)
+            .await
+            .unwrap();
+        assert_eq!(r.topics[0].partitions[0].error_code, 0);
+        let r = w
+            .call(&commit_md("simple2", -1, "consumer-1", &[(0, 8, None)]), 7)
+            .await
+            .unwrap();
+        let empty = r.topics[0].partitions[0].error_code;
+        assert_eq!(
+            (unknown, empty),
+            (0, 0),
+            "gen -1 + member id: to an unknown group, to an empty group"
+        );
+        b.shutdown().await;
+    })
+    .await
+}
+
+/// Kafka checks `offset.metadata.max.bytes` (4096) against the Java
+/// string's length (`metadata.length()`, UTF-16 units): 3000 'é' (6000
+/// UTF-8 bytes) fit, and were refused OFFSET_METADATA_TOO_LARGE. At the
+/// edge: 4096 ASCII bytes fit, and 4096 characters of two UTF-16 units each
+/// (8192 units) do not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn commit_metadata_limit_counts_utf16_units() {
+    let _one = ONE.lock().await;
+    bounded(async {
+        let b = start(quick()).await;
+        let mut w = Wire::connect(b.addr).await.unwrap();
+        let r = w
+            .call(
+                &commit_md("g", -1, "", &[(0, 1, Some("x".repeat(4096)))]),
+                7,
+            )
+            .await
+            .unwrap();
+        assert_eq!(r.topics[0].partitions[0].error_code, 0, "4096 ASCII bytes");
+        let r = w
+            .call(
+                &commit_md("g", -1, "", &[(1, 1, Some("é".repeat(3000)))]),
+                7,
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            r.topics[0].partitions[0].error_code, 0,
+            "3000 characters (6000 bytes): Kafka stores it"
+        );
+        let r = w
+            .call(
+                &commit_md("g", -1, "", &[(2, 1, Some("\u{1F600}".repeat(4096)))]),
+                7,
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            r.topics[0].partitions[0].error_code,
+            code(ResponseError::OffsetMetadataTooLarge),
+            "8192 UTF-16 units"
+        );
+        b.shutdown().await;
+    })
+    .await
+}
+
+/// `--group-min-session-ms 0` lets a member ask for a 0 ms session. A
+/// member whose join waits in a round is kept alive meanwhile: its session
+/// timer, when it fires, is moved past the wait. It used to be moved a
+/// session on, which with a 0 ms session fired at every turn of the reaper
+/// for the whole round (640 ms of CPU a second). One join of a 0 ms session
+/// waiting a second now costs next to nothing, and its round ends as usual.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_zero_session_does_not_spin_the_reaper() {
+    let _one = ONE.lock().await;
+    bounded(async {
+        let b = start(Config {
+            groups: GroupLimits {
+                min_session: Duration::ZERO,
+                ..Default::default()
+            },
+            ..quick()
+        })
+        .await;
+        let mut w = Wire::connect(b.addr).await.unwrap();
+        // A stable member that does not rejoin: the round lasts the new
+        // member's rebalance timeout (2 s).
+        let _stable = stable_on(&mut w, "z", 10_000).await;
+        let addr = b.addr;
+        let j = tokio::spawn(async move {
+            let mut w = Wire::connect(addr).await.unwrap();
+            w.call(&join_req("z", "", 0, 2000), 3).await.unwrap()
+        });
+        until(5, "the join parked", || {
+            b.broker.groups.joins.delayed() == 1
+        })
+        .await;
+        let cpu0 = procfs::cpu_ms("self");
+        tokio::time::sleep(Duration::from_millis(1000)).await;
+        let cpu = procfs::cpu_ms("self") - cpu0;
+        assert_eq!(b.broker.groups.joins.delayed(), 1, "still waiting");
+        assert!(
+            cpu < 300,
+            "{cpu} ms of CPU in 1000 ms while one join of a 0 ms session waited"
+        );
+        let r = j.await.unwrap();
+        assert_eq!((r.error_code, r.generation_id), (0, 2));
+        assert!(bystander(&b).await);
+        b.shutdown().await;
+    })
+    .await
+}
+
+/// Offsets at the extremes are stored and read back as sent (Kafka stores
+/// the committed offset without checking it); generations at the extremes
+/// get ILLEGAL_GENERATION; timeouts at the extremes get
+/// INVALID_SESSION_TIMEOUT or serve.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn extreme_offsets_generations_and_timeouts() {
+    let _one = ONE.lock().await;
+    bounded(async {
+        let b = start(quick()).await;
+        let mut w = Wire::connect(b.addr).await.unwrap();
+        let offs = [(0, i64::MAX), (1, i64::MIN), (2, -1), (3, 0)];
+        let r = w
+            .call(
+                &commit_md(
+                    "x",
+                    -1,
+                    "",
+                    &offs.iter().map(|&(p, o)| (p, o, None)).collect::<Vec<_>>(),
+                ),
+                2,
+            )
+            .await
+            .unwrap();
+        assert!(r.topics[0].partitions.iter().all(|p| p.error_code == 0));
+        let f = w.call(&offsets_req("x", &[0, 1, 2, 3]), 5).await.unwrap();
+        let back: Vec<(i32, i64)> = f.topics[0]
+            .partitions
+            .iter()
+            .map(|p| (p.partition_index, p.committed_offset))
+            .collect();
+        assert_eq!(back, offs);
+        // Generations.
+        let (id, gen) = stable_on(&mut w, "g", 10_000).await;
+        for g in [i32::MAX, i32::MIN, -1, gen + 1] {
+            let hb = w
+                .call(
+                    &HeartbeatRequest::default()
+                        .with_group_id(GroupId(s("g")))
+                        .with_generation_id(g)
+                        .with_member_id(s(&id)),
+                    4,
+                )
+                .await
+                .unwrap()
+                .error_code;
+            let sy = w
+                .call(
+                    &SyncGroupRequest::default()
+                        .with_group_id(GroupId(s("g")))
+                        .with_generation_id(g)
+                        .with_member_id(s(&id)),
+                    4,
+                )
+                .await
+                .unwrap()
+                .error_code;
+            let cm = w
+                .call(&commit_md("g", g, &id, &[(0, 1, None)]), 7)
+                .await
+                .unwrap()
+                .topics[0]
+                .partitions[0]
+                .error_code;
+            let ig = code(ResponseError::IllegalGeneration);
+            assert_eq!((hb, sy, cm), (ig, ig, ig), "generation {g}");
+        }
+        // Rebalance timeouts: i32::MIN, 0, i32::MAX; a lone member completes
+        // at once whatever it is.
+        for (i, rb) in [i32::MIN, 0, i32::MAX].into_iter().enumerate() {
+            let r = tokio::time::timeout(
+                Duration::from_secs(5),
+                w.call(&join_req(&format!("rb{i}"), "", 1000, rb), 3),
+            )
+            .await
+            .expect("a lone join answers at once")
+            .unwrap();
+            assert_eq!((r.error_code, r.generation_id), (0, 1), "rebalance {rb}");
+        }
+        assert!(bystander(&b).await);
+        b.shutdown().await;
+    })
+    .await
+}
+
+/// Pipelined on one connection while a rebalance prepares: Heartbeat
+/// (REBALANCE_IN_PROGRESS), JoinGroup (completes the round), Produce acks=1,
+/// OffsetCommit of the new generation (CompletingRebalance: REBALANCE_IN_
+/// PROGRESS in Kafka), SyncGroup (leader: stable), OffsetCommit again
+/// (stored), OffsetFetch. Answered in order with their correlation ids.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pipelined_group_and_produce_calls_answer_in_order() {
+    let _one = ONE.lock().await;
+    bounded(async {
+        let b = start(quick()).await;
+        let mut w = Wire::connect(b.addr).await.unwrap();
+        let (a, gen) = stable_on(&mut w, "g", 10_000).await;
+        drop(w);
+        // A second member joins: Preparing, its join parked.
+        let addr = b.addr;
+        let n = tokio::spawn(async move {
+            let mut w = Wire::connect(addr).await.unwrap();
+            w.call(&join_req("g", "", 10_000, 5_000), 3).await.unwrap()
+        });
+        until(5, "the second join parked", || {
+            b.broker.groups.joins.delayed() == 1
+        })
+        .await;
+        let mut st = tokio::net::TcpStream::connect(b.addr).await.unwrap();
+        let mut out = Vec::new();
+        out.extend_from_slice(&kafka_raw::frame(
+            &HeartbeatRequest::default()
+                .with_group_id(GroupId(s("g")))
+                .with_generation_id(gen)
+                .with_member_id(s(&a)),
+            4,
+            1,
+        ));
+        out.extend_from_slice(&kafka_raw::frame(&join_req("g", &a, 10_000, 5_000), 3, 2));
+        out.extend_from_slice(&kafka_raw::frame(
+            &wire::produce(T, 0, 1, Duration::from_secs(5), wire::batch(&[b"v"])),
+            wire::PRODUCE_VERSION,
+            3,
+        ));
+        out.extend_from_slice(&kafka_raw::frame(
+            &commit_md("g", gen + 1, &a, &[(0, 5, None)]),
+            7,
+            4,
+        ));
+        out.extend_from_slice(&kafka_raw::frame(
+            &SyncGroupRequest::default()
+                .with_group_id(GroupId(s("g")))
+                .with_generation_id(gen + 1)
+                .with_member_id(s(&a)),
+            3,
+            5,
+        ));
+        out.extend_from_slice(&kafka_raw::frame(
+            &commit_md("g", gen + 1, &a, &[(0, 6, None)]),
+            7,
+            6,
+        ));
+        out.extend_from_slice(&kafka_raw::frame(&offsets_req("g", &[0]), 7, 7));
+        tokio::io::AsyncWriteExt::write_all(&mut st, &out)
+            .await
+            .unwrap();
+        let (c1, hb) = kafka_raw::read_answer::<HeartbeatRequest>(&mut st, 4)
+            .await
+            .unwrap();
+        let (c2, j) = kafka_raw::read_answer::<JoinGroupRequest>(&mut st, 3)
+            .await
+            .unwrap();
+        let (c3, p) = kafka_raw::read_answer::<ProduceRequest>(&mut st, wire::PRODUCE_VERSION)
+            .await
+            .unwrap();
+        let (c4, cm) = kafka_raw::read_answer::<OffsetCommitRequest>(&mut st, 7)
+            .await
+            .unwrap();
+        let (c5, sy) = kafka_raw::read_answer::<SyncGroupRequest>(&mut st, 3)
+            .await
+            .unwrap();
+        let (c6, cm2) = kafka_raw::read_answer::<OffsetCommitRequest>(&mut st, 7)
+            .await
+            .unwrap();
+        let (c7, f) = kafka_raw::read_answer::<OffsetFetchRequest>(&mut st, 7)
+            .await
+            .unwrap();
+        assert_eq!((c1, c2, c3, c4, c5, c6, c7), (1, 2, 3, 4, 5, 6, 7));
+        assert_eq!(hb.error_code, code(ResponseError::RebalanceInProgress));
+        assert_eq!((j.error_code, j.generation_id), (0, gen + 1));
+        assert_eq!(wire::produce_error(&p), 0);
+        assert_eq!(
+            cm.topics[0].partitions[0].error_code,
+            code(ResponseError::RebalanceInProgress)
+        );
+        assert_eq!(sy.error_code, 0);
+        assert_eq!(cm2.topics[0].partitions[0].error_code, 0);
+        assert_eq!(f.topics[0].partitions[0].committed_offset, 6);
+        let nj = n.await.unwrap();
+        assert_eq!((nj.error_code, nj.generation_id), (0, gen + 1));
+        assert!(bystander(&b).await);
+        b.shutdown().await;
+    })
+    .await
+}
+
+/// 300 members join one group (v3, each on its own connection, a 1 s
+/// rebalance timeout, a 300 ms session) and all hang up mid-rebalance; a
+/// bystander group keeps working meanwhile; the group ends empty and is
+/// forgotten; a stale member id then rejoining is UNKNOWN_MEMBER_ID; the
+/// heap comes back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_members_join_then_vanish() {
+    let _one = ONE.lock().await;
+    bounded(async {
+        let b = start(quick()).await;
+        let before = live();
+        let mut w0 = Wire::connect(b.addr).await.unwrap();
+        let (first, _) = stable_on(&mut w0, "crowd", 300).await;
+        drop(w0);
+        let mut conns = vec![];
+        for _ in 0..300 {
+            let mut w = Wire::connect(b.addr).await.unwrap();
+            w.send(&join_req("crowd", "", 300, 1000), 3).await.unwrap();
+            conns.push(w);
+        }
+        until(10, "the joins parked", || {
+            b.broker.groups.joins.delayed() >= 250
+        })
+        .await;
+        drop(conns); // every one hangs up mid-rebalance
+        let mut by = Wire::connect(b.addr).await.unwrap();
+        let (bid, bgen) = stable_on(&mut by, "other", 10_000).await;
+        until(10, "the crowd forgotten", || {
+            b.broker
+                .groups
+                .describe("crowd")
+                .is_none_or(|(_, m)| m.is_empty())
+        })
+        .await;
+        let hb = by
+            .call(
+                &HeartbeatRequest::default()
+                    .with_group_id(GroupId(s("other")))
+                    .with_generation_id(bgen)
+                    .with_member_id(s(&bid)),
+                4,
+            )
+            .await
+            .unwrap();
+        assert_eq!(hb.error_code, 0);
+        let r = by
+            .call(&join_req("crowd", &first, 300, 300), 3)
+            .await
+            .unwrap();
+        assert_eq!(r.error_code, code(ResponseError::UnknownMemberId));
+        drop(by);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(b.broker.groups.joins.delayed(), 0);
+        let grown = live() - before;
+        assert!(grown < 1 << 20, "heap grew {grown} bytes");
+        b.shutdown().await;
+    })
+    .await
+}
+
+/// What members' protocols and assignments keep is given back: 300 rounds of
+/// a member joining with 256 KiB of metadata, a changed rejoin, a 256 KiB
+/// assignment, a leave (300 x 768 KiB, far past the 64 MiB bound if any of
+/// it stayed counted); then a join with 1 MiB of metadata is still taken.
+/// Also a follower's sync that hangs up while parked leaves the group
+/// working.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kept_bytes_are_given_back() {
+    let _one = ONE.lock().await;
+    bounded(async {
+        let b = start(quick()).await;
+        let mut w = Wire::connect(b.addr).await.unwrap();
+        let big = Bytes::from(vec![7u8; 256 << 10]);
+        let join = |id: &str, md: Bytes| {
+            JoinGroupRequest::default()
+                .with_group_id(GroupId(s("k")))
+                .with_session_timeout_ms(10_000)
+                .with_rebalance_timeout_ms(1000)
+                .with_member_id(s(id))
+                .with_protocol_type(s("consumer"))
+                .with_protocols(vec![JoinGroupRequestProtocol::default()
+                    .with_name(s("range"))
+                    .with_metadata(md)])
+        };
+        for i in 0..300 {
+            let r = w.call(&join("", big.clone()), 3).await.unwrap();
+            assert_eq!(r.error_code, 0, "round {i}: join");
+            let id = r.member_id.to_string();
+            let r = w.call(&join(&id, big.slice(1..)), 3).await.unwrap();
+            assert_eq!(r.error_code, 0, "round {i}: changed rejoin");
+            let sync = SyncGroupRequest::default()
+                .with_group_id(GroupId(s("k")))
+                .with_generation_id(r.generation_id)
+                .with_member_id(s(&id))
+                .with_assignments(vec![SyncGroupRequestAssignment::default()
+                    .with_member_id(s(&id))
+                    .with_assignment(big.clone())]);
+            assert_eq!(
+                w.call(&sync, 3).await.unwrap().error_code,
+                0,
+                "round {i}: sync"
+            );
+            let r = w
+                .call(
+                    &LeaveGroupRequest::default()
+                        .with_group_id(GroupId(s("k")))
+                        .with_member_id(s(&id)),
+                    1,
+                )
+                .await
+                .unwrap();
+            assert_eq!(r.error_code, 0);
+        }
+        let r = w
+            .call(&join("", Bytes::from(vec![1u8; 1 << 20])), 3)
+            .await
+            .unwrap();
+        assert_eq!(r.error_code, 0, "a 1 MiB join after the rounds");
+        let (leader, gen) = (r.member_id.to_string(), r.generation_id);
+        let _ = gen;
+        // A follower joins; the leader rejoins; the follower's sync parks,
+        // then its client hangs up; the leader syncs; the follower comes back
+        // on a new connection and heartbeats.
+        let addr = b.addr;
+        let f = tokio::spawn(async move {
+            let mut w = Wire::connect(addr).await.unwrap();
+            let r = w.call(&join_req("k", "", 10_000, 1000), 3).await.unwrap();
+            (w, r)
+        });
+        until(5, "the follower's join parked", || {
+            b.broker.groups.joins.delayed() == 1
+        })
+        .await;
+        let r = w
+            .call(&join(&leader, Bytes::from(vec![1u8; 1 << 20])), 3)
+            .await
+            .unwrap();
+        assert_eq!(r.error_code, 0);
+        let gen = r.generation_id;
+        let (mut fw, fr) = f.await.unwrap();
+        assert_eq!((fr.error_code, fr.generation_id), (0, gen));
+        let fid = fr.member_id.to_string();
+        fw.send(
+            &SyncGroupRequest::default()
+                .with_group_id(GroupId(s("k")))
+                .with_generation_id(gen)
+                .with_member_id(s(&fid)),
+            3,
+        )
+        .await
+        .unwrap();
+        until(5, "the follower's sync parked", || {
+            b.broker.groups.syncs.delayed() == 1
+        })
+        .await;
+        drop(fw);
+        until(5, "the parked sync cancelled", || {
+            b.broker.groups.syncs.delayed() == 0
+        })
+        .await;
+        let sync = SyncGroupRequest::default()
+            .with_group_id(GroupId(s("k")))
+            .with_generation_id(gen)
+            .with_member_id(s(&leader))
+            .with_assignments(vec![SyncGroupRequestAssignment::default()
+                .with_member_id(s(&fid))
+                .with_assignment(Bytes::from_static(b"x"))]);
+        assert_eq!(w.call(&sync, 3).await.unwrap().error_code, 0);
+        let mut fw = Wire::connect(b.addr).await.unwrap();
+        let hb = fw
+            .call(
+                &HeartbeatRequest::default()
+                    .with_group_id(GroupId(s("k")))
+                    .with_generation_id(gen)
+                    .with_member_id(s(&fid)),
+                4,
+            )
+            .await
+            .unwrap();
+        assert_eq!(hb.error_code, 0);
+        let sy = fw
+            .call(
+                &SyncGroupRequest::default()
+                    .with_group_id(GroupId(s("k")))
+                    .with_generation_id(gen)
+                    .with_member_id(s(&fid)),
+                3,
+            )
+            .await
+            .unwrap();
+        assert_eq!((sy.error_code, &sy.assignment[..]), (0, &b"x"[..]));
+        b.shutdown().await;
+    })
+    .await
+}
+
+/// Committed offsets are kept for as long as the broker runs, each with up
+/// to 4096 characters of metadata (up to 12 KiB): `max_offsets` (100,000)
+/// of them could keep over 1 GB, outside every byte bound. What they keep is
+/// bounded in bytes too (`max_offset_bytes`): here 1 MiB takes some 240
+/// offsets of 4 KiB, the rest are refused INVALID_COMMIT_OFFSET_SIZE (as
+/// past `max_offsets`), the heap holds no more than the bound, and an offset
+/// committed again with less metadata is still taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn committed_offsets_are_bounded_in_bytes() {
+    let _one = ONE.lock().await;
+    bounded(async {
+        let bound = 1 << 20;
+        let b = start(Config {
+            partitions: 1001,
+            groups: GroupLimits {
+                min_session: Duration::from_millis(50),
+                max_offset_bytes: bound,
+                ..Default::default()
+            },
+            ..quick()
+        })
+        .await;
+        let mut w = Wire::connect(b.addr).await.unwrap();
+        // Warm up (the group, the first allocations).
+        let r = w
+            .call(&commit_md("g", -1, "", &[(0, 1, None)]), 7)
+            .await
+            .unwrap();
+        assert_eq!(r.topics[0].partitions[0].error_code, 0);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let before = live();
+        let md = "m".repeat(4096);
+        let (mut taken, mut refused) = (0, 0);
+        for chunk in 0..10 {
+            let offs: Vec<_> = (0..100)
+                .map(|i| (1 + chunk * 100 + i, 7, Some(md.clone())))
+                .collect();
+            let r = w.call(&commit_md("g", -1, "", &offs), 7).await.unwrap();
+            for p in &r.topics[0].partitions {
+                match p.error_code {
+                    0 => taken += 1,
+                    c if c == code(ResponseError::InvalidCommitOffsetSize) => refused += 1,
+                    c => panic!("partition {}: error {c}", p.partition_index),
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let grown = live() - before;
+        assert!(
+            refused > 0 && taken * 4096 <= bound,
+            "{taken} offsets of 4 KiB taken, {refused} refused, within {bound} bytes"
+        );
+        assert!(
+            grown < bound as isize + (256 << 10),
+            "{taken} offsets of 4 KiB keep {grown} bytes (bound {bound})"
+        );
+        // One taken, committed again without metadata: taken, and it frees
+        // room for another.
+        let r = w
+            .call(&commit_md("g", -1, "", &[(1, 8, None)]), 7)
+            .await
+            .unwrap();
+        assert_eq!(r.topics[0].partitions[0].error_code, 0);
+        let r = w
+            .call(
+                &commit_md("g", -1, "", &[(999, 8, Some("x".repeat(1000)))]),
+                7,
+            )
+            .await
+            .unwrap();
+        assert_eq!(r.topics[0].partitions[0].error_code, 0);
+        let f = w.call(&offsets_req("g", &[1, 999]), 7).await.unwrap();
+        let got: Vec<i64> = f.topics[0]
+            .partitions
+            .iter()
+            .map(|p| p.committed_offset)
+            .collect();
+        assert_eq!(got, [8, 8]);
+        assert!(bystander(&b).await);
         b.shutdown().await;
     })
     .await

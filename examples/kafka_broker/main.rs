@@ -49,29 +49,35 @@ enum Command {
 }
 
 #[derive(Parser, Debug, Clone)]
+// A negative number is a value (refused by name), not an unknown flag.
+#[command(allow_negative_numbers = true)]
 pub struct ServeArgs {
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1:9092")]
     listen: SocketAddr,
-    /// `host:port` given to clients in metadata (default: the listen address).
+    /// `host:port` given to clients in metadata (default: the listen address);
+    /// the port 1 to 65535.
     #[arg(long)]
     advertise: Option<String>,
-    /// Partitions per topic created on first use.
+    /// Partitions per topic created on first use or by `--topics`: 1 to
+    /// 10000.
     #[arg(long, default_value_t = 4)]
     partitions: i32,
-    /// Topics to create at start (comma-separated).
+    /// Topics to create at start (comma-separated; names Kafka accepts, no
+    /// more than `--max-topics` and `--max-partitions` allow).
     #[arg(long, value_delimiter = ',')]
     topics: Vec<String>,
     /// Do not create topics when clients ask for their metadata.
     #[arg(long)]
     no_auto_create: bool,
-    /// Simulated followers per partition.
+    /// Simulated followers per partition: 0 to 16.
     #[arg(long, default_value_t = 2)]
     followers: usize,
     /// Replication lag of each follower, in ms.
     #[arg(long, default_value_t = 2)]
     replica_lag_ms: u64,
-    /// A follower (0-based) that copies nothing: `acks=-1` produces time out.
+    /// A follower (0-based, below `--followers`) that copies nothing:
+    /// `acks=-1` produces time out.
     #[arg(long)]
     stuck_follower: Option<usize>,
     /// A follower that has not caught up for this long, in ms, leaves the ISR.
@@ -108,6 +114,10 @@ pub struct ServeArgs {
     /// The most topics the broker creates.
     #[arg(long, default_value_t = 10_000)]
     max_topics: usize,
+    /// The most partitions the broker holds, across topics: creation on
+    /// first use stops there too (each takes a few hundred bytes).
+    #[arg(long, default_value_t = 1_000_000)]
+    max_partitions: usize,
     /// The most bytes one fetch answer carries (its first batch is sent whole
     /// even if larger, as Kafka does).
     #[arg(long, default_value_t = 55 << 20)]
@@ -121,7 +131,8 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 1 << 30)]
     max_log_bytes: usize,
     /// The shortest session timeout a group member may ask for, in ms
-    /// (Kafka's `group.min.session.timeout.ms`).
+    /// (Kafka's `group.min.session.timeout.ms`), at most the longest
+    /// (1800000, Kafka's `group.max.session.timeout.ms`).
     #[arg(long, default_value_t = 6_000)]
     group_min_session_ms: u64,
     /// Serve the metrics in Prometheus' text format on this address
@@ -141,7 +152,9 @@ impl ServeArgs {
         Ok(Config {
             listen: self.listen,
             advertise: self.advertise.clone(),
-            partitions: self.partitions.max(1),
+            // Checked by the broker as it starts (`Config::check`), which
+            // names the option it refuses.
+            partitions: self.partitions,
             auto_create_topics: !self.no_auto_create,
             topics: self.topics.clone(),
             followers: self.followers,
@@ -157,6 +170,7 @@ impl ServeArgs {
             frame_timeout: Duration::from_millis(self.frame_timeout_ms),
             idle_timeout: Duration::from_millis(self.idle_ms),
             max_topics: self.max_topics,
+            max_partitions: self.max_partitions,
             fetch_max_bytes: self.fetch_max_bytes,
             max_message_bytes: self.max_message_bytes,
             max_log_bytes: self.max_log_bytes,

@@ -3,6 +3,7 @@
 
 use std::collections::hash_map::Entry;
 use std::collections::HashMap;
+use std::mem::size_of;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -10,6 +11,7 @@ use std::time::Duration;
 use kafka_protocol::error::ResponseError;
 use kafka_protocol::messages::fetch_response::{FetchableTopicResponse, PartitionData};
 use kafka_protocol::messages::{FetchRequest, FetchResponse, TopicName};
+use kafka_protocol::protocol::StrBytes;
 use tokio::time::Instant;
 use tokio_purgatory::{Operation, Watch};
 
@@ -146,10 +148,14 @@ impl Operation for DelayedFetch {
 
 /// Handles a fetch: answers when `min_bytes` are readable or `max_wait_ms`
 /// has passed, waiting as the broker's [`FetchWait`] says. `Err` when the
-/// broker stopped under it.
+/// broker stopped under it. A fetch that waits (up to `i32::MAX` ms) lets go
+/// of its request and frame first and keeps, in `charge`, only what it holds
+/// meanwhile: its distinct partitions and their topics' names. `held` takes
+/// what its answer's records are charged.
 pub async fn handle(
     broker: &Broker,
     request: FetchRequest,
+    charge: &Held,
     held: &Held,
 ) -> Result<FetchResponse, Gone> {
     // Fetch sessions (KIP-227) are not kept. A full fetch (epoch 0 or -1)
@@ -213,11 +219,11 @@ pub async fn handle(
             }
         }
     }
-    let topics = topics
+    let topics: Vec<(TopicName, Vec<Want>)> = topics
         .into_iter()
         .map(|(name, _, wants)| (name, wants))
         .collect();
-    let fetch = Fetch {
+    let mut fetch = Fetch {
         topics,
         min_bytes: request.min_bytes.max(0) as u64,
         max_bytes: (request.max_bytes.max(0) as usize).min(broker.config.fetch_max_bytes),
@@ -234,6 +240,20 @@ pub async fn handle(
     if max_wait.is_zero() || errors || fetch.wants().next().is_none() || fetch.enough() {
         return Ok(fetch.answer(held));
     }
+    // It waits: its topic names are slices of the frame, copied so that the
+    // frame goes with the request, and what it keeps is all it stays charged.
+    for (name, _) in &mut fetch.topics {
+        *name = TopicName(StrBytes::from_string(name.to_string()));
+    }
+    drop(request);
+    let kept: usize = fetch
+        .topics
+        .iter()
+        .map(|(name, wants)| {
+            size_of::<(TopicName, Vec<Want>)>() + name.len() + wants.len() * KEPT_PER_PARTITION
+        })
+        .sum();
+    charge.keep(size_of::<Fetch>() + kept);
     broker.stats.fetches_parked.fetch_add(1, Ordering::Relaxed);
     match broker.config.fetch_wait {
         FetchWait::Purgatory => in_purgatory(broker, fetch, max_wait, held).await,
@@ -241,6 +261,10 @@ pub async fn handle(
         FetchWait::Notify => Ok(notified(fetch, max_wait, held).await),
     }
 }
+
+/// What a waiting fetch keeps for each partition: its entry, and its watch in
+/// the purgatory (or its `Notify` waiter).
+const KEPT_PER_PARTITION: usize = size_of::<Want>() + 64;
 
 /// Waits in the fetch purgatory, watching each partition at the offset after
 /// its position: the first high watermark move that makes a byte readable

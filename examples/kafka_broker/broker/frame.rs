@@ -12,7 +12,11 @@
 //!
 //! Once a frame is whole, [`admit`] walks it ([`super::shape`]) and charges
 //! what decoding it will allocate. The frame and both charges stay held until
-//! the connection has written the answer.
+//! the connection has written the answer, unless the request waits (a parked
+//! fetch, produce, join or sync): once decoded, it lets go of its frame and
+//! keeps only what it holds while it waits ([`Held::keep`]), as Kafka
+//! releases a request's buffer once its handler returns. A request waiting
+//! up to `i32::MAX` ms so holds its own state, not its frame.
 
 use std::sync::Arc;
 
@@ -79,8 +83,10 @@ pub struct Frame {
 pub struct Admitted {
     pub bytes: Bytes,
     pub shape: Shape,
-    /// Released when the answer has been written.
-    pub _charge: Option<OwnedSemaphorePermit>,
+    /// The frame's bytes and what decoding it allocates: released when the
+    /// answer has been written, or cut down to what the request keeps when
+    /// it waits.
+    pub charge: Held,
     /// What building the answer charged (a fetch's records), released with
     /// the rest once the answer has been written.
     pub answer: Held,
@@ -95,6 +101,9 @@ impl Budget {
     /// waiting; `false` when it has not (an answer then carries less, as
     /// Kafka's answers may).
     pub fn try_charge(&self, bytes: usize, held: &Held) -> bool {
+        if bytes == 0 {
+            return true;
+        }
         let Ok(n) = u32::try_from(bytes) else {
             return false;
         };
@@ -104,6 +113,22 @@ impl Budget {
                 true
             }
             Err(_) => false,
+        }
+    }
+}
+
+impl Held {
+    /// Gives back all but `bytes` of what is held: a request about to wait
+    /// has let go of its frame and keeps only its own state, never more than
+    /// its frame and decoding were charged (each thing it keeps took more
+    /// bytes in both), so what it keeps is taken out of that charge and
+    /// never waits for memory.
+    pub fn keep(&self, bytes: usize) {
+        if let Some(permit) = self.0.lock().unwrap().as_mut() {
+            let n = permit.num_permits();
+            if n > bytes {
+                drop(permit.split(n - bytes));
+            }
         }
     }
 }
@@ -218,7 +243,7 @@ pub async fn admit(frame: Frame, budget: &Budget, max_decoded: usize) -> Result<
     Ok(Admitted {
         bytes: frame.bytes,
         shape,
-        _charge: charge,
+        charge: Held(std::sync::Mutex::new(charge)),
         answer: Held::default(),
     })
 }

@@ -66,12 +66,28 @@ pub struct GroupLimits {
     /// and `group.max.session.timeout.ms`: 6 s and 30 min).
     pub min_session: Duration,
     pub max_session: Duration,
-    /// Bytes of members' protocols (names and metadata) and of assignments
-    /// kept across every group at most: a join or a leader's sync that would
-    /// pass it is answered `COORDINATOR_LOAD_IN_PROGRESS` (a join) or
-    /// `COORDINATOR_NOT_AVAILABLE` (a sync), which clients retry.
+    /// Bytes of members' protocols (names and metadata), of assignments and
+    /// of member ids handed out and not joined yet (each [`PENDING_COST`]
+    /// and its id, kept up to its session) across every group at most: a
+    /// join or a leader's sync that would pass it is answered
+    /// `COORDINATOR_LOAD_IN_PROGRESS` (a join) or `COORDINATOR_NOT_AVAILABLE`
+    /// (a sync), which clients retry.
     pub max_kept_bytes: usize,
+    /// Bytes of committed offsets kept across every group at most (each
+    /// [`OFFSET_COST`], its topic name and its metadata, up to 4096
+    /// characters of up to 3 bytes): past it, a commit that would keep more
+    /// is refused with `INVALID_COMMIT_OFFSET_SIZE`, as past `max_offsets`.
+    pub max_offset_bytes: usize,
 }
+
+/// What a member id handed out and not joined yet keeps besides its id: its
+/// entry in the group's map and its expiry in the timer (about 400 bytes
+/// measured, rounded up).
+pub const PENDING_COST: usize = 512;
+
+/// What a committed offset keeps besides its topic name and metadata: its
+/// entry in the group's map (with the map's spare room).
+pub const OFFSET_COST: usize = 192;
 
 impl Default for GroupLimits {
     fn default() -> Self {
@@ -82,6 +98,7 @@ impl Default for GroupLimits {
             min_session: Duration::from_secs(6),
             max_session: Duration::from_secs(1800),
             max_kept_bytes: 64 << 20,
+            max_offset_bytes: 64 << 20,
         }
     }
 }
@@ -114,6 +131,16 @@ struct Member {
 }
 
 impl Member {
+    /// Its session counts from `now` (the end of a join or sync it waited
+    /// in): its timer, which may have been moved past the wait, is moved
+    /// back to a session from now.
+    fn restart(&mut self, now: Instant) {
+        self.since = now;
+        if let Some(t) = &self.session_timer {
+            t.reset_at(now + self.session);
+        }
+    }
+
     /// The bytes its protocols keep.
     fn kept(&self) -> usize {
         protocols_bytes(&self.protocols) + self.protocol_type.len()
@@ -202,6 +229,27 @@ impl Group {
         self.speakers.get(name) == Some(&self.members.len())
     }
 
+    /// Hands out `id` as a member id not joined yet, counting what it keeps.
+    fn add_pending(&mut self, id: StrBytes, expiry: TaskHandle) {
+        self.kept
+            .fetch_add(PENDING_COST + id.len(), Ordering::Relaxed);
+        self.pending.insert(id, expiry);
+    }
+
+    /// Forgets a member id handed out (joined, left or expired), giving back
+    /// what it kept and cancelling its expiry; whether it was pending.
+    fn forget_pending(&mut self, id: &StrBytes) -> bool {
+        match self.pending.remove_entry(id) {
+            Some((id, expiry)) => {
+                expiry.cancel();
+                self.kept
+                    .fetch_sub(PENDING_COST + id.len(), Ordering::Relaxed);
+                true
+            }
+            None => false,
+        }
+    }
+
     /// Forgets the assignments, giving back what they kept.
     fn clear_assignments(&mut self) {
         let bytes: usize = self
@@ -232,7 +280,7 @@ impl Group {
         for m in self.members.values_mut() {
             m.joined = false;
             if std::mem::take(&mut m.syncing) {
-                m.since = now;
+                m.restart(now);
             }
         }
     }
@@ -292,7 +340,7 @@ impl Group {
         self.phase = Phase::Completing;
         let now = Instant::now();
         for m in self.members.values_mut() {
-            m.since = now;
+            m.restart(now);
         }
         self.end_round_timer();
     }
@@ -518,6 +566,9 @@ fn sync_answer(g: &Group, member: &StrBytes) -> SyncGroupResponse {
         .with_assignment(g.assignments.get(member).cloned().unwrap_or_default())
 }
 
+/// The least a waiting member's session timer is moved on when it fires.
+const REARM_AFTER: Duration = Duration::from_millis(100);
+
 /// The coordinator.
 pub struct Coordinator {
     groups: Arc<Groups>,
@@ -527,8 +578,9 @@ pub struct Coordinator {
     pub sessions: Timer,
     closing: Arc<AtomicBool>,
     limits: GroupLimits,
-    /// Committed offsets held, across groups.
+    /// Committed offsets held, across groups, and the bytes they keep.
     offsets: AtomicUsize,
+    offset_bytes: AtomicUsize,
     /// Bytes kept by members' protocols and assignments, across groups.
     kept: Arc<AtomicUsize>,
     next_id: AtomicU64,
@@ -551,6 +603,7 @@ impl Coordinator {
             closing,
             limits,
             offsets: AtomicUsize::new(0),
+            offset_bytes: AtomicUsize::new(0),
             kept: Arc::new(AtomicUsize::new(0)),
             next_id: AtomicU64::new(1),
             me: me.clone(),
@@ -616,15 +669,20 @@ impl Coordinator {
 
     /// (Re)starts `member`'s session countdown, under the groups' lock.
     fn touch(&self, group: &StrBytes, member: &StrBytes, m: &mut Member) {
+        self.touch_at(group, member, m, Instant::now() + m.session);
+    }
+
+    /// Moves `member`'s session timer to `at`, under the groups' lock.
+    fn touch_at(&self, group: &StrBytes, member: &StrBytes, m: &mut Member, at: Instant) {
         if let Some(t) = &m.session_timer {
-            if t.reset(m.session) {
+            if t.reset_at(at) {
                 return;
             }
         }
         let (me, g, id) = (self.me.clone(), group.clone(), member.clone());
         m.session_timer = self
             .sessions
-            .schedule(m.session, move || {
+            .schedule_at(at, move || {
                 if let Some(c) = me.upgrade() {
                     c.session_expired(&g, &id);
                 }
@@ -644,19 +702,31 @@ impl Coordinator {
             // or a sync. One that is not waiting (a leader that never sends
             // its sync, a follower that never syncs) must heartbeat: its
             // session counts from the end of the round at the latest.
+            //
+            // A waiting member's timer is moved past its wait, not a session
+            // on (a session may be 0 ms: it would fire at every turn of the
+            // reaper for the whole wait); the end of the wait moves it back
+            // to a session from then (`Member::restart`). A join waits until
+            // the round's deadline at the latest; a sync up to its
+            // rebalance timeout.
             let now = Instant::now();
-            let awaiting = g.members.get(member).is_some_and(|m| {
-                now < m.since + m.session
-                    || match g.phase {
-                        Phase::Preparing => m.joined,
-                        Phase::Completing => m.syncing,
-                        _ => false,
-                    }
+            let deadline = g.deadline;
+            let next = g.members.get(member).and_then(|m| {
+                if now < m.since + m.session {
+                    return Some(m.since + m.session);
+                }
+                // At least a little later: never a busy loop.
+                let waits = match g.phase {
+                    Phase::Preparing if m.joined => deadline + m.session,
+                    Phase::Completing if m.syncing => now + m.session.max(m.rebalance),
+                    _ => return None,
+                };
+                Some(waits.max(now + REARM_AFTER))
             });
-            if awaiting {
+            if let Some(at) = next {
                 if let Some(m) = g.members.get_mut(member) {
                     m.session_timer = None; // this entry has fired
-                    self.touch(group, member, m);
+                    self.touch_at(group, member, m, at);
                 }
                 return;
             }
@@ -674,18 +744,22 @@ impl Coordinator {
     fn pending_expired(&self, group: &StrBytes, member: &StrBytes) {
         let mut groups = self.groups.lock().unwrap();
         if let Some(g) = groups.get_mut(group) {
-            g.pending.remove(member);
+            g.forget_pending(member);
         }
         tidy(&mut groups, group);
     }
 
     /// Handles a join from client `client` (its member id's prefix, as in
     /// Kafka).
+    ///
+    /// A join that waits lets go of its request (and so of its frame) first,
+    /// and tells `keep` what it holds meanwhile.
     pub async fn join(
         &self,
         r: JoinGroupRequest,
         version: i16,
         client: &str,
+        keep: impl FnOnce(usize),
     ) -> Result<JoinGroupResponse, Gone> {
         let group = own(&r.group_id.0);
         let session = Duration::from_millis(r.session_timeout_ms.max(0) as u64);
@@ -773,14 +847,24 @@ impl Coordinator {
                         self.next_id.fetch_add(1, Ordering::Relaxed)
                     ));
                     if version >= 4 {
-                        // Kafka's two-step join: the member comes back with its id.
+                        // Kafka's two-step join: the member comes back with its
+                        // id. What the id keeps until then is within the bound
+                        // across groups.
+                        if self.kept.load(Ordering::Relaxed) + PENDING_COST + id.len()
+                            > self.limits.max_kept_bytes
+                        {
+                            return Err(Box::new(error_join(
+                                ResponseError::CoordinatorLoadInProgress,
+                                &r.member_id,
+                            )));
+                        }
                         let (me, gid, mid) = (self.me.clone(), group.clone(), id.clone());
                         if let Ok(t) = self.sessions.schedule(session, move || {
                             if let Some(c) = me.upgrade() {
                                 c.pending_expired(&gid, &mid);
                             }
                         }) {
-                            g.pending.insert(id.clone(), t);
+                            g.add_pending(id.clone(), t);
                         }
                         return Err(Box::new(error_join(ResponseError::MemberIdRequired, &id)));
                     }
@@ -807,9 +891,7 @@ impl Coordinator {
                         &r.member_id,
                     )));
                 }
-                if let Some(t) = g.pending.remove(&member) {
-                    t.cancel();
-                }
+                g.forget_pending(&member);
                 // Kafka's rule for a member already in a generation that joins
                 // again with the same metadata (it may have missed the answer,
                 // or its client rejoins out of caution): in Stable, a follower
@@ -870,12 +952,19 @@ impl Coordinator {
             })();
             // A refused join leaves no group behind.
             tidy(&mut groups, &group);
-            joined
+            // The group's own id, shared with the join that waits (the one
+            // made from the request would be a copy of its own, kept as long).
+            joined.map(|j| {
+                let id = groups.get_key_value(&group).map(|(id, _)| id.clone());
+                (id.unwrap_or_else(|| group.clone()), j)
+            })
         };
-        let (member, round, deadline, changed) = match joined {
+        let (group, (member, round, deadline, changed)) = match joined {
             Ok(j) => j,
             Err(answer) => return Ok(*answer),
         };
+        drop(r);
+        keep(std::mem::size_of::<DelayedJoin>() + member.len());
         if changed {
             // Syncs waiting on the old generation answer, and joins waiting
             // on the round that just ended complete.
@@ -900,13 +989,27 @@ impl Coordinator {
         }
     }
 
-    pub async fn sync(&self, r: SyncGroupRequest) -> Result<SyncGroupResponse, Gone> {
-        let group = own(&r.group_id.0);
-        let (wait, led) = {
+    /// Handles a sync. A follower's sync that waits lets go of its request
+    /// (and so of its frame) first, and tells `keep` what it holds meanwhile.
+    pub async fn sync(
+        &self,
+        r: SyncGroupRequest,
+        keep: impl FnOnce(usize),
+    ) -> Result<SyncGroupResponse, Gone> {
+        // Kafka (`isValidGroupId`): an empty group id is INVALID_GROUP_ID.
+        if r.group_id.is_empty() {
+            return Ok(error_sync(ResponseError::InvalidGroupId));
+        }
+        let (group, wait, led) = {
             let mut groups = self.groups.lock().unwrap();
-            let Some(g) = groups.get_mut(&group) else {
+            // The group's own id, shared with a sync that waits.
+            let Some(group) = groups
+                .get_key_value(&r.group_id.0)
+                .map(|(id, _)| id.clone())
+            else {
                 return Ok(error_sync(ResponseError::UnknownMemberId));
             };
+            let g = groups.get_mut(&group).unwrap();
             if let Err(e) = g.check_member(&r.member_id, r.generation_id) {
                 return Ok(error_sync(e));
             }
@@ -956,7 +1059,7 @@ impl Coordinator {
                 let now = Instant::now();
                 for m in g.members.values_mut() {
                     if std::mem::take(&mut m.syncing) {
-                        m.since = now;
+                        m.restart(now);
                     }
                 }
                 led = true;
@@ -973,15 +1076,19 @@ impl Coordinator {
             if let Some(m) = g.members.get_mut(&r.member_id) {
                 m.syncing = true;
             }
-            (rebalance, led)
+            (group, rebalance, led)
         };
         debug_assert!(!led);
+        // A member's id: a few dozen bytes (it names a member).
+        let (member, generation) = (own(&r.member_id), r.generation_id);
+        drop(r);
+        keep(std::mem::size_of::<DelayedSync>() + member.len());
         let op = DelayedSync {
             groups: self.groups.clone(),
             closing: self.closing.clone(),
             group: group.clone(),
-            member: r.member_id.clone(),
-            generation: r.generation_id,
+            member,
+            generation,
         };
         match self.syncs.try_complete_else_watch(op, wait, [group]) {
             Ok(handle) => match handle.await {
@@ -994,6 +1101,10 @@ impl Coordinator {
 
     pub fn heartbeat(&self, r: &HeartbeatRequest) -> HeartbeatResponse {
         let error = (|| {
+            // Kafka (`isValidGroupId`): an empty group id is INVALID_GROUP_ID.
+            if r.group_id.is_empty() {
+                return Err(ResponseError::InvalidGroupId);
+            }
             let mut groups = self.groups.lock().unwrap();
             let g = groups
                 .get_mut(&r.group_id.0)
@@ -1019,6 +1130,12 @@ impl Coordinator {
     }
 
     pub fn leave(&self, r: &LeaveGroupRequest, version: i16) -> LeaveGroupResponse {
+        // Kafka (`isValidGroupId`): an empty group id is INVALID_GROUP_ID, for
+        // the whole request (no member answered).
+        if r.group_id.is_empty() {
+            return LeaveGroupResponse::default()
+                .with_error_code(ResponseError::InvalidGroupId.code());
+        }
         let group = own(&r.group_id.0);
         let ids: Vec<StrBytes> = if version <= 2 {
             vec![r.member_id.clone()]
@@ -1036,7 +1153,7 @@ impl Coordinator {
                     let mut any = false;
                     for id in &ids {
                         // A member id handed out and not joined yet leaves too.
-                        let pending = g.pending.remove(id).map(|t| t.cancel()).is_some();
+                        let pending = g.forget_pending(id);
                         let gone = g.remove(id);
                         any |= gone;
                         results.push((id.clone(), gone || pending));
@@ -1079,12 +1196,14 @@ impl Coordinator {
         r: &OffsetCommitRequest,
         exists: impl Fn(&str, i32) -> bool,
     ) -> OffsetCommitResponse {
+        // Kafka takes commits for the empty group id ("for backwards
+        // compatibility", `isValidGroupId`), unlike every other group request.
         let group = own(&r.group_id.0);
         let mut groups = self.groups.lock().unwrap();
-        let outside = r.generation_id_or_member_epoch < 0 && r.member_id.is_empty();
-        let error = if group.is_empty() {
-            Some(ResponseError::InvalidGroupId)
-        } else if !groups.contains_key(&group) && !outside {
+        // A generation below 0: a commit from outside group management
+        // (Kafka's "simple" consumers), whatever member id it names.
+        let outside = r.generation_id_or_member_epoch < 0;
+        let error = if !groups.contains_key(&group) && !outside {
             // Kafka: a generation of a group it does not know.
             Some(ResponseError::IllegalGeneration)
         } else if !groups.contains_key(&group) && groups.len() >= self.limits.max_groups {
@@ -1096,10 +1215,12 @@ impl Coordinator {
                     self.next_id.fetch_add(1, Ordering::Relaxed),
                 )
             });
-            if outside {
-                // A commit from outside any generation: only to a group with
-                // no members (Kafka's "simple" consumers).
-                (!g.members.is_empty()).then_some(ResponseError::UnknownMemberId)
+            if outside && g.phase == Phase::Empty {
+                // Stored, as Kafka's `validateOffsetCommit` returns early for
+                // a generation below 0 on an empty group. To a group with
+                // members it is checked as a member's (UNKNOWN_MEMBER_ID or
+                // ILLEGAL_GENERATION), as there.
+                None
             } else if let Err(e) = g.check_member(&r.member_id, r.generation_id_or_member_epoch) {
                 Some(e)
             } else if g.phase == Phase::Completing {
@@ -1120,25 +1241,38 @@ impl Coordinator {
                     None => {
                         let g = groups.get_mut(&group).unwrap();
                         let key = (own(&t.name.0), p.partition_index);
+                        // Kafka counts `offset.metadata.max.bytes` (4096)
+                        // against the Java string's length: UTF-16 units.
                         let metadata_ok = p
                             .committed_metadata
                             .as_ref()
-                            .is_none_or(|m| m.len() <= 4096);
-                        let is_new = !g.offsets.contains_key(&key);
+                            .is_none_or(|m| m.encode_utf16().count() <= 4096);
+                        let cost = |md: Option<&StrBytes>| {
+                            OFFSET_COST + t.name.0.len() + md.map_or(0, |m| m.len())
+                        };
+                        let old = g.offsets.get(&key).map(|(_, md)| cost(md.as_ref()));
+                        let is_new = old.is_none();
+                        let new = cost(p.committed_metadata.as_ref());
                         if !metadata_ok {
                             ResponseError::OffsetMetadataTooLarge.code()
                         } else if t.name.0.len() > 249 {
                             ResponseError::InvalidTopicException.code()
                         } else if !exists(&t.name.0, p.partition_index) {
                             ResponseError::UnknownTopicOrPartition.code()
-                        } else if is_new
-                            && self.offsets.load(Ordering::Relaxed) >= self.limits.max_offsets
+                        } else if (is_new
+                            && self.offsets.load(Ordering::Relaxed) >= self.limits.max_offsets)
+                            || self.offset_bytes.load(Ordering::Relaxed) + new
+                                > self.limits.max_offset_bytes + old.unwrap_or(0)
                         {
                             ResponseError::InvalidCommitOffsetSize.code()
                         } else {
                             if is_new {
                                 self.offsets.fetch_add(1, Ordering::Relaxed);
                             }
+                            // Under the groups' lock: `old` is what it was.
+                            self.offset_bytes.fetch_add(new, Ordering::Relaxed);
+                            self.offset_bytes
+                                .fetch_sub(old.unwrap_or(0), Ordering::Relaxed);
                             g.offsets.insert(
                                 key,
                                 (p.committed_offset, p.committed_metadata.as_ref().map(own)),

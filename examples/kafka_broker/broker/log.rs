@@ -712,6 +712,12 @@ pub struct Topics {
     followers: usize,
     auto_create: bool,
     max_topics: usize,
+    /// The most partitions held in all: what clients can make the broker
+    /// keep by creating topics is bounded by this as well as by
+    /// `max_topics`.
+    max_partitions: usize,
+    /// Partitions held (changed under `by_name`'s write lock).
+    held: AtomicUsize,
     store: Store,
 }
 
@@ -721,6 +727,7 @@ impl Topics {
         followers: usize,
         auto_create: bool,
         max_topics: usize,
+        max_partitions: usize,
         max_log_bytes: usize,
     ) -> Topics {
         Topics {
@@ -729,6 +736,8 @@ impl Topics {
             followers,
             auto_create,
             max_topics,
+            max_partitions,
+            held: AtomicUsize::new(0),
             store: Store {
                 limit: max_log_bytes,
                 used: AtomicUsize::new(0),
@@ -782,17 +791,32 @@ impl Topics {
     }
 
     /// Creates `name` with `partitions` partitions, or returns it if it
-    /// exists; `None` if it is new and the broker holds its most topics.
+    /// exists; `None` if it is new and the broker holds its most topics or
+    /// would hold more than its most partitions.
     pub fn create(&self, name: &str, partitions: i32) -> Option<Arc<Topic>> {
         let mut map = self.by_name.write().unwrap();
         let number = map.len() as u64;
-        if number as usize >= self.max_topics && !map.contains_key(name) {
-            tracing::warn!(
-                topic = name,
-                max = self.max_topics,
-                "topic not created: too many topics"
-            );
-            return None;
+        if !map.contains_key(name) {
+            if number as usize >= self.max_topics {
+                tracing::warn!(
+                    topic = name,
+                    max = self.max_topics,
+                    "topic not created: too many topics"
+                );
+                return None;
+            }
+            let held = self.held.load(Ordering::Relaxed);
+            let more = usize::try_from(partitions).unwrap_or(0);
+            if held.saturating_add(more) > self.max_partitions {
+                tracing::warn!(
+                    topic = name,
+                    held,
+                    max = self.max_partitions,
+                    "topic not created: too many partitions"
+                );
+                return None;
+            }
+            self.held.store(held + more, Ordering::Relaxed);
         }
         let topic = map
             .entry(Arc::from(name))

@@ -105,6 +105,11 @@ pub struct Config {
     pub idle_timeout: Duration,
     /// The most topics the broker holds; creation on first use stops there.
     pub max_topics: usize,
+    /// The most partitions the broker holds, across topics; creation on
+    /// first use stops there too. Clients create topics: this bounds the
+    /// partition state they can make the broker keep (a few hundred bytes
+    /// each, with a few dozen more per follower).
+    pub max_partitions: usize,
     /// The most bytes one fetch answer carries, whatever the request asks
     /// (Kafka's broker `fetch.max.bytes`), except that the first batch it
     /// finds is sent whole even if larger, as Kafka does, so that a consumer
@@ -147,11 +152,91 @@ impl Default for Config {
             frame_timeout: Duration::from_secs(30),
             idle_timeout: Duration::from_secs(600),
             max_topics: 10_000,
+            max_partitions: 1_000_000,
             fetch_max_bytes: 55 << 20,
             max_message_bytes: 1_048_588,
             max_log_bytes: 1 << 30,
             metrics_addr: None,
             groups: groups::GroupLimits::default(),
+        }
+    }
+}
+
+/// The most partitions a topic may have (`--partitions`).
+pub const MAX_PARTITIONS: i32 = 10_000;
+/// The most simulated followers (`--followers`): each is a task, and each
+/// partition keeps a copy position and an ISR place for each.
+pub const MAX_FOLLOWERS: usize = 16;
+
+impl Config {
+    /// Refuses settings the broker cannot serve, naming the option: sizes
+    /// that would make it allocate without a bound, and options that would
+    /// be ignored or give clients what they cannot use. Returns the
+    /// advertised host and port.
+    pub fn check(&self, listening: SocketAddr) -> Result<(String, i32), String> {
+        if !(1..=MAX_PARTITIONS).contains(&self.partitions) {
+            return Err(format!(
+                "--partitions {}: a topic has 1 to {MAX_PARTITIONS} partitions",
+                self.partitions
+            ));
+        }
+        if self.followers > MAX_FOLLOWERS {
+            return Err(format!(
+                "--followers {}: at most {MAX_FOLLOWERS}",
+                self.followers
+            ));
+        }
+        if let Some(f) = self.stuck_follower {
+            if f >= self.followers {
+                return Err(format!(
+                    "--stuck-follower {f}: followers are numbered 0 to {} (--followers {})",
+                    self.followers as i64 - 1,
+                    self.followers
+                ));
+            }
+        }
+        if self.topics.len().saturating_mul(self.partitions as usize) > self.max_partitions {
+            return Err(format!(
+                "--topics names {} topics of --partitions {}: more than --max-partitions {}",
+                self.topics.len(),
+                self.partitions,
+                self.max_partitions
+            ));
+        }
+        if self.topics.len() > self.max_topics {
+            return Err(format!(
+                "--topics names {} topics, more than --max-topics {}",
+                self.topics.len(),
+                self.max_topics
+            ));
+        }
+        if let Some(bad) = self.topics.iter().find(|t| !log::valid_topic_name(t)) {
+            return Err(format!(
+                "--topics {bad:?}: a topic name is 1 to 249 ASCII letters, digits, '.', '_' or '-' (not \".\" or \"..\")"
+            ));
+        }
+        if self.groups.min_session > self.groups.max_session {
+            return Err(format!(
+                "--group-min-session-ms {}: above the longest session accepted ({} ms)",
+                self.groups.min_session.as_millis(),
+                self.groups.max_session.as_millis()
+            ));
+        }
+        match &self.advertise {
+            None => Ok((listening.ip().to_string(), i32::from(listening.port()))),
+            Some(a) => {
+                let bad = || format!("--advertise {a:?}: host:port, the port 1 to 65535");
+                let (host, port) = a.rsplit_once(':').ok_or_else(bad)?;
+                let port = port
+                    .parse::<u16>()
+                    .ok()
+                    .filter(|&p| p > 0)
+                    .ok_or_else(bad)?;
+                if host.is_empty() {
+                    return Err(bad());
+                }
+                Ok((host.to_string(), i32::from(port)))
+            }
         }
     }
 }
@@ -231,7 +316,7 @@ impl BrokerHandle {
         {
             return Err(std::io::Error::new(
                 std::io::ErrorKind::InvalidInput,
-                "memory_budget must be at least max_request_bytes + max_decoded_bytes",
+                "--memory-budget (memory_budget) must be at least --max-request-bytes + --max-decoded-bytes",
             ));
         }
         // The logs must have room for the largest batch.
@@ -239,25 +324,21 @@ impl BrokerHandle {
             return Err(std::io::Error::new(
                 std::io::ErrorKind::InvalidInput,
                 format!(
-                    "max_log_bytes must be at least max_message_bytes + {}",
+                    "--max-log-bytes (max_log_bytes) must be at least --max-message-bytes + {}",
                     log::BATCH_COST
                 ),
             ));
         }
+        // Checked before binding, with the address asked for (its port may
+        // be 0); the advertised address is taken again once bound.
+        config
+            .check(config.listen)
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
         let listener = TcpListener::bind(config.listen).await?;
         let addr = listener.local_addr()?;
-        let advertised = match &config.advertise {
-            Some(a) => {
-                let (host, port) = a.rsplit_once(':').ok_or_else(|| {
-                    std::io::Error::new(std::io::ErrorKind::InvalidInput, "advertise is host:port")
-                })?;
-                let port = port.parse().map_err(|_| {
-                    std::io::Error::new(std::io::ErrorKind::InvalidInput, "bad advertised port")
-                })?;
-                (host.to_string(), port)
-            }
-            None => (addr.ip().to_string(), addr.port() as i32),
-        };
+        let advertised = config
+            .check(addr)
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
         let reaper = Reaper::start().map_err(std::io::Error::other)?;
         let produces = Purgatory::builder()
             .name("produce")
@@ -294,6 +375,7 @@ impl BrokerHandle {
             config.followers,
             config.auto_create_topics,
             config.max_topics,
+            config.max_partitions,
             config.max_log_bytes,
         );
         for t in &config.topics {

@@ -3,6 +3,7 @@
 
 use std::collections::hash_map::Entry;
 use std::collections::HashMap;
+use std::mem::size_of;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -11,8 +12,10 @@ use kafka_protocol::error::ResponseError;
 use kafka_protocol::messages::produce_request::PartitionProduceData;
 use kafka_protocol::messages::produce_response::{PartitionProduceResponse, TopicProduceResponse};
 use kafka_protocol::messages::{ProduceRequest, ProduceResponse, TopicName};
+use kafka_protocol::protocol::StrBytes;
 use tokio_purgatory::{Completion, Operation, Watch};
 
+use super::frame::Held;
 use super::log::{self, AppendError, Topic};
 use super::{Broker, Gone, Partition};
 
@@ -77,6 +80,9 @@ impl Operation for DelayedProduce {
     }
 }
 
+/// What a waiting produce keeps for each partition's watch in the purgatory.
+const WATCH: usize = 64;
+
 /// Checks one partition's records and appends them; Kafka's error for them
 /// when they are refused.
 fn append(
@@ -127,10 +133,15 @@ fn now_ms() -> i64 {
 /// one named twice is appended once, with the records named last, and
 /// answered once (a request cannot make the broker do more than its
 /// distinct partitions ask).
+///
+/// An `acks=-1` produce that waits lets go of its request and frame first
+/// (its records are in the log by then) and keeps, in `charge`, only what it
+/// holds meanwhile: its answer and its writes.
 pub async fn handle(
     broker: &Broker,
     request: ProduceRequest,
     version: i16,
+    charge: &Held,
 ) -> Result<Option<ProduceResponse>, Gone> {
     let acks = request.acks;
     // Each distinct topic once (looked up once), in the request's order,
@@ -221,6 +232,26 @@ pub async fn handle(
     if acks != -1 || writes.is_empty() {
         return Ok(Some(response));
     }
+    let timeout =
+        Duration::from_millis(request.timeout_ms.max(0) as u64).min(broker.config.max_produce_wait);
+    // It waits: the answer's topic names are slices of the frame, copied so
+    // that the frame goes with the request.
+    for t in &mut response.responses {
+        t.name = TopicName(StrBytes::from_string(t.name.to_string()));
+    }
+    drop(topics);
+    drop(request);
+    let kept: usize = response
+        .responses
+        .iter()
+        .map(|t| {
+            size_of::<TopicProduceResponse>()
+                + t.name.len()
+                + t.partition_responses.len() * size_of::<PartitionProduceResponse>()
+        })
+        .sum::<usize>()
+        + writes.len() * (size_of::<Write>() + WATCH);
+    charge.keep(size_of::<DelayedProduce>() + kept);
     let watches: Vec<_> = writes
         .iter()
         .map(|w| Watch::level(w.part.key, w.end))
@@ -231,8 +262,6 @@ pub async fn handle(
         closing: broker.closing.clone(),
         min_insync: broker.config.min_insync_replicas,
     };
-    let timeout =
-        Duration::from_millis(request.timeout_ms.max(0) as u64).min(broker.config.max_produce_wait);
     match broker
         .produces
         .try_complete_else_watch_levels(op, timeout, watches)

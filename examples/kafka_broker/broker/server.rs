@@ -27,9 +27,9 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::frame::{admit, Admitted, Close, Frame, Reader};
+use super::frame::{admit, Admitted, Close, Frame, Held, Reader};
 use super::log::valid_topic_name;
-use super::shape::Refused;
+use super::shape::{Refused, Shape};
 use super::{fetch, produce, Broker, Gone};
 
 /// The APIs and versions served: those without topic IDs.
@@ -112,7 +112,15 @@ async fn serve(stream: TcpStream, broker: Arc<Broker>, stop: CancellationToken) 
             }
             _ = stop.cancelled() => return,
         };
-        let work = answer(&broker, &admitted);
+        // The request's task takes the frame: a request that waits lets go
+        // of it once decoded (see `Held::keep`).
+        let Admitted {
+            bytes,
+            shape,
+            charge,
+            answer: held,
+        } = admitted;
+        let work = answer(&broker, bytes, shape, &charge, &held);
         tokio::pin!(work);
         let reply = tokio::select! {
             // The request first: one answered at once never watches.
@@ -145,8 +153,8 @@ async fn serve(stream: TcpStream, broker: Arc<Broker>, stop: CancellationToken) 
             Ok(None) => {}
             Err(_) => return,
         }
-        // `admitted` ends here: the frame's memory goes back once its answer
-        // is written.
+        // `charge` and `held` end here: the frame's memory and the answer's
+        // go back once the answer is written.
     }
 }
 
@@ -248,16 +256,40 @@ fn closed(broker: &Broker, peer: Option<SocketAddr>, close: Close) {
 }
 
 /// Decodes a request and answers it: the encoded response frame, `None` when
-/// no answer is due (`acks=0`), `Err` to close the connection.
-async fn answer(broker: &Broker, admitted: &Admitted) -> Result<Option<BytesMut>, Gone> {
+/// no answer is due (`acks=0`), `Err` to close the connection. `charge` holds
+/// what the frame and its decoding were charged; a request that waits cuts it
+/// down to what it keeps once it has let go of the frame (the frame's bytes
+/// go with the last slice of them: the decoded request's). `held` holds what
+/// the answer is charged.
+async fn answer(
+    broker: &Broker,
+    mut frame: Bytes,
+    shape: Shape,
+    charge: &Held,
+    held: &Held,
+) -> Result<Option<BytesMut>, Gone> {
     broker.stats.requests.fetch_add(1, Ordering::Relaxed);
-    let mut frame = admitted.bytes.clone();
-    let (Some(key), version) = (admitted.shape.key, admitted.shape.version) else {
+    let (Some(key), version) = (shape.key, shape.version) else {
         return Err(Gone);
     };
     let header =
         RequestHeader::decode(&mut frame, key.request_header_version(version)).map_err(|_| Gone)?;
     let id = header.correlation_id;
+    // A join's member id begins with the client id, as Kafka's do (cut
+    // short and kept to plain characters). Taken now: the header is a slice
+    // of the frame.
+    let client: String = match key {
+        ApiKey::JoinGroup => header
+            .client_id
+            .as_deref()
+            .unwrap_or("member")
+            .chars()
+            .filter(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+            .take(64)
+            .collect(),
+        _ => String::new(),
+    };
+    drop(header);
     if !supported(key, version) {
         if key == ApiKey::ApiVersions {
             // Kafka's answer to an ApiVersions it cannot parse: version 0,
@@ -270,7 +302,7 @@ async fn answer(broker: &Broker, admitted: &Admitted) -> Result<Option<BytesMut>
     }
     match key {
         ApiKey::ApiVersions => {
-            let request: ApiVersionsRequest = decode(&mut frame, version)?;
+            let request: ApiVersionsRequest = decode(frame, version)?;
             // Kafka (KIP-511): from version 3 the client names its software
             // and version, each matching
             // `[a-zA-Z0-9](?:[a-zA-Z0-9\-.]*[a-zA-Z0-9])?`, or the request is
@@ -286,79 +318,75 @@ async fn answer(broker: &Broker, admitted: &Admitted) -> Result<Option<BytesMut>
             encode(id, version, &r).map(Some)
         }
         ApiKey::Metadata => {
-            let r = metadata(broker, &decode(&mut frame, version)?, version);
+            let r = metadata(broker, &decode(frame, version)?, version, held)?;
             encode(id, version, &r).map(Some)
         }
         ApiKey::ListOffsets => {
-            let r = list_offsets(broker, &decode(&mut frame, version)?);
+            let r = list_offsets(broker, &decode(frame, version)?);
             encode(id, version, &r).map(Some)
         }
         ApiKey::Produce => {
-            match produce::handle(broker, decode(&mut frame, version)?, version).await? {
+            match produce::handle(broker, decode(frame, version)?, version, charge).await? {
                 Some(r) => encode(id, version, &r).map(Some),
                 None => Ok(None),
             }
         }
         ApiKey::Fetch => {
-            let r = fetch::handle(broker, decode(&mut frame, version)?, &admitted.answer).await?;
+            let r = fetch::handle(broker, decode(frame, version)?, charge, held).await?;
             encode(id, version, &r).map(Some)
         }
         ApiKey::FindCoordinator => {
-            let r = find_coordinator(broker, &decode(&mut frame, version)?, version);
+            let r = find_coordinator(broker, &decode(frame, version)?, version);
             encode(id, version, &r).map(Some)
         }
         ApiKey::JoinGroup => {
-            // Member ids begin with the client id, as Kafka's do (cut short
-            // and kept to plain characters).
-            let client: String = header
-                .client_id
-                .as_deref()
-                .unwrap_or("member")
-                .chars()
-                .filter(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
-                .take(64)
-                .collect();
             let r = broker
                 .groups
-                .join(decode(&mut frame, version)?, version, &client)
+                .join(decode(frame, version)?, version, &client, |kept| {
+                    charge.keep(kept)
+                })
                 .await?;
             encode(id, version, &r).map(Some)
         }
         ApiKey::SyncGroup => {
-            let r = broker.groups.sync(decode(&mut frame, version)?).await?;
+            let r = broker
+                .groups
+                .sync(decode(frame, version)?, |kept| charge.keep(kept))
+                .await?;
             encode(id, version, &r).map(Some)
         }
         ApiKey::Heartbeat => {
-            let r = broker.groups.heartbeat(&decode(&mut frame, version)?);
+            let r = broker.groups.heartbeat(&decode(frame, version)?);
             encode(id, version, &r).map(Some)
         }
         ApiKey::LeaveGroup => {
-            let r = broker.groups.leave(&decode(&mut frame, version)?, version);
+            let r = broker.groups.leave(&decode(frame, version)?, version);
             encode(id, version, &r).map(Some)
         }
         ApiKey::OffsetCommit => {
             let r = broker
                 .groups
-                .commit(&decode(&mut frame, version)?, |topic, index| {
+                .commit(&decode(frame, version)?, |topic, index| {
                     broker.topics.partition(topic, index).is_some()
                 });
             encode(id, version, &r).map(Some)
         }
         ApiKey::OffsetFetch => {
-            let r =
-                broker
-                    .groups
-                    .fetch_offsets(&decode(&mut frame, version)?, version, |bytes| {
-                        broker.budget.try_charge(bytes, &admitted.answer)
-                    })?;
+            let r = broker
+                .groups
+                .fetch_offsets(&decode(frame, version)?, version, |bytes| {
+                    broker.budget.try_charge(bytes, held)
+                })?;
             encode(id, version, &r).map(Some)
         }
         _ => Err(Gone),
     }
 }
 
-fn decode<T: Decodable>(frame: &mut Bytes, version: i16) -> Result<T, Gone> {
-    T::decode(frame, version).map_err(|e| {
+/// Decodes the rest of the frame (taken: once the request is decoded, only
+/// its own slices of the frame hold the frame's bytes).
+fn decode<T: Decodable>(mut frame: Bytes, version: i16) -> Result<T, Gone> {
+    T::decode(&mut frame, version).map_err(|e| {
         tracing::debug!(error = %e, "undecodable request");
         Gone
     })
@@ -411,7 +439,22 @@ fn api_versions() -> ApiVersionsResponse {
 
 /// The leader is node 0 (this broker); followers are nodes 1..=n, listed as
 /// replicas and in-sync replicas but not as brokers (nobody can reach them).
-fn metadata(broker: &Broker, request: &MetadataRequest, version: i16) -> MetadataResponse {
+///
+/// The answer grows with what the broker holds, not with the request (every
+/// topic for a few bytes), and is held until it is written: it is charged to
+/// the memory budget first, in `held`, as fetch and offset fetch answers are
+/// (what building and writing it takes: each topic's and partition's entry,
+/// and its name and node lists twice, built and encoded). When the budget has
+/// no room for it the connection is closed (Metadata has no error of its own
+/// to say so); the client connects again and asks again.
+fn metadata(
+    broker: &Broker,
+    request: &MetadataRequest,
+    version: i16,
+    held: &Held,
+) -> Result<MetadataResponse, Gone> {
+    const TOPIC: usize = std::mem::size_of::<MetadataResponseTopic>() + 32;
+    const PARTITION: usize = std::mem::size_of::<MetadataResponsePartition>() + 64;
     // Every topic: null from version 1, an empty list in version 0. Kafka
     // answers an empty list from version 1 with no topics.
     let all = match &request.topics {
@@ -434,40 +477,58 @@ fn metadata(broker: &Broker, request: &MetadataRequest, version: i16) -> Metadat
                 .with_error_code(ResponseError::UnknownTopicId.code())
         })
         .collect();
-    let topics = if !unknown_ids.is_empty() {
-        Vec::new()
-    } else if all {
-        broker
-            .topics
-            .all()
-            .into_iter()
-            .map(|t| {
-                (
-                    TopicName(StrBytes::from_string(t.name.to_string())),
-                    Some(t),
-                )
-            })
-            .collect::<Vec<_>>()
-    } else {
-        // A topic unknown here is created if the broker creates topics on
-        // first use and the request allows it (from version 4; before, it
-        // always does).
-        // Each name once, as Kafka does: the answer grows with distinct
-        // topics, not with how often a request repeats one.
-        let create = request.allow_auto_topic_creation;
-        let mut seen = std::collections::HashSet::new();
-        request
-            .topics
-            .iter()
-            .flatten()
-            .filter_map(|t| t.name.as_ref())
-            .filter(|name| seen.insert(&***name))
-            .map(|name| (name.clone(), broker.topics.get_or_create(name, create)))
-            .collect()
-    };
+    // Each topic with its name as asked for; `None` for every topic's,
+    // copied from the topic once the answer is charged.
+    let topics: Vec<(Option<TopicName>, Option<Arc<super::log::Topic>>)> =
+        if !unknown_ids.is_empty() {
+            Vec::new()
+        } else if all {
+            broker
+                .topics
+                .all()
+                .into_iter()
+                .map(|t| (None, Some(t)))
+                .collect()
+        } else {
+            // A topic unknown here is created if the broker creates topics on
+            // first use and the request allows it (from version 4; before, it
+            // always does).
+            // Each name once, as Kafka does: the answer grows with distinct
+            // topics, not with how often a request repeats one.
+            let create = request.allow_auto_topic_creation;
+            let mut seen = std::collections::HashSet::new();
+            request
+                .topics
+                .iter()
+                .flatten()
+                .filter_map(|t| t.name.as_ref())
+                .filter(|name| seen.insert(&***name))
+                .map(|name| {
+                    (
+                        Some(name.clone()),
+                        broker.topics.get_or_create(name, create),
+                    )
+                })
+                .collect()
+        };
+    let nodes = 2 * 8 * (broker.config.followers + 1);
+    let bytes: usize = topics
+        .iter()
+        .map(|(name, topic)| {
+            let name =
+                topic.as_ref().map_or(0, |t| t.name.len()) + name.as_ref().map_or(0, |n| n.len());
+            TOPIC
+                + 2 * name
+                + topic.as_ref().map_or(0, |t| t.partitions.len()) * (PARTITION + nodes)
+        })
+        .sum();
+    if !broker.budget.try_charge(bytes, held) {
+        tracing::debug!(bytes, "a metadata answer has no room in the memory budget");
+        return Err(Gone);
+    }
     let replicas: Vec<BrokerId> = (0..=broker.config.followers as i32).map(BrokerId).collect();
     let (host, port) = &broker.advertised;
-    MetadataResponse::default()
+    Ok(MetadataResponse::default()
         .with_brokers(vec![MetadataResponseBroker::default()
             .with_node_id(BrokerId(0))
             .with_host(StrBytes::from_string(host.clone()))
@@ -478,6 +539,10 @@ fn metadata(broker: &Broker, request: &MetadataRequest, version: i16) -> Metadat
             topics
                 .into_iter()
                 .map(|(name, topic)| {
+                    let name = name.unwrap_or_else(|| {
+                        let t = topic.as_ref().map_or("", |t| &*t.name);
+                        TopicName(StrBytes::from_string(t.to_string()))
+                    });
                     // Kafka answers a topic it does not have whose name it
                     // would refuse (`Topic.validate`) INVALID_TOPIC_EXCEPTION,
                     // whether or not the request allows creation.
@@ -506,11 +571,13 @@ fn metadata(broker: &Broker, request: &MetadataRequest, version: i16) -> Metadat
                 })
                 .chain(unknown_ids)
                 .collect(),
-        )
+        ))
 }
 
-/// This broker (node 0) coordinates every group; it has no transaction
-/// coordinator.
+/// This broker (node 0) coordinates every group (key type 0); it has no
+/// transaction (1) or share (2) coordinator: COORDINATOR_NOT_AVAILABLE. Any
+/// other key type is one Kafka does not know (`CoordinatorType.forId`
+/// throws), answered INVALID_REQUEST, for every key from version 4.
 fn find_coordinator(
     broker: &Broker,
     request: &FindCoordinatorRequest,
@@ -519,7 +586,11 @@ fn find_coordinator(
     use kafka_protocol::messages::find_coordinator_response::Coordinator;
     let (host, port) = &broker.advertised;
     let host = StrBytes::from_string(host.clone());
-    let error = (request.key_type != 0).then_some(ResponseError::CoordinatorNotAvailable);
+    let error = match request.key_type {
+        0 => None,
+        1 | 2 => Some(ResponseError::CoordinatorNotAvailable),
+        _ => Some(ResponseError::InvalidRequest),
+    };
     let code = error.map_or(0, |e| e.code());
     let node = BrokerId(if error.is_some() { -1 } else { 0 });
     if version >= 4 {
@@ -555,7 +626,9 @@ fn isr_nodes(p: &super::Partition) -> Vec<BrokerId> {
 }
 
 /// Latest (-1) is the high watermark, earliest (-2) the log start, max
-/// timestamp (-3, from version 7) the newest record's batch; a timestamp
+/// timestamp (-3, from version 7) the newest record's batch, earliest local
+/// (-4) the log start too (Kafka's answer without tiered storage, whatever
+/// the version: all of a log here is local); a timestamp
 /// finds the first batch holding a record at least that new, answered with
 /// that batch's newest timestamp (Kafka answers with the record's own: this
 /// broker keeps timestamps per batch), or offset -1 and timestamp -1 when
@@ -598,7 +671,7 @@ fn list_offsets(broker: &Broker, request: &ListOffsetsRequest) -> ListOffsetsRes
         };
         let found = match p.timestamp {
             -1 => Some((part.high_watermark(), -1)),
-            -2 => Some((part.log_start(), -1)),
+            -2 | -4 => Some((part.log_start(), -1)),
             -3 => part.newest_timestamp(),
             ts if ts >= 0 => part.offset_for_time(ts),
             // Other negative timestamps name nothing this broker serves.

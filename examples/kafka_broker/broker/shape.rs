@@ -7,7 +7,8 @@
 //! boundary contains it). So every frame is walked here first, field by field
 //! as the decoder will read it, for the versions this broker serves:
 //!
-//! - every string, byte array and tagged field must fit in the bytes left;
+//! - every string, byte array and tagged field must fit in the bytes left,
+//!   and a string must be at most [`MAX_STRING`] bytes, as Kafka reads it;
 //! - every array count must be at most the bytes left (each element takes at
 //!   least one byte);
 //! - what the decoder will allocate for it (each array's `count *
@@ -44,6 +45,10 @@ use super::server::supported;
 /// whose nodes, at least half full, take under 128 bytes an entry after it.
 const TAGGED_MAP: usize = 512;
 const TAGGED_ENTRY: usize = 128;
+
+/// The longest string Kafka reads (`0x7fff` bytes, as its int16 length
+/// allows, whatever the encoding).
+pub const MAX_STRING: usize = 0x7fff;
 
 /// Why a frame was refused before decoding.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -211,10 +216,19 @@ impl<'a> Walk<'a> {
         }
     }
 
-    /// A string (int16 length when not `compact`; null allowed).
+    /// A string (int16 length when not `compact`; null allowed), at most
+    /// 32767 bytes: Kafka's decoders refuse a longer one, compact ones
+    /// included ("string field ... had invalid length"), and Kafka closes
+    /// the connection of a request it cannot parse. Without this, a compact
+    /// group id could be as long as the frame and be kept for as long as the
+    /// broker runs.
     fn string(&mut self, compact: bool, what: &str) -> Step {
         match self.length(compact, false, what)? {
             None => Ok(()),
+            Some(n) if n > MAX_STRING => refuse(
+                what,
+                &format!("a string of {n} bytes (at most {MAX_STRING})"),
+            ),
             Some(n) => self.skip(n, what),
         }
     }

@@ -1,0 +1,367 @@
+//! The broker example's command-line options, run as the real binary
+//! (`target/debug/examples/kafka_broker serve ...`, built once by the first
+//! test): a value the broker cannot serve is refused with a message naming
+//! the option and a non-zero exit, never an abort (a signal) at start or on a
+//! client's first request, and never taken silently; extreme values it can
+//! serve, it serves.
+//!
+//! Every child runs under `ulimit -v` (4 GB of address space), so an
+//! allocation sized by an option fails fast instead of taking the machine's
+//! memory, and under a wall-clock bound; each is killed by its own pid.
+//! Real sockets: a broker that starts is asked something, each call bounded.
+
+#[path = "../examples/kafka_broker/wire.rs"]
+#[allow(dead_code)]
+mod wire;
+
+use std::io::{BufRead, BufReader, Read};
+use std::os::unix::process::ExitStatusExt;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use kafka_protocol::messages::metadata_request::MetadataRequestTopic;
+use kafka_protocol::messages::*;
+use kafka_protocol::protocol::StrBytes;
+use wire::Wire;
+
+/// The example binary, built once (quick when up to date).
+fn binary() -> String {
+    static BUILT: std::sync::Once = std::sync::Once::new();
+    let root = env!("CARGO_MANIFEST_DIR");
+    BUILT.call_once(|| {
+        let ok = Command::new(env!("CARGO"))
+            .args(["build", "--all-features", "--example", "kafka_broker"])
+            .current_dir(root)
+            .status()
+            .expect("cargo runs");
+        assert!(ok.success(), "the example builds");
+    });
+    format!("{root}/target/debug/examples/kafka_broker")
+}
+
+/// A broker child: its first stdout line (if any) and stderr collected.
+struct Broker {
+    child: Child,
+    /// "listening on ADDR" once printed.
+    listening: Option<std::net::SocketAddr>,
+    stderr: mpsc::Receiver<String>,
+}
+
+impl Broker {
+    /// `serve --listen 127.0.0.1:0 <args>` under a 4 GB address-space limit;
+    /// waits up to `secs` for the "listening on" line or an exit.
+    fn start(args: &[&str], secs: u64) -> Broker {
+        let quoted: Vec<String> = args
+            .iter()
+            .map(|a| format!("'{}'", a.replace('\'', "'\\''")))
+            .collect();
+        let script = format!(
+            "ulimit -v 4000000; exec '{}' serve --listen 127.0.0.1:0 {}",
+            binary(),
+            quoted.join(" ")
+        );
+        let mut child = Command::new("sh")
+            .args(["-c", &script])
+            .env("RUST_BACKTRACE", "0")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawns");
+        let stdout = child.stdout.take().unwrap();
+        let mut stderr_pipe = child.stderr.take().unwrap();
+        let (etx, erx) = mpsc::channel();
+        std::thread::spawn(move || {
+            let mut s = String::new();
+            let _ = stderr_pipe.read_to_string(&mut s);
+            let _ = etx.send(s);
+        });
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            let mut lines = BufReader::new(stdout).lines();
+            if let Some(Ok(l)) = lines.next() {
+                let _ = tx.send(l);
+            }
+            for _ in lines {}
+        });
+        let listening = rx
+            .recv_timeout(Duration::from_secs(secs))
+            .ok()
+            .and_then(|l| l.strip_prefix("listening on ").map(|a| a.parse().unwrap()));
+        Broker {
+            child,
+            listening,
+            stderr: erx,
+        }
+    }
+
+    /// Waits up to `secs` for the child to exit on its own.
+    fn exited(&mut self, secs: u64) -> Option<ExitStatus> {
+        let deadline = Instant::now() + Duration::from_secs(secs);
+        loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                return Some(s);
+            }
+            if Instant::now() > deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Kills the child (by its own pid) and returns what it wrote on stderr.
+    fn stop(mut self) -> String {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        self.stderr
+            .recv_timeout(Duration::from_secs(5))
+            .unwrap_or_default()
+    }
+}
+
+fn describe(s: &ExitStatus) -> String {
+    match (s.code(), s.signal()) {
+        (Some(c), _) => format!("exit code {c}"),
+        (_, Some(sig)) => format!("killed by signal {sig}"),
+        _ => "?".into(),
+    }
+}
+
+/// The option is refused: the process exits by itself, with a non-zero code
+/// (not a signal), and says why on stderr, naming an option it was given (no
+/// allocation failure, no panic).
+fn assert_refused(args: &[&str]) {
+    let mut b = Broker::start(args, 20);
+    let status = b.exited(if b.listening.is_some() { 2 } else { 20 });
+    let listening = b.listening;
+    let err = b.stop();
+    let status = status.unwrap_or_else(|| {
+        panic!("{args:?}: accepted (listening on {listening:?}); a clear error and a non-zero exit expected")
+    });
+    assert!(
+        status.code().is_some_and(|c| c != 0),
+        "{args:?}: {} (stderr: {err:?})",
+        describe(&status)
+    );
+    assert!(
+        !err.contains("panicked") && !err.contains("memory allocation"),
+        "{args:?}: stderr {err:?}"
+    );
+    assert!(
+        args.iter().any(|a| a.starts_with("--") && err.contains(a)),
+        "{args:?}: the message names none of the options: {err:?}"
+    );
+}
+
+/// A bystander's ApiVersions is answered within 5 s.
+async fn answers(addr: std::net::SocketAddr) -> bool {
+    tokio::time::timeout(Duration::from_secs(5), async {
+        let mut w = Wire::connect(addr).await.ok()?;
+        w.call(&ApiVersionsRequest::default(), 2).await.ok()
+    })
+    .await
+    .ok()
+    .flatten()
+    .is_some_and(|r| r.error_code == 0)
+}
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+// ---------------------------------------------------------------------------
+
+/// `--partitions 2147483647` with a topic to create at start: the broker
+/// built 2^31 partitions and aborted on the allocation failure (17 GB). A
+/// topic has at most 10,000 partitions.
+#[test]
+fn huge_partitions_with_a_topic_at_start() {
+    assert_refused(&["--topics", "a", "--partitions", "2147483647"]);
+}
+
+/// `--partitions 2147483647` without `--topics`: the broker started, and a
+/// client's Metadata asking for a new topic (auto-creation on, as by default)
+/// aborted it. Either refusing the option at start (as now) or refusing the
+/// creation would do: the process must not go down, a bystander still gets
+/// answers.
+#[test]
+fn huge_partitions_then_a_clients_metadata() {
+    let mut b = Broker::start(&["--partitions", "2147483647"], 20);
+    let Some(addr) = b.listening else {
+        // Refused at start: that is fine, if cleanly.
+        let status = b.exited(10).expect("exits if it did not listen");
+        let err = b.stop();
+        assert!(
+            status.code().is_some_and(|c| c != 0) && !err.contains("memory allocation"),
+            "{} {err:?}",
+            describe(&status)
+        );
+        return;
+    };
+    let served = rt().block_on(async {
+        let mut w = Wire::connect(addr).await.unwrap();
+        let req = MetadataRequest::default()
+            .with_topics(Some(vec![MetadataRequestTopic::default()
+                .with_name(Some(TopicName(StrBytes::from_static_str("x"))))]))
+            .with_allow_auto_topic_creation(true);
+        let _ = tokio::time::timeout(Duration::from_secs(10), w.call(&req, 9)).await;
+        answers(addr).await
+    });
+    let status = b.exited(1);
+    let err = b.stop();
+    assert!(
+        served && status.is_none(),
+        "after one Metadata for a new topic: bystander answered {served}, process {} (stderr tail {:?})",
+        status.map_or("alive".into(), |s| describe(&s)),
+        err.lines().take(2).collect::<Vec<_>>()
+    );
+}
+
+/// A topic has 1 to 10,000 partitions; the topics `--topics` names fit in
+/// `--max-partitions`.
+#[test]
+fn partitions_out_of_range() {
+    assert_refused(&["--partitions", "0"]);
+    assert_refused(&["--partitions", "-5"]);
+    assert_refused(&["--partitions", "10001"]);
+    assert_refused(&[
+        "--partitions",
+        "10000",
+        "--topics",
+        "a,b",
+        "--max-partitions",
+        "19999",
+    ]);
+}
+
+/// `--followers 100000000000`: a follower task each, and a copy position per
+/// follower in every partition; the broker aborted allocating them. At most
+/// 16.
+#[test]
+fn huge_followers() {
+    assert_refused(&["--followers", "100000000000"]);
+}
+
+/// An advertised port outside 1..=65535 (or negative) was given to every
+/// client in Metadata and FindCoordinator: nobody can connect to it.
+#[test]
+fn advertised_port_out_of_range() {
+    assert_refused(&["--advertise", "localhost:99999"]);
+    assert_refused(&["--advertise", "localhost:-5"]);
+    assert_refused(&["--advertise", "localhost:0"]);
+    assert_refused(&["--advertise", ":9092"]);
+}
+
+/// `--group-min-session-ms` above the coordinator's most (30 min): every
+/// JoinGroup would have been refused INVALID_SESSION_TIMEOUT.
+#[test]
+fn min_session_above_the_max_session() {
+    assert_refused(&["--group-min-session-ms", "3600000"]);
+}
+
+/// `--stuck-follower 7` with 2 followers names no follower: it was silently
+/// ignored.
+#[test]
+fn stuck_follower_that_does_not_exist() {
+    assert_refused(&["--followers", "2", "--stuck-follower", "7"]);
+}
+
+/// `--topics` names Kafka would refuse (`Topic.validate`): the broker created
+/// them at start, though no client could create one; and more of them than
+/// `--max-topics` were silently left out.
+#[test]
+fn invalid_topic_names_at_start() {
+    assert_refused(&["--topics", "bad name!"]);
+    assert_refused(&["--topics", "a,,b"]);
+    assert_refused(&["--topics", "a,b,c", "--max-topics", "2"]);
+}
+
+/// Values the broker has long refused cleanly.
+#[test]
+fn clean_refusals() {
+    assert_refused(&["--fetch-wait", "bogus"]);
+    assert_refused(&["--memory-budget", "1"]);
+    assert_refused(&["--max-log-bytes", "0"]);
+    assert_refused(&["--advertise", "no-colon"]);
+    assert_refused(&["--partitions", "99999999999"]); // over i32: clap
+    assert_refused(&["--memory-budget", "-1"]);
+}
+
+/// Extreme times, zero and u64::MAX ms, and a negative partition count: the
+/// broker starts and serves a produce (acks=1), a fetch, a join and a
+/// bystander.
+#[test]
+fn extreme_times_still_serve() {
+    let max = u64::MAX.to_string();
+    for args in [
+        vec![
+            "--frame-timeout-ms",
+            max.as_str(),
+            "--idle-ms",
+            max.as_str(),
+        ],
+        vec![
+            "--replica-lag-ms",
+            max.as_str(),
+            "--replica-lag-max-ms",
+            max.as_str(),
+        ],
+        vec![
+            "--max-produce-wait-ms",
+            max.as_str(),
+            "--replica-lag-max-ms",
+            "0",
+        ],
+        vec!["--fetch-wait", "poll", "--poll-ms", max.as_str()],
+        vec![
+            "--fetch-wait",
+            "poll",
+            "--poll-ms",
+            "0",
+            "--partitions",
+            "-5",
+        ],
+        vec!["--group-min-session-ms", max.as_str()],
+    ] {
+        let mut args = args;
+        args.extend(["--topics", "t"]);
+        let mut b = Broker::start(&args, 20);
+        let Some(addr) = b.listening else {
+            let st = b.exited(5);
+            let err = b.stop();
+            // A clean refusal is acceptable too.
+            assert!(
+                st.is_some_and(|s| s.code().is_some_and(|c| c != 0)) && !err.contains("panicked"),
+                "{args:?}: {:?} {err:?}",
+                st.map(|s| describe(&s))
+            );
+            continue;
+        };
+        let ok = rt().block_on(async {
+            let mut w = Wire::connect(addr).await.unwrap();
+            let p = tokio::time::timeout(Duration::from_secs(5), w.append("t", 0, &[b"v"])).await;
+            let produced = matches!(&p, Ok(Ok(r)) if r.responses.first().is_some_and(|t| t.partition_responses[0].error_code == 0));
+            let f = tokio::time::timeout(
+                Duration::from_secs(5),
+                w.call(
+                    &wire::fetch("t", &[(0, 0)], Duration::from_millis(10), 1, 1 << 20),
+                    wire::FETCH_VERSION,
+                ),
+            )
+            .await;
+            (produced, f.is_ok_and(|r| r.is_ok()), answers(addr).await)
+        });
+        let st = b.exited(0);
+        let err = b.stop();
+        assert!(
+            ok == (true, true, true) && st.is_none() && !err.contains("panicked"),
+            "{args:?}: produce/fetch/bystander {ok:?}, process {:?}, stderr {:?}",
+            st.map(|s| describe(&s)),
+            err.lines().take(3).collect::<Vec<_>>()
+        );
+    }
+}
