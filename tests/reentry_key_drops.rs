@@ -1,6 +1,7 @@
 //! Events raised on the checking thread by user values the purgatory drops
-//! on behalf of what a check did (the map's copy of a key its walk, advance,
-//! cancellation by key or registration let go, an output, a waker): the
+//! or wakes on behalf of what a check did (the map's copy of a key its walk,
+//! advance, cancellation by key or registration let go, an operation it
+//! cancelled by dropping its handle, an output, a waker): the
 //! check runs once more within the outside event, as "No missed events"
 //! promises, instead of waiting for its timeout. Paused time, one thread.
 
@@ -652,4 +653,186 @@ fn the_last_clone_goes_with_an_operation_its_handle_drop_cancelled() {
         assert_eq!(b_drops.load(Ordering::SeqCst), 1);
         let _ = balanced;
     });
+}
+
+/// Operations a check cancels: the operation's own `Drop` and its handle's
+/// waker, run for a cancel that check made, raise events on it.
+mod cancels {
+    use std::future::Future;
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::{Arc, Mutex, OnceLock};
+    use std::task::{Context, Wake, Waker};
+    use std::time::Duration;
+
+    use tokio_purgatory::{Operation, OperationHandle, Purgatory, WeakPurgatory};
+
+    type Hook = Arc<dyn Fn() + Send + Sync>;
+    #[derive(Clone, PartialEq, Eq, Hash, Debug)]
+    struct K(u32);
+
+    struct Op {
+        body: Box<dyn FnMut() -> Option<()> + Send>,
+        on_drop: Option<Hook>,
+        checks: Arc<AtomicUsize>,
+    }
+    impl Drop for Op {
+        fn drop(&mut self) {
+            if let Some(h) = self.on_drop.take() {
+                h()
+            }
+        }
+    }
+    impl Operation for Op {
+        type Output = ();
+        fn try_complete(&mut self) -> Option<()> {
+            self.checks.fetch_add(1, Ordering::SeqCst);
+            (self.body)()
+        }
+        fn on_expiration(mut self) -> () {
+            self.on_drop = None;
+        }
+    }
+    type P = Purgatory<K, Op>;
+
+    fn rt() -> tokio::runtime::Runtime {
+        super::support::paused()
+    }
+
+    /// A's check drops B's pending handle: the purgatory cancels B and drops
+    /// B's operation, whose `Drop` readies A and walks A's key: A checks once
+    /// more within the outside walk.
+    #[test]
+    fn an_operation_whose_handle_the_check_dropped_raises_an_event() {
+        rt().block_on(async {
+            let p: P = Purgatory::new();
+            let weak: Arc<OnceLock<WeakPurgatory<K, Op>>> = Arc::default();
+            weak.set(p.downgrade()).ok().unwrap();
+            let ready_a = Arc::new(AtomicBool::new(false));
+            let hook: Hook = {
+                let (w, r) = (weak.clone(), ready_a.clone());
+                Arc::new(move || {
+                    r.store(true, Ordering::SeqCst);
+                    w.get()
+                        .unwrap()
+                        .upgrade()
+                        .unwrap()
+                        .try_complete_watched(&K(1));
+                })
+            };
+            let hb = p
+                .try_complete_else_watch(
+                    Op {
+                        body: Box::new(|| None),
+                        on_drop: Some(hook),
+                        checks: Arc::default(),
+                    },
+                    Duration::from_secs(100),
+                    [K(9)],
+                )
+                .unwrap();
+            let slot: Arc<Mutex<Option<OperationHandle<K, Op>>>> = Arc::new(Mutex::new(Some(hb)));
+            let go = Arc::new(AtomicBool::new(false));
+            let (s2, r2, g2) = (slot.clone(), ready_a.clone(), go.clone());
+            let a_checks = Arc::new(AtomicUsize::new(0));
+            let ha = p
+                .try_complete_else_watch(
+                    Op {
+                        body: Box::new(move || {
+                            let ready = r2.load(Ordering::SeqCst);
+                            if g2.load(Ordering::SeqCst) && !ready {
+                                let h = s2.lock().unwrap().take();
+                                drop(h);
+                            }
+                            ready.then_some(())
+                        }),
+                        on_drop: None,
+                        checks: a_checks.clone(),
+                    },
+                    Duration::from_secs(100),
+                    [K(1)],
+                )
+                .unwrap();
+            go.store(true, Ordering::SeqCst);
+            p.try_complete_watched(&K(1));
+            assert!(ready_a.load(Ordering::SeqCst), "B's drop ran");
+            assert!(
+                ha.is_finished(),
+                "A missed the event raised by B's drop (handle drop in A's check); checks {}",
+                a_checks.load(Ordering::SeqCst)
+            );
+        });
+    }
+
+    struct HookWake(Hook);
+    impl Wake for HookWake {
+        fn wake(self: Arc<Self>) {
+            (self.0)();
+        }
+    }
+
+    /// A's check cancels B by key; B's handle's waker readies A and walks
+    /// A's key: A checks once more within the outside walk.
+    #[test]
+    fn a_waker_woken_by_a_cancel_for_key_in_the_check_raises_an_event() {
+        rt().block_on(async {
+            let p: P = Purgatory::new();
+            let weak: Arc<OnceLock<WeakPurgatory<K, Op>>> = Arc::default();
+            weak.set(p.downgrade()).ok().unwrap();
+            let ready_a = Arc::new(AtomicBool::new(false));
+            let hook: Hook = {
+                let (w, r) = (weak.clone(), ready_a.clone());
+                Arc::new(move || {
+                    r.store(true, Ordering::SeqCst);
+                    w.get()
+                        .unwrap()
+                        .upgrade()
+                        .unwrap()
+                        .try_complete_watched(&K(1));
+                })
+            };
+            let mut hb = p
+                .try_complete_else_watch(
+                    Op {
+                        body: Box::new(|| None),
+                        on_drop: None,
+                        checks: Arc::default(),
+                    },
+                    Duration::from_secs(100),
+                    [K(9)],
+                )
+                .unwrap();
+            let waker = Waker::from(Arc::new(HookWake(hook)));
+            assert!(std::pin::Pin::new(&mut hb)
+                .poll(&mut Context::from_waker(&waker))
+                .is_pending());
+            let go = Arc::new(AtomicBool::new(false));
+            let (w2, r2, g2) = (weak.clone(), ready_a.clone(), go.clone());
+            let a_checks = Arc::new(AtomicUsize::new(0));
+            let ha = p
+                .try_complete_else_watch(
+                    Op {
+                        body: Box::new(move || {
+                            let ready = r2.load(Ordering::SeqCst);
+                            if g2.load(Ordering::SeqCst) && !ready {
+                                drop(w2.get().unwrap().upgrade().unwrap().cancel_for_key(&K(9)));
+                            }
+                            ready.then_some(())
+                        }),
+                        on_drop: None,
+                        checks: a_checks.clone(),
+                    },
+                    Duration::from_secs(100),
+                    [K(1)],
+                )
+                .unwrap();
+            go.store(true, Ordering::SeqCst);
+            p.try_complete_watched(&K(1));
+            assert!(ready_a.load(Ordering::SeqCst), "B's waker ran");
+            assert!(
+                ha.is_finished(),
+                "A missed the event raised by B's waker (cancel_for_key in A's check); checks {}",
+                a_checks.load(Ordering::SeqCst)
+            );
+        });
+    }
 }

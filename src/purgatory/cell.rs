@@ -798,13 +798,21 @@ where
         self.shared.on_finished(fate, self.cell.owner.keys());
         let timer = self.cell.timer().take_final();
         let d = self.cell.delivery().deliver(result);
-        if let Some(unread) = d.unread {
-            self.shared.drop_contained("drop of an output", unread);
-        }
         if cancel_timer {
             if let Some(key) = timer {
                 self.shared.remove_timer_soon(key);
             }
+        }
+        let unread = d.unread.filter(|_| std::mem::needs_drop::<O::Output>());
+        if unread.is_none() && d.waker.is_none() {
+            return;
+        }
+        // User code: marked as this operation's, so that an event it raises
+        // on a check running further up this thread (one that cancelled this
+        // operation, say) is not taken for that check's own doing.
+        let outer = Innermost::enter(self.cell);
+        if let Some(unread) = unread {
+            self.shared.drop_contained("drop of an output", unread);
         }
         if let Some(w) = d.waker {
             // A waker is user code (one built from a raw vtable): a `wake`
@@ -813,6 +821,7 @@ where
             // others.
             self.shared.panics().run("wake of a handle", || w.wake());
         }
+        Innermost::leave(outer);
     }
 
     /// Moves the operation's timeout to `deadline` (`now` is the caller's

@@ -594,8 +594,9 @@ impl<K: Hash + Eq + Clone, V: Clone> Watchers<K, V> {
     /// empty. A purge done in slices holds each lock for a bounded time and
     /// never stalls its caller for a whole pass over the table.
     ///
-    /// Keys are found again by their stored hash alone; a key removed since the
-    /// sweep began is skipped, and one added since is left for the next sweep.
+    /// Keys are found again by their stored hash alone; a key removed since its
+    /// shard was noted is skipped, and one added since is left for the next
+    /// sweep (one added to a shard not reached yet is visited in this one).
     pub(crate) fn sweep(
         &self,
         sweep: &mut Sweep,
