@@ -688,7 +688,7 @@ mod cancels {
             self.checks.fetch_add(1, Ordering::SeqCst);
             (self.body)()
         }
-        fn on_expiration(mut self) -> () {
+        fn on_expiration(mut self) {
             self.on_drop = None;
         }
     }
