@@ -319,9 +319,10 @@
 //!   timeout is not armed yet, until such a storm pauses). On the thread that
 //!   checks it: the check's own walk of its own keys is not an event to it
 //!   (it knows what it did); a walk from code the check caused through a
-//!   call of its own (another operation's check, expiry or drop, or the
-//!   drop of a key, output or waker the purgatory let go on that call)
-//!   makes it check once more when it ends. While such a re-run runs, events raised
+//!   call of its own (another operation's check, expiry or drop, the code
+//!   of a key that call hashes, compares, clones or drops, or the drop of an
+//!   output or the wake of a waker it caused) makes it check once more when
+//!   it ends. While such a re-run runs, events raised
 //!   on that thread, by it or by what it runs, ask for no re-run of checks
 //!   under way there (checks that walk each other's keys each time they run
 //!   would otherwise re-run each other for ever on one thread).

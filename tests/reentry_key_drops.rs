@@ -836,3 +836,140 @@ mod cancels {
         });
     }
 }
+
+/// Key code (`Hash`) a check's own walk, registration or cancellation by key
+/// runs: an event it raises on the checking operation reaches it.
+mod key_code {
+    use std::hash::{Hash, Hasher};
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::{Arc, OnceLock};
+    use std::time::Duration;
+
+    use tokio_purgatory::{Operation, Purgatory, WeakPurgatory};
+
+    type Hook = Arc<dyn Fn() + Send + Sync>;
+
+    /// Equal by `id`; hashing one with a hook runs the hook.
+    #[derive(Clone)]
+    struct K {
+        id: u32,
+        hook: Option<Hook>,
+    }
+    impl PartialEq for K {
+        fn eq(&self, o: &K) -> bool {
+            self.id == o.id
+        }
+    }
+    impl Eq for K {}
+    impl Hash for K {
+        fn hash<H: Hasher>(&self, h: &mut H) {
+            if let Some(hook) = &self.hook {
+                hook();
+            }
+            self.id.hash(h)
+        }
+    }
+    fn k(id: u32) -> K {
+        K { id, hook: None }
+    }
+
+    struct Op {
+        body: Box<dyn FnMut() -> Option<()> + Send>,
+        checks: Arc<AtomicUsize>,
+    }
+    impl Operation for Op {
+        type Output = ();
+        fn try_complete(&mut self) -> Option<()> {
+            self.checks.fetch_add(1, Ordering::SeqCst);
+            (self.body)()
+        }
+        fn on_expiration(self) {}
+    }
+    type P = Purgatory<K, Op>;
+
+    #[derive(Clone, Copy, Debug)]
+    enum Call {
+        Walk,
+        Register,
+        CancelForKey,
+    }
+
+    /// A watches key 1; its check calls `call` with key 9, whose `Hash`
+    /// readies A and walks key 1 (once).
+    fn scenario(call: Call) {
+        super::support::paused().block_on(async {
+            let p: P = Purgatory::new();
+            let weak: Arc<OnceLock<WeakPurgatory<K, Op>>> = Arc::default();
+            weak.set(p.downgrade()).ok().unwrap();
+            let ready = Arc::new(AtomicBool::new(false));
+            let armed = Arc::new(AtomicBool::new(false));
+            let hook: Hook = {
+                let (w, r, armed) = (weak.clone(), ready.clone(), armed.clone());
+                Arc::new(move || {
+                    if armed.swap(false, Ordering::SeqCst) {
+                        r.store(true, Ordering::SeqCst);
+                        w.get()
+                            .unwrap()
+                            .upgrade()
+                            .unwrap()
+                            .try_complete_watched(&k(1));
+                    }
+                })
+            };
+            let checks = Arc::new(AtomicUsize::new(0));
+            let (w2, r2, a2) = (weak.clone(), ready.clone(), armed.clone());
+            let body = move || {
+                let is_ready = r2.load(Ordering::SeqCst);
+                if !is_ready && a2.load(Ordering::SeqCst) {
+                    let p = w2.get().unwrap().upgrade().unwrap();
+                    let nine = K {
+                        id: 9,
+                        hook: Some(hook.clone()),
+                    };
+                    match call {
+                        Call::Walk => drop(p.try_complete_watched(&nine)),
+                        Call::Register => {
+                            let inner = Op {
+                                body: Box::new(|| None),
+                                checks: Arc::default(),
+                            };
+                            drop(p.try_complete_else_watch(inner, Duration::from_secs(1), [nine]));
+                        }
+                        Call::CancelForKey => drop(p.cancel_for_key(&nine)),
+                    }
+                }
+                is_ready.then_some(())
+            };
+            let a = Op {
+                body: Box::new(body),
+                checks: checks.clone(),
+            };
+            let ha = p
+                .try_complete_else_watch(a, Duration::from_secs(100), [k(1)])
+                .unwrap();
+            armed.store(true, Ordering::SeqCst);
+            p.try_complete_watched(&k(1));
+            assert!(ready.load(Ordering::SeqCst), "{call:?}: the hook ran");
+            assert!(
+                ha.is_finished(),
+                "{call:?}: A missed the event its key code raised; checks {}",
+                checks.load(Ordering::SeqCst)
+            );
+        });
+    }
+
+    #[test]
+    fn key_code_of_a_walk_in_the_check_raises_an_event() {
+        scenario(Call::Walk);
+    }
+
+    #[test]
+    fn key_code_of_a_registration_in_the_check_raises_an_event() {
+        scenario(Call::Register);
+    }
+
+    #[test]
+    fn key_code_of_a_cancel_for_key_in_the_check_raises_an_event() {
+        scenario(Call::CancelForKey);
+    }
+}

@@ -1176,6 +1176,16 @@ mod loom_timer_slot {
 /// doubling with each one in a line).
 pub(crate) struct Innermost;
 
+/// What [`Innermost::mark`] began: puts the word back when dropped.
+pub(crate) struct Marked(usize);
+
+impl Drop for Marked {
+    #[inline(always)]
+    fn drop(&mut self) {
+        Innermost::leave(self.0);
+    }
+}
+
 thread_local! {
     static INNERMOST: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
@@ -1216,6 +1226,15 @@ impl Innermost {
     #[inline(always)]
     pub(crate) fn leave(outer: usize) {
         INNERMOST.with(|c| c.set(outer));
+    }
+
+    /// Marks what runs until the guard goes (key code a call runs for the
+    /// caller: `Hash`, `Eq`, `Clone`) as `at`'s, not the check of an
+    /// operation this thread checks; the guard puts the word back, also
+    /// when that code panics.
+    #[inline(always)]
+    pub(crate) fn mark<T>(at: &T) -> Marked {
+        Marked(Self::enter(at))
     }
 
     /// Whether `at`'s check is the one running innermost on this thread.

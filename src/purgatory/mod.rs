@@ -57,7 +57,7 @@ use tokio::time::Instant;
 
 use self::books::Fate;
 pub use self::builder::PurgatoryBuilder;
-use self::cell::OpCell;
+use self::cell::{Innermost, OpCell};
 pub use self::error::{OperationError, WatchError, WatchErrorKind};
 use self::handle::CellRef;
 pub use self::handle::{OpRef, OperationHandle, OperationStatus};
@@ -756,7 +756,12 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
         // Key code may panic: nothing is counted or registered until it has
         // run, and on a panic the keys are dropped (contained) before it goes
         // on, never while it unwinds.
-        let keys = match catch_unwind(AssertUnwindSafe(|| make(given))) {
+        let keys = match catch_unwind(AssertUnwindSafe(|| {
+            // Key code is not the check of an operation this thread may be
+            // checking (see `Innermost`).
+            let _marked = Innermost::mark(shared);
+            make(given)
+        })) {
             Ok(Ok((keys, dups))) => {
                 shared.drop_keys(dups);
                 keys

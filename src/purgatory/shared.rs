@@ -473,6 +473,8 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         let mut added = 0;
         let mut spare = Vec::new();
         let watched = catch_unwind(AssertUnwindSafe(|| {
+            // The keys' `Eq` and `Clone` (see `walk`).
+            let _marked = Innermost::mark(self);
             self.watchers
                 .watch(keys.keys.iter(), &id, &mut added, &mut spare);
             self.watchers.watch_levels(
@@ -762,9 +764,12 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         K: Borrow<Q>,
         Q: Hash + Eq + ?Sized,
     {
-        let key = self.watchers.probe(key);
         let mut buffers = self.take_buffers();
         let cells = &self.cells;
+        // The key's `Hash` and `Eq` are not the check of an operation this
+        // thread may be checking (see `Innermost`).
+        let marked = Innermost::mark(self);
+        let key = self.watchers.probe(key);
         self.watchers.collect_live(
             &key,
             reached,
@@ -772,6 +777,7 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
             |id| cells.is_over(*id),
             &mut buffers.removed,
         );
+        drop(marked);
         self.drop_removed(&mut buffers.removed);
         let checked = buffers.live.len();
         // A check takes no reference: beginning it names the use by its
@@ -837,7 +843,11 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         Q: Hash + Eq + ?Sized,
     {
         let mut removed = Removed::default();
-        self.watchers.take(key, &mut removed);
+        {
+            // The key's `Hash` and `Eq` (see `walk`).
+            let _marked = Innermost::mark(self);
+            self.watchers.take(key, &mut removed);
+        }
         let ops = removed
             .entries
             .iter()
