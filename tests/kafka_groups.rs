@@ -1151,6 +1151,82 @@ async fn a_follower_that_never_syncs_expires() {
     .await
 }
 
+/// A follower whose sync waited for the leader's assignments and went
+/// unanswered (it expired after the rebalance timeout, or its client hung
+/// up) is expired by its session from then, as Kafka removes members that
+/// have not synced within the rebalance timeout. It used to stay marked as
+/// syncing, which kept it alive for as long as the group stayed in
+/// CompletingRebalance: a leader that heartbeats but never syncs held a dead
+/// follower for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follower_whose_sync_went_unanswered_expires() {
+    let _one = ONE.lock().await;
+    bounded(async {
+        let b = start(quick()).await;
+        for (g, hang_up) in [("expired", false), ("hung-up", true)] {
+            // The leader: alive (it heartbeats), never syncs again.
+            let mut a = M::new(&b).await;
+            a.session = 2000;
+            assert_eq!(a.join(g).await, 0);
+            assert_eq!(a.sync(g).await, 0);
+            let mut f = M::new(&b).await;
+            f.session = 200;
+            f.rebalance = 300;
+            let fj = tokio::spawn(async move {
+                let c = f.join(g).await;
+                (f, c)
+            });
+            until(5, "F's join parked", || {
+                b.broker.groups.joins.delayed() == 1
+            })
+            .await;
+            assert_eq!(a.join(g).await, 0);
+            assert!(a.leader);
+            let (mut f, c) = fj.await.unwrap();
+            assert_eq!(c, 0);
+            // F's sync waits for the leader's assignments, which never come.
+            let fs = tokio::spawn(async move {
+                if hang_up {
+                    let sync = SyncGroupRequest::default()
+                        .with_group_id(GroupId(s(g)))
+                        .with_generation_id(f.gen)
+                        .with_member_id(s(&f.id));
+                    f.w.send(&sync, 3).await.unwrap();
+                    // Parked, then the client is gone.
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                } else {
+                    let code = f.sync(g).await;
+                    assert_eq!(code, code_of(ResponseError::RebalanceInProgress));
+                }
+                // Nothing more from F.
+            });
+            until(5, "F's sync parked", || {
+                b.broker.groups.syncs.delayed() == 1
+            })
+            .await;
+            let t = Instant::now();
+            loop {
+                let code = a.heartbeat(g).await;
+                if code == code_of(ResponseError::RebalanceInProgress) {
+                    break;
+                }
+                assert_eq!(code, 0);
+                assert!(
+                    t.elapsed() < Duration::from_secs(3),
+                    "a follower whose sync {} is still kept after 3 s (session 200 ms)",
+                    if hang_up { "hung up" } else { "expired" }
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            fs.await.unwrap();
+            assert_eq!(a.join(g).await, 0);
+            assert_eq!(a.members, vec![a.id.clone()]);
+        }
+        b.shutdown().await;
+    })
+    .await
+}
+
 /// Shutdown answers a parked join and a parked sync with NOT_COORDINATOR.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_answers_parked_joins_and_syncs() {
@@ -1442,15 +1518,21 @@ async fn empty_group_id_commit_is_stored_as_kafka_does() {
 /// Kafka (`FindCoordinatorRequest.CoordinatorType.forId`): an unknown key
 /// type throws InvalidRequestException, answered INVALID_REQUEST (42), at
 /// v1-3 and per key at v4. It was answered COORDINATOR_NOT_AVAILABLE, as
-/// transactions' (key type 1, covered elsewhere) are.
+/// transactions' (key type 1) are. An error answer names no node (Kafka's
+/// `Node.noNode()`: id -1, host "", port -1); it carried this broker's host
+/// and port.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn find_coordinator_unknown_key_type_is_invalid_request() {
     let _one = ONE.lock().await;
     bounded(async {
         let b = start(quick()).await;
         let mut w = Wire::connect(b.addr).await.unwrap();
+        // Each error answer names no node, as Kafka's `Node.noNode()`: id
+        // -1, host "", port -1 (it used to carry this broker's address).
+        let no_node = |e: ResponseError| (code(e), -1, String::new(), -1);
         let mut got = vec![];
-        for kt in [5i8, -1, i8::MAX] {
+        let mut want = vec![];
+        for kt in [5i8, -1, i8::MAX, 1] {
             let r = w
                 .call(
                     &FindCoordinatorRequest::default()
@@ -1460,7 +1542,7 @@ async fn find_coordinator_unknown_key_type_is_invalid_request() {
                 )
                 .await
                 .unwrap();
-            got.push(r.error_code);
+            got.push((r.error_code, r.node_id.0, r.host.to_string(), r.port));
             let r = w
                 .call(
                     &FindCoordinatorRequest::default()
@@ -1470,10 +1552,17 @@ async fn find_coordinator_unknown_key_type_is_invalid_request() {
                 )
                 .await
                 .unwrap();
-            got.push(r.coordinators[0].error_code);
+            let c = &r.coordinators[0];
+            got.push((c.error_code, c.node_id.0, c.host.to_string(), c.port));
+            let e = if kt == 1 {
+                ResponseError::CoordinatorNotAvailable
+            } else {
+                ResponseError::InvalidRequest
+            };
+            want.extend([no_node(e), no_node(e)]);
         }
         assert!(bystander(&b).await);
-        assert_eq!(got, vec![code(ResponseError::InvalidRequest); 6]);
+        assert_eq!(got, want);
         b.shutdown().await;
     })
     .await
@@ -2048,28 +2137,33 @@ async fn committed_offsets_are_bounded_in_bytes() {
             grown < bound as isize + (256 << 10),
             "{taken} offsets of 4 KiB keep {grown} bytes (bound {bound})"
         );
-        // One taken, committed again without metadata: taken, and it frees
-        // room for another.
+        // Full: one more offset of 4 KiB has no room.
+        let big = commit_md("g", -1, "", &[(999, 8, Some(md.clone()))]);
+        let r = w.call(&big, 7).await.unwrap();
+        assert_eq!(
+            r.topics[0].partitions[0].error_code,
+            code(ResponseError::InvalidCommitOffsetSize)
+        );
+        // Two taken, committed again without metadata: taken, and they give
+        // back 8 KiB, room for it (which they would not if a commit of a
+        // partition kept were charged again, its old cost not given back).
         let r = w
-            .call(&commit_md("g", -1, "", &[(1, 8, None)]), 7)
+            .call(&commit_md("g", -1, "", &[(1, 8, None), (2, 8, None)]), 7)
             .await
             .unwrap();
-        assert_eq!(r.topics[0].partitions[0].error_code, 0);
-        let r = w
-            .call(
-                &commit_md("g", -1, "", &[(999, 8, Some("x".repeat(1000)))]),
-                7,
-            )
-            .await
-            .unwrap();
-        assert_eq!(r.topics[0].partitions[0].error_code, 0);
-        let f = w.call(&offsets_req("g", &[1, 999]), 7).await.unwrap();
+        assert!(r.topics[0].partitions.iter().all(|p| p.error_code == 0));
+        let r = w.call(&big, 7).await.unwrap();
+        assert_eq!(
+            r.topics[0].partitions[0].error_code, 0,
+            "the room given back by re-commits is taken"
+        );
+        let f = w.call(&offsets_req("g", &[1, 2, 999]), 7).await.unwrap();
         let got: Vec<i64> = f.topics[0]
             .partitions
             .iter()
             .map(|p| p.committed_offset)
             .collect();
-        assert_eq!(got, [8, 8]);
+        assert_eq!(got, [8, 8, 8]);
         assert!(bystander(&b).await);
         b.shutdown().await;
     })

@@ -149,9 +149,11 @@ impl Operation for DelayedFetch {
 /// Handles a fetch: answers when `min_bytes` are readable or `max_wait_ms`
 /// has passed, waiting as the broker's [`FetchWait`] says. `Err` when the
 /// broker stopped under it. A fetch that waits (up to `i32::MAX` ms) lets go
-/// of its request and frame first and keeps, in `charge`, only what it holds
-/// meanwhile: its distinct partitions and their topics' names. `held` takes
-/// what its answer's records are charged.
+/// of its request and frame first and keeps, in `charge`, what it holds
+/// meanwhile: its distinct partitions, their topics' names and their watches
+/// (which may take more than the frame was charged: the rest is charged then,
+/// and with no room for it the fetch is answered at once). `held` takes what
+/// its answer's records are charged.
 pub async fn handle(
     broker: &Broker,
     request: FetchRequest,
@@ -173,56 +175,59 @@ pub async fn handle(
     // one named twice is one partition of the answer, with the position and
     // limit named last, and one watch; a request cannot make a high
     // watermark move check it more than once per distinct partition. Each
-    // distinct topic is looked up once.
-    let mut topics: Vec<(TopicName, Option<Arc<Topic>>, Vec<Want>)> = Vec::new();
-    let mut topic_at: HashMap<&str, usize> = HashMap::new();
-    let mut want_at: HashMap<(usize, i32), usize> = HashMap::new();
-    for topic in &request.topics {
-        let ti = *topic_at.entry(topic.topic.as_str()).or_insert_with(|| {
-            let found = broker.topics.get(&topic.topic);
-            topics.push((topic.topic.clone(), found, Vec::new()));
-            topics.len() - 1
-        });
-        let (_, found, wants) = &mut topics[ti];
-        for p in &topic.partitions {
-            let part = found
-                .as_ref()
-                .and_then(|t| {
-                    usize::try_from(p.partition)
-                        .ok()
-                        .and_then(|i| t.partitions.get(i))
-                })
-                .cloned()
-                .ok_or(ResponseError::UnknownTopicOrPartition)
-                .and_then(|part| {
-                    // Before the log start, or past the log end: out of range.
-                    if p.fetch_offset < part.log_start() as i64
-                        || p.fetch_offset as u64 > part.log_end()
-                    {
-                        Err(ResponseError::OffsetOutOfRange)
-                    } else {
-                        Ok(part)
+    // distinct topic is looked up once. The maps that find them go before a
+    // wait (they are not what it keeps).
+    let topics: Vec<(TopicName, Vec<Want>)> = {
+        let mut topics: Vec<(TopicName, Option<Arc<Topic>>, Vec<Want>)> = Vec::new();
+        let mut topic_at: HashMap<&str, usize> = HashMap::new();
+        let mut want_at: HashMap<(usize, i32), usize> = HashMap::new();
+        for topic in &request.topics {
+            let ti = *topic_at.entry(topic.topic.as_str()).or_insert_with(|| {
+                let found = broker.topics.get(&topic.topic);
+                topics.push((topic.topic.clone(), found, Vec::new()));
+                topics.len() - 1
+            });
+            let (_, found, wants) = &mut topics[ti];
+            for p in &topic.partitions {
+                let part = found
+                    .as_ref()
+                    .and_then(|t| {
+                        usize::try_from(p.partition)
+                            .ok()
+                            .and_then(|i| t.partitions.get(i))
+                    })
+                    .cloned()
+                    .ok_or(ResponseError::UnknownTopicOrPartition)
+                    .and_then(|part| {
+                        // Before the log start, or past the log end: out of range.
+                        if p.fetch_offset < part.log_start() as i64
+                            || p.fetch_offset as u64 > part.log_end()
+                        {
+                            Err(ResponseError::OffsetOutOfRange)
+                        } else {
+                            Ok(part)
+                        }
+                    });
+                let want = Want {
+                    part,
+                    index: p.partition,
+                    offset: p.fetch_offset.max(0) as u64,
+                    max_bytes: p.partition_max_bytes.max(0) as usize,
+                };
+                match want_at.entry((ti, p.partition)) {
+                    Entry::Occupied(at) => wants[*at.get()] = want,
+                    Entry::Vacant(at) => {
+                        at.insert(wants.len());
+                        wants.push(want);
                     }
-                });
-            let want = Want {
-                part,
-                index: p.partition,
-                offset: p.fetch_offset.max(0) as u64,
-                max_bytes: p.partition_max_bytes.max(0) as usize,
-            };
-            match want_at.entry((ti, p.partition)) {
-                Entry::Occupied(at) => wants[*at.get()] = want,
-                Entry::Vacant(at) => {
-                    at.insert(wants.len());
-                    wants.push(want);
                 }
             }
         }
-    }
-    let topics: Vec<(TopicName, Vec<Want>)> = topics
-        .into_iter()
-        .map(|(name, _, wants)| (name, wants))
-        .collect();
+        topics
+            .into_iter()
+            .map(|(name, _, wants)| (name, wants))
+            .collect()
+    };
     let mut fetch = Fetch {
         topics,
         min_bytes: request.min_bytes.max(0) as u64,
@@ -241,19 +246,29 @@ pub async fn handle(
         return Ok(fetch.answer(held));
     }
     // It waits: its topic names are slices of the frame, copied so that the
-    // frame goes with the request, and what it keeps is all it stays charged.
-    for (name, _) in &mut fetch.topics {
+    // frame goes with the request, and what it keeps is all it stays charged:
+    // its lists as allocated (their spare room let go first), the names, and
+    // a watch per partition.
+    fetch.topics.shrink_to_fit();
+    for (name, wants) in &mut fetch.topics {
         *name = TopicName(StrBytes::from_string(name.to_string()));
+        wants.shrink_to_fit();
     }
     drop(request);
-    let kept: usize = fetch
-        .topics
-        .iter()
-        .map(|(name, wants)| {
-            size_of::<(TopicName, Vec<Want>)>() + name.len() + wants.len() * KEPT_PER_PARTITION
-        })
-        .sum();
-    charge.keep(size_of::<Fetch>() + kept);
+    let kept: usize = fetch.topics.capacity() * size_of::<(TopicName, Vec<Want>)>()
+        + fetch
+            .topics
+            .iter()
+            .map(|(name, wants)| {
+                name.len() + wants.capacity() * size_of::<Want>() + wants.len() * WATCH
+            })
+            .sum::<usize>();
+    if !charge.hold(&broker.budget, size_of::<Fetch>() + kept) {
+        // No room in the memory budget for what waiting keeps: answered now
+        // with what there is, as when its wait is over.
+        tracing::debug!(kept, "a fetch has no room in the memory budget to wait");
+        return Ok(fetch.answer(held));
+    }
     broker.stats.fetches_parked.fetch_add(1, Ordering::Relaxed);
     match broker.config.fetch_wait {
         FetchWait::Purgatory => in_purgatory(broker, fetch, max_wait, held).await,
@@ -262,9 +277,11 @@ pub async fn handle(
     }
 }
 
-/// What a waiting fetch keeps for each partition: its entry, and its watch in
-/// the purgatory (or its `Notify` waiter).
-const KEPT_PER_PARTITION: usize = size_of::<Want>() + 64;
+/// What a waiting fetch keeps for each partition besides its entry: its
+/// watch in the purgatory (an entry at a level, 24 bytes, and for a key's
+/// first watch the key's list: some 240 bytes in all, measured), or its
+/// `Notify` waiter; rounded up.
+pub const WATCH: usize = 256;
 
 /// Waits in the fetch purgatory, watching each partition at the offset after
 /// its position: the first high watermark move that makes a byte readable

@@ -118,11 +118,32 @@ impl Budget {
 }
 
 impl Held {
+    /// Makes what is held `bytes`: gives back the rest, or, when it holds
+    /// less, charges the difference if the budget has it free now. `false`
+    /// (what is held unchanged) when it has not. For a request about to wait
+    /// whose state may take more than its frame and decoding were charged (a
+    /// fetch's or produce's watches: a key's first watch makes its list).
+    pub fn hold(&self, budget: &Budget, bytes: usize) -> bool {
+        let held = self
+            .0
+            .lock()
+            .unwrap()
+            .as_ref()
+            .map_or(0, |p| p.num_permits());
+        if held >= bytes {
+            self.keep(bytes);
+            true
+        } else {
+            budget.try_charge(bytes - held, self)
+        }
+    }
+
     /// Gives back all but `bytes` of what is held: a request about to wait
-    /// has let go of its frame and keeps only its own state, never more than
-    /// its frame and decoding were charged (each thing it keeps took more
-    /// bytes in both), so what it keeps is taken out of that charge and
-    /// never waits for memory.
+    /// has let go of its frame and keeps only its own state, which for a join
+    /// or a sync is never more than its frame and decoding were charged (each
+    /// thing it keeps took more bytes in both), so what it keeps is taken out
+    /// of that charge and never waits for memory. (A fetch's or produce's
+    /// watches may take more: [`Held::hold`].)
     pub fn keep(&self, bytes: usize) {
         if let Some(permit) = self.0.lock().unwrap().as_mut() {
             let n = permit.num_permits();

@@ -128,6 +128,9 @@ struct Member {
     since: Instant,
     /// Its session timeout in the timer.
     session_timer: Option<TaskHandle>,
+    /// Which of its session timers is the current one: only that one may
+    /// expire it (one that fired as it was moved, and ran after, must not).
+    timer: u64,
 }
 
 impl Member {
@@ -555,6 +558,32 @@ impl Operation for DelayedSync {
     }
 }
 
+/// A follower's sync that goes unanswered by the leader's assignments (it
+/// expired, or its client hung up and it was cancelled) no longer keeps its
+/// member alive: its session counts from here, as Kafka removes members that
+/// have not synced within the rebalance timeout. (Kept `syncing`, a member
+/// gone would be kept for as long as its leader heartbeats without syncing.)
+/// Answered by the leader's sync or a new round, it finds `syncing` cleared
+/// already.
+impl Drop for DelayedSync {
+    fn drop(&mut self) {
+        let Ok(mut groups) = self.groups.lock() else {
+            return;
+        };
+        let Some(g) = groups.get_mut(&self.group) else {
+            return;
+        };
+        if g.generation != self.generation || g.phase != Phase::Completing {
+            return;
+        }
+        if let Some(m) = g.members.get_mut(&self.member) {
+            if std::mem::take(&mut m.syncing) {
+                m.restart(Instant::now());
+            }
+        }
+    }
+}
+
 fn error_sync(e: ResponseError) -> SyncGroupResponse {
     SyncGroupResponse::default().with_error_code(e.code())
 }
@@ -673,29 +702,46 @@ impl Coordinator {
     }
 
     /// Moves `member`'s session timer to `at`, under the groups' lock.
+    ///
+    /// `group` and `member` are kept by the timer: they must be the ids the
+    /// coordinator keeps (the groups' and members' keys), not slices of a
+    /// request (which would keep its whole frame) or copies of their own.
     fn touch_at(&self, group: &StrBytes, member: &StrBytes, m: &mut Member, at: Instant) {
         if let Some(t) = &m.session_timer {
             if t.reset_at(at) {
                 return;
             }
         }
+        // Its timer fired (its expiry may be waiting for the groups' lock,
+        // and finds a newer timer stands) or there is none: a new one, the
+        // only one that may expire it. The one it replaces is cancelled.
+        if let Some(old) = m.session_timer.take() {
+            old.cancel();
+        }
+        let timer = self.next_id.fetch_add(1, Ordering::Relaxed);
+        m.timer = timer;
         let (me, g, id) = (self.me.clone(), group.clone(), member.clone());
         m.session_timer = self
             .sessions
             .schedule_at(at, move || {
                 if let Some(c) = me.upgrade() {
-                    c.session_expired(&g, &id);
+                    c.session_expired(&g, &id, timer);
                 }
             })
             .ok();
     }
 
-    fn session_expired(&self, group: &StrBytes, member: &StrBytes) {
+    fn session_expired(&self, group: &StrBytes, member: &StrBytes, timer: u64) {
         {
             let mut groups = self.groups.lock().unwrap();
             let Some(g) = groups.get_mut(group) else {
                 return;
             };
+            // A timer replaced after it fired (a heartbeat moved it as it
+            // fired): the newer one stands.
+            if g.members.get(member).is_none_or(|m| m.timer != timer) {
+                return;
+            }
             // A member whose join or sync is waiting sends no heartbeats
             // meanwhile (clients stop them during a rebalance): kept alive
             // until the round ends, as Kafka keeps members awaiting a join
@@ -725,7 +771,7 @@ impl Coordinator {
             });
             if let Some(at) = next {
                 if let Some(m) = g.members.get_mut(member) {
-                    m.session_timer = None; // this entry has fired
+                    // This entry has fired: a new one.
                     self.touch_at(group, member, m, at);
                 }
                 return;
@@ -761,7 +807,6 @@ impl Coordinator {
         client: &str,
         keep: impl FnOnce(usize),
     ) -> Result<JoinGroupResponse, Gone> {
-        let group = own(&r.group_id.0);
         let session = Duration::from_millis(r.session_timeout_ms.max(0) as u64);
         // Before version 1 the rebalance timeout is the session timeout.
         let rebalance = if version >= 1 {
@@ -772,7 +817,8 @@ impl Coordinator {
         let joined = {
             let mut groups = self.groups.lock().unwrap();
             let joined = (|| {
-                if group.is_empty() {
+                let asked = &r.group_id.0;
+                if asked.is_empty() {
                     return Err(Box::new(error_join(
                         ResponseError::InvalidGroupId,
                         &r.member_id,
@@ -784,18 +830,30 @@ impl Coordinator {
                         &r.member_id,
                     )));
                 }
-                if !groups.contains_key(&group) && groups.len() >= self.limits.max_groups {
-                    return Err(Box::new(error_join(
-                        ResponseError::CoordinatorNotAvailable,
-                        &r.member_id,
-                    )));
+                if !groups.contains_key(asked) {
+                    if groups.len() >= self.limits.max_groups {
+                        return Err(Box::new(error_join(
+                            ResponseError::CoordinatorNotAvailable,
+                            &r.member_id,
+                        )));
+                    }
+                    groups.insert(
+                        own(asked),
+                        Group::new(
+                            self.kept.clone(),
+                            self.next_id.fetch_add(1, Ordering::Relaxed),
+                        ),
+                    );
                 }
-                let g = groups.entry(group.clone()).or_insert_with(|| {
-                    Group::new(
-                        self.kept.clone(),
-                        self.next_id.fetch_add(1, Ordering::Relaxed),
-                    )
-                });
+                // The group's id as the map keeps it (up to 32,767 bytes):
+                // the one copy, shared by whatever of the group is kept
+                // (timers, a join that waits). A copy made per request would
+                // be kept by each of them, uncharged.
+                let group = groups
+                    .get_key_value(asked)
+                    .map(|(id, _)| id.clone())
+                    .unwrap();
+                let g = groups.get_mut(&group).unwrap();
                 // Kafka's `supportsProtocols`: into an empty group, any
                 // protocols of a named type; into one with members, of the
                 // group's type, with one every member speaks (counted, not
@@ -926,6 +984,7 @@ impl Coordinator {
                     syncing: false,
                     since: Instant::now(),
                     session_timer: None,
+                    timer: 0,
                 });
                 g.count(&m, false);
                 m.session = session;
@@ -948,18 +1007,13 @@ impl Coordinator {
                 } else {
                     self.arm_round(&group, g);
                 }
-                Ok((member, round, g.deadline, started || completed))
+                Ok((group, member, round, g.deadline, started || completed))
             })();
             // A refused join leaves no group behind.
-            tidy(&mut groups, &group);
-            // The group's own id, shared with the join that waits (the one
-            // made from the request would be a copy of its own, kept as long).
-            joined.map(|j| {
-                let id = groups.get_key_value(&group).map(|(id, _)| id.clone());
-                (id.unwrap_or_else(|| group.clone()), j)
-            })
+            tidy(&mut groups, &r.group_id.0);
+            joined
         };
-        let (group, (member, round, deadline, changed)) = match joined {
+        let (group, member, round, deadline, changed) = match joined {
             Ok(j) => j,
             Err(answer) => return Ok(*answer),
         };
@@ -1000,7 +1054,7 @@ impl Coordinator {
         if r.group_id.is_empty() {
             return Ok(error_sync(ResponseError::InvalidGroupId));
         }
-        let (group, wait, led) = {
+        let (group, member, wait, led) = {
             let mut groups = self.groups.lock().unwrap();
             // The group's own id, shared with a sync that waits.
             let Some(group) = groups
@@ -1024,10 +1078,16 @@ impl Coordinator {
             if g.phase == Phase::Preparing {
                 return Ok(error_sync(ResponseError::RebalanceInProgress));
             }
-            let mut m = g.members.remove(&r.member_id).unwrap();
-            self.touch(&group, &r.member_id, &mut m);
+            // Its id as the group keeps it (its session timer keeps it, and
+            // a sync that waits: not a slice of the request's frame).
+            let member = g
+                .members
+                .get_key_value(&r.member_id)
+                .map(|(id, _)| id.clone())
+                .unwrap();
+            let m = g.members.get_mut(&member).unwrap();
+            self.touch(&group, &member, m);
             let rebalance = m.rebalance;
-            g.members.insert(own(&r.member_id), m);
             let mut led = false;
             if g.phase == Phase::Completing && g.leader.as_ref() == Some(&r.member_id) {
                 // What the assignments keep, within the bound across groups
@@ -1073,14 +1133,15 @@ impl Coordinator {
                 return Ok(answer);
             }
             // A follower waiting for the assignments: kept alive meanwhile.
-            if let Some(m) = g.members.get_mut(&r.member_id) {
+            // (Until its sync is answered or goes: `DelayedSync`'s drop.)
+            if let Some(m) = g.members.get_mut(&member) {
                 m.syncing = true;
             }
-            (group, rebalance, led)
+            (group, member, rebalance, led)
         };
         debug_assert!(!led);
         // A member's id: a few dozen bytes (it names a member).
-        let (member, generation) = (own(&r.member_id), r.generation_id);
+        let generation = r.generation_id;
         drop(r);
         keep(std::mem::size_of::<DelayedSync>() + member.len());
         let op = DelayedSync {
@@ -1118,8 +1179,15 @@ impl Coordinator {
             if r.generation_id != g.generation {
                 return Err(ResponseError::IllegalGeneration);
             }
-            let m = g.members.get_mut(&r.member_id).unwrap();
-            self.touch(&r.group_id.0, &r.member_id, m);
+            // The ids the coordinator keeps, for its session timer (slices
+            // of the request would keep its whole frame for a session).
+            let (group, _) = groups.get_key_value(&r.group_id.0).unwrap();
+            let group = group.clone();
+            let g = groups.get_mut(&group).unwrap();
+            let (member, _) = g.members.get_key_value(&r.member_id).unwrap();
+            let member = member.clone();
+            let m = g.members.get_mut(&member).unwrap();
+            self.touch(&group, &member, m);
             if phase == Phase::Preparing {
                 return Err(ResponseError::RebalanceInProgress);
             }
@@ -1136,7 +1204,6 @@ impl Coordinator {
             return LeaveGroupResponse::default()
                 .with_error_code(ResponseError::InvalidGroupId.code());
         }
-        let group = own(&r.group_id.0);
         let ids: Vec<StrBytes> = if version <= 2 {
             vec![r.member_id.clone()]
         } else {
@@ -1145,11 +1212,19 @@ impl Coordinator {
         let mut results = Vec::new();
         {
             let mut groups = self.groups.lock().unwrap();
-            match groups.get_mut(&group) {
+            // The group's id as the map keeps it: a round's timer armed here
+            // keeps it (a copy of the request's would be kept uncharged).
+            let group = groups
+                .get_key_value(&r.group_id.0)
+                .map(|(id, _)| id.clone());
+            match group
+                .as_ref()
+                .and_then(|id| Some((id, groups.get_mut(id)?)))
+            {
                 // Kafka: per member UNKNOWN_MEMBER_ID (v3 and later, under a
                 // top-level NONE).
                 None => results.extend(ids.iter().map(|id| (id.clone(), false))),
-                Some(g) => {
+                Some((group, g)) => {
                     let mut any = false;
                     for id in &ids {
                         // A member id handed out and not joined yet leaves too.
@@ -1160,13 +1235,13 @@ impl Coordinator {
                     }
                     if any {
                         g.after_removal();
-                        self.arm_round(&group, g);
+                        self.arm_round(group, g);
                     }
                 }
             }
-            tidy(&mut groups, &group);
+            tidy(&mut groups, &r.group_id.0);
         }
-        self.wake(&group);
+        self.wake(&r.group_id.0);
         let mut response = LeaveGroupResponse::default();
         if version <= 2 {
             if !results[0].1 {
@@ -1198,23 +1273,28 @@ impl Coordinator {
     ) -> OffsetCommitResponse {
         // Kafka takes commits for the empty group id ("for backwards
         // compatibility", `isValidGroupId`), unlike every other group request.
-        let group = own(&r.group_id.0);
+        // Looked up by the request's id: a copy is made only for a new group.
+        let group = &r.group_id.0;
         let mut groups = self.groups.lock().unwrap();
         // A generation below 0: a commit from outside group management
         // (Kafka's "simple" consumers), whatever member id it names.
         let outside = r.generation_id_or_member_epoch < 0;
-        let error = if !groups.contains_key(&group) && !outside {
+        let error = if !groups.contains_key(group) && !outside {
             // Kafka: a generation of a group it does not know.
             Some(ResponseError::IllegalGeneration)
-        } else if !groups.contains_key(&group) && groups.len() >= self.limits.max_groups {
+        } else if !groups.contains_key(group) && groups.len() >= self.limits.max_groups {
             Some(ResponseError::CoordinatorNotAvailable)
         } else {
-            let g = groups.entry(group.clone()).or_insert_with(|| {
-                Group::new(
-                    self.kept.clone(),
-                    self.next_id.fetch_add(1, Ordering::Relaxed),
-                )
-            });
+            if !groups.contains_key(group) {
+                groups.insert(
+                    own(group),
+                    Group::new(
+                        self.kept.clone(),
+                        self.next_id.fetch_add(1, Ordering::Relaxed),
+                    ),
+                );
+            }
+            let g = groups.get_mut(group).unwrap();
             if outside && g.phase == Phase::Empty {
                 // Stored, as Kafka's `validateOffsetCommit` returns early for
                 // a generation below 0 on an empty group. To a group with
@@ -1239,7 +1319,7 @@ impl Coordinator {
                 let code = match error {
                     Some(e) => e.code(),
                     None => {
-                        let g = groups.get_mut(&group).unwrap();
+                        let g = groups.get_mut(group).unwrap();
                         let key = (own(&t.name.0), p.partition_index);
                         // Kafka counts `offset.metadata.max.bytes` (4096)
                         // against the Java string's length: UTF-16 units.
@@ -1290,7 +1370,7 @@ impl Coordinator {
             response.topics.push(rt);
         }
         // A refused commit leaves no group behind.
-        tidy(&mut groups, &group);
+        tidy(&mut groups, group);
         response
     }
 

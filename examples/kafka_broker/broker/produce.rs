@@ -80,8 +80,9 @@ impl Operation for DelayedProduce {
     }
 }
 
-/// What a waiting produce keeps for each partition's watch in the purgatory.
-const WATCH: usize = 64;
+/// What a waiting produce keeps for each partition's watch in the purgatory
+/// (as a fetch's, [`super::fetch::WATCH`]).
+const WATCH: usize = super::fetch::WATCH;
 
 /// Checks one partition's records and appends them; Kafka's error for them
 /// when they are refused.
@@ -135,8 +136,10 @@ fn now_ms() -> i64 {
 /// distinct partitions ask).
 ///
 /// An `acks=-1` produce that waits lets go of its request and frame first
-/// (its records are in the log by then) and keeps, in `charge`, only what it
-/// holds meanwhile: its answer and its writes.
+/// (its records are in the log by then) and keeps, in `charge`, what it
+/// holds meanwhile: its answer, its writes and their watches (which may take
+/// more than the frame was charged: the rest is charged then, and with no
+/// room for it the produce is answered at once, as when its timeout passes).
 pub async fn handle(
     broker: &Broker,
     request: ProduceRequest,
@@ -151,25 +154,29 @@ pub async fn handle(
         Option<Arc<Topic>>,
         Vec<&'a PartitionProduceData>,
     );
-    let mut topics: Vec<Named> = Vec::new();
-    let mut topic_at: HashMap<&str, usize> = HashMap::new();
-    let mut slot_at: HashMap<(usize, i32), usize> = HashMap::new();
-    for topic in &request.topic_data {
-        let ti = *topic_at.entry(topic.name.as_str()).or_insert_with(|| {
-            topics.push((&topic.name, broker.topics.get(&topic.name), Vec::new()));
-            topics.len() - 1
-        });
-        let parts = &mut topics[ti].2;
-        for data in &topic.partition_data {
-            match slot_at.entry((ti, data.index)) {
-                Entry::Occupied(at) => parts[*at.get()] = data,
-                Entry::Vacant(at) => {
-                    at.insert(parts.len());
-                    parts.push(data);
+    // The maps that find them go before a wait (they are not what it keeps).
+    let topics: Vec<Named> = {
+        let mut topics: Vec<Named> = Vec::new();
+        let mut topic_at: HashMap<&str, usize> = HashMap::new();
+        let mut slot_at: HashMap<(usize, i32), usize> = HashMap::new();
+        for topic in &request.topic_data {
+            let ti = *topic_at.entry(topic.name.as_str()).or_insert_with(|| {
+                topics.push((&topic.name, broker.topics.get(&topic.name), Vec::new()));
+                topics.len() - 1
+            });
+            let parts = &mut topics[ti].2;
+            for data in &topic.partition_data {
+                match slot_at.entry((ti, data.index)) {
+                    Entry::Occupied(at) => parts[*at.get()] = data,
+                    Entry::Vacant(at) => {
+                        at.insert(parts.len());
+                        parts.push(data);
+                    }
                 }
             }
         }
-    }
+        topics
+    };
     let mut response = ProduceResponse::default();
     let mut writes = Vec::new();
     let mut failed = false;
@@ -235,33 +242,54 @@ pub async fn handle(
     let timeout =
         Duration::from_millis(request.timeout_ms.max(0) as u64).min(broker.config.max_produce_wait);
     // It waits: the answer's topic names are slices of the frame, copied so
-    // that the frame goes with the request.
+    // that the frame goes with the request. What it keeps is all it stays
+    // charged: its lists as allocated (their spare room let go first), the
+    // names, and a watch per write.
+    response.responses.shrink_to_fit();
     for t in &mut response.responses {
         t.name = TopicName(StrBytes::from_string(t.name.to_string()));
+        t.partition_responses.shrink_to_fit();
     }
+    writes.shrink_to_fit();
     drop(topics);
     drop(request);
-    let kept: usize = response
-        .responses
-        .iter()
-        .map(|t| {
-            size_of::<TopicProduceResponse>()
-                + t.name.len()
-                + t.partition_responses.len() * size_of::<PartitionProduceResponse>()
-        })
-        .sum::<usize>()
-        + writes.len() * (size_of::<Write>() + WATCH);
-    charge.keep(size_of::<DelayedProduce>() + kept);
+    let kept: usize = response.responses.capacity() * size_of::<TopicProduceResponse>()
+        + response
+            .responses
+            .iter()
+            .map(|t| {
+                t.name.len()
+                    + t.partition_responses.capacity() * size_of::<PartitionProduceResponse>()
+            })
+            .sum::<usize>()
+        + writes.capacity() * size_of::<Write>()
+        + writes.len() * WATCH;
+    let room = charge.hold(&broker.budget, size_of::<DelayedProduce>() + kept);
     let watches: Vec<_> = writes
         .iter()
         .map(|w| Watch::level(w.part.key, w.end))
         .collect();
-    let op = DelayedProduce {
+    let mut op = DelayedProduce {
         writes,
         response,
         closing: broker.closing.clone(),
         min_insync: broker.config.min_insync_replicas,
     };
+    if !room {
+        // No room in the memory budget for what waiting keeps: answered now,
+        // as when its timeout has passed (its records are in the log).
+        tracing::debug!(
+            kept,
+            "an acks=-1 produce has no room in the memory budget to wait"
+        );
+        return Ok(Some(op.try_complete().unwrap_or_else(|| {
+            broker
+                .stats
+                .produces_timed_out
+                .fetch_add(1, Ordering::Relaxed);
+            op.on_expiration()
+        })));
+    }
     match broker
         .produces
         .try_complete_else_watch_levels(op, timeout, watches)

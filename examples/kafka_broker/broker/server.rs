@@ -592,7 +592,12 @@ fn find_coordinator(
         _ => Some(ResponseError::InvalidRequest),
     };
     let code = error.map_or(0, |e| e.code());
-    let node = BrokerId(if error.is_some() { -1 } else { 0 });
+    // An error names no node: Kafka's `Node.noNode()`, id -1, host "" and
+    // port -1 (not this broker's address).
+    let (node, host, port) = match error {
+        None => (BrokerId(0), host, *port),
+        Some(_) => (BrokerId(-1), StrBytes::default(), -1),
+    };
     if version >= 4 {
         FindCoordinatorResponse::default().with_coordinators(
             request
@@ -603,7 +608,7 @@ fn find_coordinator(
                         .with_key(k.clone())
                         .with_node_id(node)
                         .with_host(host.clone())
-                        .with_port(*port)
+                        .with_port(port)
                         .with_error_code(code)
                 })
                 .collect(),
@@ -613,7 +618,7 @@ fn find_coordinator(
             .with_error_code(code)
             .with_node_id(node)
             .with_host(host)
-            .with_port(*port)
+            .with_port(port)
     }
 }
 
