@@ -600,6 +600,84 @@ async fn the_22_bytes_that_aborted_the_broker_close_only_their_connection() {
     .await
 }
 
+/// librdkafka's all-topics Metadata request (v12; v9 from librdkafka 2.2.0)
+/// carries 3 bytes after the fields of its version, as captured from
+/// confluent-kafka 2.16.1: Kafka reads the fields of the version and ignores
+/// the rest, and so does the broker. Hostile bytes after a request (a count
+/// of 2^31-1, a megabyte of them) are ignored too: never walked, so never
+/// decoded or allocated for, charged only as part of the frame, and given
+/// back with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bytes_after_a_request_are_ignored_as_kafka_ignores_them() {
+    use kafka_protocol::messages::{ApiVersionsRequest, MetadataRequest};
+    use tokio::io::AsyncWriteExt;
+    bounded(async {
+        let b = start(Config {
+            topics: vec!["listed".into()],
+            ..Config::default()
+        })
+        .await;
+        let captured = [
+            0x00, 0x03, 0x00, 0x0c, 0x00, 0x00, 0x00, 0x03, 0x00, 0x07, b'r', b'd', b'k', b'a',
+            b'f', b'k', b'a', 0x00, 0x00, 0x00, 0x00, 0x00, 0x01, 0x00, 0x00,
+        ];
+        let mut frame = (captured.len() as i32).to_be_bytes().to_vec();
+        frame.extend(captured);
+        let mut c = tokio::net::TcpStream::connect(b.addr).await.unwrap();
+        c.write_all(&frame).await.unwrap();
+        let (id, r) = read_answer::<MetadataRequest>(&mut c, 12)
+            .await
+            .expect("librdkafka's Metadata v12 is answered");
+        assert_eq!(id, 3);
+        let names: Vec<_> = r
+            .topics
+            .iter()
+            .filter_map(|t| t.name.as_ref().map(|n| n.to_string()))
+            .collect();
+        assert_eq!(names, ["listed"]);
+        // Hostile bytes after requests of both kinds of encoding: a huge
+        // count, and a megabyte of 0xff.
+        let mut v1 = raw_frame(&MetadataRequest::default(), 1, 4);
+        v1.extend([0x7f, 0xff, 0xff, 0xff]);
+        let mut v3 = raw_frame(
+            &ApiVersionsRequest::default()
+                .with_client_software_name("raw".into())
+                .with_client_software_version("1".into()),
+            3,
+            5,
+        );
+        v3.extend(std::iter::repeat_n(0xff, 1 << 20));
+        for f in [&mut v1, &mut v3] {
+            let size = (f.len() - 4) as i32;
+            f[..4].copy_from_slice(&size.to_be_bytes());
+        }
+        c.write_all(&v1).await.unwrap();
+        let (id, _) = read_answer::<MetadataRequest>(&mut c, 1)
+            .await
+            .expect("answered despite the bytes after it");
+        assert_eq!(id, 4);
+        c.write_all(&v3).await.unwrap();
+        let (id, r) = read_answer::<ApiVersionsRequest>(&mut c, 3)
+            .await
+            .expect("answered despite the megabyte after it");
+        assert_eq!((id, r.error_code), (5, 0));
+        assert_eq!(
+            b.broker
+                .stats
+                .connections_refused
+                .load(std::sync::atomic::Ordering::Relaxed),
+            0
+        );
+        // The frames' charges went back with their answers.
+        until("the frames are given back", || {
+            b.broker.budget.in_use() == 0
+        })
+        .await;
+        b.shutdown().await;
+    })
+    .await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn batches_that_lie_are_refused_per_partition_and_never_stored() {
     use kafka_protocol::messages::produce_request::{PartitionProduceData, TopicProduceData};
@@ -1246,6 +1324,283 @@ async fn list_offsets_by_time_answers_as_kafka_does() {
         assert_eq!(got[3], (1, now), "MAX_TIMESTAMP");
         assert_eq!(got[4], (2, -1), "latest: the high watermark");
         assert_eq!(got[5], (0, -1), "earliest");
+        b.shutdown().await;
+    })
+    .await
+}
+
+/// One record batch, record `i` stamped `timestamps[i]` with value
+/// `values(i)`, compressed with `codec` (snappy in xerial framing when
+/// `xerial`, as Kafka's Java clients write it; raw, as librdkafka does,
+/// otherwise).
+fn stamped_batch(
+    timestamps: &[i64],
+    values: impl Fn(usize) -> Vec<u8>,
+    codec: kafka_protocol::records::Compression,
+    xerial: bool,
+) -> bytes::Bytes {
+    use bytes::BufMut;
+    use kafka_protocol::records::{
+        Compression, Record, RecordBatchEncoder, RecordEncodeOptions, TimestampType,
+    };
+    use std::io::Write;
+    let records: Vec<Record> = timestamps
+        .iter()
+        .enumerate()
+        .map(|(i, &timestamp)| Record {
+            transactional: false,
+            control: false,
+            delete_horizon: false,
+            partition_leader_epoch: 0,
+            producer_id: -1,
+            producer_epoch: -1,
+            timestamp_type: TimestampType::Creation,
+            offset: i as i64,
+            // Offset minus sequence the same for each record (-1 for the
+            // first: no sequence), or the encoder starts a new batch.
+            sequence: i as i32 - 1,
+            timestamp,
+            key: None,
+            value: Some(values(i).into()),
+            headers: Default::default(),
+        })
+        .collect();
+    let compress = |plain: &mut bytes::BytesMut, out: &mut bytes::BytesMut, c: Compression| {
+        let packed: Vec<u8> = match c {
+            Compression::None => plain.to_vec(),
+            Compression::Gzip => {
+                let mut e =
+                    flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+                e.write_all(plain)?;
+                e.finish()?
+            }
+            Compression::Snappy if xerial => {
+                let mut v = vec![
+                    0x82, b'S', b'N', b'A', b'P', b'P', b'Y', 0, 0, 0, 0, 1, 0, 0, 0, 1,
+                ];
+                for block in plain.chunks(32 << 10) {
+                    let b = snap::raw::Encoder::new().compress_vec(block)?;
+                    v.extend((b.len() as u32).to_be_bytes());
+                    v.extend(b);
+                }
+                v
+            }
+            Compression::Snappy => snap::raw::Encoder::new().compress_vec(plain)?,
+            Compression::Lz4 => {
+                let mut e = lz4_flex::frame::FrameEncoder::new(Vec::new());
+                e.write_all(plain)?;
+                e.finish()?
+            }
+            Compression::Zstd => ruzstd::encoding::compress_to_vec(
+                &plain[..],
+                ruzstd::encoding::CompressionLevel::Fastest,
+            ),
+        };
+        out.put_slice(&packed);
+        Ok(())
+    };
+    let mut out = bytes::BytesMut::new();
+    RecordBatchEncoder::encode_with_custom_compression(
+        &mut out,
+        &records,
+        &RecordEncodeOptions {
+            version: 2,
+            compression: codec,
+        },
+        Some(compress),
+    )
+    .expect("the batch encodes");
+    out.freeze()
+}
+
+/// A batch's attributes and max timestamp rewritten, its CRC made right
+/// again (what a producer may send: the broker checks the CRC, not these).
+fn restamp(batch: &bytes::Bytes, attributes_or: u8, max_timestamp: Option<i64>) -> bytes::Bytes {
+    let mut b = batch.to_vec();
+    b[22] |= attributes_or;
+    if let Some(ts) = max_timestamp {
+        b[35..43].copy_from_slice(&ts.to_be_bytes());
+    }
+    let crc = crc32c::crc32c(&b[21..]);
+    b[17..21].copy_from_slice(&crc.to_be_bytes());
+    b.into()
+}
+
+/// ListOffsets by time and `MAX_TIMESTAMP` answer per record, as Kafka's
+/// `FileRecords.searchForTimestamp` and (since KAFKA-16310, Kafka 3.7.1)
+/// `RecordBatch.offsetOfMaxTimestamp` do, compressed or not: 50 records in
+/// one batch stamped t0, t0+2, ..., asked for t0+10, is offset 5 with its
+/// own timestamp (it was the batch's first offset with its newest
+/// timestamp); the newest timestamp is its first record's offset (it was
+/// the batch's last). A batch stamped with log append time has each record
+/// at the batch's timestamp; a batch whose header claims a newer record
+/// than it holds is passed over for the next, as Kafka passes it over; a
+/// compression bomb past the lookup's read bound is answered at batch
+/// granularity, and what its codec kept goes back to the budget.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn list_offsets_by_time_answers_per_record_compressed_or_not() {
+    use kafka_protocol::messages::list_offsets_request::{ListOffsetsPartition, ListOffsetsTopic};
+    use kafka_protocol::messages::{BrokerId, ListOffsetsRequest};
+    use kafka_protocol::records::Compression;
+    bounded(async {
+        let b = start(Config {
+            topics: (0..8).map(|i| format!("c{i}")).collect(),
+            partitions: 1,
+            followers: 0,
+            max_message_bytes: 100_000,
+            ..Config::default()
+        })
+        .await;
+        let mut w = Wire::connect(b.addr).await.unwrap();
+        let t0 = 1_700_000_000_000i64;
+        let even: Vec<i64> = (0..50).map(|i| t0 + 2 * i).collect();
+        // Newest at record 7, and again at 9: the first of them.
+        let mut peaked = even.clone();
+        peaked[7] = t0 + 1000;
+        peaked[9] = t0 + 1000;
+        let codecs = [
+            (Compression::None, false),
+            (Compression::Gzip, false),
+            (Compression::Snappy, false),
+            (Compression::Snappy, true),
+            (Compression::Lz4, false),
+            (Compression::Zstd, false),
+        ];
+        let ask = |topic: &str, ts: i64| {
+            ListOffsetsRequest::default()
+                .with_replica_id(BrokerId(-1))
+                .with_topics(vec![ListOffsetsTopic::default()
+                    .with_name(topic_name(topic))
+                    .with_partitions(vec![ListOffsetsPartition::default()
+                        .with_partition_index(0)
+                        .with_timestamp(ts)])])
+        };
+        let value = |i: usize| format!("record {i} {}", "x".repeat(i * 40)).into_bytes();
+        for (n, &(codec, xerial)) in codecs.iter().enumerate() {
+            let topic = format!("c{n}");
+            for batch in [
+                stamped_batch(&even, value, codec, xerial),
+                stamped_batch(&peaked, value, codec, xerial),
+            ] {
+                let r = w
+                    .call(
+                        &wire::produce(&topic, 0, -1, Duration::from_secs(5), batch),
+                        wire::PRODUCE_VERSION,
+                    )
+                    .await
+                    .unwrap();
+                assert_eq!(wire::produce_error(&r), 0, "{codec:?}");
+            }
+            let mut got = Vec::new();
+            for ts in [t0 + 10, t0 + 11, t0 + 98, t0 + 99, -3] {
+                let r = w.call(&ask(&topic, ts), 7).await.unwrap();
+                let p = &r.topics[0].partitions[0];
+                got.push((p.error_code, p.offset, p.timestamp));
+            }
+            assert_eq!(
+                got,
+                [
+                    (0, 5, t0 + 10),
+                    (0, 6, t0 + 12),
+                    (0, 49, t0 + 98),
+                    // The second batch: its record 7 (offset 57) is the
+                    // first that new.
+                    (0, 57, t0 + 1000),
+                    (0, 57, t0 + 1000),
+                ],
+                "{codec:?} xerial {xerial}"
+            );
+        }
+        // Log append time: every record at the batch's max timestamp.
+        let appended = restamp(
+            &stamped_batch(&even, value, Compression::Lz4, false),
+            0x08,
+            Some(t0 + 5000),
+        );
+        // A header claiming a record newer than any it holds: passed over.
+        let lying = restamp(
+            &stamped_batch(&even, value, Compression::Zstd, false),
+            0,
+            Some(t0 + 9000),
+        );
+        let honest = stamped_batch(&[t0 + 8000, t0 + 9000], value, Compression::Gzip, false);
+        for batch in [lying, honest, appended] {
+            let r = w
+                .call(
+                    &wire::produce("c6", 0, -1, Duration::from_secs(5), batch),
+                    wire::PRODUCE_VERSION,
+                )
+                .await
+                .unwrap();
+            assert_eq!(wire::produce_error(&r), 0);
+        }
+        let mut got = Vec::new();
+        for ts in [t0 + 8500, t0 + 9000, -3, t0 + 9001] {
+            let r = w.call(&ask("c6", ts), 7).await.unwrap();
+            let p = &r.topics[0].partitions[0];
+            got.push((p.offset, p.timestamp));
+        }
+        assert_eq!(
+            got,
+            [
+                (51, t0 + 9000),
+                (51, t0 + 9000),
+                // The lying batch holds the newest timestamp first; no
+                // record of it has it: no offset, as Kafka answers.
+                (-1, -1),
+                (-1, -1),
+            ]
+        );
+        // The log append time batch alone.
+        let appended = restamp(
+            &stamped_batch(&even, value, Compression::Snappy, false),
+            0x08,
+            Some(t0 + 5000),
+        );
+        let r = w
+            .call(
+                &wire::produce("c7", 0, -1, Duration::from_secs(5), appended),
+                wire::PRODUCE_VERSION,
+            )
+            .await
+            .unwrap();
+        assert_eq!(wire::produce_error(&r), 0);
+        for ts in [t0, t0 + 5000, -3] {
+            let r = w.call(&ask("c7", ts), 7).await.unwrap();
+            let p = &r.topics[0].partitions[0];
+            assert_eq!((p.offset, p.timestamp), (0, t0 + 5000), "{ts}");
+        }
+        // A bomb: 16 MiB of zeros in one record (16 KiB of gzip), past the
+        // 64 x 100,000 bytes one lookup reads: the batch's first offset and
+        // newest timestamp, at once, and nothing left charged.
+        let bomb = stamped_batch(
+            &[t0 + 6000, t0 + 6050],
+            |i| {
+                if i == 0 {
+                    vec![0; 16 << 20]
+                } else {
+                    b"z".to_vec()
+                }
+            },
+            Compression::Gzip,
+            false,
+        );
+        assert!(bomb.len() < 100_000, "{}", bomb.len());
+        let r = w
+            .call(
+                &wire::produce("c7", 0, -1, Duration::from_secs(5), bomb),
+                wire::PRODUCE_VERSION,
+            )
+            .await
+            .unwrap();
+        assert_eq!(wire::produce_error(&r), 0);
+        let r = w.call(&ask("c7", t0 + 6010), 7).await.unwrap();
+        let p = &r.topics[0].partitions[0];
+        assert_eq!((p.offset, p.timestamp), (50, t0 + 6050));
+        until("the codecs' memory is given back", || {
+            b.broker.budget.in_use() == 0
+        })
+        .await;
         b.shutdown().await;
     })
     .await

@@ -52,6 +52,11 @@ impl Broker {
     /// `serve --listen 127.0.0.1:0 <args>` under a 4 GB address-space limit;
     /// waits up to `secs` for the "listening on" line or an exit.
     fn start(args: &[&str], secs: u64) -> Broker {
+        Broker::start_with(args, secs, None)
+    }
+
+    /// `start`, with `RUST_LOG` set to `rust_log` (unset when `None`).
+    fn start_with(args: &[&str], secs: u64, rust_log: Option<&str>) -> Broker {
         let quoted: Vec<String> = args
             .iter()
             .map(|a| format!("'{}'", a.replace('\'', "'\\''")))
@@ -61,7 +66,12 @@ impl Broker {
             binary(),
             quoted.join(" ")
         );
-        let mut child = Command::new("sh")
+        let mut command = Command::new("sh");
+        command.env_remove("RUST_LOG");
+        if let Some(filter) = rust_log {
+            command.env("RUST_LOG", filter);
+        }
+        let mut child = command
             .args(["-c", &script])
             .env("RUST_BACKTRACE", "0")
             .stdin(Stdio::null())
@@ -358,4 +368,90 @@ fn extreme_times_still_serve() {
             err.lines().take(3).collect::<Vec<_>>()
         );
     }
+}
+
+/// `serve` logs a connection it closes for a refused frame on stderr, as
+/// the README promises ("a log line"; nothing was printed: no subscriber was
+/// installed), at INFO by default, and `RUST_LOG` rules it (`warn`: not
+/// shown).
+#[test]
+fn serve_logs_a_refused_connection_and_honours_rust_log() {
+    use std::io::Write;
+    // Metadata v1 claiming 2^31-1 topics: refused before decoding.
+    let frame = [
+        0, 0, 0, 0x12, 0, 3, 0, 1, 0, 0, 0, 7, 0, 4, b'f', b'u', b'z', b'z', 0x7f, 0xff, 0xff, 0xff,
+    ];
+    for (rust_log, shown) in [(None, true), (Some("warn"), false)] {
+        let b = Broker::start_with(&[], 20, rust_log);
+        let addr = b.listening.expect("the broker starts");
+        let mut c = std::net::TcpStream::connect(addr).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        c.write_all(&frame).unwrap();
+        let mut rest = Vec::new();
+        let closed = c.read_to_end(&mut rest).is_ok();
+        let err = b.stop();
+        assert!(closed, "the connection was closed");
+        let logged = err.lines().any(|l| {
+            l.contains("INFO") && l.contains("connection closed") && l.contains("metadata topics")
+        });
+        assert_eq!(logged, shown, "RUST_LOG {rust_log:?}: stderr {err:?}");
+        assert!(!err.contains('\u{1b}'), "no colours in a log file: {err:?}");
+    }
+}
+
+/// SIGTERM (what `kill`, systemd and container runtimes send) stops `serve`
+/// as Ctrl-C does: what waits is answered (a produce parked on a stuck
+/// follower gets NOT_ENOUGH_REPLICAS_AFTER_APPEND, a parked fetch its empty
+/// answer) and the process exits 0. It was killed by the signal, its
+/// clients' requests unanswered.
+#[test]
+fn sigterm_shuts_down_gracefully_answering_what_waits() {
+    let b = Broker::start(
+        &["--topics", "t", "--followers", "1", "--stuck-follower", "0"],
+        20,
+    );
+    let addr = b.listening.expect("the broker starts");
+    let mut b = b;
+    let pid = b.child.id();
+    let (produced, fetched, status) = rt().block_on(async {
+        let mut p = Wire::connect(addr).await.unwrap();
+        let mut f = Wire::connect(addr).await.unwrap();
+        let produce = wire::produce("t", 0, -1, Duration::from_secs(30), wire::batch(&[b"v"]));
+        p.send(&produce, wire::PRODUCE_VERSION).await.unwrap();
+        let fetch = wire::fetch("t", &[(0, 0)], Duration::from_secs(30), 1, 1 << 20);
+        f.send(&fetch, wire::FETCH_VERSION).await.unwrap();
+        // Both parked (the follower copies nothing; nothing is replicated
+        // for the fetch to read).
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let killed = Command::new("kill")
+            .args(["-TERM", &pid.to_string()])
+            .status()
+            .unwrap();
+        assert!(killed.success());
+        let within = Duration::from_secs(5);
+        let produced =
+            tokio::time::timeout(within, p.receive::<ProduceRequest>(wire::PRODUCE_VERSION)).await;
+        let fetched =
+            tokio::time::timeout(within, f.receive::<FetchRequest>(wire::FETCH_VERSION)).await;
+        (produced, fetched, b.exited(5))
+    });
+    let err = b.stop();
+    let produced = produced
+        .expect("the produce is answered at shutdown")
+        .expect("an answer, not a closed connection");
+    assert_eq!(
+        wire::produce_error(&produced),
+        kafka_protocol::error::ResponseError::NotEnoughReplicasAfterAppend.code()
+    );
+    let fetched = fetched
+        .expect("the fetch is answered at shutdown")
+        .expect("an answer, not a closed connection");
+    assert_eq!(fetched.responses[0].partitions[0].error_code, 0);
+    let status = status.expect("the broker exits after SIGTERM");
+    assert_eq!(
+        status.code(),
+        Some(0),
+        "{} (stderr {err:?})",
+        describe(&status)
+    );
 }

@@ -389,13 +389,14 @@ fn any_served(rng: &mut Rng) -> (ApiKey, i16) {
 }
 
 /// The ways a frame is damaged.
-const CLASSES: [&str; 7] = [
+const CLASSES: [&str; 8] = [
     "int32 overwritten",
     "bytes overwritten",
     "varint overwritten",
     "truncated",
     "bytes inserted",
     "garbage body",
+    "bytes appended",
     "unchanged",
 ];
 
@@ -448,6 +449,17 @@ fn mutated_frame(rng: &mut Rng, topics: &[&str], sent: &mut Vec<Bytes>) -> (usiz
             // then random bytes.
             f.truncate(14);
             f.extend((0..rng.below(200)).map(|_| rng.next() as u8));
+        }
+        6 => {
+            // After the request's end (ignored, as Kafka ignores it):
+            // random bytes, or counts and varints as large as they get.
+            let tails: [&[u8]; 3] = [
+                &[0x7f, 0xff, 0xff, 0xff],
+                &[0xff, 0xff, 0xff, 0xff, 0x0f],
+                &[],
+            ];
+            f.extend_from_slice(tails[rng.below(3) as usize]);
+            f.extend((0..rng.below(64)).map(|_| rng.next() as u8));
         }
         _ => {}
     }
@@ -509,10 +521,33 @@ fn the_walk_reads_every_served_version_exactly_as_encoded() {
                     .unwrap_or_else(|e| panic!("{key:?} v{version} refused: {e}: {}", hex(&f)));
                 assert_eq!(s.key, Some(key));
                 assert_eq!(s.trailing, 0, "{key:?} v{version}: {}", hex(&f));
-                // One byte more is refused: the budget would hold it.
-                let mut longer = f.clone();
-                longer.push(0);
-                assert!(shape::check(&longer, MAX_DECODED).is_err());
+                // Bytes after the request are ignored, as Kafka ignores them
+                // (librdkafka's Metadata sends three), however hostile: never
+                // walked, so never charged to what decoding allocates, and
+                // never allocated for by the decoder either.
+                let after: &[&[u8]] = &[
+                    &[0x01, 0x00, 0x00],
+                    &[0x7f, 0xff, 0xff, 0xff],
+                    &[0xff, 0xff, 0xff, 0xff, 0x0f],
+                    &[0xff; 4096],
+                ];
+                for tail in after {
+                    let mut longer = f.clone();
+                    longer.extend_from_slice(tail);
+                    let l = shape::check(&longer, MAX_DECODED).unwrap_or_else(|e| {
+                        panic!("{key:?} v{version} with bytes after it refused: {e}")
+                    });
+                    assert_eq!(l.trailing, tail.len(), "{key:?} v{version}");
+                    assert_eq!(l.decoded, s.decoded, "{key:?} v{version}");
+                    let base = alloc::reset_peak_here();
+                    decode_like_the_broker(&longer, &l);
+                    let grew = alloc::peak_here() - base;
+                    assert!(
+                        grew <= l.decoded as isize + SLACK,
+                        "{key:?} v{version}: decoding took {grew}, charged {}",
+                        l.decoded
+                    );
+                }
             }
         }
     }

@@ -1334,7 +1334,7 @@ async fn sync_and_find_coordinator() {
             .unwrap();
         assert_eq!(
             r.error_code,
-            code_of(ResponseError::CoordinatorNotAvailable)
+            code_of(ResponseError::TransactionalIdAuthorizationFailed)
         );
         let r = w
             .call(&FindCoordinatorRequest::default().with_key(s("g")), 0)
@@ -1517,8 +1517,11 @@ async fn empty_group_id_commit_is_stored_as_kafka_does() {
 
 /// Kafka (`FindCoordinatorRequest.CoordinatorType.forId`): an unknown key
 /// type throws InvalidRequestException, answered INVALID_REQUEST (42), at
-/// v1-3 and per key at v4. It was answered COORDINATOR_NOT_AVAILABLE, as
-/// transactions' (key type 1) are. An error answer names no node (Kafka's
+/// v1-3 and per key at v4. It was answered COORDINATOR_NOT_AVAILABLE. A
+/// transaction coordinator lookup (key type 1) is answered
+/// TRANSACTIONAL_ID_AUTHORIZATION_FAILED (53), not retriable: it was
+/// COORDINATOR_NOT_AVAILABLE (retriable), and aiokafka's transactional
+/// producer retried it for ever in `start()`. An error answer names no node (Kafka's
 /// `Node.noNode()`: id -1, host "", port -1); it carried this broker's host
 /// and port.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1555,7 +1558,7 @@ async fn find_coordinator_unknown_key_type_is_invalid_request() {
             let c = &r.coordinators[0];
             got.push((c.error_code, c.node_id.0, c.host.to_string(), c.port));
             let e = if kt == 1 {
-                ResponseError::CoordinatorNotAvailable
+                ResponseError::TransactionalIdAuthorizationFailed
             } else {
                 ResponseError::InvalidRequest
             };

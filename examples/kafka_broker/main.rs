@@ -42,7 +42,7 @@ enum Command {
     /// Starts the broker, drives it with a Kafka client, prints what happened
     /// (the default).
     Demo,
-    /// Runs the broker until Ctrl-C.
+    /// Runs the broker until Ctrl-C or SIGTERM.
     Serve(Box<ServeArgs>),
     /// Compares fetch waiting strategies under parked consumers.
     Bench(bench::BenchArgs),
@@ -197,6 +197,7 @@ fn main() {
 }
 
 async fn serve(args: ServeArgs) -> i32 {
+    install_log();
     let config = match args.config() {
         Ok(c) => c,
         Err(e) => {
@@ -211,12 +212,61 @@ async fn serve(args: ServeArgs) -> i32 {
             return 1;
         }
     };
+    // Listened for before the broker says it is up.
+    let stop = stop_signal();
     // The first line says where it listens (the benchmark reads it).
     println!("listening on {}", handle.addr);
     if let Some(at) = handle.metrics_addr {
         println!("metrics on http://{at}/metrics");
     }
-    let _ = tokio::signal::ctrl_c().await;
+    stop.await;
     handle.shutdown().await;
     0
+}
+
+/// The broker's log lines (a connection closed for a refused frame, ISR
+/// changes, expired sessions) on stderr, so that stdout keeps only what the
+/// benchmark and scripts read: INFO and above by default, or what `RUST_LOG`
+/// says (`RUST_LOG=debug`, `RUST_LOG=kafka_broker=debug`). Only `serve`
+/// installs it: the demonstration's output stays its own.
+fn install_log() {
+    use std::io::IsTerminal;
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        // Colours for a terminal only, not in a log file.
+        .with_ansi(std::io::stderr().is_terminal())
+        .try_init();
+}
+
+/// Ctrl-C (SIGINT) or SIGTERM, what `kill`, systemd and container runtimes
+/// send: either stops the broker gracefully, answering what waits. On Unix
+/// both are listened for from the call on, not from the first poll.
+#[cfg(unix)]
+fn stop_signal() -> impl std::future::Future<Output = ()> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let int = signal(SignalKind::interrupt());
+    let term = signal(SignalKind::terminate());
+    async move {
+        match (int, term) {
+            (Ok(mut int), Ok(mut term)) => {
+                tokio::select! {
+                    _ = int.recv() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            _ => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+}
+
+#[cfg(not(unix))]
+fn stop_signal() -> impl std::future::Future<Output = ()> {
+    async {
+        let _ = tokio::signal::ctrl_c().await;
+    }
 }

@@ -2,8 +2,10 @@
 //!
 //! A partition's log is the record batches producers sent, one per produce
 //! and partition, each checked as Kafka checks what it stores ([`check`]) and
-//! stored as it arrived (format v2, any compression: the broker never
-//! decompresses) with its base offset rewritten, as Kafka's leader does. The
+//! stored as it arrived (format v2, any compression: storing it never
+//! decompresses it; only `ListOffsets` by time reads the records' timestamps
+//! inside it, see [`super::timestamps`]) with its base offset rewritten, as
+//! Kafka's leader does. The
 //! CRC of a v2 batch starts after the base offset, so the rewrite keeps it
 //! valid.
 //!
@@ -22,6 +24,8 @@ use std::sync::{Arc, Mutex, RwLock};
 
 use bytes::{Buf, Bytes, BytesMut};
 use tokio::time::Instant;
+
+use super::timestamps::{first_record, Limits, Scan};
 
 /// A partition's watch key in the purgatories: topic number and partition,
 /// packed so hashing it is one `u64`.
@@ -363,34 +367,61 @@ impl Partition {
         }
     }
 
-    /// Kafka's offset-by-time lookup, at batch granularity, among what is
-    /// kept and replicated: the first batch whose newest record is at least
-    /// `timestamp`, as (its first offset, its newest record's timestamp);
-    /// `None` when no record is that new.
-    pub fn offset_for_time(&self, timestamp: i64) -> Option<(u64, i64)> {
-        let hw = self.high_watermark();
-        let log = self.log.lock().unwrap();
-        log.batches
-            .iter()
-            .take_while(|b| b.end <= hw)
-            .find(|b| b.max_timestamp >= timestamp)
-            .map(|b| (b.base, b.max_timestamp))
+    /// Kafka's offset-by-time lookup (`FileRecords.searchForTimestamp`),
+    /// among what is kept and replicated: in the first batch whose newest
+    /// record is at least `timestamp`, the first record at least that new,
+    /// as (its offset, its timestamp); when none is (a batch's header says
+    /// more than its records), the next such batch. `None` when no record is
+    /// that new. Each batch's records are read outside the log's lock, within
+    /// `limits` (see [`super::timestamps`]); a batch they cannot be read
+    /// within is answered at batch granularity (its first offset, its newest
+    /// timestamp), which is never past the record asked for.
+    pub fn offset_for_time(&self, timestamp: i64, limits: &mut Limits) -> Option<(u64, i64)> {
+        let mut from = 0;
+        loop {
+            let (bytes, base, end, newest) = {
+                let hw = self.high_watermark();
+                let log = self.log.lock().unwrap();
+                let b = log
+                    .batches
+                    .range(first_batch(&log.batches, from)..)
+                    .take_while(|b| b.end <= hw)
+                    .find(|b| b.max_timestamp >= timestamp)?;
+                (b.bytes.clone(), b.base, b.end, b.max_timestamp)
+            };
+            match first_record(&bytes, base, limits, |ts| ts >= timestamp) {
+                Scan::Found(offset, ts) => return Some((offset, ts)),
+                Scan::NotFound => from = end,
+                Scan::Unreadable => return Some((base, newest)),
+            }
+        }
     }
 
-    /// Kafka's `MAX_TIMESTAMP` lookup, at batch granularity, among what is
-    /// kept and replicated: the last offset of the (first) batch holding the
-    /// newest timestamp, with that timestamp; `None` when nothing is.
-    pub fn newest_timestamp(&self) -> Option<(u64, i64)> {
-        let hw = self.high_watermark();
-        let log = self.log.lock().unwrap();
-        log.batches
-            .iter()
-            .take_while(|b| b.end <= hw)
-            .fold(None, |best: Option<&Batch>, b| match best {
-                Some(m) if m.max_timestamp >= b.max_timestamp => Some(m),
-                _ => Some(b),
-            })
-            .map(|b| (b.end - 1, b.max_timestamp))
+    /// Kafka's `MAX_TIMESTAMP` lookup (as of KAFKA-16310, Kafka 3.7.1),
+    /// among what is kept and replicated: in the first batch holding the
+    /// newest timestamp, the first record with that timestamp, as (its
+    /// offset, the timestamp); `None` when nothing is kept, or when no record
+    /// of that batch has it (as Kafka, which then answers no offset). A batch
+    /// whose records cannot be read within `limits` is answered with its
+    /// first offset.
+    pub fn newest_timestamp(&self, limits: &mut Limits) -> Option<(u64, i64)> {
+        let (bytes, base, newest) = {
+            let hw = self.high_watermark();
+            let log = self.log.lock().unwrap();
+            let b = log.batches.iter().take_while(|b| b.end <= hw).fold(
+                None,
+                |best: Option<&Batch>, b| match best {
+                    Some(m) if m.max_timestamp >= b.max_timestamp => Some(m),
+                    _ => Some(b),
+                },
+            )?;
+            (b.bytes.clone(), b.base, b.max_timestamp)
+        };
+        match first_record(&bytes, base, limits, |ts| ts == newest) {
+            Scan::Found(offset, _) => Some((offset, newest)),
+            Scan::NotFound => None,
+            Scan::Unreadable => Some((base, newest)),
+        }
     }
 }
 
@@ -532,8 +563,8 @@ const MIN_LENGTH: i32 = 14;
 /// `UnifiedLog.analyzeAndValidateRecords` (base offset 0, at most
 /// `max_message_bytes`, CRC-32C) and `LogValidator` (the record count against
 /// the last offset delta; each record's framing and offset delta when
-/// uncompressed). A compressed batch is not decompressed (this broker has no
-/// codecs): its codec must be one Kafka knows, and its records must begin as
+/// uncompressed). A compressed batch is not decompressed to store it: its
+/// codec must be one Kafka knows, and its records must begin as
 /// that codec's stream does (gzip, LZ4 frame, zstd frame; snappy has no such
 /// mark).
 pub fn check(

@@ -25,6 +25,7 @@ mod produce;
 mod replication;
 pub mod server;
 pub mod shape;
+mod timestamps;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

@@ -30,6 +30,7 @@ use tokio_util::sync::CancellationToken;
 use super::frame::{admit, Admitted, Close, Frame, Held, Reader};
 use super::log::valid_topic_name;
 use super::shape::{Refused, Shape};
+use super::timestamps::Limits;
 use super::{fetch, produce, Broker, Gone};
 
 /// The APIs and versions served: those without topic IDs.
@@ -47,6 +48,14 @@ pub const SUPPORTED: &[(ApiKey, i16, i16)] = &[
     (ApiKey::OffsetCommit, 2, 8),
     (ApiKey::OffsetFetch, 1, 7),
 ];
+
+/// How many times `max_message_bytes` one `ListOffsets` request may
+/// decompress to read records' timestamps. Producers fill a batch with at
+/// most `batch.size` of records before compressing it (16 KiB by default,
+/// and the batch itself is at most `max.message.bytes`), so a batch Kafka's
+/// clients made decompresses to far less; a batch that would take more (a
+/// compression bomb) is answered at batch granularity.
+const READ_PER_LOOKUP: usize = 64;
 
 pub fn supported(key: ApiKey, version: i16) -> bool {
     SUPPORTED
@@ -322,7 +331,7 @@ async fn answer(
             encode(id, version, &r).map(Some)
         }
         ApiKey::ListOffsets => {
-            let r = list_offsets(broker, &decode(frame, version)?);
+            let r = list_offsets(broker, &decode(frame, version)?, held);
             encode(id, version, &r).map(Some)
         }
         ApiKey::Produce => {
@@ -574,10 +583,17 @@ fn metadata(
         ))
 }
 
-/// This broker (node 0) coordinates every group (key type 0); it has no
-/// transaction (1) or share (2) coordinator: COORDINATOR_NOT_AVAILABLE. Any
-/// other key type is one Kafka does not know (`CoordinatorType.forId`
-/// throws), answered INVALID_REQUEST, for every key from version 4.
+/// This broker (node 0) coordinates every group (key type 0). It serves no
+/// transactions: a transaction coordinator lookup (1) is answered
+/// TRANSACTIONAL_ID_AUTHORIZATION_FAILED, Kafka's answer to a client that
+/// may not use that transactional id here (its `FindCoordinator` checks
+/// DESCRIBE on the id first), which is so for every id here. It is not
+/// retriable, so clients fail at once (aiokafka's transactional `start()`
+/// raises it; Java's and librdkafka's producers take it as fatal), where the
+/// retriable COORDINATOR_NOT_AVAILABLE had aiokafka retry for ever. No
+/// share coordinator (2): COORDINATOR_NOT_AVAILABLE. Any other key type is
+/// one Kafka does not know (`CoordinatorType.forId` throws), answered
+/// INVALID_REQUEST, for every key from version 4.
 fn find_coordinator(
     broker: &Broker,
     request: &FindCoordinatorRequest,
@@ -588,7 +604,8 @@ fn find_coordinator(
     let host = StrBytes::from_string(host.clone());
     let error = match request.key_type {
         0 => None,
-        1 | 2 => Some(ResponseError::CoordinatorNotAvailable),
+        1 => Some(ResponseError::TransactionalIdAuthorizationFailed),
+        2 => Some(ResponseError::CoordinatorNotAvailable),
         _ => Some(ResponseError::InvalidRequest),
     };
     let code = error.map_or(0, |e| e.code());
@@ -631,15 +648,26 @@ fn isr_nodes(p: &super::Partition) -> Vec<BrokerId> {
 }
 
 /// Latest (-1) is the high watermark, earliest (-2) the log start, max
-/// timestamp (-3, from version 7) the newest record's batch, earliest local
-/// (-4) the log start too (Kafka's answer without tiered storage, whatever
-/// the version: all of a log here is local); a timestamp
-/// finds the first batch holding a record at least that new, answered with
-/// that batch's newest timestamp (Kafka answers with the record's own: this
-/// broker keeps timestamps per batch), or offset -1 and timestamp -1 when
-/// there is none, as Kafka does. A partition named twice is answered
-/// INVALID_REQUEST at each mention, as Kafka answers it.
-fn list_offsets(broker: &Broker, request: &ListOffsetsRequest) -> ListOffsetsResponse {
+/// timestamp (-3, from version 7) the first record with the newest
+/// timestamp, earliest local (-4) the log start too (Kafka's answer without
+/// tiered storage, whatever the version: all of a log here is local); a
+/// timestamp finds the first record at least that new, answered with its
+/// offset and timestamp, or offset -1 and timestamp -1 when there is none,
+/// as Kafka does. Both read records inside their batch, decompressing it if
+/// need be: what the codecs keep meanwhile is charged to `held` (the memory
+/// budget, until the answer is written), and one request decompresses at
+/// most [`READ_PER_LOOKUP`] times `max_message_bytes`; a batch past either is
+/// answered at batch granularity (its first offset). A partition named
+/// twice is answered INVALID_REQUEST at each mention, as Kafka answers it.
+fn list_offsets(broker: &Broker, request: &ListOffsetsRequest, held: &Held) -> ListOffsetsResponse {
+    let mut charge = |bytes| broker.budget.try_charge(bytes, held);
+    let mut limits = Limits {
+        read_left: broker
+            .config
+            .max_message_bytes
+            .saturating_mul(READ_PER_LOOKUP),
+        charge: &mut charge,
+    };
     // Each distinct topic looked up once; how often each partition is named.
     let mut topic_at: HashMap<&str, usize> = HashMap::new();
     let mut found = Vec::new();
@@ -658,7 +686,7 @@ fn list_offsets(broker: &Broker, request: &ListOffsetsRequest) -> ListOffsetsRes
             ti
         })
         .collect();
-    let answer = |ti: usize, p: &ListOffsetsPartition| {
+    let mut answer = |ti: usize, p: &ListOffsetsPartition| {
         let r = ListOffsetsPartitionResponse::default()
             .with_partition_index(p.partition_index)
             .with_timestamp(-1)
@@ -677,8 +705,8 @@ fn list_offsets(broker: &Broker, request: &ListOffsetsRequest) -> ListOffsetsRes
         let found = match p.timestamp {
             -1 => Some((part.high_watermark(), -1)),
             -2 | -4 => Some((part.log_start(), -1)),
-            -3 => part.newest_timestamp(),
-            ts if ts >= 0 => part.offset_for_time(ts),
+            -3 => part.newest_timestamp(&mut limits),
+            ts if ts >= 0 => part.offset_for_time(ts, &mut limits),
             // Other negative timestamps name nothing this broker serves.
             _ => None,
         };

@@ -19,8 +19,15 @@
 //! The walk mirrors the decoder's reading of each version (the tests check
 //! that it consumes exactly what an encoded request holds, for every served
 //! version), and is stricter only where the decoder's reading is loose: a
-//! known tagged field must take exactly the size it announces, and a served
-//! request may not carry bytes after its end.
+//! known tagged field must take exactly the size it announces.
+//!
+//! Bytes after the fields of the request's version are ignored, as Kafka
+//! ignores them (its generated `read` takes the fields of the version and
+//! stops), and as the decoder does: librdkafka's all-topics Metadata request
+//! (v9 and up) carries three of them. They are never walked, so they never
+//! reach what the decoder allocates; they are part of the frame, read and
+//! charged to the budget as it arrives and bounded by `max_request_bytes`,
+//! and held no longer than the frame is ([`Shape::trailing`] counts them).
 
 use std::mem::size_of;
 
@@ -69,7 +76,8 @@ pub struct Shape {
     /// Bytes the decoder will allocate for the header and the body (what it
     /// slices out of the frame itself is not counted: that is the frame).
     pub decoded: usize,
-    /// Bytes after what was walked (the decoder ignores them).
+    /// Bytes after what was walked: ignored, as the decoder and Kafka
+    /// ignore them, and charged only as part of the frame.
     pub trailing: usize,
 }
 
@@ -115,11 +123,9 @@ pub fn check(frame: &[u8], max_decoded: usize) -> Result<Shape, Refused> {
             ApiKey::OffsetFetch => offset_fetch(&mut w, version)?,
             _ => {}
         }
-        // The decoder would ignore bytes after the request; the budget would
-        // not. No client sends them.
-        if !w.rest.is_empty() {
-            return refuse("request", &format!("{} bytes after its end", w.rest.len()));
-        }
+        // Bytes after the request's fields are ignored, as Kafka and the
+        // decoder ignore them (see the module doc): the frame's own charge
+        // covers them.
     }
     Ok(Shape {
         key: Some(key),

@@ -1,0 +1,292 @@
+//! The records' own timestamps inside a stored batch, for `ListOffsets` by
+//! time, which Kafka answers per record (`FileRecords.searchForTimestamp`,
+//! `RecordBatch.offsetOfMaxTimestamp`), not per batch.
+//!
+//! A batch is stored as it arrived (format v2), compressed or not. Its
+//! records are read as a stream, one at a time, keeping only each one's
+//! timestamp and offset deltas (keys, values and headers are skipped): what
+//! reading a batch takes is its codec's state, not its records. That state
+//! is charged first ([`Limits::charge`], the broker's memory budget, held
+//! until the answer is written): a gzip stream's window, the largest snappy
+//! block, an LZ4 frame's block size as its header declares it, a zstd
+//! frame's window as its header declares it. And the decompressed bytes one
+//! lookup reads are bounded ([`Limits::read_left`]). A batch whose records
+//! cannot be read within them, or are not what their codec makes, is
+//! [`Scan::Unreadable`]: the caller answers for it at batch granularity.
+
+use std::io::{self, Read};
+
+/// A v2 batch's header: base offset, length, leader epoch, magic, CRC,
+/// attributes, last offset delta, base and max timestamps, producer id and
+/// epoch, base sequence, record count.
+const HEADER: usize = 61;
+
+/// What a gzip stream's decoder keeps (its 32 KiB window and tables).
+const GZIP_STATE: usize = 64 << 10;
+/// What a reader over a decoder keeps (its buffer).
+const BUFFER: usize = 8 << 10;
+/// What a zstd decoder keeps besides its window (a block, its tables).
+const ZSTD_STATE: usize = 512 << 10;
+/// The xerial framing Kafka's Java clients write snappy in (snappy-java's
+/// `SnappyOutputStream`): this magic, a version and a compatible version,
+/// then blocks, each an int32 size and raw snappy. librdkafka writes raw
+/// snappy, one block.
+const XERIAL: [u8; 8] = [0x82, b'S', b'N', b'A', b'P', b'P', b'Y', 0];
+
+/// What reading a lookup's batches may take.
+pub struct Limits<'a> {
+    /// Decompressed bytes the lookup may still read.
+    pub read_left: usize,
+    /// Charges memory a codec allocates; `false` when there is no room.
+    pub charge: &'a mut dyn FnMut(usize) -> bool,
+}
+
+/// What a batch's records say.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scan {
+    /// The first record picked: its offset and timestamp.
+    Found(u64, i64),
+    /// No record picked.
+    NotFound,
+    /// The records could not be read within the limits, or are not what the
+    /// batch's codec makes.
+    Unreadable,
+}
+
+/// The first record of `batch` (a whole stored v2 batch whose first offset
+/// is `base`) whose timestamp `pick` takes, as Kafka reads a record's
+/// timestamp: the batch's max timestamp when the batch is stamped with log
+/// append time (attribute bit 3), else its base timestamp plus the record's
+/// delta.
+pub fn first_record(
+    batch: &[u8],
+    base: u64,
+    limits: &mut Limits,
+    pick: impl FnMut(i64) -> bool,
+) -> Scan {
+    if batch.len() < HEADER {
+        return Scan::Unreadable;
+    }
+    let attributes = i16::from_be_bytes([batch[21], batch[22]]);
+    let int64 = |at: usize| i64::from_be_bytes(batch[at..at + 8].try_into().unwrap());
+    let head = Head {
+        base,
+        base_timestamp: int64(27),
+        max_timestamp: int64(35),
+        log_append_time: attributes & 0x08 != 0,
+        count: i32::from_be_bytes(batch[57..61].try_into().unwrap()),
+    };
+    let records = &batch[HEADER..];
+    let charge = &mut *limits.charge;
+    let left = &mut limits.read_left;
+    let found = match attributes & 0x07 {
+        0 => {
+            // Already in memory: nothing decompressed.
+            let mut unbounded = usize::MAX;
+            head.walk(Capped(records, &mut unbounded), pick)
+        }
+        1 => {
+            if !charge(GZIP_STATE + BUFFER) {
+                return Scan::Unreadable;
+            }
+            let gz = flate2::read::MultiGzDecoder::new(records);
+            head.walk(io::BufReader::new(Capped(gz, left)), pick)
+        }
+        2 => {
+            if let Some(framed) = records.strip_prefix(&XERIAL) {
+                // The version and compatible version, then the blocks.
+                let Some(blocks) = framed.get(8..) else {
+                    return Scan::Unreadable;
+                };
+                let xerial = Xerial {
+                    rest: blocks,
+                    block: Vec::new(),
+                    at: 0,
+                    charged: 0,
+                    charge,
+                };
+                head.walk(Capped(xerial, left), pick)
+            } else {
+                let Ok(n) = snap::raw::decompress_len(records) else {
+                    return Scan::Unreadable;
+                };
+                if n > *left || !charge(n) {
+                    return Scan::Unreadable;
+                }
+                let Ok(out) = snap::raw::Decoder::new().decompress_vec(records) else {
+                    return Scan::Unreadable;
+                };
+                head.walk(Capped(&out[..], left), pick)
+            }
+        }
+        3 => {
+            // The frame descriptor's block size: lz4_flex keeps a block and
+            // its output (twice a block: linked blocks keep the last 64 KiB).
+            let block = match records.get(5).map(|bd| (bd >> 4) & 0x07) {
+                Some(4) => 64 << 10,
+                Some(5) => 256 << 10,
+                Some(6) => 1 << 20,
+                Some(7) => 4 << 20,
+                _ => return Scan::Unreadable,
+            };
+            if !charge(3 * block + BUFFER) {
+                return Scan::Unreadable;
+            }
+            let lz4 = lz4_flex::frame::FrameDecoder::new(records);
+            head.walk(io::BufReader::new(Capped(lz4, left)), pick)
+        }
+        4 => {
+            // The decoder reserves the window its frame declares at once.
+            let Some(window) = zstd_window(records) else {
+                return Scan::Unreadable;
+            };
+            let Ok(window) = usize::try_from(window) else {
+                return Scan::Unreadable;
+            };
+            if !charge(window.saturating_add(ZSTD_STATE + BUFFER)) {
+                return Scan::Unreadable;
+            }
+            let Ok(zstd) = ruzstd::decoding::StreamingDecoder::new(records) else {
+                return Scan::Unreadable;
+            };
+            head.walk(io::BufReader::new(Capped(zstd, left)), pick)
+        }
+        _ => return Scan::Unreadable,
+    };
+    found.unwrap_or(Scan::Unreadable)
+}
+
+/// What the batch header says of its records.
+struct Head {
+    base: u64,
+    base_timestamp: i64,
+    max_timestamp: i64,
+    log_append_time: bool,
+    count: i32,
+}
+
+impl Head {
+    /// Reads `count` records, each its length, attributes, timestamp delta
+    /// and offset delta, skipping the rest of it.
+    fn walk(&self, mut r: impl Read, mut pick: impl FnMut(i64) -> bool) -> io::Result<Scan> {
+        for _ in 0..self.count.max(0) {
+            let length = varlong(&mut r)?;
+            let length = u64::try_from(length).map_err(|_| corrupt())?;
+            let mut record = (&mut r).take(length);
+            let mut attributes = [0u8];
+            record.read_exact(&mut attributes)?;
+            let delta = varlong(&mut record)?;
+            let offset_delta = varlong(&mut record)?;
+            if !(0..i64::from(self.count)).contains(&offset_delta) {
+                return Err(corrupt());
+            }
+            io::copy(&mut record, &mut io::sink())?;
+            if record.limit() != 0 {
+                return Err(corrupt());
+            }
+            let timestamp = if self.log_append_time {
+                self.max_timestamp
+            } else {
+                self.base_timestamp.wrapping_add(delta)
+            };
+            if pick(timestamp) {
+                return Ok(Scan::Found(self.base + offset_delta as u64, timestamp));
+            }
+        }
+        Ok(Scan::NotFound)
+    }
+}
+
+fn corrupt() -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, "corrupt record")
+}
+
+/// A zigzag varint of up to 64 bits (Kafka's `ByteUtils.readVarlong`).
+fn varlong(r: &mut impl Read) -> io::Result<i64> {
+    let mut raw: u64 = 0;
+    for i in 0..10 {
+        let mut b = [0u8];
+        r.read_exact(&mut b)?;
+        raw |= u64::from(b[0] & 0x7f) << (i * 7);
+        if b[0] < 0x80 {
+            return Ok((raw >> 1) as i64 ^ -((raw & 1) as i64));
+        }
+    }
+    Err(corrupt())
+}
+
+/// A reader that fails once it has read more than `left` bytes in all.
+struct Capped<'a, R>(R, &'a mut usize);
+
+impl<R: Read> Read for Capped<'_, R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        if *self.1 == 0 {
+            return Err(io::Error::other("the lookup's read limit"));
+        }
+        let most = buf.len().min(*self.1);
+        let n = self.0.read(&mut buf[..most])?;
+        *self.1 -= n;
+        Ok(n)
+    }
+}
+
+/// Snappy in xerial framing, a block at a time, each block's output
+/// charged (the largest one's, as the same buffer is reused).
+struct Xerial<'a, 'c> {
+    rest: &'a [u8],
+    block: Vec<u8>,
+    at: usize,
+    charged: usize,
+    charge: &'c mut dyn FnMut(usize) -> bool,
+}
+
+impl Read for Xerial<'_, '_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        while self.at == self.block.len() {
+            if self.rest.is_empty() {
+                return Ok(0);
+            }
+            let size = self.rest.get(..4).ok_or_else(corrupt)?;
+            let size = u32::from_be_bytes(size.try_into().unwrap()) as usize;
+            let compressed = self.rest.get(4..4 + size).ok_or_else(corrupt)?;
+            self.rest = &self.rest[4 + size..];
+            let n = snap::raw::decompress_len(compressed).map_err(|_| corrupt())?;
+            if n > self.charged {
+                if !(self.charge)(n - self.charged) {
+                    return Err(io::Error::other("no room for a snappy block"));
+                }
+                self.charged = n;
+            }
+            self.block.resize(n, 0);
+            snap::raw::Decoder::new()
+                .decompress(compressed, &mut self.block)
+                .map_err(|_| corrupt())?;
+            self.at = 0;
+        }
+        let n = buf.len().min(self.block.len() - self.at);
+        buf[..n].copy_from_slice(&self.block[self.at..self.at + n]);
+        self.at += n;
+        Ok(n)
+    }
+}
+
+/// The window a zstd frame's header declares (RFC 8878 3.1.1.1): from its
+/// window descriptor, or, for a single-segment frame, its content size.
+fn zstd_window(frame: &[u8]) -> Option<u64> {
+    if frame.get(..4)? != [0x28, 0xb5, 0x2f, 0xfd] {
+        return None;
+    }
+    let descriptor = *frame.get(4)?;
+    if descriptor & 0x20 == 0 {
+        let w = *frame.get(5)?;
+        let base = 1u64 << (10 + u32::from(w >> 3));
+        return Some(base + base / 8 * u64::from(w & 0x07));
+    }
+    let dictionary = [0, 1, 2, 4][usize::from(descriptor & 0x03)];
+    let (size, add) = [(1, 0), (2, 256), (4, 0), (8, 0)][usize::from(descriptor >> 6)];
+    let at = 5 + dictionary;
+    let bytes = frame.get(at..at + size)?;
+    let mut le = [0u8; 8];
+    le[..size].copy_from_slice(bytes);
+    Some(u64::from_le_bytes(le) + add)
+}
