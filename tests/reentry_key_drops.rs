@@ -973,3 +973,375 @@ mod key_code {
         scenario(Call::CancelForKey);
     }
 }
+
+/// Further user code run for a call a check made: a key's `Eq` in the
+/// prune after its walk, an output stored in a handle the check dropped, an
+/// operation its registration's first check completed; and the check's own
+/// walk from its own key iterator, which is the check's doing (no re-run).
+mod more {
+    use std::hash::{Hash, Hasher};
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::{Arc, Mutex, OnceLock};
+    use std::time::Duration;
+
+    use tokio_purgatory::{Operation, OperationHandle, Purgatory, WeakPurgatory};
+
+    type Hook = Arc<dyn Fn() + Send + Sync>;
+
+    #[derive(Clone)]
+    struct K {
+        id: u32,
+        eq_hook: Option<Hook>,
+    }
+    impl PartialEq for K {
+        fn eq(&self, o: &K) -> bool {
+            if let Some(h) = o.eq_hook.as_ref().or(self.eq_hook.as_ref()) {
+                h();
+            }
+            self.id == o.id
+        }
+    }
+    impl Eq for K {}
+    impl Hash for K {
+        fn hash<H: Hasher>(&self, h: &mut H) {
+            self.id.hash(h)
+        }
+    }
+    fn k(id: u32) -> K {
+        K { id, eq_hook: None }
+    }
+
+    struct Out(Option<Hook>);
+    impl Drop for Out {
+        fn drop(&mut self) {
+            if let Some(h) = self.0.take() {
+                h();
+            }
+        }
+    }
+    impl std::fmt::Debug for Out {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("Out")
+        }
+    }
+
+    struct Op {
+        body: Box<dyn FnMut() -> Option<Out> + Send>,
+        checks: Arc<AtomicUsize>,
+    }
+    impl Operation for Op {
+        type Output = Out;
+        fn try_complete(&mut self) -> Option<Out> {
+            self.checks.fetch_add(1, Ordering::SeqCst);
+            (self.body)()
+        }
+        fn on_expiration(self) -> Out {
+            Out(None)
+        }
+    }
+    type P = Purgatory<K, Op>;
+
+    fn walk_k1(w: &Arc<OnceLock<WeakPurgatory<K, Op>>>) {
+        w.get()
+            .unwrap()
+            .upgrade()
+            .unwrap()
+            .try_complete_watched(&k(1));
+    }
+
+    /// A's check walks key 9; B (on 9) completes, so the walk prunes key 9's
+    /// list, running key 9's `Eq` again: that `Eq` readies A and walks key 1.
+    #[test]
+    fn eq_in_the_walks_prune_raises_an_event() {
+        super::support::paused().block_on(async {
+            let p: P = Purgatory::new();
+            let weak: Arc<OnceLock<WeakPurgatory<K, Op>>> = Arc::default();
+            weak.set(p.downgrade()).ok().unwrap();
+            let ready_a = Arc::new(AtomicBool::new(false));
+            let b_go = Arc::new(AtomicBool::new(false));
+            let b_done = Arc::new(AtomicBool::new(false));
+            let fired = Arc::new(AtomicBool::new(false));
+            let (g, d) = (b_go.clone(), b_done.clone());
+            let _hb = p
+                .try_complete_else_watch(
+                    Op {
+                        body: Box::new(move || {
+                            if g.load(Ordering::SeqCst) {
+                                d.store(true, Ordering::SeqCst);
+                                Some(Out(None))
+                            } else {
+                                None
+                            }
+                        }),
+                        checks: Arc::default(),
+                    },
+                    Duration::from_secs(100),
+                    [k(9)],
+                )
+                .unwrap();
+            let hook: Hook = {
+                let (w, r, d, f) = (weak.clone(), ready_a.clone(), b_done.clone(), fired.clone());
+                Arc::new(move || {
+                    if d.load(Ordering::SeqCst) && !f.swap(true, Ordering::SeqCst) {
+                        r.store(true, Ordering::SeqCst);
+                        walk_k1(&w);
+                    }
+                })
+            };
+            let armed = Arc::new(AtomicBool::new(false));
+            let a_checks = Arc::new(AtomicUsize::new(0));
+            let (w2, r2, a2, g2) = (weak.clone(), ready_a.clone(), armed.clone(), b_go.clone());
+            let ha = p
+                .try_complete_else_watch(
+                    Op {
+                        body: Box::new(move || {
+                            let ready = r2.load(Ordering::SeqCst);
+                            if !ready && a2.swap(false, Ordering::SeqCst) {
+                                g2.store(true, Ordering::SeqCst);
+                                let nine = K {
+                                    id: 9,
+                                    eq_hook: Some(hook.clone()),
+                                };
+                                w2.get()
+                                    .unwrap()
+                                    .upgrade()
+                                    .unwrap()
+                                    .try_complete_watched(&nine);
+                            }
+                            ready.then(|| Out(None))
+                        }),
+                        checks: a_checks.clone(),
+                    },
+                    Duration::from_secs(100),
+                    [k(1)],
+                )
+                .unwrap();
+            armed.store(true, Ordering::SeqCst);
+            p.try_complete_watched(&k(1));
+            assert!(fired.load(Ordering::SeqCst), "the prune's Eq ran the hook");
+            assert!(
+                ha.is_finished(),
+                "A missed the event raised by the prune's Eq; checks {}",
+                a_checks.load(Ordering::SeqCst)
+            );
+        });
+    }
+
+    /// A's check drops the handle of B, which completed earlier and whose
+    /// output is stored unread: the output's drop readies A and walks key 1.
+    #[test]
+    fn stored_output_dropped_with_a_handle_the_check_dropped_raises_an_event() {
+        super::support::paused().block_on(async {
+            let p: P = Purgatory::new();
+            let weak: Arc<OnceLock<WeakPurgatory<K, Op>>> = Arc::default();
+            weak.set(p.downgrade()).ok().unwrap();
+            let ready_a = Arc::new(AtomicBool::new(false));
+            let hook: Hook = {
+                let (w, r) = (weak.clone(), ready_a.clone());
+                Arc::new(move || {
+                    r.store(true, Ordering::SeqCst);
+                    walk_k1(&w);
+                })
+            };
+            let b_go = Arc::new(AtomicBool::new(false));
+            let g = b_go.clone();
+            let hb = p
+                .try_complete_else_watch(
+                    Op {
+                        body: Box::new(move || {
+                            g.load(Ordering::SeqCst).then(|| Out(Some(hook.clone())))
+                        }),
+                        checks: Arc::default(),
+                    },
+                    Duration::from_secs(100),
+                    [k(9)],
+                )
+                .unwrap();
+            b_go.store(true, Ordering::SeqCst);
+            assert_eq!(p.try_complete_watched(&k(9)), 1);
+            assert!(hb.is_finished());
+            let slot: Arc<Mutex<Option<OperationHandle<K, Op>>>> = Arc::new(Mutex::new(Some(hb)));
+            let armed = Arc::new(AtomicBool::new(false));
+            let a_checks = Arc::new(AtomicUsize::new(0));
+            let (s2, r2, a2) = (slot.clone(), ready_a.clone(), armed.clone());
+            let ha = p
+                .try_complete_else_watch(
+                    Op {
+                        body: Box::new(move || {
+                            let ready = r2.load(Ordering::SeqCst);
+                            if !ready && a2.swap(false, Ordering::SeqCst) {
+                                let h = s2.lock().unwrap().take();
+                                drop(h);
+                            }
+                            ready.then(|| Out(None))
+                        }),
+                        checks: a_checks.clone(),
+                    },
+                    Duration::from_secs(100),
+                    [k(1)],
+                )
+                .unwrap();
+            armed.store(true, Ordering::SeqCst);
+            p.try_complete_watched(&k(1));
+            assert!(ready_a.load(Ordering::SeqCst), "B's output drop ran");
+            assert!(
+                ha.is_finished(),
+                "A missed the event raised by B's stored output (handle dropped in A's check); checks {}",
+                a_checks.load(Ordering::SeqCst)
+            );
+        });
+    }
+
+    /// A's check registers C with a key iterator of its own that walks A's own
+    /// key (its own code): counted as an event to A?
+    fn own_walk_checks(in_iterator: bool) -> usize {
+        super::support::paused().block_on(async {
+            let p: P = Purgatory::new();
+            let weak: Arc<OnceLock<WeakPurgatory<K, Op>>> = Arc::default();
+            weak.set(p.downgrade()).ok().unwrap();
+            let armed = Arc::new(AtomicBool::new(false));
+            let a_checks = Arc::new(AtomicUsize::new(0));
+            let (w2, a2) = (weak.clone(), armed.clone());
+            let _ha = p
+                .try_complete_else_watch(
+                    Op {
+                        body: Box::new(move || {
+                            if a2.swap(false, Ordering::SeqCst) {
+                                let p = w2.get().unwrap().upgrade().unwrap();
+                                let w3 = w2.clone();
+                                let c = Op {
+                                    body: Box::new(|| None),
+                                    checks: Arc::default(),
+                                };
+                                if in_iterator {
+                                    let keys = std::iter::once(()).map(move |()| {
+                                        walk_k1(&w3);
+                                        k(9)
+                                    });
+                                    drop(p.try_complete_else_watch(
+                                        c,
+                                        Duration::from_secs(1),
+                                        keys,
+                                    ));
+                                } else {
+                                    walk_k1(&w3);
+                                    drop(p.try_complete_else_watch(
+                                        c,
+                                        Duration::from_secs(1),
+                                        [k(9)],
+                                    ));
+                                }
+                            }
+                            None
+                        }),
+                        checks: a_checks.clone(),
+                    },
+                    Duration::from_secs(100),
+                    [k(1)],
+                )
+                .unwrap();
+            let before = a_checks.load(Ordering::SeqCst);
+            armed.store(true, Ordering::SeqCst);
+            p.try_complete_watched(&k(1));
+            a_checks.load(Ordering::SeqCst) - before
+        })
+    }
+
+    #[test]
+    fn own_walk_from_the_checks_key_iterator_is_not_an_event() {
+        let direct = own_walk_checks(false);
+        let iter = own_walk_checks(true);
+        assert_eq!(
+            direct, iter,
+            "checks of A: {direct} when it walks its own key directly, {iter} from its key iterator"
+        );
+    }
+
+    /// An operation whose `Drop` runs a hook.
+    struct DropOp {
+        ready_at_once: bool,
+        body: Box<dyn FnMut() -> Option<Out> + Send>,
+        on_drop: Option<Hook>,
+        checks: Arc<AtomicUsize>,
+    }
+    impl Drop for DropOp {
+        fn drop(&mut self) {
+            if let Some(h) = self.on_drop.take() {
+                h();
+            }
+        }
+    }
+    impl Operation for DropOp {
+        type Output = Out;
+        fn try_complete(&mut self) -> Option<Out> {
+            self.checks.fetch_add(1, Ordering::SeqCst);
+            if self.ready_at_once {
+                return Some(Out(None));
+            }
+            (self.body)()
+        }
+        fn on_expiration(mut self) -> Out {
+            self.on_drop = None;
+            Out(None)
+        }
+    }
+
+    /// A's check registers N, which its first check completes at once; N's
+    /// drop (by the registration) readies A and walks key 1.
+    #[test]
+    fn an_operation_completed_by_its_first_check_in_the_check_raises_an_event() {
+        super::support::paused().block_on(async {
+            type Q = Purgatory<K, DropOp>;
+            let p: Q = Purgatory::new();
+            let weak: Arc<OnceLock<WeakPurgatory<K, DropOp>>> = Arc::default();
+            weak.set(p.downgrade()).ok().unwrap();
+            let ready_a = Arc::new(AtomicBool::new(false));
+            let hook: Hook = {
+                let (w, r) = (weak.clone(), ready_a.clone());
+                Arc::new(move || {
+                    r.store(true, Ordering::SeqCst);
+                    w.get().unwrap().upgrade().unwrap().try_complete_watched(&k(1));
+                })
+            };
+            let armed = Arc::new(AtomicBool::new(false));
+            let a_checks = Arc::new(AtomicUsize::new(0));
+            let (w2, r2, a2) = (weak.clone(), ready_a.clone(), armed.clone());
+            let ha = p
+                .try_complete_else_watch(
+                    DropOp {
+                        ready_at_once: false,
+                        body: Box::new(move || {
+                            let ready = r2.load(Ordering::SeqCst);
+                            if !ready && a2.swap(false, Ordering::SeqCst) {
+                                let p = w2.get().unwrap().upgrade().unwrap();
+                                let n = DropOp {
+                                    ready_at_once: true,
+                                    body: Box::new(|| None),
+                                    on_drop: Some(hook.clone()),
+                                    checks: Arc::default(),
+                                };
+                                let h = p.try_complete_else_watch(n, Duration::from_secs(1), [k(9)]);
+                                if let Ok(h) = h {
+                                    h.detach();
+                                }
+                            }
+                            ready.then(|| Out(None))
+                        }),
+                        on_drop: None,
+                        checks: a_checks.clone(),
+                    },
+                    Duration::from_secs(100),
+                    [k(1)],
+                )
+                .unwrap();
+            armed.store(true, Ordering::SeqCst);
+            p.try_complete_watched(&k(1));
+            assert!(ready_a.load(Ordering::SeqCst), "N's drop ran");
+            assert!(
+                ha.is_finished(),
+                "A missed the event raised by the drop of N (completed by its first check); checks {}",
+                a_checks.load(Ordering::SeqCst)
+            );
+        });
+    }
+}

@@ -850,14 +850,18 @@ where
     /// Takes the outcome, or registers `waker` to be woken when there is one.
     pub(crate) fn poll_outcome(&self, waker: &Waker) -> Option<Outcome<O::Output>> {
         let (outcome, spare) = self.cell.delivery().poll(waker);
-        self.shared.drop_contained("drop of a waker", spare);
+        if let Some(spare) = spare {
+            self.shared.drop_contained("drop of a waker", spare);
+        }
         outcome
     }
 
     /// Nobody will read the outcome: drop any stored and don't store one later.
     pub(crate) fn detach(&self) {
         let (stale, waker) = self.cell.delivery().detach();
-        self.shared.drop_contained("drop of a waker", waker);
+        if let Some(waker) = waker {
+            self.shared.drop_contained("drop of a waker", waker);
+        }
         if let Some(stale) = stale {
             self.shared.drop_contained("drop of an output", stale);
         }

@@ -57,7 +57,7 @@ use tokio::time::Instant;
 
 use self::books::Fate;
 pub use self::builder::PurgatoryBuilder;
-use self::cell::{Innermost, OpCell};
+use self::cell::OpCell;
 pub use self::error::{OperationError, WatchError, WatchErrorKind};
 use self::handle::CellRef;
 pub use self::handle::{OpRef, OperationHandle, OperationStatus};
@@ -756,12 +756,9 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
         // Key code may panic: nothing is counted or registered until it has
         // run, and on a panic the keys are dropped (contained) before it goes
         // on, never while it unwinds.
-        let keys = match catch_unwind(AssertUnwindSafe(|| {
-            // Key code is not the check of an operation this thread may be
-            // checking (see `Innermost`).
-            let _marked = Innermost::mark(shared);
-            make(given)
-        })) {
+        // (Each key's hash is taken marked as key code, see `hash_key`; the
+        // caller's own iterator is the caller's code.)
+        let keys = match catch_unwind(AssertUnwindSafe(|| make(given))) {
             Ok(Ok((keys, dups))) => {
                 shared.drop_keys(dups);
                 keys

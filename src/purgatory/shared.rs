@@ -333,9 +333,13 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
     pub(crate) fn release(&self, id: Id) {
         self.cells.release(id, |cell| {
             let (out, waker) = cell.clear();
-            self.drop_contained("drop of an output", out);
+            if let Some(out) = out {
+                self.drop_contained("drop of an output", out);
+            }
             // Contained: a panic here would leave the cell off the free list.
-            self.drop_contained("drop of a waker", waker);
+            if let Some(waker) = waker {
+                self.drop_contained("drop of a waker", waker);
+            }
         });
     }
 
@@ -561,7 +565,14 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
     /// Drops a user value (an operation, an output, a key) with no lock held,
     /// containing and counting a panic in its `Drop`.
     pub(crate) fn drop_contained<T>(&self, what: &str, value: T) {
-        self.panics.drop_value(what, value);
+        if std::mem::needs_drop::<T>() {
+            // Not the check of an operation this thread may be checking: an
+            // event the drop raises on it asks for a re-run (see `Innermost`).
+            let _marked = Innermost::mark(self);
+            self.panics.drop_value(what, value);
+        } else {
+            self.panics.drop_value(what, value);
+        }
     }
 
     /// Drops keys the purgatory holds no more, with no lock held, each drop
@@ -606,6 +617,9 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
 
     /// `key`'s hash by the watcher map's hasher (for a registration's keys).
     pub(crate) fn hash_key(&self, key: &K) -> u64 {
+        // Key code, not the check of an operation this thread may be
+        // checking (see `Innermost`).
+        let _marked = Innermost::mark(self);
         self.watchers.hash(key)
     }
 
@@ -764,12 +778,12 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         K: Borrow<Q>,
         Q: Hash + Eq + ?Sized,
     {
-        let mut buffers = self.take_buffers();
-        let cells = &self.cells;
         // The key's `Hash` and `Eq` are not the check of an operation this
         // thread may be checking (see `Innermost`).
         let marked = Innermost::mark(self);
         let key = self.watchers.probe(key);
+        let mut buffers = self.take_buffers();
+        let cells = &self.cells;
         self.watchers.collect_live(
             &key,
             reached,
@@ -814,16 +828,21 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         if completed > 0 && (reached.is_some() || completed * 4 >= checked) {
             // Room for every entry the walk completed, before the list is locked.
             buffers.removed.entries.reserve(completed);
-            let pruned = catch_unwind(AssertUnwindSafe(|| match reached {
-                None => self
-                    .watchers
-                    .prune(&key, |id| cells.is_over(*id), &mut buffers.removed),
-                Some(_) => self.watchers.prune_reached(
-                    &key,
-                    completed,
-                    |id| cells.is_over(*id),
-                    &mut buffers.removed,
-                ),
+            let pruned = catch_unwind(AssertUnwindSafe(|| {
+                // The key's `Eq` again (see above).
+                let _marked = Innermost::mark(self);
+                match reached {
+                    None => {
+                        self.watchers
+                            .prune(&key, |id| cells.is_over(*id), &mut buffers.removed)
+                    }
+                    Some(_) => self.watchers.prune_reached(
+                        &key,
+                        completed,
+                        |id| cells.is_over(*id),
+                        &mut buffers.removed,
+                    ),
+                }
             }));
             if let Err(panic) = pruned {
                 self.panics.caught("eq of a key", panic);
