@@ -1432,7 +1432,8 @@ fn restamp(batch: &bytes::Bytes, attributes_or: u8, max_timestamp: Option<i64>) 
 /// one batch stamped t0, t0+2, ..., asked for t0+10, is offset 5 with its
 /// own timestamp (it was the batch's first offset with its newest
 /// timestamp); the newest timestamp is its first record's offset (it was
-/// the batch's last). A batch stamped with log append time has each record
+/// the batch's last); zstd batches are answered at batch granularity (see
+/// `a_zstd_bomb_is_never_decoded`). A batch stamped with log append time has each record
 /// at the batch's timestamp; a batch whose header claims a newer record
 /// than it holds is passed over for the next, as Kafka passes it over; a
 /// compression bomb past the lookup's read bound is answered at batch
@@ -1497,8 +1498,17 @@ async fn list_offsets_by_time_answers_per_record_compressed_or_not() {
                 let p = &r.topics[0].partitions[0];
                 got.push((p.error_code, p.offset, p.timestamp));
             }
-            assert_eq!(
-                got,
+            let want = if codec == Compression::Zstd {
+                // zstd batches are answered at batch granularity: each
+                // batch's first offset and newest timestamp.
+                [
+                    (0, 0, t0 + 98),
+                    (0, 0, t0 + 98),
+                    (0, 0, t0 + 98),
+                    (0, 50, t0 + 1000),
+                    (0, 50, t0 + 1000),
+                ]
+            } else {
                 [
                     (0, 5, t0 + 10),
                     (0, 6, t0 + 12),
@@ -1507,9 +1517,9 @@ async fn list_offsets_by_time_answers_per_record_compressed_or_not() {
                     // first that new.
                     (0, 57, t0 + 1000),
                     (0, 57, t0 + 1000),
-                ],
-                "{codec:?} xerial {xerial}"
-            );
+                ]
+            };
+            assert_eq!(got, want, "{codec:?} xerial {xerial}");
         }
         // Log append time: every record at the batch's max timestamp.
         let appended = restamp(
@@ -1519,7 +1529,7 @@ async fn list_offsets_by_time_answers_per_record_compressed_or_not() {
         );
         // A header claiming a record newer than any it holds: passed over.
         let lying = restamp(
-            &stamped_batch(&even, value, Compression::Zstd, false),
+            &stamped_batch(&even, value, Compression::Snappy, true),
             0,
             Some(t0 + 9000),
         );
@@ -1601,6 +1611,173 @@ async fn list_offsets_by_time_answers_per_record_compressed_or_not() {
             b.broker.budget.in_use() == 0
         })
         .await;
+        b.shutdown().await;
+    })
+    .await
+}
+
+/// A batch of records stamped `timestamps`, in an LZ4 frame declaring 4 MiB
+/// blocks (what the broker charges for reading it: some 12 MiB).
+fn lz4_4mib_batch(timestamps: &[i64]) -> bytes::Bytes {
+    use bytes::BufMut;
+    use kafka_protocol::records::{
+        Compression, Record, RecordBatchEncoder, RecordEncodeOptions, TimestampType,
+    };
+    use std::io::Write;
+    let records: Vec<Record> = timestamps
+        .iter()
+        .enumerate()
+        .map(|(i, &timestamp)| Record {
+            transactional: false,
+            control: false,
+            delete_horizon: false,
+            partition_leader_epoch: 0,
+            producer_id: -1,
+            producer_epoch: -1,
+            timestamp_type: TimestampType::Creation,
+            offset: i as i64,
+            sequence: i as i32 - 1,
+            timestamp,
+            key: None,
+            value: Some(format!("record {i}").into_bytes().into()),
+            headers: Default::default(),
+        })
+        .collect();
+    let compress = |plain: &mut bytes::BytesMut, out: &mut bytes::BytesMut, _: Compression| {
+        let info = lz4_flex::frame::FrameInfo::new().block_size(lz4_flex::frame::BlockSize::Max4MB);
+        let mut e = lz4_flex::frame::FrameEncoder::with_frame_info(info, Vec::new());
+        e.write_all(plain)?;
+        out.put_slice(&e.finish()?);
+        Ok(())
+    };
+    let mut out = bytes::BytesMut::new();
+    RecordBatchEncoder::encode_with_custom_compression(
+        &mut out,
+        &records,
+        &RecordEncodeOptions {
+            version: 2,
+            compression: Compression::Lz4,
+        },
+        Some(compress),
+    )
+    .expect("the batch encodes");
+    out.freeze()
+}
+
+/// What reading a batch's records takes (its codec's state) is charged
+/// while that batch is read, not until the answer is written: one
+/// `MAX_TIMESTAMP` lookup of four partitions whose batches each charge some
+/// 12 MiB (LZ4, 4 MiB blocks) reads them all per record on a 30 MiB budget
+/// (the charges accumulated, and the third partition's found no room: it
+/// was answered at batch granularity), and nothing stays charged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn list_offsets_charges_each_batch_only_while_it_is_read() {
+    use kafka_protocol::messages::list_offsets_request::{ListOffsetsPartition, ListOffsetsTopic};
+    use kafka_protocol::messages::{BrokerId, ListOffsetsRequest};
+    bounded(async {
+        let b = start(Config {
+            topics: vec!["t".into()],
+            partitions: 4,
+            followers: 0,
+            max_request_bytes: 1 << 20,
+            max_decoded_bytes: 1 << 20,
+            memory_budget: 30 << 20,
+            ..Config::default()
+        })
+        .await;
+        let mut w = Wire::connect(b.addr).await.unwrap();
+        let t0 = 1_700_000_000_000i64;
+        for p in 0..4 {
+            let batch = lz4_4mib_batch(&[t0, t0 + 5, t0 + 1]);
+            let r = w
+                .call(
+                    &wire::produce("t", p, -1, Duration::from_secs(5), batch),
+                    wire::PRODUCE_VERSION,
+                )
+                .await
+                .unwrap();
+            assert_eq!(wire::produce_error(&r), 0);
+        }
+        let ask = ListOffsetsRequest::default()
+            .with_replica_id(BrokerId(-1))
+            .with_topics(vec![ListOffsetsTopic::default()
+                .with_name(topic_name("t"))
+                .with_partitions(
+                    (0..4)
+                        .map(|p| {
+                            ListOffsetsPartition::default()
+                                .with_partition_index(p)
+                                .with_timestamp(-3)
+                        })
+                        .collect(),
+                )]);
+        let r = w.call(&ask, 7).await.unwrap();
+        let got: Vec<_> = r.topics[0]
+            .partitions
+            .iter()
+            .map(|p| (p.error_code, p.offset, p.timestamp))
+            .collect();
+        assert_eq!(got, vec![(0, 1, t0 + 5); 4], "each read per record");
+        until("nothing charged", || b.broker.budget.in_use() == 0).await;
+        b.shutdown().await;
+    })
+    .await
+}
+
+/// Uncompressed batches are read against the lookup's read bound too: a log
+/// of 200 batches whose headers each claim a record at `i64::MAX` but whose
+/// records are older is not walked whole by each lookup by time (each batch
+/// is passed over for the next, as Kafka passes it over); once the lookup
+/// has read 64 times `max_message_bytes`, the batch it is at is answered at
+/// batch granularity.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lying_uncompressed_batches_are_read_within_the_bound() {
+    use kafka_protocol::messages::list_offsets_request::{ListOffsetsPartition, ListOffsetsTopic};
+    use kafka_protocol::messages::{BrokerId, ListOffsetsRequest};
+    use kafka_protocol::records::Compression;
+    bounded(async {
+        let b = start(Config {
+            topics: vec!["t".into()],
+            partitions: 1,
+            followers: 0,
+            max_message_bytes: 2_000,
+            ..Config::default()
+        })
+        .await;
+        let mut w = Wire::connect(b.addr).await.unwrap();
+        let t0 = 1_700_000_000_000i64;
+        let lying = restamp(
+            &stamped_batch(&[t0], |_| vec![b'x'; 1_500], Compression::None, false),
+            0,
+            Some(i64::MAX),
+        );
+        assert!(lying.len() <= 2_000, "{}", lying.len());
+        for _ in 0..200 {
+            let r = w
+                .call(
+                    &wire::produce("t", 0, -1, Duration::from_secs(5), lying.clone()),
+                    wire::PRODUCE_VERSION,
+                )
+                .await
+                .unwrap();
+            assert_eq!(wire::produce_error(&r), 0);
+        }
+        let ask = ListOffsetsRequest::default()
+            .with_replica_id(BrokerId(-1))
+            .with_topics(vec![ListOffsetsTopic::default()
+                .with_name(topic_name("t"))
+                .with_partitions(vec![ListOffsetsPartition::default()
+                    .with_partition_index(0)
+                    .with_timestamp(t0 + 1)])]);
+        let r = w.call(&ask, 7).await.unwrap();
+        let p = &r.topics[0].partitions[0];
+        // 128,000 bytes read: some 80 batches of some 1,560 bytes.
+        assert_eq!(p.timestamp, i64::MAX, "answered at batch granularity");
+        assert!(
+            (50..120).contains(&p.offset),
+            "the batch reached once the bound was: {}",
+            p.offset
+        );
         b.shutdown().await;
     })
     .await

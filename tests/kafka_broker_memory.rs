@@ -607,6 +607,32 @@ async fn until(secs: u64, what: &str, cond: impl Fn() -> bool) {
     }
 }
 
+/// Waits (up to 10 s) until the live heap holds still: the same at four
+/// looks 5 ms apart (tasks spawned, frames and answers dropped).
+async fn heap_settled() {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let mut last = alloc::live_bytes();
+    let mut same = 0;
+    while same < 3 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "waited too long for the heap to settle"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        let now = alloc::live_bytes();
+        same = if now == last { same + 1 } else { 0 };
+        last = now;
+    }
+}
+
+/// Waits until every answer has been written and what its request was
+/// charged given back (nothing charged: no request waits), then until the
+/// heap holds still.
+async fn answered_and_settled(b: &BrokerHandle) {
+    until(10, "nothing is charged", || b.broker.budget.in_use() == 0).await;
+    heap_settled().await;
+}
+
 /// Metadata for every topic is a ~20-byte request whose answer grows with
 /// what the broker holds (here ~10 MB: 6,000 topics of 200-character names,
 /// 16 partitions each), held until written (up to `frame_timeout`). It was
@@ -932,7 +958,7 @@ async fn a_long_group_id_is_kept_once() {
             let r = w.call(&join_req(&g, "", 600_000, 1000), 5).await.unwrap();
             assert_eq!(r.error_code, ResponseError::MemberIdRequired.code());
         }
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        answered_and_settled(&b).await;
         let grown = alloc::live_bytes() - before;
         assert!(
             grown < 200 * 1024,
@@ -955,7 +981,7 @@ async fn a_long_group_id_is_kept_once() {
         for _ in 0..50 {
             parked.push(Wire::connect(b.addr).await.unwrap());
         }
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        answered_and_settled(&b).await;
         let before = alloc::live_bytes();
         for (i, c) in parked.iter_mut().enumerate() {
             c.send(&join_req(&h, "", 600_000, 600_000), 3)
@@ -966,7 +992,8 @@ async fn a_long_group_id_is_kept_once() {
             })
             .await;
         }
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        // (Each parked join keeps its own state, charged: the heap only.)
+        heap_settled().await;
         let grown = alloc::live_bytes() - before;
         assert!(
             grown < 50 * 8 * 1024,
@@ -1008,7 +1035,7 @@ async fn parked_fetches_and_produces_hold_what_they_are_charged() {
     alone_with(config, |b| async move {
         let fetch = FetchRequest::default()
             .with_replica_id(BrokerId(-1))
-            .with_max_wait_ms(1000)
+            .with_max_wait_ms(500)
             .with_min_bytes(i32::MAX)
             .with_max_bytes(1 << 20)
             .with_session_epoch(-1)
@@ -1041,9 +1068,25 @@ async fn parked_fetches_and_produces_hold_what_they_are_charged() {
                 }
             })
             .await;
-            // (Time for its watches to be registered.)
-            tokio::time::sleep(Duration::from_millis(100)).await;
+            until(10, "its watches are registered", || {
+                if fetches {
+                    b.broker.fetches.metrics().watched == parts as usize
+                } else {
+                    b.broker.produces.metrics().watched == parts as usize
+                }
+            })
+            .await;
             let (parked, charged) = (alloc::live_bytes(), b.broker.budget.in_use() as isize);
+            // Measured while it still waits.
+            assert_eq!(
+                if fetches {
+                    b.broker.fetches.delayed()
+                } else {
+                    b.broker.produces.delayed()
+                },
+                1,
+                "the {what} still waits"
+            );
             if fetches {
                 let r = c
                     .receive::<FetchRequest>(wire::FETCH_VERSION)
@@ -1057,7 +1100,7 @@ async fn parked_fetches_and_produces_hold_what_they_are_charged() {
                     .unwrap();
                 assert_eq!(r.responses[0].partition_responses.len(), parts as usize);
             }
-            tokio::time::sleep(Duration::from_millis(100)).await;
+            answered_and_settled(&b).await;
             let held = parked - alloc::live_bytes();
             assert!(
                 held <= charged,
@@ -1131,4 +1174,127 @@ async fn a_wait_with_no_room_in_the_budget_is_answered_at_once() {
         b.shutdown().await;
     })
     .await
+}
+
+/// A zstd frame declaring a 1 KiB window, of a raw 1-byte block then one
+/// compressed block of `n` RLE-mode sequences (no literals, offset 1, match
+/// length 65,539): some 2.25 bytes a sequence, each making 64 KiB. The
+/// format allows a block to make at most 128 KiB; ruzstd 0.8 does not check,
+/// and decodes the whole block before its first byte can be read.
+fn zstd_bomb(n: usize) -> Vec<u8> {
+    assert!(n.is_multiple_of(4) && (128..0x7f00).contains(&n));
+    // Magic; no content size, a 1 KiB window.
+    let mut f = vec![0x28, 0xb5, 0x2f, 0xfd, 0x00, 0x00];
+    // A raw block of one byte, not the last.
+    f.extend([0x08, 0x00, 0x00, b'A']);
+    // Raw literals, none; the sequence count in two bytes; every code RLE.
+    let mut c = vec![0x00, ((n >> 8) + 128) as u8, n as u8, 0x54];
+    // Literal length code 0, offset code 2 (offset 1), match length code 52.
+    c.extend([0u8, 2, 52]);
+    // 18 extra bits a sequence, all zero, then the stream's end mark.
+    c.extend(std::iter::repeat_n(0u8, 18 * n / 8));
+    c.push(0x01);
+    // The last block, compressed.
+    let header = 1u32 | (2 << 1) | ((c.len() as u32) << 3);
+    f.extend(&header.to_le_bytes()[..3]);
+    f.extend(&c);
+    f
+}
+
+/// A zstd batch is never decoded to read its records' timestamps (see the
+/// broker's `timestamps`): a 2.3 KB frame that ruzstd decodes to 64 MiB
+/// before its first byte can be read (and frames like it to gigabytes, or to
+/// a panic), stored as Kafka stores it (its CRC is right), is answered at
+/// batch granularity by a lookup by time and by `MAX_TIMESTAMP`, with no
+/// large allocation and nothing left charged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_zstd_bomb_is_never_decoded() {
+    use bytes::BufMut;
+    use kafka_protocol::messages::list_offsets_request::{ListOffsetsPartition, ListOffsetsTopic};
+    use kafka_protocol::messages::{BrokerId, ListOffsetsRequest};
+    use kafka_protocol::records::{
+        Compression, Record, RecordBatchEncoder, RecordEncodeOptions, TimestampType,
+    };
+    let _alone = ONE_AT_A_TIME.lock().await;
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let b = BrokerHandle::start(Config {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            followers: 0,
+            topics: vec!["t".into()],
+            ..Config::default()
+        })
+        .await
+        .expect("the broker starts");
+        let t0 = 1_700_000_000_000i64;
+        let records: Vec<Record> = [t0, t0 + 10]
+            .iter()
+            .enumerate()
+            .map(|(i, &timestamp)| Record {
+                transactional: false,
+                control: false,
+                delete_horizon: false,
+                partition_leader_epoch: 0,
+                producer_id: -1,
+                producer_epoch: -1,
+                timestamp_type: TimestampType::Creation,
+                offset: i as i64,
+                sequence: i as i32 - 1,
+                timestamp,
+                key: None,
+                value: Some(b"v".to_vec().into()),
+                headers: Default::default(),
+            })
+            .collect();
+        let bomb = zstd_bomb(1024);
+        assert!(bomb.len() < 2_400, "{}", bomb.len());
+        let mut batch = bytes::BytesMut::new();
+        RecordBatchEncoder::encode_with_custom_compression(
+            &mut batch,
+            &records,
+            &RecordEncodeOptions {
+                version: 2,
+                compression: Compression::Zstd,
+            },
+            Some(|_: &mut bytes::BytesMut, out: &mut bytes::BytesMut, _| {
+                out.put_slice(&bomb);
+                Ok(())
+            }),
+        )
+        .expect("the batch encodes");
+        let mut w = Wire::connect(b.addr).await.unwrap();
+        let r = w
+            .call(
+                &wire::produce("t", 0, -1, Duration::from_secs(5), batch.freeze()),
+                wire::PRODUCE_VERSION,
+            )
+            .await
+            .unwrap();
+        assert_eq!(wire::produce_error(&r), 0, "stored");
+        let before = BIG_ONES.load(Ordering::Relaxed);
+        for ts in [t0 + 5, -3] {
+            let ask = ListOffsetsRequest::default()
+                .with_replica_id(BrokerId(-1))
+                .with_topics(vec![ListOffsetsTopic::default()
+                    .with_name(TopicName(s("t")))
+                    .with_partitions(vec![ListOffsetsPartition::default()
+                        .with_partition_index(0)
+                        .with_timestamp(ts)])]);
+            let r = w.call(&ask, 7).await.unwrap();
+            let p = &r.topics[0].partitions[0];
+            assert_eq!(
+                (p.error_code, p.offset, p.timestamp),
+                (0, 0, t0 + 10),
+                "{ts}: at batch granularity"
+            );
+        }
+        let big = BIG_ONES.load(Ordering::Relaxed) - before;
+        assert_eq!(big, 0, "{big} allocations of 1 MiB or more");
+        until(10, "nothing is left charged", || {
+            b.broker.budget.in_use() == 0
+        })
+        .await;
+        b.shutdown().await;
+    })
+    .await
+    .expect("bounded");
 }

@@ -1227,6 +1227,83 @@ async fn a_follower_whose_sync_went_unanswered_expires() {
     .await
 }
 
+/// A follower's sync that its client sent again on a new connection (it
+/// thought the first lost) keeps it alive while it waits, even once the
+/// first sync's connection is found gone: the first sync's end used to
+/// clear the member's waiting mark whichever sync had set it, so the
+/// follower, still waiting, was expired by its 200 ms session. Here the
+/// leader heartbeats for 1.5 s (seven sessions) past that, with no
+/// rebalance, then syncs, and the follower's second sync is answered its
+/// assignment. (A wait for something not to happen: with the mark cleared
+/// the expiry comes some 200 ms in.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sync_sent_again_keeps_its_follower_when_the_first_goes() {
+    let _one = ONE.lock().await;
+    bounded(async {
+        let b = start(quick()).await;
+        let g = "again";
+        // The leader: alive (it heartbeats).
+        let mut a = M::new(&b).await;
+        a.session = 2000;
+        assert_eq!(a.join(g).await, 0);
+        assert_eq!(a.sync(g).await, 0);
+        let mut f = M::new(&b).await;
+        f.session = 200;
+        f.rebalance = 10_000;
+        let fj = tokio::spawn(async move {
+            let c = f.join(g).await;
+            (f, c)
+        });
+        until(5, "F's join parked", || {
+            b.broker.groups.joins.delayed() == 1
+        })
+        .await;
+        assert_eq!(a.join(g).await, 0);
+        assert!(a.leader);
+        let (f, c) = fj.await.unwrap();
+        assert_eq!(c, 0);
+        let sync = SyncGroupRequest::default()
+            .with_group_id(GroupId(s(g)))
+            .with_generation_id(f.gen)
+            .with_member_id(s(&f.id));
+        // F's first sync, then the same on a new connection.
+        let mut first = f.w;
+        first.send(&sync, 3).await.unwrap();
+        until(5, "F's first sync parked", || {
+            b.broker.groups.syncs.delayed() == 1
+        })
+        .await;
+        let mut again = Wire::connect(b.addr).await.unwrap();
+        again.send(&sync, 3).await.unwrap();
+        until(5, "F's second sync parked", || {
+            b.broker.groups.syncs.delayed() == 2
+        })
+        .await;
+        // The first connection is found gone: its sync is cancelled.
+        drop(first);
+        until(5, "F's first sync cancelled", || {
+            b.broker.groups.syncs.delayed() == 1
+        })
+        .await;
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_millis(1500) {
+            assert_eq!(
+                a.heartbeat(g).await,
+                0,
+                "F, still waiting in its second sync, was expired after {:?}",
+                t.elapsed()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert_eq!(a.sync(g).await, 0);
+        let r = again.receive::<SyncGroupRequest>(3).await.unwrap();
+        assert_eq!(r.error_code, 0);
+        assert_eq!(&r.assignment[..], f.id.as_bytes(), "F's assignment");
+        b.shutdown().await;
+    })
+    .await
+}
+
 /// Shutdown answers a parked join and a parked sync with NOT_COORDINATOR.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_answers_parked_joins_and_syncs() {

@@ -123,6 +123,10 @@ struct Member {
     /// Its sync waits for the leader's assignments (it sends no heartbeats
     /// meanwhile).
     syncing: bool,
+    /// Which of its syncs is the waiting one: only that one's end (answered,
+    /// expired or cancelled) may clear `syncing` (an earlier sync whose
+    /// connection is found gone after a new sync was sent must not).
+    sync: u64,
     /// Its session counts from here at the latest: the end of a round, or
     /// the answer to a sync it waited in (it heartbeats again from there).
     since: Instant,
@@ -530,6 +534,8 @@ pub struct DelayedSync {
     group: StrBytes,
     member: StrBytes,
     generation: i32,
+    /// Its member's `sync` while it is the member's waiting sync.
+    token: u64,
 }
 
 impl Operation for DelayedSync {
@@ -564,7 +570,8 @@ impl Operation for DelayedSync {
 /// have not synced within the rebalance timeout. (Kept `syncing`, a member
 /// gone would be kept for as long as its leader heartbeats without syncing.)
 /// Answered by the leader's sync or a new round, it finds `syncing` cleared
-/// already.
+/// already; superseded by a later sync of its member, it leaves `syncing`
+/// to that one.
 impl Drop for DelayedSync {
     fn drop(&mut self) {
         let Ok(mut groups) = self.groups.lock() else {
@@ -576,8 +583,10 @@ impl Drop for DelayedSync {
         if g.generation != self.generation || g.phase != Phase::Completing {
             return;
         }
+        // Only if it is still the member's waiting sync: a later one (sent
+        // again, on a new connection) keeps its member alive.
         if let Some(m) = g.members.get_mut(&self.member) {
-            if std::mem::take(&mut m.syncing) {
+            if m.sync == self.token && std::mem::take(&mut m.syncing) {
                 m.restart(Instant::now());
             }
         }
@@ -982,6 +991,7 @@ impl Coordinator {
                     protocols: Vec::new(),
                     joined: false,
                     syncing: false,
+                    sync: 0,
                     since: Instant::now(),
                     session_timer: None,
                     timer: 0,
@@ -1054,7 +1064,7 @@ impl Coordinator {
         if r.group_id.is_empty() {
             return Ok(error_sync(ResponseError::InvalidGroupId));
         }
-        let (group, member, wait, led) = {
+        let (group, member, wait, led, token) = {
             let mut groups = self.groups.lock().unwrap();
             // The group's own id, shared with a sync that waits.
             let Some(group) = groups
@@ -1134,10 +1144,12 @@ impl Coordinator {
             }
             // A follower waiting for the assignments: kept alive meanwhile.
             // (Until its sync is answered or goes: `DelayedSync`'s drop.)
+            let token = self.next_id.fetch_add(1, Ordering::Relaxed);
             if let Some(m) = g.members.get_mut(&member) {
                 m.syncing = true;
+                m.sync = token;
             }
-            (group, member, rebalance, led)
+            (group, member, rebalance, led, token)
         };
         debug_assert!(!led);
         // A member's id: a few dozen bytes (it names a member).
@@ -1150,6 +1162,7 @@ impl Coordinator {
             group: group.clone(),
             member,
             generation,
+            token,
         };
         match self.syncs.try_complete_else_watch(op, wait, [group]) {
             Ok(handle) => match handle.await {

@@ -49,12 +49,14 @@ pub const SUPPORTED: &[(ApiKey, i16, i16)] = &[
     (ApiKey::OffsetFetch, 1, 7),
 ];
 
-/// How many times `max_message_bytes` one `ListOffsets` request may
-/// decompress to read records' timestamps. Producers fill a batch with at
-/// most `batch.size` of records before compressing it (16 KiB by default,
-/// and the batch itself is at most `max.message.bytes`), so a batch Kafka's
-/// clients made decompresses to far less; a batch that would take more (a
-/// compression bomb) is answered at batch granularity.
+/// How many times `max_message_bytes` of records (decompressed, or as stored
+/// when not compressed) one `ListOffsets` request may read for their
+/// timestamps. Producers fill a batch with at most `batch.size` of records
+/// before compressing it (16 KiB by default, and the batch itself is at most
+/// `max.message.bytes`), so a batch Kafka's clients made decompresses to far
+/// less; a batch that would take more (a compression bomb), or one met once
+/// the request has read that much (past batches whose headers claimed a
+/// newer record than they held), is answered at batch granularity.
 const READ_PER_LOOKUP: usize = 64;
 
 pub fn supported(key: ApiKey, version: i16) -> bool {
@@ -331,7 +333,7 @@ async fn answer(
             encode(id, version, &r).map(Some)
         }
         ApiKey::ListOffsets => {
-            let r = list_offsets(broker, &decode(frame, version)?, held);
+            let r = list_offsets(broker, &decode(frame, version)?);
             encode(id, version, &r).map(Some)
         }
         ApiKey::Produce => {
@@ -654,19 +656,19 @@ fn isr_nodes(p: &super::Partition) -> Vec<BrokerId> {
 /// timestamp finds the first record at least that new, answered with its
 /// offset and timestamp, or offset -1 and timestamp -1 when there is none,
 /// as Kafka does. Both read records inside their batch, decompressing it if
-/// need be: what the codecs keep meanwhile is charged to `held` (the memory
-/// budget, until the answer is written), and one request decompresses at
-/// most [`READ_PER_LOOKUP`] times `max_message_bytes`; a batch past either is
-/// answered at batch granularity (its first offset). A partition named
+/// need be: what a batch's codec keeps is charged to the memory budget while
+/// that batch is read, and one request reads at most [`READ_PER_LOOKUP`]
+/// times `max_message_bytes` of records, decompressed or not; a batch past
+/// either, and any zstd batch, is answered at batch granularity (its first
+/// offset). A partition named
 /// twice is answered INVALID_REQUEST at each mention, as Kafka answers it.
-fn list_offsets(broker: &Broker, request: &ListOffsetsRequest, held: &Held) -> ListOffsetsResponse {
-    let mut charge = |bytes| broker.budget.try_charge(bytes, held);
+fn list_offsets(broker: &Broker, request: &ListOffsetsRequest) -> ListOffsetsResponse {
     let mut limits = Limits {
         read_left: broker
             .config
             .max_message_bytes
             .saturating_mul(READ_PER_LOOKUP),
-        charge: &mut charge,
+        budget: &broker.budget,
     };
     // Each distinct topic looked up once; how often each partition is named.
     let mut topic_at: HashMap<&str, usize> = HashMap::new();

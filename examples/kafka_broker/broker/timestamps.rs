@@ -6,27 +6,40 @@
 //! records are read as a stream, one at a time, keeping only each one's
 //! timestamp and offset deltas (keys, values and headers are skipped): what
 //! reading a batch takes is its codec's state, not its records. That state
-//! is charged first ([`Limits::charge`], the broker's memory budget, held
-//! until the answer is written): a gzip stream's window, the largest snappy
-//! block, an LZ4 frame's block size as its header declares it, a zstd
-//! frame's window as its header declares it. And the decompressed bytes one
-//! lookup reads are bounded ([`Limits::read_left`]). A batch whose records
-//! cannot be read within them, or are not what their codec makes, is
-//! [`Scan::Unreadable`]: the caller answers for it at batch granularity.
+//! is charged first, to the broker's memory budget, for as long as that
+//! batch is read (given back when its read returns, not held until the
+//! answer is written): a gzip stream's window, tables, buffer and header
+//! fields, the largest snappy block, an LZ4 frame's blocks as its header
+//! declares their size. And the bytes one lookup reads, decompressed or
+//! not, batch headers included, are bounded ([`Limits::read_left`]). A
+//! batch whose records cannot be read within them, or are not what their
+//! codec makes, is [`Scan::Unreadable`]: the caller answers for it at batch
+//! granularity.
+//!
+//! So is every zstd batch: the pure-Rust decoder at hand (ruzstd 0.8)
+//! decodes a whole block before its first byte can be read and never checks
+//! that a block makes at most the 128 KiB the format allows, so a frame of a
+//! few KB makes gigabytes (and its sequence sum can overflow and panic)
+//! before any read bound applies.
 
 use std::io::{self, Read};
+
+use super::frame::{Budget, Held};
 
 /// A v2 batch's header: base offset, length, leader epoch, magic, CRC,
 /// attributes, last offset delta, base and max timestamps, producer id and
 /// epoch, base sequence, record count.
 const HEADER: usize = 61;
 
-/// What a gzip stream's decoder keeps (its 32 KiB window and tables).
-const GZIP_STATE: usize = 64 << 10;
+/// What a gzip stream's decoder keeps: its inflater (a 32 KiB window and
+/// its tables, some 11 KiB), the 32 KiB buffer `read::MultiGzDecoder` reads
+/// its input through, and the header's name, comment and extra field,
+/// each up to 64 KiB.
+const GZIP_STATE: usize = (64 << 10) + (32 << 10) + 3 * (64 << 10);
 /// What a reader over a decoder keeps (its buffer).
 const BUFFER: usize = 8 << 10;
-/// What a zstd decoder keeps besides its window (a block, its tables).
-const ZSTD_STATE: usize = 512 << 10;
+/// The window an LZ4 decoder keeps past its blocks (linked blocks).
+const LZ4_WINDOW: usize = 64 << 10;
 /// The xerial framing Kafka's Java clients write snappy in (snappy-java's
 /// `SnappyOutputStream`): this magic, a version and a compatible version,
 /// then blocks, each an int32 size and raw snappy. librdkafka writes raw
@@ -35,10 +48,12 @@ const XERIAL: [u8; 8] = [0x82, b'S', b'N', b'A', b'P', b'P', b'Y', 0];
 
 /// What reading a lookup's batches may take.
 pub struct Limits<'a> {
-    /// Decompressed bytes the lookup may still read.
+    /// Bytes of batch headers and records (decompressed, or as stored when
+    /// not compressed) the lookup may still read.
     pub read_left: usize,
-    /// Charges memory a codec allocates; `false` when there is no room.
-    pub charge: &'a mut dyn FnMut(usize) -> bool,
+    /// What a batch's codec allocates is charged to, while that batch is
+    /// read.
+    pub budget: &'a Budget,
 }
 
 /// What a batch's records say.
@@ -76,15 +91,24 @@ pub fn first_record(
         log_append_time: attributes & 0x08 != 0,
         count: i32::from_be_bytes(batch[57..61].try_into().unwrap()),
     };
+    // Its header is read too, so many small batches are walked within the
+    // same bound as a few large ones.
+    let Some(left) = limits.read_left.checked_sub(HEADER) else {
+        return Scan::Unreadable;
+    };
+    limits.read_left = left;
     let records = &batch[HEADER..];
-    let charge = &mut *limits.charge;
+    // This batch's codec state, given back when its read returns.
+    let held = Held::default();
+    let budget = limits.budget;
+    let mut charge = |bytes: usize| budget.try_charge(bytes, &held);
+    let charge: &mut dyn FnMut(usize) -> bool = &mut charge;
     let left = &mut limits.read_left;
     let found = match attributes & 0x07 {
-        0 => {
-            // Already in memory: nothing decompressed.
-            let mut unbounded = usize::MAX;
-            head.walk(Capped(records, &mut unbounded), pick)
-        }
+        // Already in memory, nothing decompressed, but read against the
+        // same bound: a log of batches whose headers claim a newer record
+        // than they hold is not walked whole by each lookup.
+        0 => head.walk(Capped(records, left), pick),
         1 => {
             if !charge(GZIP_STATE + BUFFER) {
                 return Scan::Unreadable;
@@ -121,7 +145,8 @@ pub fn first_record(
         }
         3 => {
             // The frame descriptor's block size: lz4_flex keeps a block and
-            // its output (twice a block: linked blocks keep the last 64 KiB).
+            // its output (twice a block and the 64 KiB window linked blocks
+            // keep).
             let block = match records.get(5).map(|bd| (bd >> 4) & 0x07) {
                 Some(4) => 64 << 10,
                 Some(5) => 256 << 10,
@@ -129,28 +154,14 @@ pub fn first_record(
                 Some(7) => 4 << 20,
                 _ => return Scan::Unreadable,
             };
-            if !charge(3 * block + BUFFER) {
+            if !charge(3 * block + LZ4_WINDOW + BUFFER) {
                 return Scan::Unreadable;
             }
             let lz4 = lz4_flex::frame::FrameDecoder::new(records);
             head.walk(io::BufReader::new(Capped(lz4, left)), pick)
         }
-        4 => {
-            // The decoder reserves the window its frame declares at once.
-            let Some(window) = zstd_window(records) else {
-                return Scan::Unreadable;
-            };
-            let Ok(window) = usize::try_from(window) else {
-                return Scan::Unreadable;
-            };
-            if !charge(window.saturating_add(ZSTD_STATE + BUFFER)) {
-                return Scan::Unreadable;
-            }
-            let Ok(zstd) = ruzstd::decoding::StreamingDecoder::new(records) else {
-                return Scan::Unreadable;
-            };
-            head.walk(io::BufReader::new(Capped(zstd, left)), pick)
-        }
+        // zstd: never decoded (see the module's comment).
+        4 => return Scan::Unreadable,
         _ => return Scan::Unreadable,
     };
     found.unwrap_or(Scan::Unreadable)
@@ -268,25 +279,4 @@ impl Read for Xerial<'_, '_> {
         self.at += n;
         Ok(n)
     }
-}
-
-/// The window a zstd frame's header declares (RFC 8878 3.1.1.1): from its
-/// window descriptor, or, for a single-segment frame, its content size.
-fn zstd_window(frame: &[u8]) -> Option<u64> {
-    if frame.get(..4)? != [0x28, 0xb5, 0x2f, 0xfd] {
-        return None;
-    }
-    let descriptor = *frame.get(4)?;
-    if descriptor & 0x20 == 0 {
-        let w = *frame.get(5)?;
-        let base = 1u64 << (10 + u32::from(w >> 3));
-        return Some(base + base / 8 * u64::from(w & 0x07));
-    }
-    let dictionary = [0, 1, 2, 4][usize::from(descriptor & 0x03)];
-    let (size, add) = [(1, 0), (2, 256), (4, 0), (8, 0)][usize::from(descriptor >> 6)];
-    let at = 5 + dictionary;
-    let bytes = frame.get(at..at + size)?;
-    let mut le = [0u8; 8];
-    le[..size].copy_from_slice(bytes);
-    Some(u64::from_le_bytes(le) + add)
 }
