@@ -525,7 +525,7 @@ where
                     .shared
                     .closed()
                     .map_or(OperationError::Cancelled, OperationError::from);
-                self.drop_marked(op);
+                self.shared.drop_contained("drop of an operation", op);
                 self.finish(Err(why), Fate::Cancelled, true);
                 // As the cancel would have, had it not been left to this check.
                 self.shared.tidy();
@@ -686,15 +686,6 @@ where
         }
     }
 
-    /// Drops the operation (contained) as its check's end would: marked as
-    /// the innermost check on this thread, so that an event its drop raises on
-    /// a check running further up is not taken for that check's own doing.
-    pub(crate) fn drop_marked(&self, op: O) {
-        let outer = Innermost::enter(self.cell);
-        self.shared.drop_contained("drop of an operation", op);
-        Innermost::leave(outer);
-    }
-
     fn take_op(&self) -> O {
         lock(&self.cell.op)
             .take()
@@ -803,25 +794,20 @@ where
                 self.shared.remove_timer_soon(key);
             }
         }
-        let unread = d.unread.filter(|_| std::mem::needs_drop::<O::Output>());
-        if unread.is_none() && d.waker.is_none() {
-            return;
-        }
-        // User code: marked as this operation's, so that an event it raises
-        // on a check running further up this thread (one that cancelled this
-        // operation, say) is not taken for that check's own doing.
-        let outer = Innermost::enter(self.cell);
-        if let Some(unread) = unread {
+        if let Some(unread) = d.unread {
             self.shared.drop_contained("drop of an output", unread);
         }
         if let Some(w) = d.waker {
+            // User code, marked as not a check running further up this
+            // thread (one that cancelled this operation, say), as
+            // `drop_contained` marks what it drops (see `Innermost`).
+            let _marked = Innermost::mark(self.shared);
             // A waker is user code (one built from a raw vtable): a `wake`
             // that panics is contained and counted, so that the walk, expiry
             // run or cancel that finished this operation goes on with the
             // others.
             self.shared.panics().run("wake of a handle", || w.wake());
         }
-        Innermost::leave(outer);
     }
 
     /// Moves the operation's timeout to `deadline` (`now` is the caller's

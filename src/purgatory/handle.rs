@@ -511,9 +511,7 @@ impl<K: WatchKey, O: Operation> Drop for OperationHandle<K, O> {
             let op = cell.op();
             op.detach();
             if let Some(taken) = op.cancel(OperationError::Cancelled, Fate::Cancelled) {
-                // Marked as its own: an event its drop raises on a check
-                // running further up this thread reaches that check.
-                op.drop_marked(taken);
+                cell.shared.drop_contained("drop of an operation", taken);
             }
             cell.shared.tidy();
         }

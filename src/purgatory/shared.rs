@@ -13,7 +13,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::books::{Books, Fate};
-use super::cell::{Checked, Innermost, Op, OpCell};
+use super::cell::{Checked, Innermost, Marked, Op, OpCell};
 use super::error::{OperationError, WatchError};
 use super::keys::Watches;
 use super::operation::Operation;
@@ -524,7 +524,7 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
                 None => {
                     // Cancelled by key meanwhile (its call could not tidy
                     // while this registration held the operation).
-                    cell.drop_marked(op);
+                    self.drop_contained("drop of an operation", op);
                     cell.finish(Err(OperationError::Cancelled), Fate::Cancelled, true);
                     self.tidy();
                     Ok(())
@@ -565,14 +565,17 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
     /// Drops a user value (an operation, an output, a key) with no lock held,
     /// containing and counting a panic in its `Drop`.
     pub(crate) fn drop_contained<T>(&self, what: &str, value: T) {
-        if std::mem::needs_drop::<T>() {
-            // Not the check of an operation this thread may be checking: an
-            // event the drop raises on it asks for a re-run (see `Innermost`).
-            let _marked = Innermost::mark(self);
-            self.panics.drop_value(what, value);
-        } else {
-            self.panics.drop_value(what, value);
-        }
+        let _marked = self.mark_drops_of::<T>();
+        self.panics.drop_value(what, value);
+    }
+
+    /// Marks what runs until the guard goes as not the check of an
+    /// operation this thread may be checking, when dropping a `T` runs code:
+    /// an event a user value's `Drop` raises on that operation asks for a
+    /// re-run (see `Innermost`). Values with no drop code need no mark.
+    #[inline(always)]
+    fn mark_drops_of<T>(&self) -> Option<Marked> {
+        std::mem::needs_drop::<T>().then(|| Innermost::mark(self))
     }
 
     /// Drops keys the purgatory holds no more, with no lock held, each drop
@@ -582,13 +585,8 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
     /// asks for a re-run (see `Innermost`). Keys with no drop code need no
     /// such mark.
     pub(crate) fn drop_keys(&self, keys: impl IntoIterator<Item = K>) {
-        if std::mem::needs_drop::<K>() {
-            let outer = Innermost::enter(self);
-            self.panics.drop_each("drop of a key", keys);
-            Innermost::leave(outer);
-        } else {
-            self.panics.drop_each("drop of a key", keys);
-        }
+        let _marked = self.mark_drops_of::<K>();
+        self.panics.drop_each("drop of a key", keys);
     }
 
     /// Drops what was taken out of the watcher map, with no lock held. The
