@@ -866,7 +866,17 @@ fn a_timer_reset_racing_the_reaper_either_wins_or_says_false() {
                 .iter()
                 .map(|h| h.reset(Duration::from_secs(3600)))
                 .collect();
-            std::thread::sleep(ms(5));
+            // Until each task whose reset lost has run (bounded), rather
+            // than a fixed pause a slow machine could outlast.
+            let deadline = std::time::Instant::now() + Duration::from_secs(5);
+            while runs
+                .iter()
+                .zip(&moved)
+                .any(|(ran, moved)| !moved && ran.load(Ordering::SeqCst) == 0)
+                && std::time::Instant::now() < deadline
+            {
+                std::thread::yield_now();
+            }
             for (i, h) in handles.iter().enumerate() {
                 let ran = runs[i].load(Ordering::SeqCst);
                 if moved[i] {
