@@ -59,9 +59,11 @@ pub(crate) trait Job: Send + 'static {
         false
     }
     /// At the end of each turn: housekeeping of the core's owner left to the
-    /// reaper (a purgatory's purge of a map with nothing pending). Returns
-    /// whether more is left: the reaper takes another turn at once.
-    fn after_turn(_ctx: &Self::Ctx) -> bool {
+    /// reaper (a purgatory's purge of a map with nothing pending). `emptied`
+    /// says the turn left no entry in the wheels (nothing has a timeout
+    /// pending, unless it is on its way in). Returns whether more is left:
+    /// the reaper takes another turn at once.
+    fn after_turn(_ctx: &Self::Ctx, _emptied: bool) -> bool {
         false
     }
     /// The reaper task is gone and every job was abandoned: the owner's
@@ -760,7 +762,8 @@ impl<J: Job<Ctx = C>, C: Send + Sync + 'static> Core<J, C> {
             next = next.min(shard_next.unwrap_or(u64::MAX));
         }
         // The owner's housekeeping, counted in the turn's time.
-        let more = J::after_turn(&self.ctx) || more;
+        let emptied = !more && next == u64::MAX;
+        let more = J::after_turn(&self.ctx, emptied) || more;
         let c = &self.counters;
         let nanos = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
         c.turns.fetch_add(1, Ordering::Relaxed);

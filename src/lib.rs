@@ -350,7 +350,9 @@
 //!   at that instant, finds nothing due, and sleeps until what is next. A
 //!   purgatory left with nothing pending and more than about 1,000 watch
 //!   entries to purge has the reaper take the rest in turns of its own (woken
-//!   once for them when a thread other than the reaper's left it idle).
+//!   once for them when a thread other than the reaper's left it idle by an
+//!   expiry or cancellation; left so by completions, from the turn the alarm
+//!   set for their timeouts brings, with no wake-up added).
 //! - **Nothing is lost on rejection.** A refused operation or task is handed back
 //!   in the error ([`WatchError`], [`timer::ScheduleError`]).
 //! - **Shutdown loses nothing.** `shutdown()` hands back every pending operation or

@@ -968,6 +968,77 @@ async fn an_idle_purgatory_after_one_wide_operation_is_dropped_holds_no_keys() {
     );
 }
 
+/// 5,000 operations on three keys each, completed by reference (no walk,
+/// no registration after them): completions do not look at the map, so
+/// their 15,000 tombstones stay until the reaper's next turn, which the
+/// alarm set for their timeouts brings (the earliest is at 60 s); that turn
+/// finds the wheels emptied and starts the idle purge, which the turns
+/// after it finish. No wake-up is added for it.
+#[tokio::test(start_paused = true)]
+async fn an_idle_purgatory_after_completions_by_reference_holds_no_keys() {
+    let p: Purgatory<u32, Op> = Purgatory::new();
+    let ready = Arc::new(AtomicBool::new(false));
+    let refs: Vec<_> = (0..5_000u32)
+        .map(|i| {
+            let timeout = ms(60_000 + u64::from(i));
+            p.try_complete_else_watch(Op::new(&ready), timeout, [i, i + 10_000, i + 20_000])
+                .unwrap()
+                .into_op_ref()
+                .unwrap()
+        })
+        .collect();
+    settle().await;
+    let woken = p.metrics().reaper_wakeups;
+    ready.store(true, Ordering::SeqCst);
+    assert!(refs.iter().all(|r| r.try_complete()));
+    drop(refs);
+    advance(ms(59_000)).await;
+    settle().await;
+    assert_eq!(shape(&p), (0, 15_000, 15_000, 15_000), "before the turn");
+    advance(ms(1_001)).await;
+    settle().await;
+    assert_eq!(
+        shape(&p),
+        (0, 0, 0, 0),
+        "nothing pending, idle: {:?}",
+        p.metrics()
+    );
+    assert_eq!(p.metrics().reaper_wakeups, woken + 1, "the alarm's one");
+    assert!(balanced(&p.metrics()));
+}
+
+/// A walk completes the last of 5,000 operations, each also watching two
+/// keys of its own: the walk purges one slice of the 10,000 tombstones it
+/// left, and the reaper's turn at the earliest timeout the rest.
+#[tokio::test(start_paused = true)]
+async fn an_idle_purgatory_after_a_walk_completes_the_last_holds_no_keys() {
+    let p: Purgatory<u32, Op> = Purgatory::new();
+    let ready = Arc::new(AtomicBool::new(false));
+    let handles: Vec<_> = (1..=5_000u32)
+        .map(|i| {
+            p.try_complete_else_watch(Op::new(&ready), ms(30_000), [0, i, i + 10_000])
+                .unwrap()
+        })
+        .collect();
+    ready.store(true, Ordering::SeqCst);
+    assert_eq!(p.try_complete_watched(&0), 5_000);
+    for h in handles {
+        assert_eq!(h.await, Ok(Completion::Completed(1)));
+    }
+    let (delayed, _, tombstones, _) = shape(&p);
+    assert_eq!(delayed, 0);
+    assert!(tombstones > 0, "the walk purged a slice, not the whole map");
+    advance(ms(30_001)).await;
+    settle().await;
+    assert_eq!(
+        shape(&p),
+        (0, 0, 0, 0),
+        "nothing pending, idle: {:?}",
+        p.metrics()
+    );
+    assert!(balanced(&p.metrics()));
+}
+
 /// 20,000 operations on keys of their own, on a purgatory sharing its
 /// reaper with a timer, expire together. Once nothing is pending the map is
 /// purged a bounded part per reaper turn, not whole in the turn of the last

@@ -150,8 +150,11 @@ impl<K: WatchKey, O: Operation> Drop for Owner<K, O> {
 /// the amortised purge, which runs in bounded slices, reaches them (see
 /// [`PurgatoryBuilder::purge_interval`]). An expiry or cancellation that
 /// leaves tombstones as many as live entries (and at least 16), or leaves
-/// nothing pending, starts a purge at once, whatever the interval. Keys
-/// whose lists empty are removed.
+/// nothing pending, starts a purge at once, whatever the interval;
+/// completions do not look, and when they leave nothing pending the
+/// reaper's next turn starts it (that turn comes by the earliest timeout the
+/// finished operations had: their timer entries leave the wheels then, and
+/// the alarm set for them stays). Keys whose lists empty are removed.
 /// [`PurgatoryMetrics::tombstones`] counts them, apart from live watch
 /// entries. A key's list keeps the room it grew to, up to 4,096 entries of
 /// each kind (8 bytes each, 24 at a level), whatever it holds; one a burst grew past that gives the room back once it

@@ -68,10 +68,17 @@ impl<K: WatchKey, O: Operation> Job for Expiry<K, O> {
     /// The purgatory, lent to the core once it is built.
     type Ctx = Lent<K, O>;
 
-    fn after_turn(ctx: &Self::Ctx) -> bool {
-        ctx.get()
-            .and_then(Weak::upgrade)
-            .is_some_and(|shared| shared.continue_idle_purge())
+    fn after_turn(ctx: &Self::Ctx, emptied: bool) -> bool {
+        ctx.get().and_then(Weak::upgrade).is_some_and(|shared| {
+            if emptied {
+                // Completions (by reference, or by walks whose last slice
+                // left the purge part-way) may have left it with nothing
+                // pending: they do not look, and this turn, which the alarm
+                // set for their timeouts brought, does.
+                shared.tidy();
+            }
+            shared.continue_idle_purge()
+        })
     }
 
     fn after_reaper_gone(ctx: &Self::Ctx) {
@@ -979,7 +986,9 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
     /// at once, after letting other tasks run). Once operations are pending
     /// again, their registrations and walks carry the purge instead, a slice
     /// each, and the next expiry or cancellation that leaves nothing pending
-    /// hands it back here (one that completes does not look).
+    /// hands it back here. A completion does not look (it would have to sum
+    /// the counts): the first turn that finds the wheels emptied calls
+    /// [`tidy`](Self::tidy) for it (see `Job::after_turn`).
     pub(crate) fn continue_idle_purge(&self) -> bool {
         let purge = &self.purge.0;
         if !purge.idle_rest.load(Ordering::Acquire) {
