@@ -311,7 +311,9 @@
 //!   outcome. Checks of one operation never overlap and never run after it
 //!   finished.
 //! - **No missed events.** An event that arrives while an operation registers,
-//!   or while another thread checks it, makes it check again, unless it is
+//!   or while another thread checks it, makes it check again (for a watch at
+//!   a level, an event is a call that moves the key past the level the watch
+//!   stands at, see [`Purgatory::try_complete_reached`]), unless it is
 //!   cancelled or its timeout fires during that check (it then finishes so,
 //!   once the check under way says "not yet"). Events that keep asking for a
 //!   re-run faster than the check runs keep the thread checking it re-running

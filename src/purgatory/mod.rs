@@ -471,8 +471,16 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
     /// A [`shutdown`](Purgatory::shutdown) racing this call either takes the
     /// operation (the handle resolves to [`OperationError::Shutdown`]) or this
     /// call fails with [`WatchError::Shutdown`]: the operation is never lost. An
-    /// event on one of the keys, or a [`cancel_for_key`](Purgatory::cancel_for_key)
-    /// of one, while this call runs is acted on by this call before it returns.
+    /// event on one of the keys while this call runs is acted on by this call
+    /// before it returns (its second check runs after every watch is in
+    /// place). A [`cancel_for_key`](Purgatory::cancel_for_key) of one of the
+    /// keys while this call runs comes either before the operation watches
+    /// that key, and finds nothing of it to cancel (as if it came before this
+    /// call: the operation goes on registering), or after, and is then carried
+    /// out by this call before it returns (the handle resolves to
+    /// [`OperationError::Cancelled`]). The code of a key (its `Clone`, run
+    /// when the key is first watched) that cancels by that same key is of the
+    /// first kind.
     ///
     /// # Examples
     ///
@@ -866,11 +874,19 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
     /// `min_bytes` the new data does not fill yet) leaves the operation
     /// watching `key` one level above `level`: it is checked again by the next
     /// call whose level is higher than this one, and not by calls that do not
-    /// move the key past `level`. Its other watches and its timeout are
+    /// move the key past `level`; its other watches and its timeout are
     /// unchanged. Such operations are re-checked once per advance (once per
     /// watch the advance reaches, for one watching the key at several levels,
     /// or at a level and plainly) until they complete, time out or are
-    /// cancelled; the others are never touched.
+    /// cancelled; the others are never touched. The watch moves up when an
+    /// advance takes the operation out, before its check runs: another call
+    /// for the same key at that level or lower that comes while the check
+    /// runs does not reach the operation and asks for no re-run (the key has
+    /// moved no further than the check already knows), while one past it asks
+    /// for a re-run as any event does. Signal a change other than the key's
+    /// level through a plain watch
+    /// ([`try_complete_watched`](Purgatory::try_complete_watched)) or another
+    /// key.
     ///
     /// **A level lower than before** (a leader change truncating the log)
     /// checks what watches the key at or below it, and the plain watchers, as
