@@ -1089,7 +1089,9 @@ fn waker_that_advances_and_updates() {
 /// Resets racing the reaper on real threads: a reset that returned true
 /// leaves the operation pending (its old deadline, a few milliseconds off,
 /// passes while the test waits, and does not fire); one that returned false
-/// found it expired.
+/// found it expired. The test waits for a sentinel registered last and due
+/// 6 ms after the latest old deadline: once the reaper has expired it, it
+/// has passed every old deadline.
 #[test]
 fn resets_racing_the_reaper_either_win_or_say_false() {
     within(60, || {
@@ -1109,6 +1111,11 @@ fn resets_racing_the_reaper_either_win_or_say_false() {
                     .unwrap()
             })
             .collect();
+        // Due after every old deadline (the latest 1.9 ms from its
+        // registration), by several ticks.
+        let sentinel = p
+            .try_complete_else_watch(H::never(), Duration::from_millis(8), [999])
+            .unwrap();
         let refs = Arc::new(refs);
         let results: Vec<Vec<(usize, bool)>> = (0..2)
             .map(|t| {
@@ -1122,7 +1129,15 @@ fn resets_racing_the_reaper_either_win_or_say_false() {
             })
             .map(|h| h.join().unwrap())
             .collect();
-        rt.block_on(tokio::time::sleep(Duration::from_millis(30)));
+        // Real time is the point (the reaper runs on it): wait until the
+        // reaper has expired the sentinel, so has passed every old deadline.
+        let out = rt
+            .block_on(tokio::time::timeout(Duration::from_secs(10), sentinel))
+            .expect("the sentinel expired within 10 s");
+        assert!(
+            matches!(out, Ok(Completion::Expired(_))),
+            "sentinel: {out:?}"
+        );
         for (i, ok) in results.into_iter().flatten() {
             let st = refs[i].status();
             if ok {

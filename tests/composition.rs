@@ -2408,11 +2408,21 @@ struct World {
     ready: Vec<AtomicBool>,
     /// Registrations user code may still make.
     budget: AtomicUsize,
+    /// The latest deadline under 5 s set by a registration or a reset, in
+    /// nanoseconds from `origin` (real time).
+    origin: std::time::Instant,
+    short_due: AtomicU64,
 }
 
 impl World {
     fn rng(&self) -> Rng {
         Rng(self.seed.fetch_add(0x9E37_79B9, Ordering::Relaxed))
+    }
+
+    /// Notes a short deadline `d` from now.
+    fn short(&self, d: Duration) {
+        let due = (self.origin.elapsed() + d).as_nanos() as u64;
+        self.short_due.fetch_max(due, Ordering::SeqCst);
     }
 
     /// One random call on the public API, from user code `depth` deep.
@@ -2435,7 +2445,9 @@ impl World {
             }
             1 => {
                 if let Some(o) = other() {
-                    o.reset(ms(r.below(20)));
+                    let d = ms(r.below(20));
+                    self.short(d);
+                    o.reset(d);
                 }
             }
             2 if r.below(4) == 0 => {
@@ -2532,7 +2544,9 @@ impl World {
         let timeout = if r.below(5) == 0 {
             Duration::from_secs(5)
         } else {
-            ms(1 + r.below(30))
+            let d = ms(1 + r.below(30));
+            self.short(d);
+            d
         };
         let res = if r.below(2) == 0 {
             p.try_complete_else_watch(op, timeout, [k1, k2])
@@ -2580,6 +2594,8 @@ fn stress_round(seed: u64) {
                     .map(|_| AtomicBool::new(false))
                     .collect(),
                 budget: AtomicUsize::new(800),
+                origin: std::time::Instant::now(),
+                short_due: AtomicU64::new(0),
             });
             let mut threads = Vec::new();
             for th in 0..3u64 {
@@ -2592,8 +2608,18 @@ fn stress_round(seed: u64) {
                         w.register(&p, &mut r);
                         w.act(0);
                         if i % 50 == 0 {
-                            // Lets the reaper's expiries and tasks interleave.
-                            std::thread::sleep(ms(2));
+                            // Lets the reaper's expiries and tasks interleave:
+                            // waits for the next expiry (the short timeouts
+                            // run on real time, 1 to 30 ms), or until nothing
+                            // is pending; pacing only, so at most 1 s.
+                            let expired = p.metrics().expired;
+                            let give_up = std::time::Instant::now() + Duration::from_secs(1);
+                            while p.metrics().expired == expired
+                                && p.delayed() > 0
+                                && std::time::Instant::now() < give_up
+                            {
+                                std::thread::sleep(Duration::from_micros(200));
+                            }
                         }
                     }
                 }));
@@ -2601,8 +2627,21 @@ fn stress_round(seed: u64) {
             for th in threads {
                 th.join().unwrap();
             }
-            // Let the short timeouts expire (their code acting too).
-            tokio::time::sleep(ms(100)).await;
+            // Let the short timeouts expire (their code acting too): real
+            // time must pass for that, until the latest short deadline set
+            // (their code may set more meanwhile), and the reaper's tick and
+            // wake-up after it; then the shutdown hands back the rest
+            // (pacing only: their code stops setting more soon, and past 10 s
+            // this waits no more).
+            let give_up = w.origin.elapsed() + Duration::from_secs(10);
+            loop {
+                let due = Duration::from_nanos(w.short_due.load(Ordering::SeqCst)) + ms(3);
+                let now = w.origin.elapsed();
+                if now >= due.min(give_up) {
+                    break;
+                }
+                tokio::time::sleep(due - now).await;
+            }
             // Stop: shutdown hands back what is left.
             drop(p.shutdown());
             let hs: Vec<_> = std::mem::take(&mut *w.handles.lock().unwrap());

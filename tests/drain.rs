@@ -164,7 +164,16 @@ async fn registrations_racing_a_drain_are_refused_or_waited_for() {
                 })
             })
             .collect();
-        tokio::time::sleep(ms(1)).await;
+        // The drain starts once the producers are registering (polled, at
+        // most 10 s).
+        let give_up = std::time::Instant::now() + Duration::from_secs(10);
+        while p.metrics().registered == 0 {
+            assert!(
+                std::time::Instant::now() < give_up,
+                "the producers registered nothing within 10 s"
+            );
+            tokio::task::yield_now().await;
+        }
         tokio::time::timeout(Duration::from_secs(10), p.drain())
             .await
             .expect("the drain ends once the expiries come");

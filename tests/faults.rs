@@ -604,15 +604,34 @@ async fn a_recheck_that_reenters_and_still_fails_ends() {
 /// handle resolves, and the walkers (the owner among them) get free.
 #[test]
 fn a_storm_of_walks_cannot_hold_an_operation_past_its_timeout() {
-    /// Never completes; each check takes a while (it waits, as a check
-    /// reading a slow store would), so that the walks on other threads ask
-    /// again before it ends.
-    struct Slow(Arc<AtomicUsize>);
+    /// What the walkers share with the check: armed once they run, the
+    /// walks they have finished, and their stop.
+    #[derive(Default)]
+    struct Storm {
+        armed: AtomicBool,
+        walks: AtomicUsize,
+        stop: AtomicBool,
+    }
+    /// Never completes; each check, once the walkers run, takes a while (as
+    /// a check reading a slow store would): it holds until the other
+    /// threads' walks have asked again twice while it runs (a walk finding
+    /// the check under way asks for a re-run and returns), at most 5 ms.
+    struct Slow(Arc<AtomicUsize>, Arc<Storm>);
     impl Operation for Slow {
         type Output = ();
         fn try_complete(&mut self) -> Option<()> {
             self.0.fetch_add(1, Ordering::Relaxed);
-            std::thread::sleep(Duration::from_micros(300));
+            let storm = &self.1;
+            if storm.armed.load(Ordering::SeqCst) {
+                let asked = storm.walks.load(Ordering::SeqCst) + 2;
+                let give_up = std::time::Instant::now() + Duration::from_millis(5);
+                while storm.walks.load(Ordering::SeqCst) < asked
+                    && !storm.stop.load(Ordering::SeqCst)
+                    && std::time::Instant::now() < give_up
+                {
+                    std::thread::yield_now();
+                }
+            }
             None
         }
         fn on_expiration(self) {}
@@ -621,18 +640,20 @@ fn a_storm_of_walks_cannot_hold_an_operation_past_its_timeout() {
         let rt = support::multi();
         let p: Purgatory<u32, Slow> = Purgatory::builder().build_on(rt.handle()).unwrap();
         let checks = Arc::new(AtomicUsize::new(0));
+        let storm = Arc::new(Storm::default());
         let h = {
             let _in = rt.enter();
-            p.try_complete_else_watch(Slow(checks.clone()), ms(50), [1])
+            p.try_complete_else_watch(Slow(checks.clone(), storm.clone()), ms(50), [1])
                 .unwrap()
         };
-        let stop = Arc::new(AtomicBool::new(false));
+        storm.armed.store(true, Ordering::SeqCst);
         let walkers: Vec<_> = (0..4)
             .map(|_| {
-                let (p, stop) = (p.clone(), stop.clone());
+                let (p, storm) = (p.clone(), storm.clone());
                 std::thread::spawn(move || {
-                    while !stop.load(Ordering::Relaxed) {
+                    while !storm.stop.load(Ordering::Relaxed) {
                         p.try_complete_watched(&1);
+                        storm.walks.fetch_add(1, Ordering::SeqCst);
                     }
                 })
             })
@@ -642,7 +663,7 @@ fn a_storm_of_walks_cannot_hold_an_operation_past_its_timeout() {
         // Late by a check or so, and the runtime's wake-up; a storm that
         // held the expiry behind its re-runs made it late by seconds.
         let late = std::time::Instant::now().saturating_duration_since(due);
-        stop.store(true, Ordering::Relaxed);
+        storm.stop.store(true, Ordering::SeqCst);
         for w in walkers {
             w.join().unwrap();
         }

@@ -1177,13 +1177,27 @@ fn handle_paths_racing_finish_each_once() {
             }
             t1.join().unwrap();
             t2.join().unwrap();
-            tokio::time::sleep(Duration::from_millis(50)).await;
+            // The timeouts (0.05 to 0.8 ms) run on real time: wait until
+            // nothing is pending and every operation is dropped (polled,
+            // at most 10 s; the assertions below say what was not).
+            let give_up = std::time::Instant::now() + Duration::from_secs(10);
+            while (p.delayed() != 0 || op_drops.load(Ordering::SeqCst) != N)
+                && std::time::Instant::now() < give_up
+            {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
             let m = p.metrics();
             assert_eq!(m.delayed, 0, "{m:?}");
             assert!(balanced(&m), "{m:?}");
             assert_eq!(m.registered as usize, N);
             assert_eq!(op_drops.load(Ordering::SeqCst), N, "every op dropped once");
             drop(std::mem::take(&mut outcomes));
+            let give_up = std::time::Instant::now() + Duration::from_secs(10);
+            while out_drops.load(Ordering::SeqCst) as u64 != m.completed + m.expired
+                && std::time::Instant::now() < give_up
+            {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
             assert_eq!(
                 out_drops.load(Ordering::SeqCst) as u64,
                 m.completed + m.expired,

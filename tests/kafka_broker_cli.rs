@@ -37,14 +37,24 @@ fn binary() -> String {
             .expect("cargo runs");
         assert!(ok.success(), "the example builds");
     });
-    format!("{root}/target/debug/examples/kafka_broker")
+    // Where that build put it: CARGO_TARGET_DIR if set (relative to the
+    // package), else the package's target directory.
+    let target = match std::env::var("CARGO_TARGET_DIR") {
+        Ok(d) if std::path::Path::new(&d).is_absolute() => d,
+        Ok(d) => format!("{root}/{d}"),
+        Err(_) => format!("{root}/target"),
+    };
+    format!("{target}/debug/examples/kafka_broker")
 }
 
-/// A broker child: its first stdout line (if any) and stderr collected.
+/// A broker child: its first stdout line (if any), the lines after it, and
+/// stderr collected.
 struct Broker {
     child: Child,
     /// "listening on ADDR" once printed.
     listening: Option<std::net::SocketAddr>,
+    /// The stdout lines after the first.
+    stdout: mpsc::Receiver<String>,
     stderr: mpsc::Receiver<String>,
 }
 
@@ -89,11 +99,9 @@ impl Broker {
         });
         let (tx, rx) = mpsc::channel();
         std::thread::spawn(move || {
-            let mut lines = BufReader::new(stdout).lines();
-            if let Some(Ok(l)) = lines.next() {
+            for l in BufReader::new(stdout).lines().map_while(Result::ok) {
                 let _ = tx.send(l);
             }
-            for _ in lines {}
         });
         let listening = rx
             .recv_timeout(Duration::from_secs(secs))
@@ -102,8 +110,23 @@ impl Broker {
         Broker {
             child,
             listening,
+            stdout: rx,
             stderr: erx,
         }
+    }
+
+    /// Where the metrics are served, from the "metrics on
+    /// http://ADDR/metrics" line (`--metrics-addr` given), within 5 s.
+    fn metrics_addr(&self) -> std::net::SocketAddr {
+        let line = self
+            .stdout
+            .recv_timeout(Duration::from_secs(5))
+            .expect("a line saying where the metrics are served");
+        line.strip_prefix("metrics on http://")
+            .and_then(|l| l.strip_suffix("/metrics"))
+            .unwrap_or_else(|| panic!("not where the metrics are: {line:?}"))
+            .parse()
+            .unwrap()
     }
 
     /// Waits up to `secs` for the child to exit on its own.
@@ -116,7 +139,7 @@ impl Broker {
             if Instant::now() > deadline {
                 return None;
             }
-            std::thread::sleep(Duration::from_millis(20));
+            std::thread::sleep(Duration::from_millis(5));
         }
     }
 
@@ -174,6 +197,23 @@ async fn answers(addr: std::net::SocketAddr) -> bool {
     .ok()
     .flatten()
     .is_some_and(|r| r.error_code == 0)
+}
+
+/// The value of `key` (a metric and its labels) on the metrics page served
+/// at `at`, if the page answers and has it.
+async fn metric(at: std::net::SocketAddr, key: &str) -> Option<f64> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut http = tokio::net::TcpStream::connect(at).await.ok()?;
+    http.write_all(b"GET /metrics HTTP/1.1\r\nHost: t\r\n\r\n")
+        .await
+        .ok()?;
+    let mut page = String::new();
+    http.read_to_string(&mut page).await.ok()?;
+    let (_, body) = page.split_once("\r\n\r\n")?;
+    body.lines()
+        .filter_map(|l| l.rsplit_once(' '))
+        .find(|(k, _)| *k == key)
+        .and_then(|(_, v)| v.parse().ok())
 }
 
 fn rt() -> tokio::runtime::Runtime {
@@ -407,10 +447,20 @@ fn serve_logs_a_refused_connection_and_honours_rust_log() {
 #[test]
 fn sigterm_shuts_down_gracefully_answering_what_waits() {
     let b = Broker::start(
-        &["--topics", "t", "--followers", "1", "--stuck-follower", "0"],
+        &[
+            "--topics",
+            "t",
+            "--followers",
+            "1",
+            "--stuck-follower",
+            "0",
+            "--metrics-addr",
+            "127.0.0.1:0",
+        ],
         20,
     );
     let addr = b.listening.expect("the broker starts");
+    let metrics = b.metrics_addr();
     let mut b = b;
     let pid = b.child.id();
     let (produced, fetched, status) = rt().block_on(async {
@@ -421,8 +471,20 @@ fn sigterm_shuts_down_gracefully_answering_what_waits() {
         let fetch = wire::fetch("t", &[(0, 0)], Duration::from_secs(30), 1, 1 << 20);
         f.send(&fetch, wire::FETCH_VERSION).await.unwrap();
         // Both parked (the follower copies nothing; nothing is replicated
-        // for the fetch to read).
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        // for the fetch to read): polled on the metrics page, at most 10 s.
+        let give_up = Instant::now() + Duration::from_secs(10);
+        loop {
+            let produce = metric(metrics, "tokio_purgatory_delayed{name=\"produce\"}").await;
+            let fetch = metric(metrics, "tokio_purgatory_delayed{name=\"fetch\"}").await;
+            if produce == Some(1.0) && fetch == Some(1.0) {
+                break;
+            }
+            assert!(
+                Instant::now() < give_up,
+                "the produce and fetch not parked within 10 s: {produce:?} {fetch:?} waiting"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
         let killed = Command::new("kill")
             .args(["-TERM", &pid.to_string()])
             .status()

@@ -169,8 +169,8 @@ async fn answers_nobody_reads_stay_within_the_budget() {
             silent.push(c); // never read
         }
         // Time for the answers (due at once) to be built; those the sockets'
-        // buffers do not take wait to be written.
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        // buffers do not take wait to be written: until the heap holds still.
+        heap_settled().await;
         let grown = alloc::live_bytes() - before;
         assert!(
             b.broker.budget.in_use() <= budget,
@@ -246,7 +246,8 @@ async fn a_parked_fetch_holds_no_more_than_its_charge() {
             assert!(tokio::time::Instant::now() < deadline, "parked");
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
-        // (Time for a registration of more watches to finish.)
+        // (Time for a registration of more watches to finish: a wait for
+        // something that must not happen, so a short fixed one.)
         tokio::time::sleep(Duration::from_millis(50)).await;
         assert_eq!(b.broker.fetches.metrics().watched, 4);
         let grown = alloc::live_bytes() - before;
@@ -673,7 +674,7 @@ async fn metadata_answers_are_charged_to_the_budget() {
             assert!(r.topics.iter().all(|t| t.error_code == 0));
         }
         drop(w);
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        heap_settled().await;
         let before = alloc::live_bytes();
         let mut socks = vec![];
         for i in 0..40 {
@@ -687,6 +688,8 @@ async fn metadata_answers_are_charged_to_the_budget() {
             socks.push(st);
         }
         let mut most = 0;
+        // Sampled over 3 s of real time: the answers are held until written
+        // or their frame timeout, and the most they hold at once is measured.
         for _ in 0..30 {
             tokio::time::sleep(Duration::from_millis(100)).await;
             most = most.max(alloc::live_bytes() - before);
@@ -718,7 +721,7 @@ async fn overlong_compact_group_ids_are_not_kept() {
         ..Config::default()
     };
     alone_with(config, |b| async move {
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        heap_settled().await;
         let before = alloc::live_bytes();
         let mut kept = 0;
         for i in 0..16 {
@@ -741,7 +744,7 @@ async fn overlong_compact_group_ids_are_not_kept() {
                 kept += 1;
             }
         }
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        heap_settled().await;
         let grown = alloc::live_bytes() - before;
         assert!(bystander(&b).await);
         assert!(
@@ -917,7 +920,7 @@ async fn pending_member_ids_are_bounded_in_bytes() {
                 }
             }
         }
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        heap_settled().await;
         let grown = alloc::live_bytes() - before;
         assert!(bystander(&b).await);
         assert!(

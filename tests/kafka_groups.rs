@@ -271,6 +271,24 @@ async fn until(secs: u64, what: &str, cond: impl Fn() -> bool) {
     }
 }
 
+/// Waits (up to 10 s) until the live heap holds still: the same at four
+/// looks 5 ms apart (tasks ended, frames and answers dropped).
+async fn heap_settled() {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut last = live();
+    let mut same = 0;
+    while same < 3 {
+        assert!(
+            Instant::now() < deadline,
+            "waited too long for the heap to settle"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        let now = live();
+        same = if now == last { same + 1 } else { 0 };
+        last = now;
+    }
+}
+
 /// A stable group of one: `a` joined (leader) and synced.
 async fn stable_alone(b: &BrokerHandle, g: &str) -> M {
     let mut a = M::new(b).await;
@@ -303,11 +321,18 @@ async fn a_leader_that_never_syncs_is_expired() {
         // Never syncs, never heartbeats, connection gone; ten session
         // timeouts later:
         drop(a);
-        tokio::time::sleep(Duration::from_millis(1000)).await;
-        let (_, members) = b.broker.groups.describe("g").unwrap_or_default();
+        // Polled, at most 10 s (100 session timeouts).
+        let t = Instant::now();
+        let members = loop {
+            let (_, members) = b.broker.groups.describe("g").unwrap_or_default();
+            if members.is_empty() || t.elapsed() > Duration::from_secs(10) {
+                break members;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        };
         assert!(
             members.is_empty(),
-            "a dead leader still holds the group after 10 session timeouts: {members:?}"
+            "a dead leader still holds the group after 100 session timeouts: {members:?}"
         );
         b.shutdown().await;
     })
@@ -621,7 +646,7 @@ async fn join_metadata_is_kept_within_its_bound() {
         let busy = code(ResponseError::CoordinatorLoadInProgress);
         assert_eq!(codes, [0, 0, 0, busy, busy], "three fit in 24 MiB");
         drop(big);
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        heap_settled().await;
         let grown = live() - before;
         assert!(
             grown < (bound + (8 << 20)) as isize,
@@ -850,9 +875,12 @@ async fn kip_394_two_step_join() {
         assert_eq!(r.error_code, code_of(ResponseError::MemberIdRequired));
         assert!(!r.member_id.is_empty());
         assert!(b.broker.groups.describe("g").is_some());
-        tokio::time::sleep(Duration::from_millis(400)).await;
-        // Pending id expired: the group is forgotten and the id is unknown.
-        assert!(b.broker.groups.describe("g").is_none());
+        // Pending id expired (its session is 100 ms): the group is
+        // forgotten and the id is unknown.
+        until(10, "the pending id expired and the group forgotten", || {
+            b.broker.groups.describe("g").is_none()
+        })
+        .await;
         let r = p.join_once("g", 4).await;
         assert_eq!(r.error_code, code_of(ResponseError::UnknownMemberId));
         // Made-up id.
@@ -1185,6 +1213,7 @@ async fn a_follower_whose_sync_went_unanswered_expires() {
             let (mut f, c) = fj.await.unwrap();
             assert_eq!(c, 0);
             // F's sync waits for the leader's assignments, which never come.
+            let (seen, parked) = tokio::sync::oneshot::channel::<()>();
             let fs = tokio::spawn(async move {
                 if hang_up {
                     let sync = SyncGroupRequest::default()
@@ -1192,8 +1221,9 @@ async fn a_follower_whose_sync_went_unanswered_expires() {
                         .with_generation_id(f.gen)
                         .with_member_id(s(&f.id));
                     f.w.send(&sync, 3).await.unwrap();
-                    // Parked, then the client is gone.
-                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    // Parked (once the test has seen it so), then the
+                    // client is gone.
+                    let _ = parked.await;
                 } else {
                     let code = f.sync(g).await;
                     assert_eq!(code, code_of(ResponseError::RebalanceInProgress));
@@ -1204,6 +1234,7 @@ async fn a_follower_whose_sync_went_unanswered_expires() {
                 b.broker.groups.syncs.delayed() == 1
             })
             .await;
+            let _ = seen.send(());
             let t = Instant::now();
             loop {
                 let code = a.heartbeat(g).await;
@@ -1384,7 +1415,7 @@ async fn sync_and_find_coordinator() {
         let mut a = a; // the connection's reader keeps its buffer: close it
         let _ = &mut a.w;
         drop(a);
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        heap_settled().await;
         assert!(live() - before < 1 << 20, "{}", live() - before);
         let mut w = Wire::connect(b.addr).await.unwrap();
         let keys: Vec<StrBytes> = (0..10_000).map(|i| s(&format!("k{i}"))).collect();
@@ -2016,7 +2047,8 @@ async fn many_members_join_then_vanish() {
             .unwrap();
         assert_eq!(r.error_code, code(ResponseError::UnknownMemberId));
         drop(by);
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        until(10, "no join waits", || b.broker.groups.joins.delayed() == 0).await;
+        heap_settled().await;
         assert_eq!(b.broker.groups.joins.delayed(), 0);
         let grown = live() - before;
         assert!(grown < 1 << 20, "heap grew {grown} bytes");
@@ -2190,7 +2222,7 @@ async fn committed_offsets_are_bounded_in_bytes() {
             .await
             .unwrap();
         assert_eq!(r.topics[0].partitions[0].error_code, 0);
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        heap_settled().await;
         let before = live();
         let md = "m".repeat(4096);
         let (mut taken, mut refused) = (0, 0);
@@ -2207,7 +2239,7 @@ async fn committed_offsets_are_bounded_in_bytes() {
                 }
             }
         }
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        heap_settled().await;
         let grown = live() - before;
         assert!(
             refused > 0 && taken * 4096 <= bound,

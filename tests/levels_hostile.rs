@@ -4,16 +4,19 @@
 //! key, handles dropped from their own level check, shutdown, drain and
 //! cancellation by key from inside an advance, panics mixed in one advance,
 //! resets to the past from a level check, keys re-registering from their
-//! `Drop`, `Eq` panicking mid-registration; and real-thread races of
-//! advances against registrations, cancels, expiries, shutdowns and the last
-//! purgatory dropped.
+//! `Drop`, `Eq` panicking mid-registration, one key watched plainly and at
+//! several levels, checks and drops that call back into the key being
+//! advanced, entries of completed operations on a key never advanced; and
+//! real-thread races of advances against registrations, cancels, expiries,
+//! shutdowns and the last purgatory dropped, and of events against a check
+//! held inside on another thread (which of them ask for a re-run).
 
 mod support;
 
 use std::hash::{Hash, Hasher};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{mpsc, Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use tokio_purgatory::{
@@ -339,6 +342,40 @@ fn a_key_clone_that_cancels_an_earlier_key_mid_level_registration() {
         let m = p.metrics();
         assert_eq!((m.watched, m.tombstones), (0, 0), "{m:?}");
     })
+}
+
+/// A key whose `Clone` (run when the key is first watched) cancels by that
+/// same key: the cancel comes before the operation watches the key, so it
+/// finds nothing of the registering operation. The registration succeeds,
+/// the cancel returns nothing, and the operation later finishes by its
+/// timeout.
+#[tokio::test(start_paused = true)]
+async fn a_key_clone_cancelling_its_own_key_cancels_nothing_of_the_registration() {
+    let p: CP = Purgatory::new();
+    let slot: Slot<CP> = Arc::default();
+    slot.set(p.clone()).ok().unwrap();
+    let s = slot.clone();
+    let got: Arc<Mutex<Vec<usize>>> = Arc::default();
+    let g = got.clone();
+    let key = CKey {
+        id: 1,
+        on_clone: Some(Arc::new(move || {
+            let back = s.get().unwrap().cancel_for_key(&1u32);
+            g.lock().unwrap().push(back.len());
+        })),
+        on_drop: None,
+    };
+    let h = p
+        .try_complete_else_watch_levels(L::never(), Duration::from_secs(1), [Watch::level(key, 10)])
+        .unwrap();
+    assert_eq!(
+        *got.lock().unwrap(),
+        [0],
+        "the clone ran once and its cancel found nothing"
+    );
+    assert!(!h.is_finished(), "the registration left it pending");
+    assert_eq!(val(h.await), Ok(Completion::Expired(0)));
+    cquiet(&p);
 }
 
 // ---------------------------------------------------------------------------
@@ -1140,4 +1177,420 @@ async fn a_level_keys_eq_panicking_mid_registration_changes_nothing() {
     tokio::time::timeout(ms(10), p.drain())
         .await
         .expect("drain ends");
+}
+
+// ---------------------------------------------------------------------------
+// 16. One key watched plainly and at several levels by one operation.
+
+/// An operation watching one key plainly and at two levels (one of them
+/// `u64::MAX`) is handed back once by a cancel of that key, and nothing of it
+/// is left behind.
+#[tokio::test(start_paused = true)]
+async fn cancel_for_key_hands_back_an_operation_watching_plainly_and_at_levels_once() {
+    let p: P = Purgatory::new();
+    let h = p
+        .try_complete_else_watch_levels(
+            L::never(),
+            ms(1000),
+            [
+                Watch::key(1),
+                Watch::level(1, 5),
+                Watch::level(1, u64::MAX),
+                Watch::key(1),
+            ],
+        )
+        .unwrap();
+    assert_eq!(p.watched(), 3);
+    let back = p.cancel_for_key(&1);
+    assert_eq!(back.len(), 1);
+    drop(back);
+    assert_eq!(val(h.await), Err(OperationError::Cancelled));
+    let m = p.metrics();
+    assert_eq!(
+        (m.delayed, m.watched, m.tombstones, m.keys),
+        (0, 0, 0, 0),
+        "{m:?}"
+    );
+    assert!(balanced(&m), "{m:?}");
+}
+
+/// An advance past an operation watching one key plainly and at two levels
+/// completes it once, every check it runs told the level reached.
+#[tokio::test(start_paused = true)]
+async fn an_advance_past_plain_and_level_watches_of_one_key_completes_once() {
+    let p: P = Purgatory::new();
+    let calls = Arc::new(Mutex::new(Vec::new()));
+    let c = calls.clone();
+    let h = p
+        .try_complete_else_watch_levels(
+            L::new(move |l| {
+                c.lock().unwrap().push(l);
+                (l == Some(10) && c.lock().unwrap().len() >= 4).then_some(1)
+            }),
+            ms(1000),
+            [Watch::key(1), Watch::level(1, 5), Watch::level(1, 3)],
+        )
+        .unwrap();
+    assert_eq!(p.try_complete_reached(&1, 10), 1);
+    assert_eq!(val(h.await), Ok(Completion::Completed(1)));
+    let got = calls.lock().unwrap().clone();
+    assert_eq!(got[..2], [None, None], "the registration's checks");
+    assert!(got[2..].iter().all(|l| *l == Some(10)), "{got:?}");
+    settle().await;
+    let m = p.metrics();
+    assert_eq!((m.delayed, m.watched, m.tombstones), (0, 0, 0), "{m:?}");
+}
+
+// ---------------------------------------------------------------------------
+// 17. Checks and drops run by an advance that call back into the same key.
+
+/// A check that cancels its own key while an advance runs it is cancelled
+/// once it says "not yet"; the rest of the advance's batch is handed back by
+/// that cancel, and nothing is left behind once their timeouts pass.
+#[tokio::test(start_paused = true)]
+async fn a_check_cancelling_its_own_level_key_mid_advance() {
+    let p: P = Purgatory::new();
+    let slot: Slot<P> = Arc::default();
+    slot.set(p.clone()).ok().unwrap();
+    let handed = Arc::new(AtomicUsize::new(0));
+    let (s, hd) = (slot.clone(), handed.clone());
+    let first = p
+        .try_complete_else_watch_levels(
+            L::new(move |l| {
+                if l.is_some() {
+                    let back = s.get().unwrap().cancel_for_key(&1);
+                    hd.fetch_add(back.len(), Ordering::SeqCst);
+                }
+                None
+            }),
+            ms(1000),
+            [Watch::level(1, 1), Watch::key(2)],
+        )
+        .unwrap();
+    let others: Vec<_> = (0..5)
+        .map(|i| {
+            p.try_complete_else_watch_levels(
+                L::new(|l| l.filter(|_| false)),
+                ms(1000),
+                [Watch::level(1, 1 + i), Watch::key(3)],
+            )
+            .unwrap()
+        })
+        .collect();
+    assert_eq!(p.try_complete_reached(&1, 100), 0);
+    assert_eq!(handed.load(Ordering::SeqCst), 5);
+    assert_eq!(val(first.await), Err(OperationError::Cancelled));
+    for h in others {
+        assert_eq!(val(h.await), Err(OperationError::Cancelled));
+    }
+    settle().await;
+    let m = p.metrics();
+    assert_eq!(m.delayed, 0, "{m:?}");
+    assert!(balanced(&m), "{m:?}");
+    tokio::time::advance(ms(2000)).await;
+    settle().await;
+    let m = p.metrics();
+    assert_eq!((m.watched, m.tombstones, m.keys), (0, 0, 0), "{m:?}");
+}
+
+/// An operation registered from a check run by an advance, on the same key
+/// at a level that advance already passed, is found by a later advance to
+/// the same level once its check says yes.
+#[tokio::test(start_paused = true)]
+async fn a_registration_from_inside_an_advance_at_a_passed_level_is_found_later() {
+    let p: P = Purgatory::new();
+    let slot: Slot<P> = Arc::default();
+    slot.set(p.clone()).ok().unwrap();
+    let gate = Arc::new(AtomicBool::new(false));
+    let inner: Arc<Mutex<Option<OperationHandle<u32, L>>>> = Arc::default();
+    let (s, g, i) = (slot.clone(), gate.clone(), inner.clone());
+    let mut once = true;
+    let outer = p
+        .try_complete_else_watch_levels(
+            L::new(move |l| {
+                if l.is_some() && once {
+                    once = false;
+                    let g = g.clone();
+                    let h = s
+                        .get()
+                        .unwrap()
+                        .try_complete_else_watch_levels(
+                            L::new(move |_| g.load(Ordering::SeqCst).then_some(5)),
+                            Duration::from_secs(10),
+                            [Watch::level(1, 3)],
+                        )
+                        .unwrap();
+                    *i.lock().unwrap() = Some(h);
+                    return Some(1);
+                }
+                None
+            }),
+            ms(1000),
+            [Watch::level(1, 2)],
+        )
+        .unwrap();
+    assert_eq!(p.try_complete_reached(&1, 10), 1);
+    assert_eq!(val(outer.await), Ok(Completion::Completed(1)));
+    gate.store(true, Ordering::SeqCst);
+    assert_eq!(
+        p.try_complete_reached(&1, 10),
+        1,
+        "the inner one at level 3"
+    );
+    let h = inner.lock().unwrap().take().unwrap();
+    assert_eq!(val(h.await), Ok(Completion::Completed(5)));
+}
+
+/// A check whose call completes another operation, whose drop advances the
+/// first one's key further: the first is re-run once, told the higher level.
+#[tokio::test(start_paused = true)]
+async fn a_drop_caused_by_a_check_hands_its_level_to_the_rerun() {
+    let p: P = Purgatory::new();
+    let slot: Slot<P> = Arc::default();
+    slot.set(p.clone()).ok().unwrap();
+    let told = Arc::new(Mutex::new(Vec::new()));
+    let (t, s) = (told.clone(), slot.clone());
+    let a = p
+        .try_complete_else_watch_levels(
+            L::new(move |l| {
+                t.lock().unwrap().push(l);
+                if l == Some(10) {
+                    // Completes `b`, whose drop advances key 1 to 20.
+                    s.get().unwrap().try_complete_reached(&2, 1);
+                }
+                (l == Some(20)).then_some(20)
+            }),
+            ms(1000),
+            [Watch::level(1, 5)],
+        )
+        .unwrap();
+    let s = slot.clone();
+    let b = p
+        .try_complete_else_watch_levels(
+            L::new(|l| l.map(|_| 2)).on_drop(move || {
+                s.get().unwrap().try_complete_reached(&1, 20);
+            }),
+            ms(1000),
+            [Watch::level(2, 1)],
+        )
+        .unwrap();
+    assert_eq!(p.try_complete_reached(&1, 10), 1);
+    assert_eq!(val(b.await), Ok(Completion::Completed(2)));
+    assert_eq!(val(a.await), Ok(Completion::Completed(20)));
+    assert_eq!(*told.lock().unwrap(), [None, None, Some(10), Some(20)]);
+}
+
+/// Outputs whose drop advances the same key further, cancels by another key
+/// and then panics, completed by an advance on detached handles: the panics
+/// are contained and counted, and nothing is left pending.
+#[tokio::test(start_paused = true)]
+async fn panicking_outputs_that_advance_their_key_again_are_contained() {
+    let p: P = Purgatory::new();
+    let slot: Slot<P> = Arc::default();
+    slot.set(p.clone()).ok().unwrap();
+    for i in 0..20 {
+        let s = slot.clone();
+        let hook: Hook = Arc::new(move || {
+            let p = s.get().unwrap();
+            p.try_complete_reached(&1, i + 100);
+            let _ = p.cancel_for_key(&9);
+            panic!("output drop");
+        });
+        p.try_complete_else_watch_levels(
+            L::new(move |l| l.filter(|l| *l >= i)).out_drop(hook),
+            ms(1000),
+            [Watch::level(1, i), Watch::key(9)],
+        )
+        .unwrap()
+        .detach();
+    }
+    let n = p.try_complete_reached(&1, 5);
+    assert!(n >= 1, "{n}");
+    settle().await;
+    let m = p.metrics();
+    assert_eq!(m.delayed, 0, "{m:?}");
+    assert_eq!(m.completed + m.cancelled, 20, "{m:?}");
+    assert!(m.panicked >= 1, "{m:?}");
+    assert!(balanced(&m), "{m:?}");
+}
+
+// ---------------------------------------------------------------------------
+// 18. Level watches of completed operations on a key never advanced.
+
+/// Operations that complete through a plain key while their watch at a level
+/// of another key is never reached leave a bounded number of entries behind.
+#[tokio::test(start_paused = true)]
+async fn level_tombstones_of_completed_operations_stay_bounded() {
+    let p: P = Purgatory::new();
+    let mut max_watched = 0;
+    for i in 0..20_000u32 {
+        let mut n = 0;
+        let h = p
+            .try_complete_else_watch_levels(
+                L::new(move |_| {
+                    n += 1;
+                    (n > 2).then_some(0)
+                }),
+                Duration::from_secs(100),
+                [Watch::key(i), Watch::level(1_000_000, 1 << 40)],
+            )
+            .unwrap();
+        assert_eq!(p.try_complete_watched(&i), 1);
+        drop(h);
+        max_watched = max_watched.max(p.watched());
+    }
+    let m = p.metrics();
+    assert!(max_watched < 5_000, "{max_watched} {m:?}");
+}
+
+// ---------------------------------------------------------------------------
+// 19. An event raised while another thread's check runs, the check held
+//     inside by channels: which events ask for a re-run.
+
+/// An operation that completes once `flag` is set. Its registration's two
+/// checks answer at once; the first check after them reads the flag, tells
+/// `inside` it is under way and waits for `go` before answering what it read.
+fn held_check(flag: Arc<AtomicBool>, inside: mpsc::Sender<()>, go: mpsc::Receiver<()>) -> L {
+    let mut registration_checks = 0;
+    let mut hold = Some((inside, go));
+    L::new(move |l| {
+        let ready = flag.load(Ordering::SeqCst);
+        if l.is_none() && registration_checks < 2 {
+            registration_checks += 1;
+            return ready.then_some(1);
+        }
+        if let Some((inside, go)) = hold.take() {
+            inside.send(()).unwrap();
+            go.recv_timeout(Duration::from_secs(10)).unwrap();
+        }
+        ready.then_some(1)
+    })
+}
+
+/// Runs the race: thread A walks (`walk_a`) and its check reads the flag as
+/// unset and is held; meanwhile the flag is set and `event_b` raised; then
+/// A's check answers "not yet". Returns whether the operation had finished
+/// once A's call returned, after which `then` runs.
+fn race_then(
+    watch: Watch<u32>,
+    walk_a: fn(&P) -> usize,
+    event_b: fn(&P) -> usize,
+    then: fn(&P, &OperationHandle<u32, L>),
+) -> bool {
+    within(30, move || {
+        let rt = support::multi();
+        let _e = rt.enter();
+        let p: P = Purgatory::builder().build_on(rt.handle()).unwrap();
+        let flag = Arc::new(AtomicBool::new(false));
+        let (inside_tx, inside) = mpsc::channel();
+        let (go, go_rx) = mpsc::channel();
+        let h = p
+            .try_complete_else_watch_levels(
+                held_check(flag.clone(), inside_tx, go_rx),
+                Duration::from_secs(3600),
+                [watch],
+            )
+            .unwrap();
+        let pa = p.clone();
+        let a = std::thread::spawn(move || walk_a(&pa));
+        inside.recv_timeout(Duration::from_secs(10)).unwrap();
+        flag.store(true, Ordering::SeqCst);
+        event_b(&p);
+        go.send(()).unwrap();
+        a.join().unwrap();
+        let done = h.is_finished();
+        then(&p, &h);
+        drop(h);
+        drop(p);
+        drop(rt);
+        done
+    })
+}
+
+/// [`race_then`] with nothing after.
+fn race(watch: Watch<u32>, walk_a: fn(&P) -> usize, event_b: fn(&P) -> usize) -> bool {
+    race_then(watch, walk_a, event_b, |_, _| {})
+}
+
+/// A plain event on a key, raised while another thread's check of an
+/// operation watching it plainly runs, makes that check run again.
+#[test]
+fn a_plain_event_during_a_check_reruns_it() {
+    assert!(race(
+        Watch::key(1),
+        |p| p.try_complete_watched(&1),
+        |p| p.try_complete_watched(&1)
+    ));
+}
+
+/// An advance past the level of an operation's watch, raised while another
+/// thread's check of it started by an advance to that level runs, makes that
+/// check run again.
+#[test]
+fn a_higher_advance_during_a_check_reruns_it() {
+    assert!(race(
+        Watch::level(1, 10),
+        |p| p.try_complete_reached(&1, 10),
+        |p| p.try_complete_reached(&1, 11)
+    ));
+}
+
+/// A plain walk of a key does not look at the watches at a level on it: one
+/// raised while another thread's check started by an advance runs reaches
+/// nothing and asks for no re-run.
+#[test]
+fn a_plain_walk_of_a_level_key_during_a_check_reaches_nothing() {
+    assert!(!race(
+        Watch::level(1, 10),
+        |p| p.try_complete_reached(&1, 10),
+        |p| p.try_complete_watched(&1)
+    ));
+}
+
+/// An advance to the same level, raised while another thread's check
+/// started by an advance to that level runs, does not reach the operation
+/// (its watch moved up when the first advance took it out) and asks for no
+/// re-run; the operation is not lost, as the next advance past the level
+/// completes it.
+#[test]
+fn a_same_level_advance_during_a_check_asks_for_no_rerun() {
+    let done = race_then(
+        Watch::level(1, 10),
+        |p| p.try_complete_reached(&1, 10),
+        |p| p.try_complete_reached(&1, 10),
+        |p, h| {
+            assert_eq!(p.try_complete_reached(&1, 11), 1, "an advance past it");
+            assert!(h.is_finished());
+        },
+    );
+    assert!(!done, "the advance to the same level asked for no re-run");
+}
+
+/// An advance past an operation's level, raised while a check of it by
+/// reference runs on another thread, makes that check run again.
+#[test]
+fn an_advance_during_a_check_by_reference_reruns_it() {
+    within(30, || {
+        let rt = support::multi();
+        let _e = rt.enter();
+        let p: P = Purgatory::builder().build_on(rt.handle()).unwrap();
+        let flag = Arc::new(AtomicBool::new(false));
+        let (inside_tx, inside) = mpsc::channel();
+        let (go, go_rx) = mpsc::channel();
+        let h = p
+            .try_complete_else_watch_levels(
+                held_check(flag.clone(), inside_tx, go_rx),
+                Duration::from_secs(3600),
+                [Watch::level(1, 5)],
+            )
+            .unwrap();
+        let r = h.op_ref().unwrap();
+        let a = std::thread::spawn(move || r.try_complete());
+        inside.recv_timeout(Duration::from_secs(10)).unwrap();
+        flag.store(true, Ordering::SeqCst);
+        p.try_complete_reached(&1, 10);
+        go.send(()).unwrap();
+        a.join().unwrap();
+        assert!(h.is_finished());
+    });
 }

@@ -415,6 +415,18 @@ fn outcomes(
     })
 }
 
+/// Waits until the threads have made `target` calls in all (`made`), or
+/// `done()` holds, or the real-time `give_up` has passed: the clock's moves
+/// are paced by the threads' progress, not by a fixed pause, so each move
+/// falls among their calls however fast or slow the machine is. Pacing
+/// only: past `give_up` it waits no more (a thread that hangs is reported
+/// by the test's own bound).
+fn pace(made: &AtomicUsize, target: usize, done: impl Fn() -> bool, give_up: Instant) {
+    while made.load(Ordering::SeqCst) < target && !done() && Instant::now() < give_up {
+        std::thread::yield_now();
+    }
+}
+
 /// `threads` threads make `steps` random calls each while the paused clock
 /// moves in steps; then, time frozen, every key is set past every need and
 /// advanced and walked from every thread at once: nothing may stay pending;
@@ -435,10 +447,14 @@ fn race_then_walk_every_key(seed: u64, threads: u64, steps: usize) {
     let frozen = Arc::new(Barrier::new(threads as usize + 1));
     let go = Arc::new(Barrier::new(threads as usize + 1));
     let done = Arc::new(Barrier::new(threads as usize + 1));
+    // Calls made by all the threads, and threads done making them.
+    let made = Arc::new(AtomicUsize::new(0));
+    let stepped = Arc::new(AtomicUsize::new(0));
     let ts: Vec<_> = (0..threads)
         .map(|t| {
             let (p, w, kept, stop) = (p.clone(), w.clone(), kept.clone(), stop.clone());
             let (frozen, go, done) = (frozen.clone(), go.clone(), done.clone());
+            let (made, stepped) = (made.clone(), stepped.clone());
             let handle = rt.handle().clone();
             std::thread::spawn(move || {
                 let _in = handle.enter();
@@ -447,7 +463,9 @@ fn race_then_walk_every_key(seed: u64, threads: u64, steps: usize) {
                 while !stop.load(Ordering::SeqCst) && n < steps {
                     step(&p, &w, &kept, &mut rng);
                     n += 1;
+                    made.fetch_add(1, Ordering::SeqCst);
                 }
+                stepped.fetch_add(1, Ordering::SeqCst);
                 frozen.wait();
                 go.wait();
                 // Every key, in this thread's order, advanced past every
@@ -464,12 +482,20 @@ fn race_then_walk_every_key(seed: u64, threads: u64, steps: usize) {
             })
         })
         .collect();
-    // The clock moves while the threads work.
+    // The clock moves while the threads work: 200 moves, each after the
+    // threads made another 1/200 of their calls.
+    let all = threads as usize * steps;
+    let give_up = Instant::now() + Duration::from_secs(10);
     rt.block_on(async {
-        for _ in 0..200 {
+        for i in 1..=200 {
             advance(ms(1)).await;
             settle().await;
-            std::thread::sleep(Duration::from_micros(200));
+            pace(
+                &made,
+                i * all / 200,
+                || stepped.load(Ordering::SeqCst) == threads as usize,
+                give_up,
+            );
         }
     });
     stop.store(true, Ordering::SeqCst);
@@ -592,9 +618,12 @@ fn race_to_the_end(seed: u64, threads: u64, end: End, real: bool) {
     let handed: Arc<Mutex<Vec<Op>>> = Arc::default();
     let start = Arc::new(Barrier::new(threads as usize + 1));
     let shutdown = matches!(end, End::Shutdown);
+    // Calls made by all the threads.
+    let made = Arc::new(AtomicUsize::new(0));
     let ts: Vec<_> = (0..threads)
         .map(|t| {
             let (w, kept, start, handed) = (w.clone(), kept.clone(), start.clone(), handed.clone());
+            let made = made.clone();
             let handle = rt.handle().clone();
             let weak = p.downgrade();
             let mut anchor = Some(p.clone());
@@ -610,6 +639,7 @@ fn race_to_the_end(seed: u64, threads: u64, end: End, real: bool) {
                 while let Some(p) = weak.upgrade() {
                     step(&p, &w, &kept, &mut rng);
                     n += 1;
+                    made.fetch_add(1, Ordering::SeqCst);
                     if close_at == Some(n) {
                         handed.lock().unwrap().extend(p.shutdown());
                     }
@@ -628,16 +658,25 @@ fn race_to_the_end(seed: u64, threads: u64, end: End, real: bool) {
     let keep = shutdown.then(|| p.clone());
     drop(p);
     start.wait();
-    // The clock moves while the threads work.
+    // The clock moves while the threads work, a millisecond (real or
+    // paused) each time the threads made two more calls each (about their
+    // average number of calls over 300 moves), until they are all done.
+    let give_up = Instant::now() + Duration::from_secs(10);
     rt.block_on(async {
-        for _ in 0..300 {
+        for i in 1..=300 {
             if real {
+                // Real time is the point here: expiries race the threads.
                 tokio::time::sleep(ms(1)).await;
             } else {
                 advance(ms(1)).await;
             }
             settle().await;
-            std::thread::sleep(Duration::from_micros(200));
+            pace(
+                &made,
+                i * 2 * threads as usize,
+                || ts.iter().all(|t| t.is_finished()),
+                give_up,
+            );
             if ts.iter().all(|t| t.is_finished()) {
                 break;
             }
@@ -661,9 +700,11 @@ fn race_to_the_end(seed: u64, threads: u64, end: End, real: bool) {
             .count()
     };
     if real {
-        let deadline = Instant::now() + Duration::from_secs(2);
+        // Polled: the reaper's workers drop what is left as they get to it
+        // (the assertions below name what was not).
+        let deadline = Instant::now() + Duration::from_secs(5);
         while dropped() + handed_n < w.fates().len() && Instant::now() < deadline {
-            std::thread::sleep(ms(2));
+            std::thread::sleep(ms(1));
         }
     } else {
         rt.block_on(async {
@@ -754,16 +795,27 @@ fn racing_threads_on_a_multi_thread_runtime_across_a_shutdown_or_the_last_clone(
 /// A purgatory its operations' code can reach.
 type Slot = Arc<OnceLock<Purgatory<&'static str, Walker>>>;
 
+/// Where the two checks of a pair meet: how many of their checks are
+/// running, and how many of the two threads' walks have returned.
+#[derive(Default)]
+struct Meet {
+    in_check: AtomicUsize,
+    walks_done: AtomicUsize,
+}
+
 /// An operation that completes once its flag is set. While armed, each of
-/// its checks reads its flag, then sets `readies` (if any), pauses for
-/// `pause` and walks `other`.
+/// its checks reads its flag, then sets `readies` (if any), holds if `meet`
+/// is given and walks `other`. The hold waits until the pair's other check
+/// is running too (so that the walk finds it under way and asks it to run
+/// again), or until a thread's walk has returned (the other check will not
+/// come), at most 50 ms: a signal from the other side, not a fixed pause.
 struct Walker {
     slot: Slot,
     armed: Arc<AtomicBool>,
     ready: Arc<AtomicBool>,
     readies: Option<Arc<AtomicBool>>,
     other: &'static str,
-    pause: Duration,
+    meet: Option<Arc<Meet>>,
     checks: Arc<AtomicUsize>,
 }
 
@@ -776,10 +828,20 @@ impl Operation for Walker {
             if let Some(r) = &self.readies {
                 r.store(true, Ordering::SeqCst);
             }
-            if !self.pause.is_zero() {
-                std::thread::sleep(self.pause);
+            if let Some(m) = &self.meet {
+                m.in_check.fetch_add(1, Ordering::SeqCst);
+                let give_up = Instant::now() + ms(50);
+                while m.in_check.load(Ordering::SeqCst) < 2
+                    && m.walks_done.load(Ordering::SeqCst) == 0
+                    && Instant::now() < give_up
+                {
+                    std::thread::yield_now();
+                }
             }
             self.slot.get().unwrap().try_complete_watched(&self.other);
+            if let Some(m) = &self.meet {
+                m.in_check.fetch_sub(1, Ordering::SeqCst);
+            }
         }
         ready.then_some(1)
     }
@@ -789,16 +851,19 @@ impl Operation for Walker {
 }
 
 /// A on "a" walking "b" and B on "b" walking "a", on a purgatory of `rt`
-/// (their flags, the readying ones, their pause and timeout as given).
+/// (their flags, the readying ones, their meeting (held checks) if `hold`,
+/// and timeout as given).
 struct Pair {
     p: Purgatory<&'static str, Walker>,
+    meet: Option<Arc<Meet>>,
     armed: Arc<AtomicBool>,
     checks: Arc<AtomicUsize>,
     a: OperationHandle<&'static str, Walker>,
     b: OperationHandle<&'static str, Walker>,
 }
 
-fn pair(rt: &tokio::runtime::Runtime, ready: bool, pause: Duration, timeout: Duration) -> Pair {
+fn pair(rt: &tokio::runtime::Runtime, ready: bool, hold: bool, timeout: Duration) -> Pair {
+    let meet = hold.then(|| Arc::new(Meet::default()));
     let p = Purgatory::builder().build_on(rt.handle()).unwrap();
     let slot: Slot = Arc::new(OnceLock::new());
     slot.set(p.clone()).ok();
@@ -811,7 +876,7 @@ fn pair(rt: &tokio::runtime::Runtime, ready: bool, pause: Duration, timeout: Dur
         ready: mine.clone(),
         readies: ready.then(|| theirs.clone()),
         other,
-        pause,
+        meet: meet.clone(),
         checks: checks.clone(),
     };
     let _in = rt.enter();
@@ -823,6 +888,7 @@ fn pair(rt: &tokio::runtime::Runtime, ready: bool, pause: Duration, timeout: Dur
         .unwrap();
     Pair {
         p,
+        meet,
         armed,
         checks,
         a,
@@ -831,15 +897,19 @@ fn pair(rt: &tokio::runtime::Runtime, ready: bool, pause: Duration, timeout: Dur
 }
 
 /// Walks "a" and "b" from two threads at once; returns what they completed.
-fn walk_both_at_once(p: &Purgatory<&'static str, Walker>) -> usize {
+fn walk_both_at_once(pair: &Pair) -> usize {
     let barrier = Arc::new(Barrier::new(2));
     let ws: Vec<_> = ["a", "b"]
         .into_iter()
         .map(|k| {
-            let (p, barrier) = (p.clone(), barrier.clone());
+            let (p, barrier, meet) = (pair.p.clone(), barrier.clone(), pair.meet.clone());
             std::thread::spawn(move || {
                 barrier.wait();
-                p.try_complete_watched(&k)
+                let done = p.try_complete_watched(&k);
+                if let Some(m) = meet {
+                    m.walks_done.fetch_add(1, Ordering::SeqCst);
+                }
+                done
             })
         })
         .collect();
@@ -853,7 +923,7 @@ fn walk_both_at_once(p: &Purgatory<&'static str, Walker>) -> usize {
 fn checks_walking_each_others_keys_from_two_threads_end_by_the_timeout() {
     within(20, || {
         let rt = support::multi();
-        let pair = pair(&rt, false, Duration::ZERO, ms(100));
+        let pair = pair(&rt, false, false, ms(100));
         pair.armed.store(true, Ordering::SeqCst);
         let ws: Vec<_> = ["a", "b"]
             .into_iter()
@@ -886,9 +956,9 @@ fn two_threads_readying_each_other_both_complete() {
     within(20, || {
         let rt = support::multi();
         for round in 0..200 {
-            let pair = pair(&rt, true, Duration::ZERO, ms(10_000));
+            let pair = pair(&rt, true, false, ms(10_000));
             pair.armed.store(true, Ordering::SeqCst);
-            let done = walk_both_at_once(&pair.p);
+            let done = walk_both_at_once(&pair);
             pair.armed.store(false, Ordering::SeqCst);
             assert!(
                 pair.a.is_finished() && pair.b.is_finished(),
@@ -902,9 +972,10 @@ fn two_threads_readying_each_other_both_complete() {
     });
 }
 
-/// Checks that walk each other's keys every time they run, each taking a
-/// moment, and one outside event on each key from two threads at once:
-/// each check asks the one running on the other thread to run again, yet
+/// Checks that walk each other's keys every time they run, each held until
+/// the other is under way (or its thread's walk has returned), and one
+/// outside event on each key from two threads at once: each check asks the
+/// one running on the other thread to run again, yet
 /// the two walks return long before the operations' timeout (500 ms), after
 /// a handful of checks.
 #[test]
@@ -912,11 +983,11 @@ fn one_event_on_each_of_two_threads_ends_long_before_the_timeout() {
     within(20, || {
         let rt = support::multi();
         for round in 0..5 {
-            let pair = pair(&rt, false, Duration::from_micros(50), ms(500));
+            let pair = pair(&rt, false, true, ms(500));
             let before = pair.checks.load(Ordering::SeqCst);
             pair.armed.store(true, Ordering::SeqCst);
             let t0 = Instant::now();
-            walk_both_at_once(&pair.p);
+            walk_both_at_once(&pair);
             let took = t0.elapsed();
             pair.armed.store(false, Ordering::SeqCst);
             let checks = pair.checks.load(Ordering::SeqCst) - before;

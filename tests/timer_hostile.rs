@@ -1,6 +1,8 @@
 //! A hostile user of the standalone `Timer`: wakers, tasks and futures whose
 //! `clone`, `wake`, `poll` or `Drop` panic or call back into the timer (from
-//! the reaper, from a cancel, from a shutdown), and cancel, reset and shutdown
+//! the reaper, from a cancel, from a shutdown, from the last clone dropped),
+//! async tasks cancelling themselves or handed back and run on another
+//! runtime, runtimes dropped under the timer, and cancel, reset and shutdown
 //! racing the reaper on real threads, each race bounded so that a deadlock
 //! fails instead of hanging.
 
@@ -13,7 +15,7 @@ use std::time::Duration;
 
 use tokio::time::advance;
 use tokio_purgatory::timer::{TaskStatus, TimeoutError, TimerError};
-use tokio_purgatory::{Reaper, Timer};
+use tokio_purgatory::{AsyncTaskHandle, Reaper, ScheduleError, TaskHandle, Timer};
 
 mod support;
 use support::{ms, multi, paused_within, settle, within};
@@ -223,6 +225,159 @@ fn a_repeating_task_dropping_the_last_timer_during_its_run() {
     });
 }
 
+/// A task that drops the last `Timer` clone while other tasks, a repeating
+/// task, async tasks and a sleep are due in the same turn: every task's
+/// captures are dropped, no handle is left pending, the async tasks finish,
+/// the sleep resolves and the repeating task runs no more.
+#[tokio::test(start_paused = true)]
+async fn the_last_clone_dropped_by_a_task_with_more_due_in_its_turn() {
+    let timer = Timer::new();
+    let weak = timer.downgrade();
+    let slot: Arc<Mutex<Option<Timer>>> = Arc::new(Mutex::new(Some(timer.clone())));
+    let ran = Arc::new(AtomicUsize::new(0));
+    let dropped = Arc::new(AtomicUsize::new(0));
+    let mut handles = Vec::new();
+    let s = slot.clone();
+    handles.push(
+        timer
+            .schedule(ms(10), move || {
+                s.lock().unwrap().take();
+            })
+            .unwrap(),
+    );
+    for _ in 0..50 {
+        let (r, d) = (ran.clone(), dropped.clone());
+        let guard = on_drop(move || {
+            d.fetch_add(1, Ordering::SeqCst);
+        });
+        handles.push(
+            timer
+                .schedule(ms(10), move || {
+                    let _g = &guard;
+                    r.fetch_add(1, Ordering::SeqCst);
+                })
+                .unwrap(),
+        );
+    }
+    let r = ran.clone();
+    let repeating = timer
+        .schedule_repeating(ms(10), move || {
+            r.fetch_add(1000, Ordering::SeqCst);
+            Some(ms(1))
+        })
+        .unwrap();
+    let asyncs: Vec<_> = (0..5)
+        .map(|_| timer.schedule_async(ms(10), async {}).unwrap())
+        .collect();
+    let sleep = timer.sleep(ms(10));
+    drop(timer);
+    advance(ms(20)).await;
+    settle().await;
+    assert!(weak.upgrade().is_none());
+    let r = ran.load(Ordering::SeqCst);
+    let d = dropped.load(Ordering::SeqCst);
+    assert_eq!(d, 50, "every task's captures dropped ({r} ran)");
+    for h in &handles {
+        assert_ne!(h.status(), TaskStatus::Pending);
+    }
+    assert_ne!(repeating.status(), TaskStatus::Pending);
+    for a in &asyncs {
+        assert!(!a.is_pending(), "{a:?}");
+    }
+    settle().await;
+    for a in &asyncs {
+        assert!(a.is_finished(), "{a:?}");
+    }
+    // It resolves, whichever way.
+    let _ = tokio::time::timeout(ms(100), sleep)
+        .await
+        .expect("the sleep resolves");
+    advance(ms(100)).await;
+    settle().await;
+    let after = ran.load(Ordering::SeqCst);
+    assert!(after - r < 1000, "the repeating task ran no more");
+}
+
+/// Tasks whose captures' `Drop` calls back in (upgrading the closing timer,
+/// scheduling on another timer, some panicking) when the last clone goes and
+/// they are dropped unrun: each schedules on the other timer, whose tasks
+/// then run.
+#[tokio::test(start_paused = true)]
+async fn tasks_dropped_unrun_with_the_last_clone_call_back_in_from_drop() {
+    let timer = Timer::new();
+    let weak = timer.downgrade();
+    let other = Timer::new();
+    let refused = Arc::new(AtomicUsize::new(0));
+    let other_handles: Arc<Mutex<Vec<TaskHandle>>> = Arc::default();
+    for i in 0..20 {
+        let (w, o, rf, oh) = (
+            weak.clone(),
+            other.clone(),
+            refused.clone(),
+            other_handles.clone(),
+        );
+        let g = on_drop(move || {
+            // The timer is closing: the upgrade fails or the schedule is
+            // refused.
+            if let Some(t) = w.upgrade() {
+                if t.schedule(ms(1), || {}).is_err() {
+                    rf.fetch_add(1, Ordering::SeqCst);
+                }
+                let _ = t.shutdown();
+            }
+            oh.lock().unwrap().push(o.schedule(ms(5), || {}).unwrap());
+            if i % 3 == 0 {
+                panic!("hostile drop");
+            }
+        });
+        timer
+            .schedule(ms(100), move || {
+                let _g = &g;
+            })
+            .unwrap();
+    }
+    drop(timer);
+    assert!(weak.upgrade().is_none());
+    assert_eq!(other_handles.lock().unwrap().len(), 20);
+    advance(ms(10)).await;
+    settle().await;
+    assert_eq!(other.metrics().expired, 20);
+}
+
+/// A repeating task whose captures' `Drop`, run when its chain ends by
+/// returning `None`, schedules (accepted) and shuts the timer down, handing
+/// back itself and the other pending task.
+#[tokio::test(start_paused = true)]
+async fn a_repeating_chain_ended_by_none_whose_drop_schedules_and_shuts_down() {
+    let timer = Timer::new();
+    let weak = timer.downgrade();
+    let got = Arc::new(Mutex::new(None));
+    let (g, w) = (got.clone(), weak.clone());
+    let guard = on_drop(move || {
+        let t = w.upgrade().unwrap();
+        let r = t.schedule(ms(1), || {});
+        let back = t.shutdown();
+        *g.lock().unwrap() = Some((r.is_ok(), back.len()));
+    });
+    let mut n = 0;
+    let h = timer
+        .schedule_repeating(ms(5), move || {
+            let _g = &guard;
+            n += 1;
+            (n < 3).then_some(ms(5))
+        })
+        .unwrap();
+    let other = timer.schedule(Duration::from_secs(60), || {}).unwrap();
+    for _ in 0..30 {
+        advance(ms(1)).await;
+        settle().await;
+    }
+    assert_eq!(*got.lock().unwrap(), Some((true, 2)));
+    assert_eq!(h.status(), TaskStatus::Done);
+    assert_eq!(other.status(), TaskStatus::Done);
+    assert!(timer.is_shutdown());
+}
+
 // ---------------------------------------------------------------------------
 // 4. Timeouts wrapping hostile futures.
 
@@ -383,6 +538,37 @@ async fn async_future_drop_reentering_its_handle_everywhere() {
     );
 }
 
+/// An async task that cancels itself while it runs stops at its next await;
+/// one whose future panics finishes. Neither can be cancelled after.
+#[tokio::test(start_paused = true)]
+async fn an_async_task_cancelling_itself_and_one_panicking_both_finish() {
+    let timer = Timer::new();
+    let me: Arc<OnceLock<AsyncTaskHandle>> = Arc::default();
+    let m = me.clone();
+    let reached = Arc::new(AtomicBool::new(false));
+    let r = reached.clone();
+    let h = timer
+        .schedule_async(ms(5), async move {
+            assert!(m.get().unwrap().cancel());
+            tokio::task::yield_now().await;
+            r.store(true, Ordering::SeqCst);
+        })
+        .unwrap();
+    me.set(h).ok().unwrap();
+    let p = timer
+        .schedule_async(ms(5), async { panic!("async task panics") })
+        .unwrap();
+    advance(ms(10)).await;
+    settle().await;
+    assert!(!reached.load(Ordering::SeqCst));
+    let h = me.get().unwrap();
+    assert!(h.is_finished());
+    assert!(!h.cancel());
+    assert!(p.is_finished());
+    assert!(!p.cancel());
+    assert!(!p.is_pending());
+}
+
 // ---------------------------------------------------------------------------
 // 6. Async task handed back, its runtime gone, run elsewhere.
 
@@ -415,6 +601,48 @@ fn async_task_handed_back_run_after_its_runtime_died() {
         assert!(!polled.load(Ordering::SeqCst));
         assert!(dropped.load(Ordering::SeqCst), "dropped unrun");
         assert!(h.is_finished(), "its handle reads finished");
+    });
+}
+
+/// Async tasks handed back by a shutdown, their runtime then dropped: one
+/// cancelled reads finished; the first two handed back run on another
+/// runtime and the last is dropped, after which every handle reads finished
+/// and none can be reset.
+#[test]
+fn handed_back_async_tasks_run_on_another_runtime_after_theirs_is_gone() {
+    within(30, || {
+        let rt = support::paused();
+        let (timer, a, b, c) = rt.block_on(async {
+            let timer = Timer::new();
+            let a = timer.schedule_async(ms(100), async {}).unwrap();
+            let b = timer.schedule_async(ms(100), async {}).unwrap();
+            let c = timer.schedule_async(ms(100), async {}).unwrap();
+            (timer, a, b, c)
+        });
+        let mut back = timer.shutdown();
+        assert_eq!(back.len(), 3);
+        drop(rt);
+        assert!(!a.is_pending() && !a.is_finished());
+        assert!(c.cancel());
+        assert!(c.is_finished());
+        let other = multi();
+        let handles = [&a, &b, &c];
+        other.block_on(async move {
+            for t in back.drain(..2) {
+                t.run();
+            }
+            drop(back);
+            tokio::time::timeout(Duration::from_secs(5), async {
+                while !handles.iter().all(|h| h.is_finished()) {
+                    tokio::task::yield_now().await;
+                }
+            })
+            .await
+            .expect("every handle finishes");
+        });
+        assert!(a.is_finished() || b.is_finished());
+        assert!(a.is_finished() && b.is_finished() && c.is_finished());
+        assert!(!a.reset(ms(1)));
     });
 }
 
@@ -684,6 +912,98 @@ fn shutdown_racing_schedules_loses_nothing() {
             );
         }
     });
+}
+
+/// Shutdown racing resets on real threads while the reaper runs what is
+/// due: each task either ran or came back from the shutdown, exactly once,
+/// every handle then reads finished and cannot be reset, and once every
+/// task is accounted for the reaper runs none again.
+#[test]
+fn shutdown_racing_resets_loses_nothing() {
+    for round in 0..30 {
+        within(60, move || {
+            let rt = multi();
+            let timer = Timer::builder().shards(4).build_on(rt.handle()).unwrap();
+            let n: usize = 400;
+            let ran = Arc::new(AtomicUsize::new(0));
+            let after = Arc::new(AtomicBool::new(false));
+            let late = Arc::new(AtomicUsize::new(0));
+            let resets = Arc::new(AtomicUsize::new(0));
+            let handles: Arc<Vec<TaskHandle>> = Arc::new(
+                (0..n)
+                    .map(|i| {
+                        let (r, a, l) = (ran.clone(), after.clone(), late.clone());
+                        let _e = rt.enter();
+                        timer
+                            .schedule(Duration::from_micros(50 * (i as u64 % 7)), move || {
+                                r.fetch_add(1, Ordering::SeqCst);
+                                if a.load(Ordering::SeqCst) {
+                                    l.fetch_add(1, Ordering::SeqCst);
+                                }
+                            })
+                            .unwrap()
+                    })
+                    .collect(),
+            );
+            let resetters: Vec<_> = (0..2)
+                .map(|t| {
+                    let (hs, h, done) = (handles.clone(), rt.handle().clone(), resets.clone());
+                    std::thread::spawn(move || {
+                        let _e = h.enter();
+                        for k in 0..3 {
+                            for (i, th) in hs.iter().enumerate() {
+                                if (i + t + k) % 2 == 0 {
+                                    th.reset(Duration::from_micros(
+                                        (i as u64 * 13 + k as u64) % 300,
+                                    ));
+                                } else {
+                                    th.reset(Duration::ZERO);
+                                }
+                                done.fetch_add(1, Ordering::SeqCst);
+                            }
+                        }
+                    })
+                })
+                .collect();
+            // Shut down part-way through the resets, at a point that moves
+            // from round to round.
+            while resets.load(Ordering::SeqCst) < (round * 79) % (2 * 3 * n) {
+                std::thread::yield_now();
+            }
+            let back = timer.shutdown();
+            // Whatever the reaper had taken out may still be running: wait
+            // (bounded) until every task is accounted for.
+            let until = std::time::Instant::now() + Duration::from_secs(5);
+            while ran.load(Ordering::SeqCst) + back.len() < n && std::time::Instant::now() < until {
+                std::thread::yield_now();
+            }
+            after.store(true, Ordering::SeqCst);
+            for r in resetters {
+                r.join().unwrap();
+            }
+            let ran_n = ran.load(Ordering::SeqCst);
+            assert_eq!(
+                ran_n + back.len(),
+                n,
+                "round {round}: ran {ran_n} back {}",
+                back.len()
+            );
+            for h in handles.iter() {
+                assert_ne!(h.status(), TaskStatus::Pending);
+                assert!(!h.reset(ms(1)));
+            }
+            for t in back {
+                t.run();
+            }
+            assert_eq!(ran.load(Ordering::SeqCst), n);
+            assert_eq!(
+                late.load(Ordering::SeqCst),
+                n - ran_n,
+                "round {round}: only the handed-back tasks ran after"
+            );
+            drop(rt);
+        });
+    }
 }
 
 // ---------------------------------------------------------------------------
@@ -995,5 +1315,89 @@ fn a_waker_clone_calling_back_into_the_timer() {
         assert_eq!(other.status(), TaskStatus::Done);
         drop(s);
         assert_eq!(timer.metrics().panicked, 0);
+    });
+}
+
+// ---------------------------------------------------------------------------
+// 14. A runtime dropped under the timer.
+
+/// A multi-thread runtime dropped while async tasks wait in the wheel and
+/// others run: every handle then reads finished and not pending, and cancel
+/// says `false`; the timer refuses new work with `ReaperGone` and a shutdown
+/// hands nothing back.
+#[test]
+fn a_runtime_dropped_with_async_tasks_waiting_and_running_finishes_every_handle() {
+    within(30, || {
+        let rt = multi();
+        let (timer, waiting, running) = rt.block_on(async {
+            let timer = Timer::new();
+            let waiting: Vec<_> = (0..20)
+                .map(|i| {
+                    timer
+                        .schedule_async(Duration::from_secs(100 + i), async {})
+                        .unwrap()
+                })
+                .collect();
+            let running: Vec<_> = (0..20)
+                .map(|_| timer.schedule_async(ms(1), std::future::pending()).unwrap())
+                .collect();
+            tokio::time::timeout(Duration::from_secs(5), async {
+                while running.iter().any(|h| h.is_pending()) {
+                    tokio::task::yield_now().await;
+                }
+            })
+            .await
+            .expect("the running ones start");
+            (timer, waiting, running)
+        });
+        for h in &running {
+            assert!(!h.is_pending());
+            assert!(!h.is_finished());
+        }
+        drop(rt);
+        for h in waiting.iter().chain(&running) {
+            assert!(!h.is_pending(), "{h:?}");
+            assert!(h.is_finished(), "{h:?}");
+            assert!(!h.cancel(), "{h:?}");
+        }
+        assert!(matches!(
+            timer.schedule(ms(1), || {}),
+            Err(ScheduleError::ReaperGone(_))
+        ));
+        assert!(timer.shutdown().is_empty());
+    });
+}
+
+/// A timer built on a runtime from outside it, with a task and an async task
+/// scheduled from outside any runtime, whose runtime is dropped before their
+/// deadline: neither runs, both handles read finished, cancel says `false`,
+/// and a sleep fails with `ReaperGone`.
+#[test]
+fn a_runtime_dropped_before_the_deadline_of_tasks_scheduled_from_outside_it() {
+    within(30, || {
+        let rt = multi();
+        let timer = Timer::builder().build_on(rt.handle()).unwrap();
+        let ran = Arc::new(AtomicBool::new(false));
+        let r = ran.clone();
+        let h = timer
+            .schedule_async(Duration::from_secs(3600), async move {
+                r.store(true, Ordering::SeqCst)
+            })
+            .unwrap();
+        let t = timer
+            .schedule(Duration::from_secs(3600), || panic!("never"))
+            .unwrap();
+        assert!(h.is_pending());
+        drop(rt);
+        assert!(!ran.load(Ordering::SeqCst));
+        assert!(h.is_finished());
+        assert!(!h.is_pending());
+        assert_eq!(t.status(), TaskStatus::Done);
+        assert!(!t.cancel());
+        let s = timer.sleep(ms(1));
+        assert_eq!(
+            futures::FutureExt::now_or_never(s),
+            Some(Err(TimerError::ReaperGone))
+        );
     });
 }
