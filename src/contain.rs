@@ -43,7 +43,7 @@ impl Panics {
         self.count.fetch_add(1, Ordering::Relaxed);
         quietly(|| {
             tracing::error!(
-                owner = self.kind,
+                kind = self.kind,
                 name = &*self.name,
                 callback = what,
                 panic = panic_message(panic),

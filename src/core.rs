@@ -691,7 +691,7 @@ impl<J: Job<Ctx = C>, C: Send + Sync + 'static> Core<J, C> {
     /// One reaper turn: expires at most `batch` due jobs per shard. Returns whether
     /// more are due right now, the earliest tick anything is due otherwise, and the
     /// turn's tick.
-    fn turn(&self, scratch: &mut Vec<(u64, J)>) -> (bool, u64, u64) {
+    fn turn(&self, scratch: &mut Vec<(u64, J)>, span: &tracing::Span) -> (bool, u64, u64) {
         // Entries of jobs that finished before the turn are not taken out as
         // due (one gathered meanwhile may be: its job finds nothing to do).
         self.remove_gathered();
@@ -770,8 +770,10 @@ impl<J: Job<Ctx = C>, C: Send + Sync + 'static> Core<J, C> {
         c.turn_nanos.fetch_add(nanos, Ordering::Relaxed);
         c.longest_turn_nanos.fetch_max(nanos, Ordering::Relaxed);
         c.largest_batch.fetch_max(expired, Ordering::Relaxed);
+        // On the turn's own span (a no-op when it is disabled), never on
+        // whatever span the thread has entered.
         quietly(|| {
-            tracing::Span::current().record("expired", expired);
+            span.record("expired", expired);
         });
         (more || next <= now, next, now)
     }
@@ -811,7 +813,7 @@ impl<J: Job<Ctx = C>, C: Send + Sync + 'static> Served for Core<J, C> {
         })
         .unwrap_or_else(tracing::Span::none);
         let entered = quietly(|| span.enter());
-        let (more, next, now) = self.turn(&mut scratch);
+        let (more, next, now) = self.turn(&mut scratch, &span);
         *lock(&self.scratch) = scratch;
         quietly(move || drop(entered));
         quietly(move || drop(span));
@@ -826,7 +828,12 @@ impl<J: Job<Ctx = C>, C: Send + Sync + 'static> Served for Core<J, C> {
             Next::Again
         } else {
             quietly(|| {
-                tracing::trace!(timer = &*self.name, target, "core idle until its target");
+                tracing::trace!(
+                    kind = J::KIND,
+                    name = &*self.name,
+                    target,
+                    "core idle until its target"
+                );
             });
             // A target past what `Instant` holds (a tick of centuries) sleeps
             // as long as a sleep can, then looks again.
@@ -859,9 +866,10 @@ impl<J: Job<Ctx = C>, C: Send + Sync + 'static> Served for Core<J, C> {
             });
             quietly(|| {
                 tracing::warn!(
-                    timer = &*self.name,
+                    kind = J::KIND,
+                    name = &*self.name,
                     abandoned,
-                    "timer reaper stopped without a shutdown"
+                    "reaper stopped without a shutdown"
                 );
             });
         }

@@ -385,7 +385,14 @@
 //!   A panic in a key's `Hash`, `Eq` or `Clone` propagates to the caller, with the
 //!   purgatory left as it was before the call. A panic in the application's
 //!   `tracing` subscriber, on any span or event the crate emits, is swallowed
-//!   (not counted: it is not the operation's code), and the crate goes on.
+//!   (not counted: a subscriber that panics would otherwise count its own
+//!   reports of the panics it caused), and the crate goes on. A panic in the
+//!   `metrics` recorder (with that feature) where the reaper or a check
+//!   records a lateness sample is caught and counted in `panicked`; one in a
+//!   call the application makes itself reaches that caller: in
+//!   `record_metrics()`, the purgatory or timer is unchanged; in `build()`
+//!   (which registers the lateness histogram), nothing is built and a shared
+//!   reaper is left as it was.
 //! - **No lock of ours is held while operation code runs**, nor while the crate
 //!   drops a user value, so operations, outputs, keys and tasks may call back in
 //!   (including `shutdown()`) from their code and their `Drop`. Two locks do

@@ -350,7 +350,7 @@ impl<K: WatchKey, O: Operation, S: BuildHasher + Send + Sync + 'static> Purgator
     ) -> Result<Purgatory<K, O, S>, BuildError> {
         // The application's hasher first: a build that fails drops it, and a
         // panic in its `Drop` is then contained.
-        let hasher = KeyHasher::new(self.hasher);
+        let hasher = KeyHasher::new(self.hasher, self.name.clone());
         // The timer's `shards` is this builder's `timer_shards`: the error
         // names the setting as this builder calls it.
         if self.wheel.shards == 0 || self.wheel.shards > 1024 {

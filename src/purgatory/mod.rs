@@ -792,7 +792,12 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
             return Err(refused);
         }
         crate::contain::quietly(|| {
-            tracing::trace!(purgatory = shared.name(), keys = keys.len(), "register");
+            tracing::trace!(
+                kind = "purgatory",
+                name = shared.name(),
+                keys = keys.len(),
+                "register"
+            );
         });
 
         // Check (Kafka's `tryComplete`): done at once, nothing is watched.
@@ -1505,8 +1510,10 @@ pub struct PurgatoryMetrics {
     pub handed_back: u64,
     /// Tombstones removed by the amortised purge (walks of keys not counted).
     pub purged: u64,
-    /// Panics caught in user code: `try_complete`, `on_expiration`, and the
-    /// `Drop` of operations, outputs and keys the purgatory dropped.
+    /// Panics caught in user code: `try_complete`, `on_expiration`, the
+    /// `Drop` of operations, outputs and keys the purgatory dropped, the
+    /// wakers it woke or dropped, and, with the `metrics` feature, the
+    /// recorder's calls it made on the reaper (lateness samples).
     pub panicked: u64,
     /// Times the reaper woke from a sleep (a [`Reaper`](crate::Reaper) shared
     /// with others counts its wake-ups in each it serves).

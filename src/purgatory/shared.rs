@@ -614,7 +614,12 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
             self.books.wake_drainers(&self.panics);
         }
         crate::contain::quietly(|| {
-            tracing::trace!(purgatory = &*self.name, ?fate, "operation finished");
+            tracing::trace!(
+                kind = "purgatory",
+                name = &*self.name,
+                ?fate,
+                "operation finished"
+            );
         });
         // No purge here: this runs on the reaper too, and a purge walks every
         // list. Registration and key walks purge instead (Kafka's places).
@@ -1039,7 +1044,8 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         self.keep_buffers(buffers);
         crate::contain::quietly(|| {
             tracing::trace!(
-                purgatory = &*self.name,
+                kind = "purgatory",
+                name = &*self.name,
                 removed = purged,
                 done,
                 "purged a slice of finished operations"

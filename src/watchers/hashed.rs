@@ -37,8 +37,9 @@ pub(crate) trait HashWith: Send + Sync {
 }
 
 /// An application's hasher, dropped with a panic of its `Drop` contained
-/// (the last handle to a purgatory, or a build that failed, drops it).
-struct Contained<S>(Option<S>);
+/// (the last handle to a purgatory, or a build that failed, drops it), and
+/// the name of the purgatory it serves, for the report.
+struct Contained<S>(Option<S>, std::sync::Arc<str>);
 
 impl<S: BuildHasher + Send + Sync> HashWith for Contained<S> {
     fn hash_with(&self, feed: &mut dyn FnMut(&mut dyn Hasher)) -> u64 {
@@ -52,18 +53,22 @@ impl<S: BuildHasher + Send + Sync> HashWith for Contained<S> {
 impl<S> Drop for Contained<S> {
     fn drop(&mut self) {
         // Reported, not counted: nobody can read the purgatory's count now.
-        crate::contain::Panics::new("purgatory", "".into())
+        crate::contain::Panics::new("purgatory", self.1.clone())
             .drop_value("a hasher's drop", self.0.take());
     }
 }
 
 impl KeyHasher {
-    /// The hasher `s`; std's `RandomState` is recognised and called directly.
-    pub(crate) fn new<S: BuildHasher + Send + Sync + 'static>(s: S) -> KeyHasher {
+    /// The hasher `s` of the purgatory named `name`; std's `RandomState` is
+    /// recognised and called directly.
+    pub(crate) fn new<S: BuildHasher + Send + Sync + 'static>(
+        s: S,
+        name: std::sync::Arc<str>,
+    ) -> KeyHasher {
         let mut s = Some(s);
         match (&mut s as &mut dyn std::any::Any).downcast_mut::<Option<RandomState>>() {
             Some(std) => KeyHasher::Std(std.take().expect("just made")),
-            None => KeyHasher::Chosen(Box::new(Contained(s))),
+            None => KeyHasher::Chosen(Box::new(Contained(s, name))),
         }
     }
 
