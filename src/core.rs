@@ -66,6 +66,11 @@ pub(crate) trait Job: Send + 'static {
     fn after_turn(_ctx: &Self::Ctx, _emptied: bool) -> bool {
         false
     }
+    /// A turn that left the wheels empty ended with nothing scheduled (the
+    /// wake target reads "never", see [`Core::sleeps_with_nothing`]): the
+    /// owner's look at what a finish racing the turn's end left behind. Runs
+    /// on the reaper task, with no lock held.
+    fn after_idle(_ctx: &Self::Ctx) {}
     /// The reaper task is gone and every job was abandoned: the owner's
     /// housekeeping it would have done (a purgatory's purge left to its
     /// turns) is done now.
@@ -477,6 +482,13 @@ impl<J: Job<Ctx = C>, C: Send + Sync + 'static> Core<J, C> {
         Ok(TimerKey::new(shard, key))
     }
 
+    /// Whether the reaper is out of a turn with nothing scheduled in this
+    /// core (see [`WakeTarget::sleeps_with_nothing`]).
+    #[inline]
+    pub(crate) fn sleeps_with_nothing(&self) -> bool {
+        self.wake.sleeps_with_nothing()
+    }
+
     /// Work for the reaper is due now (see [`Job::after_turn`]): notifies it
     /// unless it is in a turn of this core, or will take one by now.
     pub(crate) fn poke(&self) {
@@ -691,7 +703,7 @@ impl<J: Job<Ctx = C>, C: Send + Sync + 'static> Core<J, C> {
     /// One reaper turn: expires at most `batch` due jobs per shard. Returns whether
     /// more are due right now, the earliest tick anything is due otherwise, and the
     /// turn's tick.
-    fn turn(&self, scratch: &mut Vec<(u64, J)>, span: &tracing::Span) -> (bool, u64, u64) {
+    fn turn(&self, scratch: &mut Vec<(u64, J)>, span: &tracing::Span) -> Turn {
         // Entries of jobs that finished before the turn are not taken out as
         // due (one gathered meanwhile may be: its job finds nothing to do).
         self.remove_gathered();
@@ -775,7 +787,12 @@ impl<J: Job<Ctx = C>, C: Send + Sync + 'static> Core<J, C> {
         quietly(|| {
             span.record("expired", expired);
         });
-        (more || next <= now, next, now)
+        Turn {
+            more: more || next <= now,
+            next,
+            now,
+            emptied,
+        }
     }
 
     /// This core's labels in the `metrics` facade.
@@ -813,15 +830,21 @@ impl<J: Job<Ctx = C>, C: Send + Sync + 'static> Served for Core<J, C> {
         })
         .unwrap_or_else(tracing::Span::none);
         let entered = quietly(|| span.enter());
-        let (more, next, now) = self.turn(&mut scratch, &span);
+        let turn = self.turn(&mut scratch, &span);
         *lock(&self.scratch) = scratch;
         quietly(move || drop(entered));
         quietly(move || drop(span));
-        Turn { more, next, now }
+        turn
     }
 
     fn end_turn(&self, turn: Turn) -> Next {
         let target = self.wake.end_turn(turn.next);
+        if target == NEVER && turn.emptied && !turn.more {
+            // After the target reads "never": a finish that raced this turn
+            // and found it still turning is seen here (see
+            // `WakeTarget::sleeps_with_nothing`).
+            J::after_idle(&self.ctx);
+        }
         if turn.more || target <= turn.now {
             // A batch was cut short, or a task run this turn (of this core or
             // another served by the same reaper) scheduled work already due.

@@ -312,8 +312,8 @@
 //!   finished.
 //! - **No missed events.** An event that arrives while an operation registers,
 //!   or while another thread checks it, makes it check again (for a watch at
-//!   a level, an event is a call that moves the key past the level the watch
-//!   stands at, see [`Purgatory::try_complete_reached`]), unless it is
+//!   a level, an event is a call that reaches the level the watch stands at,
+//!   see [`Purgatory::try_complete_reached`]), unless it is
 //!   cancelled or its timeout fires during that check (it then finishes so,
 //!   once the check under way says "not yet"). Events that keep asking for a
 //!   re-run faster than the check runs keep the thread checking it re-running
@@ -353,8 +353,10 @@
 //!   purgatory left with nothing pending and more than about 1,000 watch
 //!   entries to purge has the reaper take the rest in turns of its own (woken
 //!   once for them when a thread other than the reaper's left it idle by an
-//!   expiry or cancellation; left so by completions, from the turn the alarm
-//!   set for their timeouts brings, with no wake-up added).
+//!   expiry or cancellation). One left so by completions is purged at once
+//!   when the reaper sleeps with nothing scheduled, and otherwise from the
+//!   reaper's next turn, which the alarm set for the finished operations'
+//!   timeouts brings (no wake-up is added for it).
 //! - **Nothing is lost on rejection.** A refused operation or task is handed back
 //!   in the error ([`WatchError`], [`timer::ScheduleError`]).
 //! - **Shutdown loses nothing.** `shutdown()` hands back every pending operation or

@@ -41,12 +41,14 @@ pub(crate) trait Served: Send + Sync {
 }
 
 /// What a core's turn found: whether a batch was cut short, the earliest
-/// due tick left in its wheels, and the tick the turn read as now.
+/// due tick left in its wheels, the tick the turn read as now, and whether
+/// it left the wheels empty.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Turn {
     pub(crate) more: bool,
     pub(crate) next: u64,
     pub(crate) now: u64,
+    pub(crate) emptied: bool,
 }
 
 /// What a core asks of the reaper after a turn.

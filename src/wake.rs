@@ -92,6 +92,17 @@ impl WakeTarget {
             .is_ok()
     }
 
+    /// Whether the reaper is out of a turn with nothing scheduled: it sleeps,
+    /// or is about to, until an insert notifies it. A read-modify-write of
+    /// the caller's own, made before this `SeqCst` load, and the reaper's end
+    /// of a turn that left the target so (a `SeqCst` read-modify-write, and
+    /// then its own `SeqCst` loads) cannot miss each other: either this reads
+    /// the target so, or the reaper's loads after it see the caller's write.
+    #[inline]
+    pub(crate) fn sleeps_with_nothing(&self) -> bool {
+        self.0.load(Ordering::SeqCst) == NEVER
+    }
+
     /// The reaper ends a turn, having found `next` as the earliest due tick in the
     /// wheels: returns the tick to sleep until, the earlier of `next` and anything
     /// inserted during the turn. Inserts from now on notify.

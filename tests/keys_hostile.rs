@@ -1039,6 +1039,128 @@ async fn an_idle_purgatory_after_a_walk_completes_the_last_holds_no_keys() {
     assert!(balanced(&p.metrics()));
 }
 
+/// An operation whose check (once it reads its flag set) or whose drop
+/// waits, when armed, for the test to let it go.
+struct Held {
+    ready: Arc<AtomicBool>,
+    in_check: Option<Gate>,
+    in_drop: Option<Gate>,
+}
+
+/// Says "inside" on one channel, then waits (bounded) on the other.
+struct Gate(std::sync::mpsc::Sender<()>, std::sync::mpsc::Receiver<()>);
+
+impl Gate {
+    fn pass(self) {
+        self.0.send(()).unwrap();
+        self.1.recv_timeout(Duration::from_secs(10)).unwrap();
+    }
+}
+
+impl Operation for Held {
+    type Output = u32;
+    fn try_complete(&mut self) -> Option<u32> {
+        if !self.ready.load(Ordering::SeqCst) {
+            return None;
+        }
+        if let Some(gate) = self.in_check.take() {
+            gate.pass();
+        }
+        Some(1)
+    }
+    fn on_expiration(self) -> u32 {
+        0
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        if let Some(gate) = self.in_drop.take() {
+            gate.pass();
+        }
+    }
+}
+
+/// A gate and the test's ends of it: told when the operation is inside,
+/// and the sender that lets it go.
+fn gate() -> (
+    Gate,
+    std::sync::mpsc::Receiver<()>,
+    std::sync::mpsc::Sender<()>,
+) {
+    let (inside_tx, inside_rx) = std::sync::mpsc::channel();
+    let (go_tx, go_rx) = std::sync::mpsc::channel();
+    (Gate(inside_tx, go_rx), inside_rx, go_tx)
+}
+
+/// The last operation pending is completed on another thread while the
+/// reaper's turn at its deadline runs: the turn finds it being checked (its
+/// expiry is left to that check) or finished but not yet counted (its drop
+/// still running), sees its entries as live, and ends with nothing
+/// scheduled. No turn comes after that one, so the completion, finding the
+/// reaper asleep with nothing scheduled, purges: the map empties.
+#[test]
+fn the_last_completion_held_in_its_check_over_the_turn_at_its_deadline_still_purges() {
+    last_completion_racing_the_turn(false);
+}
+
+/// The same, the completion held in the operation's drop (after it is
+/// marked finished, before its tombstones are counted).
+#[test]
+fn the_last_completion_held_in_its_drop_over_the_turn_at_its_deadline_still_purges() {
+    last_completion_racing_the_turn(true);
+}
+
+fn last_completion_racing_the_turn(in_drop: bool) {
+    within(30, move || {
+        let rt = support::paused();
+        let p: Purgatory<u32, Held> = rt.block_on(async { Purgatory::new() });
+        let ready = Arc::new(AtomicBool::new(false));
+        let (g, inside, go) = gate();
+        let (in_check, held_drop) = if in_drop {
+            (None, Some(g))
+        } else {
+            (Some(g), None)
+        };
+        let op = Held {
+            ready: ready.clone(),
+            in_check,
+            in_drop: held_drop,
+        };
+        // Registered inside the runtime (its clock is the paused one).
+        let h = {
+            let _in = rt.enter();
+            p.try_complete_else_watch(op, ms(10), [1, 2, 3]).unwrap()
+        };
+        ready.store(true, Ordering::SeqCst);
+        let walker = {
+            let p = p.clone();
+            std::thread::spawn(move || p.try_complete_watched(&1))
+        };
+        inside.recv_timeout(Duration::from_secs(10)).unwrap();
+        // The turn at the deadline runs while the check (or the drop
+        // after it) is held.
+        rt.block_on(async {
+            advance(ms(11)).await;
+            settle().await;
+        });
+        go.send(()).unwrap();
+        assert_eq!(walker.join().unwrap(), 1, "the walk completed it");
+        rt.block_on(async {
+            settle().await;
+            assert_eq!(h.await, Ok(Completion::Completed(1)));
+        });
+        assert_eq!(
+            shape(&p),
+            (0, 0, 0, 0),
+            "held in {}: {:?}",
+            if in_drop { "its drop" } else { "its check" },
+            p.metrics()
+        );
+        assert!(balanced(&p.metrics()));
+    });
+}
+
 /// 20,000 operations on keys of their own, on a purgatory sharing its
 /// reaper with a timer, expire together. Once nothing is pending the map is
 /// purged a bounded part per reaper turn, not whole in the turn of the last

@@ -324,9 +324,11 @@ impl Books {
     /// `n` watch-list entries became tombstones (negative: were removed).
     #[inline]
     pub(crate) fn tombstones_changed(&self, n: i64) {
-        self.mine()
-            .tombstones
-            .fetch_add(n as u64, Ordering::Relaxed);
+        // `SeqCst`, as the reads in `tombstones`: a completion that counts
+        // its tombstones and then finds the reaper asleep with nothing
+        // scheduled, and the reaper that ends its turn so and then reads the
+        // count, cannot miss each other (see `WakeTarget::sleeps_with_nothing`).
+        self.mine().tombstones.fetch_add(n as u64, Ordering::SeqCst);
     }
 
     /// Tombstones (sums the stripes: exact when no call races the read; a
@@ -335,7 +337,7 @@ impl Books {
     #[inline]
     pub(crate) fn tombstones(&self) -> usize {
         let sum = self.stripes.iter().fold(0u64, |sum, s| {
-            sum.wrapping_add(s.tombstones.load(Ordering::Relaxed))
+            sum.wrapping_add(s.tombstones.load(Ordering::SeqCst))
         });
         (sum as i64).max(0) as usize
     }

@@ -173,10 +173,11 @@ impl<K: WatchKey, O: Operation, S: BuildHasher + Send + Sync + 'static> Purgator
     /// of the whole map, whatever the count: that call does the same bounded
     /// part (about 1,000 entries, and the keys of the shards it reaches,
     /// noted and sorted a shard at a time), and the reaper task the rest, as
-    /// much again per turn, between its other work. Completions do not look:
-    /// when they leave nothing pending, the reaper's next turn (which comes by
-    /// the earliest timeout the finished operations had) starts that purge.
-    /// The keys a now idle purgatory
+    /// much again per turn, between its other work. A completion that leaves
+    /// nothing pending starts it so when the reaper sleeps with nothing
+    /// scheduled; otherwise the reaper's next turn (which comes by the
+    /// earliest timeout the finished operations had) does. The keys a now
+    /// idle purgatory
     /// held leave the map so, with no further call; a closed purgatory, which
     /// its reaper serves no more (shut down, or its reaper lost), is purged
     /// whole at once.

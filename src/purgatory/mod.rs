@@ -151,10 +151,11 @@ impl<K: WatchKey, O: Operation> Drop for Owner<K, O> {
 /// [`PurgatoryBuilder::purge_interval`]). An expiry or cancellation that
 /// leaves tombstones as many as live entries (and at least 16), or leaves
 /// nothing pending, starts a purge at once, whatever the interval;
-/// completions do not look, and when they leave nothing pending the
-/// reaper's next turn starts it (that turn comes by the earliest timeout the
-/// finished operations had: their timer entries leave the wheels then, and
-/// the alarm set for them stays). Keys whose lists empty are removed.
+/// completions look only when the reaper sleeps with nothing scheduled
+/// (one load), and start it then if they left nothing pending; otherwise
+/// the reaper's next turn, which comes by the earliest timeout the finished
+/// operations had (the alarm set for them stays), finds the wheels emptied
+/// and starts it. Keys whose lists empty are removed.
 /// [`PurgatoryMetrics::tombstones`] counts them, apart from live watch
 /// entries. A key's list keeps the room it grew to, up to 4,096 entries of
 /// each kind (8 bytes each, 24 at a level), whatever it holds; one a burst grew past that gives the room back once it
@@ -478,7 +479,9 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
     /// that key, and finds nothing of it to cancel (as if it came before this
     /// call: the operation goes on registering), or after, and is then carried
     /// out by this call before it returns (the handle resolves to
-    /// [`OperationError::Cancelled`]). The code of a key (its `Clone`, run
+    /// [`OperationError::Cancelled`]), unless this call's second check
+    /// completes the operation first (as for any cancel left to a running
+    /// check). The code of a key (its `Clone`, run
     /// when the key is first watched) that cancels by that same key is of the
     /// first kind.
     ///
@@ -886,9 +889,11 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
     /// cancelled; the others are never touched. The watch moves up when an
     /// advance takes the operation out, before its check runs: another call
     /// for the same key at that level or lower that comes while the check
-    /// runs does not reach the operation and asks for no re-run (the key has
-    /// moved no further than the check already knows), while one past it asks
-    /// for a re-run as any event does. Signal a change other than the key's
+    /// runs does not reach that watch and asks for no re-run through it (the
+    /// key has moved no further than the check already knows; a plain watch
+    /// of the same key, if the operation has one, is reached as every call
+    /// reaches plain watchers), while one past it asks for a re-run as any
+    /// event does. Signal a change other than the key's
     /// level through a plain watch
     /// ([`try_complete_watched`](Purgatory::try_complete_watched)) or another
     /// key.
@@ -1040,7 +1045,8 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
     /// check completes it, it completes; otherwise the checker cancels it right
     /// after (its handle resolves to `Cancelled`, and the operation is dropped).
     /// An operation still registering is cancelled the same way by its
-    /// registration. After a [`shutdown`](Purgatory::shutdown) nothing is
+    /// registration, once it watches `key` (a cancel that comes before finds
+    /// nothing of it). After a [`shutdown`](Purgatory::shutdown) nothing is
     /// watched, and this returns an empty list.
     ///
     /// # Examples

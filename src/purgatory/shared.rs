@@ -70,15 +70,25 @@ impl<K: WatchKey, O: Operation> Job for Expiry<K, O> {
 
     fn after_turn(ctx: &Self::Ctx, emptied: bool) -> bool {
         ctx.get().and_then(Weak::upgrade).is_some_and(|shared| {
-            if emptied {
+            if emptied && !shared.idle_purge_left() {
                 // Completions (by reference, or by walks whose last slice
                 // left the purge part-way) may have left it with nothing
-                // pending: they do not look, and this turn, which the alarm
-                // set for their timeouts brought, does.
+                // pending while the reaper had an alarm set: they do not
+                // look then, and this turn, which that alarm brought, does.
+                // A purge this starts does this turn's part.
                 shared.tidy();
+                return shared.idle_purge_left();
             }
             shared.continue_idle_purge()
         })
+    }
+
+    fn after_idle(ctx: &Self::Ctx) {
+        // A completion that found the turn still under way did not look;
+        // its count is seen here.
+        if let Some(shared) = ctx.get().and_then(Weak::upgrade) {
+            shared.tidy();
+        }
     }
 
     fn after_reaper_gone(ctx: &Self::Ctx) {
@@ -621,8 +631,20 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
                 "operation finished"
             );
         });
-        // No purge here: this runs on the reaper too, and a purge walks every
-        // list. Registration and key walks purge instead (Kafka's places).
+        // Expiries and cancellations tidy after this; registrations and walks
+        // purge (Kafka's places). A completion looks only when the reaper
+        // sleeps with nothing scheduled (one load): it may have left the
+        // purgatory with nothing pending, and no turn will come to look. Its
+        // tombstones were counted above by a `SeqCst` read-modify-write, so
+        // a turn ending meanwhile sees them instead (`Job::after_idle`).
+        if fate == Fate::Completed && keys > 0 && self.core.sleeps_with_nothing() {
+            self.tidy();
+        }
+    }
+
+    /// Whether an idle purge is left to the reaper's turns.
+    fn idle_purge_left(&self) -> bool {
+        self.purge.0.idle_rest.load(Ordering::Acquire)
     }
 
     /// `key`'s hash by the watcher map's hasher (for a registration's keys).
@@ -991,9 +1013,10 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
     /// at once, after letting other tasks run). Once operations are pending
     /// again, their registrations and walks carry the purge instead, a slice
     /// each, and the next expiry or cancellation that leaves nothing pending
-    /// hands it back here. A completion does not look (it would have to sum
-    /// the counts): the first turn that finds the wheels emptied calls
-    /// [`tidy`](Self::tidy) for it (see `Job::after_turn`).
+    /// hands it back here. A completion looks only when the reaper sleeps
+    /// with nothing scheduled (see `on_finished`); otherwise the first turn
+    /// that finds the wheels emptied calls [`tidy`](Self::tidy) for it (see
+    /// `Job::after_turn` and `Job::after_idle`).
     pub(crate) fn continue_idle_purge(&self) -> bool {
         let purge = &self.purge.0;
         if !purge.idle_rest.load(Ordering::Acquire) {
