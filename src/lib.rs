@@ -350,13 +350,16 @@
 //!   (cancelled, completed, moved later, a timeout whose future won) does not
 //!   move the alarm set for it: if it was the earliest, the reaper wakes once
 //!   at that instant, finds nothing due, and sleeps until what is next. A
-//!   purgatory left with nothing pending and more than about 1,000 watch
+//!   purgatory left with nothing pending and more than about 2,000 watch
 //!   entries to purge has the reaper take the rest in turns of its own (woken
-//!   once for them when a thread other than the reaper's left it idle by an
-//!   expiry or cancellation). One left so by completions is purged at once
-//!   when the reaper sleeps with nothing scheduled, and otherwise from the
-//!   reaper's next turn, which the alarm set for the finished operations'
-//!   timeouts brings (no wake-up is added for it).
+//!   once for them when a thread other than the reaper's left it idle). The
+//!   call that leaves it idle starts that purge when it is an expiry or a
+//!   cancellation, and when it is a completion made while the reaper sleeps
+//!   with nothing scheduled; otherwise (completions while the finished
+//!   operations' timeouts still hold the reaper's alarm) the reaper's turn
+//!   that alarm brings starts it, with no wake-up added. Operations with far
+//!   timeouts (hours, `Duration::MAX`) completed with no registration or key
+//!   walk after them so keep their tombstones until then.
 //! - **Nothing is lost on rejection.** A refused operation or task is handed back
 //!   in the error ([`WatchError`], [`timer::ScheduleError`]).
 //! - **Shutdown loses nothing.** `shutdown()` hands back every pending operation or

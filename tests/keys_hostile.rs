@@ -1161,6 +1161,56 @@ fn last_completion_racing_the_turn(in_drop: bool) {
     });
 }
 
+/// Completes at its second check: the one a registration runs once it
+/// watches its keys, so that its entries become tombstones.
+struct SecondCheck(u32);
+
+impl Operation for SecondCheck {
+    type Output = ();
+    fn try_complete(&mut self) -> Option<()> {
+        self.0 += 1;
+        (self.0 >= 2).then_some(())
+    }
+    fn on_expiration(self) {}
+}
+
+/// A completion made while the reaper's turn is under way (here by a timer
+/// task on the same shared reaper, served after the purgatory in that turn,
+/// registering an operation that its second check completes before any
+/// timeout is armed) finds the turn still going and leaves the purge to the
+/// reaper, whose purgatory ends that turn with nothing scheduled: the map
+/// is purged all the same.
+#[tokio::test(start_paused = true)]
+async fn a_completion_during_the_reapers_turn_is_purged_by_the_reaper() {
+    let reaper = Reaper::start().unwrap();
+    // Built first: served first in each turn of the shared reaper.
+    let p: Purgatory<u32, SecondCheck> = Purgatory::builder().reaper(&reaper).build().unwrap();
+    let timer = Timer::builder().reaper(&reaper).build().unwrap();
+    let (registrar, registered) = (p.clone(), Arc::new(AtomicBool::new(false)));
+    let done = registered.clone();
+    timer
+        .schedule(ms(5), move || {
+            // Completed by its second check, before its timeout is armed.
+            let h = registrar
+                .try_complete_else_watch(SecondCheck(0), ms(1000), [1, 2, 3])
+                .unwrap();
+            h.detach();
+            done.store(true, Ordering::SeqCst);
+        })
+        .unwrap();
+    advance(ms(6)).await;
+    settle().await;
+    assert!(registered.load(Ordering::SeqCst), "the task ran");
+    assert_eq!(p.metrics().completed, 1);
+    assert_eq!(
+        shape(&p),
+        (0, 0, 0, 0),
+        "nothing pending, idle: {:?}",
+        p.metrics()
+    );
+    assert!(balanced(&p.metrics()));
+}
+
 /// 20,000 operations on keys of their own, on a purgatory sharing its
 /// reaper with a timer, expire together. Once nothing is pending the map is
 /// purged a bounded part per reaper turn, not whole in the turn of the last

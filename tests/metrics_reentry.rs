@@ -348,21 +348,26 @@ fn timer_lateness_record_shuts_down_and_drops_the_last_clone() {
 /// checked): the check's thread records the lateness sample, and the
 /// recorder there walks the same key, cancels by it, and shuts the
 /// purgatory down. No deadlock, no panic out of the walk, the handle
-/// resolves expired, the counts balance. Real time, two workers.
+/// resolves expired, the counts balance. The check is held on a channel
+/// while the paused clock passes the deadline and the reaper's turn runs.
 #[test]
 fn lateness_recorded_by_a_check_reenters() {
     within(60, || {
         struct Slow {
             entered: Arc<AtomicBool>,
             gate: Arc<AtomicBool>,
+            held: Option<(std::sync::mpsc::Sender<()>, std::sync::mpsc::Receiver<()>)>,
         }
         impl Operation for Slow {
             type Output = &'static str;
             fn try_complete(&mut self) -> Option<&'static str> {
                 if self.gate.load(Ordering::SeqCst) {
                     self.entered.store(true, Ordering::SeqCst);
-                    // Long enough for the reaper to find it being checked.
-                    std::thread::sleep(Duration::from_millis(300));
+                    // Held until the reaper has found it being checked.
+                    if let Some((inside, go)) = self.held.take() {
+                        inside.send(()).unwrap();
+                        go.recv_timeout(Duration::from_secs(10)).unwrap();
+                    }
                 }
                 None
             }
@@ -387,18 +392,21 @@ fn lateness_recorded_by_a_check_reenters() {
                 drop(p.shutdown());
             }
         });
-        let rt = support::multi();
+        let rt = support::paused();
         let _g = rt.enter();
         let p: PS = metrics::with_local_recorder(&rec, || {
             Purgatory::builder().name("deferred").build().unwrap()
         });
         let gate = Arc::new(AtomicBool::new(false));
         let entered = Arc::new(AtomicBool::new(false));
+        let (inside_tx, inside) = std::sync::mpsc::channel();
+        let (go, go_rx) = std::sync::mpsc::channel();
         let h = p
             .try_complete_else_watch(
                 Slow {
                     entered: entered.clone(),
                     gate: gate.clone(),
+                    held: Some((inside_tx, go_rx)),
                 },
                 ms(100),
                 [1, 2],
@@ -406,13 +414,19 @@ fn lateness_recorded_by_a_check_reenters() {
             .unwrap();
         *slot.lock().unwrap() = Some(p.clone());
         gate.store(true, Ordering::SeqCst);
-        // Enter the check just before the deadline, on a thread of our own.
-        std::thread::sleep(ms(50));
+        // The check runs on a thread of our own and is held there while the
+        // deadline passes and the reaper finds it being checked.
         let p2 = p.clone();
         let walker = std::thread::Builder::new()
             .name("walker".into())
             .spawn(move || p2.try_complete_watched(&2))
             .unwrap();
+        inside.recv_timeout(Duration::from_secs(10)).unwrap();
+        rt.block_on(async {
+            tokio::time::advance(ms(101)).await;
+            support::settle().await;
+        });
+        go.send(()).unwrap();
         let walked = walker.join();
         assert!(walked.is_ok(), "a panic out of the walk");
         assert!(entered.load(Ordering::SeqCst));
@@ -684,6 +698,10 @@ fn slow_and_panicking_lateness_on_a_multi_thread_runtime() {
         let m = p.metrics();
         assert!(balanced(&m), "{m:?}");
         assert_eq!(m.delayed, 0);
+        assert!(
+            m.expired > 0,
+            "some expired, so the recorder was called: {m:?}"
+        );
         assert_eq!(
             m.panicked, m.expired,
             "one recorder panic per expiry: {m:?}"

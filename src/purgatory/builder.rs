@@ -170,14 +170,15 @@ impl<K: WatchKey, O: Operation, S: BuildHasher + Send + Sync + 'static> Purgator
     /// So the keys of hang-ups and expiries that nobody else watches leave
     /// the map soon after their tombstones come to equal the live entries.
     /// The expiry or cancellation that leaves nothing pending starts a purge
-    /// of the whole map, whatever the count: that call does the same bounded
-    /// part (about 1,000 entries, and the keys of the shards it reaches,
+    /// of the whole map, whatever the count: that call does a bounded part
+    /// (up to about 2,000 entries, and the keys of the shards it reaches,
     /// noted and sorted a shard at a time), and the reaper task the rest, as
     /// much again per turn, between its other work. A completion that leaves
     /// nothing pending starts it so when the reaper sleeps with nothing
     /// scheduled; otherwise the reaper's next turn (which comes by the
-    /// earliest timeout the finished operations had) does. The keys a now
-    /// idle purgatory
+    /// earliest timeout the finished operations had: with far timeouts, and
+    /// no registration or walk after them, not for that long) does. The keys
+    /// a now idle purgatory
     /// held leave the map so, with no further call; a closed purgatory, which
     /// its reaper serves no more (shut down, or its reaper lost), is purged
     /// whole at once.

@@ -152,9 +152,10 @@ impl<K: WatchKey, O: Operation> Drop for Owner<K, O> {
 /// leaves tombstones as many as live entries (and at least 16), or leaves
 /// nothing pending, starts a purge at once, whatever the interval;
 /// completions look only when the reaper sleeps with nothing scheduled
-/// (one load), and start it then if they left nothing pending; otherwise
-/// the reaper's next turn, which comes by the earliest timeout the finished
-/// operations had (the alarm set for them stays), finds the wheels emptied
+/// (one load), and then apply the same rule; otherwise the reaper's next
+/// turn, which comes by the earliest timeout the finished operations had
+/// (the alarm set for them stays: with far timeouts and no registration or
+/// walk after them, tombstones stay that long), finds the wheels emptied
 /// and starts it. Keys whose lists empty are removed.
 /// [`PurgatoryMetrics::tombstones`] counts them, apart from live watch
 /// entries. A key's list keeps the room it grew to, up to 4,096 entries of

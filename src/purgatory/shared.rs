@@ -25,7 +25,7 @@ use super::{ChecksMetrics, PurgatoryMetrics, WalkMetrics};
 use crate::contain::Panics;
 use crate::core::{Closed, Core, Job, Refused, TimerKey};
 use crate::histogram::Histogram;
-use crate::sync::{thread_index, Padded, Striped};
+use crate::sync::{lock, thread_index, Padded, Striped};
 use crate::watchers::{KeyHasher, Removed, Sweep, Watchers};
 
 /// Tombstones an expiry or cancellation leaves before it starts a purge of
@@ -939,7 +939,7 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
                 return;
             }
         }
-        self.purge_slice();
+        self.purge_slice(false);
     }
 
     /// After an operation expired or was cancelled through its handle or an
@@ -962,11 +962,17 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
     /// purgatory, whose reaper serves it no more, is purged whole here. The
     /// check sums the stripes of both counts.
     pub(crate) fn tidy(&self) {
+        // Tombstones first: a removal lowers the entry count before the
+        // tombstone count, so the entries read after count every removal
+        // the tombstones read saw (and any other only lowers them, which
+        // errs toward a purge). Read the other way round, a walk's prune
+        // between the two reads made a purgatory with nothing pending look
+        // busy to the reaper's last look (see `WakeTarget::sleeps_with_nothing`).
+        let tombstones = self.books.tombstones();
         let entries = self.watchers.len();
         if entries == 0 {
             return;
         }
-        let tombstones = self.books.tombstones();
         let idle = tombstones >= entries;
         let half = tombstones >= TIDY_FLOOR && tombstones.saturating_mul(2) >= entries;
         if !idle && !half {
@@ -977,12 +983,15 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
             return;
         }
         let closed = self.core.closed().is_some();
-        let slices = if idle && closed {
-            usize::MAX
-        } else {
-            TIDY_SLICES
-        };
-        if !self.purge_slices(slices) && idle && !closed {
+        if idle && closed {
+            // No reaper turn will take the rest, and a thread on a slice now
+            // may be in a pass that visited these keys before their
+            // operations finished: wait for it (it runs no user code under
+            // the purge's lock), then purge the whole map.
+            self.purge_slices(usize::MAX, true);
+            return;
+        }
+        if !self.purge_slices(TIDY_SLICES, false) && idle {
             // The rest in the reaper's turns: work due now for its core.
             self.purge.0.idle_rest.store(true, Ordering::Release);
             self.core.poke();
@@ -990,14 +999,15 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
     }
 
     /// Up to `slices` slices of the purge (another thread on the purge ends
-    /// this); returns whether a pass ended that covers every list. A pass
-    /// this call did not begin may have visited some keys before their
-    /// operations finished, and would not look at them again: when it ends
-    /// here, one more begins, so that the map is purged whole.
-    fn purge_slices(&self, slices: usize) -> bool {
+    /// this, unless `wait`: then this waits for its slice); returns whether a
+    /// pass ended that covers every list. A pass this call did not begin may
+    /// have visited some keys before their operations finished, and would
+    /// not look at them again: when it ends here, one more begins, so that
+    /// the map is purged whole.
+    fn purge_slices(&self, slices: usize, wait: bool) -> bool {
         let mut began = false;
         for _ in 0..slices {
-            match self.purge_slice() {
+            match self.purge_slice(wait) {
                 Slice::Busy => return false,
                 Slice::Going { began: b } => began |= b,
                 Slice::Done { began: b } if began || b => return true,
@@ -1022,9 +1032,10 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         if !purge.idle_rest.load(Ordering::Acquire) {
             return false;
         }
+        // Tombstones first, as in `tidy`.
+        let tombstones = self.books.tombstones();
         let entries = self.watchers.len();
-        let more =
-            entries > 0 && self.books.tombstones() >= entries && !self.purge_slices(TIDY_SLICES);
+        let more = entries > 0 && tombstones >= entries && !self.purge_slices(TIDY_SLICES, false);
         if !more {
             purge.idle_rest.store(false, Ordering::Release);
         }
@@ -1032,15 +1043,19 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
     }
 
     /// One slice of the purge, starting a pass if none is under way.
-    /// Gives up at once when another thread is on a slice.
-    fn purge_slice(&self) -> Slice {
+    /// Gives up at once when another thread is on a slice, unless `wait`.
+    fn purge_slice(&self, wait: bool) -> Slice {
         let purge = &self.purge.0;
-        let mut sweep = match purge.sweep.try_lock() {
-            Ok(sweep) => sweep,
-            // No code that can panic runs under this lock; recover anyway.
-            Err(TryLockError::Poisoned(p)) => p.into_inner(),
-            // Another thread is on the purge.
-            Err(TryLockError::WouldBlock) => return Slice::Busy,
+        let mut sweep = if wait {
+            lock(&purge.sweep)
+        } else {
+            match purge.sweep.try_lock() {
+                Ok(sweep) => sweep,
+                // No code that can panic runs under this lock; recover anyway.
+                Err(TryLockError::Poisoned(p)) => p.into_inner(),
+                // Another thread is on the purge.
+                Err(TryLockError::WouldBlock) => return Slice::Busy,
+            }
         };
         // Room for a whole slice before the lists are locked: growing the
         // buffer entry by entry would allocate several times per slice, on
