@@ -25,7 +25,7 @@ use super::{ChecksMetrics, PurgatoryMetrics, WalkMetrics};
 use crate::contain::Panics;
 use crate::core::{Closed, Core, Job, Refused, TimerKey};
 use crate::histogram::Histogram;
-use crate::sync::{lock, thread_index, Padded, Striped};
+use crate::sync::{thread_index, Padded, Striped};
 use crate::watchers::{KeyHasher, Removed, Sweep, Watchers};
 
 /// Tombstones an expiry or cancellation leaves before it starts a purge of
@@ -1047,7 +1047,8 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
     fn purge_slice(&self, wait: bool) -> Slice {
         let purge = &self.purge.0;
         let mut sweep = if wait {
-            lock(&purge.sweep)
+            // The purge's own (std) mutex, as below: not one loom models.
+            purge.sweep.lock().unwrap_or_else(|p| p.into_inner())
         } else {
             match purge.sweep.try_lock() {
                 Ok(sweep) => sweep,
