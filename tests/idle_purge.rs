@@ -637,6 +637,8 @@ enum KeyDrop {
     Panics,
     Registers,
     CancelsByKey,
+    /// Records whether the completed operation's handle has its outcome.
+    SeesTheOutcome,
     Nothing,
 }
 
@@ -661,8 +663,12 @@ fn held_past_its_deadline(action: KeyDrop, held_in: HeldIn) {
         let p: Purgatory<HKey, Op> = rt.block_on(async { Purgatory::new() });
         let slot = Arc::new(Mutex::new(Some(p.clone())));
         let side = Arc::new(Mutex::new(Vec::new()));
+        // The completed operation's handle, where the key's drop can look.
+        let watched: Arc<Mutex<Option<OperationHandle<HKey, Op>>>> = Arc::default();
+        let seen = Arc::new(Mutex::new(Vec::new()));
         let hook = {
             let (last, slot, side) = (slot.clone(), slot.clone(), side.clone());
+            let (watched, seen) = (watched.clone(), seen.clone());
             let live = move || slot.lock().unwrap().clone().unwrap();
             Hook::new(false, move || match action {
                 KeyDrop::DropsTheLastClone => drop(last.lock().unwrap().take()),
@@ -685,6 +691,10 @@ fn held_past_its_deadline(action: KeyDrop, held_in: HeldIn) {
                     // to cancel on its key, nor on this operation's.
                     assert!(p.cancel_for_key(&HKey::plain(40)).is_empty());
                     assert!(p.cancel_for_key(&HKey::plain(2)).is_empty());
+                }
+                KeyDrop::SeesTheOutcome => {
+                    let finished = watched.lock().unwrap().as_ref().map(|h| h.is_finished());
+                    seen.lock().unwrap().push(finished);
                 }
                 KeyDrop::Nothing => {}
             })
@@ -719,6 +729,12 @@ fn held_past_its_deadline(action: KeyDrop, held_in: HeldIn) {
         };
         let weak = p.downgrade();
         let op = h.op_ref().unwrap();
+        let h = if matches!(action, KeyDrop::SeesTheOutcome) {
+            *watched.lock().unwrap() = Some(h);
+            None
+        } else {
+            Some(h)
+        };
         ready.store(true, Ordering::SeqCst);
         let handle = rt.handle().clone();
         let checker = std::thread::spawn(move || {
@@ -739,6 +755,14 @@ fn held_past_its_deadline(action: KeyDrop, held_in: HeldIn) {
             !hook.armed.load(Ordering::SeqCst),
             "the purge dropped a key"
         );
+        if matches!(action, KeyDrop::SeesTheOutcome) {
+            assert_eq!(
+                *seen.lock().unwrap(),
+                [Some(true)],
+                "the purge the completion started ran after its outcome was delivered"
+            );
+        }
+        let h = h.or_else(|| watched.lock().unwrap().take()).unwrap();
         rt.block_on(async {
             settle().await;
             let got = tokio::time::timeout(ms(1000), h).await;
@@ -773,6 +797,13 @@ fn held_past_its_deadline(action: KeyDrop, held_in: HeldIn) {
 #[test]
 fn a_check_held_past_its_deadline_completes_and_purges() {
     held_past_its_deadline(KeyDrop::Nothing, HeldIn::Check);
+}
+
+/// The purge such a completion starts runs once its outcome is delivered:
+/// a key it drops finds the operation's handle finished.
+#[test]
+fn the_purge_a_completion_starts_runs_after_its_outcome_is_delivered() {
+    held_past_its_deadline(KeyDrop::SeesTheOutcome, HeldIn::Check);
 }
 
 /// A completion held in its check past its deadline purges though the key

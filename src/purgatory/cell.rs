@@ -786,7 +786,8 @@ where
         // The final word (a cancel deferred to a check was recorded as a plain
         // cancel, which it is counted as; shutdown's hand-back is told here).
         self.cell.owner.record_fate(fate.code());
-        self.shared.on_finished(fate, self.cell.owner.keys());
+        let keys = self.cell.owner.keys();
+        self.shared.on_finished(fate, keys);
         let timer = self.cell.timer().take_final();
         let d = self.cell.delivery().deliver(result);
         if cancel_timer {
@@ -807,6 +808,11 @@ where
             // run or cancel that finished this operation goes on with the
             // others.
             self.shared.panics().run("wake of a handle", || w.wake());
+        }
+        if fate == Fate::Completed {
+            // Once the outcome is out: the purge this may start does not
+            // hold it up.
+            self.shared.after_completion(keys);
         }
     }
 

@@ -632,12 +632,19 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
             );
         });
         // Expiries and cancellations tidy after this; registrations and walks
-        // purge (Kafka's places). A completion looks only when the reaper
-        // sleeps with nothing scheduled (one load): it may have left the
-        // purgatory with nothing pending, and no turn will come to look. Its
-        // tombstones were counted above by a `SeqCst` read-modify-write, so
-        // a turn ending meanwhile sees them instead (`Job::after_idle`).
-        if fate == Fate::Completed && keys > 0 && self.core.sleeps_with_nothing() {
+        // purge (Kafka's places); a completion looks once it has delivered
+        // its outcome (`after_completion`).
+    }
+
+    /// After a completion whose `keys` list entries became tombstones (counted
+    /// by [`on_finished`](Self::on_finished)) delivered its outcome: looks
+    /// only when the reaper sleeps with nothing scheduled (one load), since
+    /// the completion may have left the purgatory with nothing pending and no
+    /// turn will come to look. The tombstones were counted by a `SeqCst`
+    /// read-modify-write before this `SeqCst` load, so a turn ending
+    /// meanwhile sees them instead (`Job::after_idle`).
+    pub(crate) fn after_completion(&self, keys: u32) {
+        if keys > 0 && self.core.sleeps_with_nothing() {
             self.tidy();
         }
     }
