@@ -1031,7 +1031,7 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
     /// again, their registrations and walks carry the purge instead, a slice
     /// each, and the next expiry or cancellation that leaves nothing pending
     /// hands it back here. A completion looks only when the reaper sleeps
-    /// with nothing scheduled (see `on_finished`); otherwise the first turn
+    /// with nothing scheduled (see `after_completion`); otherwise the first turn
     /// that finds the wheels emptied calls [`tidy`](Self::tidy) for it (see
     /// `Job::after_turn` and `Job::after_idle`).
     pub(crate) fn continue_idle_purge(&self) -> bool {
