@@ -203,6 +203,118 @@ async fn complete_by_reference(p: &Purgatory<u32, Op>, n: u32, timeout: Duration
 }
 
 // ---------------------------------------------------------------------------
+// Large maps idled by completions, and a completion during the reaper's
+// turn.
+
+/// 5,000 operations on three keys each, completed by reference (no walk,
+/// no registration after them): completions do not look at the map, so
+/// their 15,000 tombstones stay until the reaper's next turn, which the
+/// alarm set for their timeouts brings (the earliest is at 60 s); that turn
+/// finds the wheels emptied and starts the idle purge, which the turns
+/// after it finish. No wake-up is added for it.
+#[tokio::test(start_paused = true)]
+async fn an_idle_purgatory_after_completions_by_reference_holds_no_keys() {
+    let p: Purgatory<u32, Op> = Purgatory::new();
+    let ready = Arc::new(AtomicBool::new(false));
+    let refs: Vec<_> = (0..5_000u32)
+        .map(|i| {
+            let timeout = ms(60_000 + u64::from(i));
+            p.try_complete_else_watch(Op::new(&ready), timeout, [i, i + 10_000, i + 20_000])
+                .unwrap()
+                .into_op_ref()
+                .unwrap()
+        })
+        .collect();
+    settle().await;
+    let woken = p.metrics().reaper_wakeups;
+    ready.store(true, Ordering::SeqCst);
+    assert!(refs.iter().all(|r| r.try_complete()));
+    drop(refs);
+    advance(ms(59_000)).await;
+    settle().await;
+    assert_eq!(shape(&p), (0, 15_000, 15_000, 15_000), "before the turn");
+    advance(ms(1_001)).await;
+    settle().await;
+    assert_eq!(
+        shape(&p),
+        (0, 0, 0, 0),
+        "nothing pending, idle: {:?}",
+        p.metrics()
+    );
+    assert_eq!(p.metrics().reaper_wakeups, woken + 1, "the alarm's one");
+    assert!(balanced(&p.metrics()));
+}
+
+/// A walk completes the last of 5,000 operations, each also watching two
+/// keys of its own: the walk purges one slice of the 10,000 tombstones it
+/// left, and the reaper's turn at the earliest timeout the rest.
+#[tokio::test(start_paused = true)]
+async fn an_idle_purgatory_after_a_walk_completes_the_last_holds_no_keys() {
+    let p: Purgatory<u32, Op> = Purgatory::new();
+    let ready = Arc::new(AtomicBool::new(false));
+    let handles: Vec<_> = (1..=5_000u32)
+        .map(|i| {
+            p.try_complete_else_watch(Op::new(&ready), ms(30_000), [0, i, i + 10_000])
+                .unwrap()
+        })
+        .collect();
+    ready.store(true, Ordering::SeqCst);
+    assert_eq!(p.try_complete_watched(&0), 5_000);
+    for h in handles {
+        assert_eq!(h.await, Ok(Completion::Completed(1)));
+    }
+    let (delayed, _, tombstones, _) = shape(&p);
+    assert_eq!(delayed, 0);
+    assert!(tombstones > 0, "the walk purged a slice, not the whole map");
+    advance(ms(30_001)).await;
+    settle().await;
+    assert_eq!(
+        shape(&p),
+        (0, 0, 0, 0),
+        "nothing pending, idle: {:?}",
+        p.metrics()
+    );
+    assert!(balanced(&p.metrics()));
+}
+
+/// A completion made while the reaper's turn is under way (here by a timer
+/// task on the same shared reaper, served after the purgatory in that turn,
+/// registering an operation that its second check completes before any
+/// timeout is armed) finds the turn still going and leaves the purge to the
+/// reaper, whose purgatory ends that turn with nothing scheduled: the map
+/// is purged all the same.
+#[tokio::test(start_paused = true)]
+async fn a_completion_during_the_reapers_turn_is_purged_by_the_reaper() {
+    let reaper = Reaper::start().unwrap();
+    // Built first: served first in each turn of the shared reaper.
+    let p: Purgatory<u32, Op> = Purgatory::builder().reaper(&reaper).build().unwrap();
+    let timer = Timer::builder().reaper(&reaper).build().unwrap();
+    let (registrar, registered) = (p.clone(), Arc::new(AtomicBool::new(false)));
+    let done = registered.clone();
+    timer
+        .schedule(ms(5), move || {
+            // Completed by its second check, before its timeout is armed.
+            let h = registrar
+                .try_complete_else_watch(Op::at_second_check(), ms(1000), [1, 2, 3])
+                .unwrap();
+            h.detach();
+            done.store(true, Ordering::SeqCst);
+        })
+        .unwrap();
+    advance(ms(6)).await;
+    settle().await;
+    assert!(registered.load(Ordering::SeqCst), "the task ran");
+    assert_eq!(p.metrics().completed, 1);
+    assert_eq!(
+        shape(&p),
+        (0, 0, 0, 0),
+        "nothing pending, idle: {:?}",
+        p.metrics()
+    );
+    assert!(balanced(&p.metrics()));
+}
+
+// ---------------------------------------------------------------------------
 // Completions by reference: the reaper's turn at the finished operations'
 // alarm purges; with far timeouts, a registration does.
 
@@ -797,6 +909,13 @@ fn held_past_its_deadline(action: KeyDrop, held_in: HeldIn) {
 #[test]
 fn a_check_held_past_its_deadline_completes_and_purges() {
     held_past_its_deadline(KeyDrop::Nothing, HeldIn::Check);
+}
+
+/// A completion held in the operation's drop (finished, its tombstones not
+/// yet counted) past its deadline purges the map.
+#[test]
+fn a_drop_held_past_its_deadline_completes_and_purges() {
+    held_past_its_deadline(KeyDrop::Nothing, HeldIn::Drop);
 }
 
 /// The purge such a completion starts runs once its outcome is delivered:
