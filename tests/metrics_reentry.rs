@@ -28,7 +28,7 @@ use std::time::Duration;
 use tokio::time::advance;
 use tokio_purgatory::{Completion, Operation, OperationError, Purgatory, Reaper, Timer};
 
-use support::{balanced, ms, paused_within, settle, within};
+use support::{balanced, get, ms, paused_within, resolve, settle, within, Slot};
 
 // ---------------------------------------------------------------- recorder
 
@@ -171,17 +171,6 @@ fn never() -> Op {
 }
 
 type P = Purgatory<u32, Op>;
-type Slot<T> = Arc<Mutex<Option<T>>>;
-
-fn get<T: Clone>(slot: &Slot<T>) -> Option<T> {
-    slot.lock().unwrap().clone()
-}
-
-async fn resolve<F: std::future::Future>(f: F) -> F::Output {
-    tokio::time::timeout(Duration::from_secs(3600), f)
-        .await
-        .expect("a handle never resolved")
-}
 
 // ---------------------------------------------------------------- tests
 
@@ -676,10 +665,16 @@ fn slow_and_panicking_lateness_on_a_multi_thread_runtime() {
                 std::thread::spawn(move || {
                     for i in 0..200 {
                         if i == 100 {
+                            // Some expired first (their lateness recorded,
+                            // panicking); the rest complete by these walks.
+                            let give_up = std::time::Instant::now() + Duration::from_secs(10);
+                            while p.metrics().expired == 0 {
+                                assert!(std::time::Instant::now() < give_up, "nothing expired");
+                                std::thread::yield_now();
+                            }
                             ready.store(true, Ordering::SeqCst);
                         }
                         p.try_complete_watched(&(i % 5));
-                        std::thread::sleep(Duration::from_micros(50));
                     }
                 })
             })
@@ -695,6 +690,12 @@ fn slow_and_panicking_lateness_on_a_multi_thread_runtime() {
                 assert!(out.is_ok(), "{out:?}");
             }
         });
+        // The reaper records an expiry's lateness (here: blocks, then
+        // panics, counted) after the expiry resolved its handle.
+        let give_up = std::time::Instant::now() + Duration::from_secs(10);
+        while p.metrics().panicked < p.metrics().expired && std::time::Instant::now() < give_up {
+            std::thread::yield_now();
+        }
         let m = p.metrics();
         assert!(balanced(&m), "{m:?}");
         assert_eq!(m.delayed, 0);

@@ -32,7 +32,7 @@ use tokio_purgatory::{
 };
 use tracing::level_filters::LevelFilter;
 
-use support::{balanced, ms, paused_within, settle, within};
+use support::{balanced, get, ms, paused_within, resolve, settle, within, Slot};
 
 /// The message of the warning a reaper stopped without a shutdown gives.
 const LOST: &str = "reaper stopped without a shutdown";
@@ -275,20 +275,6 @@ fn never() -> Op {
 }
 
 type P = Purgatory<u32, Op>;
-
-/// A slot the hook reads the purgatory from (set once the purgatory exists).
-type Slot<T> = Arc<Mutex<Option<T>>>;
-
-fn get<T: Clone>(slot: &Slot<T>) -> Option<T> {
-    slot.lock().unwrap().clone()
-}
-
-/// `f`'s output, failing if it has not come within an hour of paused time.
-async fn resolve<F: Future>(f: F) -> F::Output {
-    tokio::time::timeout(Duration::from_secs(3600), f)
-        .await
-        .expect("a handle never resolved")
-}
 
 // ---------------------------------------------------------------- tests
 

@@ -65,6 +65,23 @@ pub fn balanced(m: &tokio_purgatory::PurgatoryMetrics) -> bool {
     m.registered == m.completed + m.expired + m.cancelled + m.handed_back
 }
 
+/// A slot user code reads a purgatory or timer from (set once it exists,
+/// emptied to let it go).
+pub type Slot<T> = std::sync::Arc<std::sync::Mutex<Option<T>>>;
+
+/// What `slot` holds now.
+pub fn get<T: Clone>(slot: &Slot<T>) -> Option<T> {
+    slot.lock().unwrap().clone()
+}
+
+/// `f`'s output, failing if it has not come within an hour (of paused time,
+/// in the tests that use it).
+pub async fn resolve<F: std::future::Future>(f: F) -> F::Output {
+    tokio::time::timeout(Duration::from_secs(3600), f)
+        .await
+        .expect("a handle never resolved")
+}
+
 /// An operation whose check completes it once its flag is set; it expires
 /// to `()`.
 pub struct FlagOp(pub std::sync::Arc<std::sync::atomic::AtomicBool>);
