@@ -785,7 +785,13 @@ where
     /// earlier or later than the old one; one already past makes the operation
     /// due at once. Returns whether the timeout was moved; after a `false`,
     /// [`status`](OpRef::status) says whether the operation completed,
-    /// expired or was cancelled.
+    /// expired or was cancelled, once it has finished: a `false` because the
+    /// expiry is under way may come a moment before the operation reads as
+    /// expired (the reaper has taken its timeout out of the wheel and not
+    /// yet taken the operation; or left the expiry to a check running then,
+    /// until that check ends). It then finishes, as expired unless that check
+    /// completes it or a cancellation reached it first, and its handle
+    /// resolves.
     ///
     /// # Concurrent calls
     ///

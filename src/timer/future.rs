@@ -189,7 +189,13 @@ pin_project! {
     /// The inner future is polled first, so a future that is ready at the deadline
     /// wins. Once it has, the deadline leaves the wheel at once (its room under
     /// [`max_pending`](crate::timer::TimerBuilder::max_pending) is free again,
-    /// and it is never counted as fired), whether or not this future is kept.
+    /// and it is not counted as fired), whether or not this future is kept. A
+    /// deadline the reaper reached before the future was polled ready is
+    /// counted as fired (in [`TimerMetrics::expired`](crate::timer::TimerMetrics::expired),
+    /// with a lateness sample) even so: for example when the inner future is
+    /// made ready by a task of the reaper's turn that fires the deadline, or
+    /// when this future's task is polled late. It still resolves to the
+    /// future's output.
     ///
     /// # Cancel safety
     ///
