@@ -352,7 +352,10 @@
 //!   at that instant, finds nothing due, and sleeps until what is next. A
 //!   purgatory left with nothing pending and more than about 2,000 watch
 //!   entries to purge has the reaper take the rest in turns of its own (woken
-//!   once for them when a thread other than the reaper's left it idle). The
+//!   once for them when a thread other than the reaper's left it idle), as
+//!   does one whose expiry or cancellation leaves as many tombstones as live
+//!   entries in a map of more than about 1,000 (woken once for it when
+//!   that cancellation was not on the reaper). The
 //!   call that leaves it idle starts that purge when it is an expiry or a
 //!   cancellation, and when it is a completion made while the reaper sleeps
 //!   with nothing scheduled; otherwise (completions while the finished

@@ -166,7 +166,10 @@ impl<K: WatchKey, O: Operation, S: BuildHasher + Send + Sync + 'static> Purgator
     /// leaves at least as many tombstones as live entries, and at least 16,
     /// starts a purge at once: a map of up to about 1,000 entries is purged
     /// whole in that call (on the reaper, or the thread that cancelled), a
-    /// larger one by the slices of the registrations and walks that follow.
+    /// larger one by the slices of the registrations and walks that follow
+    /// and by the reaper task, up to about 2,000 entries a turn (woken once
+    /// for it when the call was not on the reaper), so that it ends though
+    /// no registration or walk follows.
     /// So the keys of hang-ups and expiries that nobody else watches leave
     /// the map soon after their tombstones come to equal the live entries.
     /// The expiry or cancellation that leaves nothing pending starts a purge

@@ -70,16 +70,16 @@ impl<K: WatchKey, O: Operation> Job for Expiry<K, O> {
 
     fn after_turn(ctx: &Self::Ctx, emptied: bool) -> bool {
         ctx.get().and_then(Weak::upgrade).is_some_and(|shared| {
-            if emptied && !shared.idle_purge_left() {
+            if emptied && !shared.purge_left_to_reaper() {
                 // Completions (by reference, or by walks whose last slice
                 // left the purge part-way) may have left it with nothing
                 // pending while the reaper had an alarm set: they do not
                 // look then, and this turn, which that alarm brought, does.
                 // A purge this starts does this turn's part.
                 shared.tidy();
-                return shared.idle_purge_left();
+                return shared.purge_left_to_reaper();
             }
-            shared.continue_idle_purge()
+            shared.continue_purge()
         })
     }
 
@@ -182,9 +182,14 @@ struct Purge {
     /// The purge under way, or the last one, done (its room kept).
     sweep: Mutex<Sweep>,
     sweeping: AtomicBool,
-    /// The purge of a map with nothing pending goes on in the reaper's turns
-    /// (see [`Shared::tidy`]).
-    idle_rest: AtomicBool,
+    /// The purge goes on in the reaper's turns (see [`Shared::tidy`]).
+    reaper_rest: AtomicBool,
+    /// Another hand-over to the reaper came while it had the purge: the
+    /// tombstones it saw may lie in lists the pass under way has visited.
+    rest_again: AtomicBool,
+    /// The pass under way began after the latest hand-over (the reaper's
+    /// own, carried from turn to turn).
+    rest_began: AtomicBool,
     purged: AtomicU64,
 }
 
@@ -289,7 +294,9 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
             purge: Padded(Purge {
                 sweep: Mutex::new(Sweep::idle()),
                 sweeping: AtomicBool::new(false),
-                idle_rest: AtomicBool::new(false),
+                reaper_rest: AtomicBool::new(false),
+                rest_again: AtomicBool::new(false),
+                rest_began: AtomicBool::new(false),
                 purged: AtomicU64::new(0),
             }),
             purge_interval,
@@ -649,9 +656,9 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         }
     }
 
-    /// Whether an idle purge is left to the reaper's turns.
-    fn idle_purge_left(&self) -> bool {
-        self.purge.0.idle_rest.load(Ordering::Acquire)
+    /// Whether a purge is left to the reaper's turns.
+    fn purge_left_to_reaper(&self) -> bool {
+        self.purge.0.reaper_rest.load(Ordering::Acquire)
     }
 
     /// `key`'s hash by the watcher map's hasher (for a registration's keys).
@@ -958,16 +965,17 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
     /// it keeps, so its cost stays proportional to what it removes.
     ///
     /// A small map (at most [`SMALL_LISTS`] entries) is purged whole here.
-    /// A larger one is only marked for the purge, which the slices of later
+    /// A larger one is marked for the purge, which the slices of later
     /// registrations and walks carry out, so that this call (often the
-    /// reaper's) never lists every key. Once nothing is pending, an idle
-    /// purgatory may see no later call: this call starts the pass and does
-    /// the same bounded part (the pass notes the keys' hashes a shard at a
-    /// time, as it reaches each), and the reaper's turns the rest, the same
-    /// part each
-    /// ([`continue_idle_purge`](Self::continue_idle_purge)); a closed
-    /// purgatory, whose reaper serves it no more, is purged whole here. The
-    /// check sums the stripes of both counts.
+    /// reaper's) never lists every key; and since no such call may follow
+    /// (a purgatory gone quiet), the reaper's turns carry it too, a bounded
+    /// part each ([`continue_purge`](Self::continue_purge)). Once nothing is
+    /// pending, this call starts the pass and does that bounded part itself
+    /// (the pass notes the keys' hashes a shard at a time, as it reaches
+    /// each), and the reaper's turns the rest; a closed purgatory, whose
+    /// reaper serves it no more, is purged whole here (a larger one with
+    /// something pending only marked). The check sums the stripes of both
+    /// counts.
     pub(crate) fn tidy(&self) {
         // Tombstones first: a removal lowers the entry count before the
         // tombstone count, so the entries read after count every removal
@@ -985,11 +993,14 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         if !idle && !half {
             return;
         }
+        let closed = self.core.closed().is_some();
         if !idle && entries > SMALL_LISTS {
             self.purge.0.sweeping.store(true, Ordering::Release);
+            if !closed {
+                self.leave_purge_to_reaper();
+            }
             return;
         }
-        let closed = self.core.closed().is_some();
         if idle && closed {
             // No reaper turn will take the rest, and a thread on a slice now
             // may be in a pass that visited these keys before their
@@ -999,8 +1010,22 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
             return;
         }
         if !self.purge_slices(TIDY_SLICES, false) && idle {
-            // The rest in the reaper's turns: work due now for its core.
-            self.purge.0.idle_rest.store(true, Ordering::Release);
+            self.leave_purge_to_reaper();
+        }
+    }
+
+    /// Leaves the rest of the purge to the reaper's turns: work due now for
+    /// its core, notified once. A reaper that has the purge already (it is
+    /// notified, or in a turn that goes on with it) is told that this
+    /// call's tombstones may lie in lists its pass has visited, and goes on
+    /// until a pass that began after them ends. The flag is set before the
+    /// purge is claimed, both `SeqCst`, and the reaper gives the purge up
+    /// before it reads the flag (`give_purge_back`): either this call finds
+    /// the purge given up and notifies, or the reaper sees the flag.
+    fn leave_purge_to_reaper(&self) {
+        let purge = &self.purge.0;
+        purge.rest_again.store(true, Ordering::SeqCst);
+        if !purge.reaper_rest.swap(true, Ordering::SeqCst) {
             self.core.poke();
         }
     }
@@ -1024,29 +1049,67 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         false
     }
 
-    /// At the end of a reaper turn: goes on with the purge of a map with
-    /// nothing pending that [`tidy`](Self::tidy) left, the same bounded part
-    /// per turn. Returns whether more is left (the reaper takes another turn
-    /// at once, after letting other tasks run). Once operations are pending
-    /// again, their registrations and walks carry the purge instead, a slice
-    /// each, and the next expiry or cancellation that leaves nothing pending
-    /// hands it back here. A completion looks only when the reaper sleeps
-    /// with nothing scheduled (see `after_completion`); otherwise the first turn
-    /// that finds the wheels emptied calls [`tidy`](Self::tidy) for it (see
-    /// `Job::after_turn` and `Job::after_idle`).
-    pub(crate) fn continue_idle_purge(&self) -> bool {
+    /// At the end of a reaper turn: goes on with the purge [`tidy`](Self::tidy)
+    /// left to the reaper, the same bounded part per turn, until a pass that
+    /// began after the latest hand-over ends (a pass under way then may have
+    /// visited lists before their tombstones came: when it ends, one more
+    /// begins, as long as tombstones are still as many as live entries).
+    /// Returns whether more is left now (the reaper takes another turn at
+    /// once, after letting other tasks run). When another thread is on a
+    /// slice, the registrations and walks of a purgatory with operations
+    /// pending go on with it, and the reaper at its next turn (which their
+    /// timeouts bring); with nothing pending, the reaper's next turn comes at
+    /// once. A completion hands an idle purge over only when the reaper
+    /// sleeps with nothing scheduled (see `after_completion`); otherwise the
+    /// first turn that finds the wheels emptied calls [`tidy`](Self::tidy)
+    /// for it (see `Job::after_turn` and `Job::after_idle`).
+    pub(crate) fn continue_purge(&self) -> bool {
         let purge = &self.purge.0;
-        if !purge.idle_rest.load(Ordering::Acquire) {
+        if !purge.reaper_rest.load(Ordering::Acquire) {
             return false;
         }
-        // Tombstones first, as in `tidy`.
-        let tombstones = self.books.tombstones();
-        let entries = self.watchers.len();
-        let more = entries > 0 && tombstones >= entries && !self.purge_slices(TIDY_SLICES, false);
-        if !more {
-            purge.idle_rest.store(false, Ordering::Release);
+        // Only the reaper's turns write `rest_began` while it has the purge.
+        let mut began = purge.rest_began.load(Ordering::Relaxed);
+        if purge.rest_again.swap(false, Ordering::SeqCst) {
+            began = false;
         }
-        more
+        for _ in 0..TIDY_SLICES {
+            if self.watchers.len() == 0 {
+                return self.give_purge_back();
+            }
+            match self.purge_slice(false) {
+                Slice::Busy => {
+                    purge.rest_began.store(began, Ordering::Relaxed);
+                    // Tombstones first, as in `tidy`.
+                    let tombstones = self.books.tombstones();
+                    return tombstones >= self.watchers.len();
+                }
+                Slice::Going { began: b } => began |= b,
+                Slice::Done { began: b } if began || b => return self.give_purge_back(),
+                Slice::Done { .. } => {
+                    let tombstones = self.books.tombstones();
+                    let entries = self.watchers.len();
+                    if tombstones == 0 || tombstones.saturating_mul(2) < entries {
+                        return self.give_purge_back();
+                    }
+                    // One more pass, begun by the next slice.
+                }
+            }
+        }
+        purge.rest_began.store(began, Ordering::Relaxed);
+        true
+    }
+
+    /// The reaper is done with the purge left to it: gives it up, unless a
+    /// hand-over came meanwhile (see `leave_purge_to_reaper`); then takes it
+    /// back for a pass that begins now. Returns whether it did.
+    fn give_purge_back(&self) -> bool {
+        let purge = &self.purge.0;
+        purge.rest_began.store(false, Ordering::Relaxed);
+        purge.reaper_rest.store(false, Ordering::SeqCst);
+        // A hand-over that found the purge still the reaper's did not notify.
+        purge.rest_again.swap(false, Ordering::SeqCst)
+            && !purge.reaper_rest.swap(true, Ordering::SeqCst)
     }
 
     /// One slice of the purge, starting a pass if none is under way.

@@ -135,6 +135,8 @@ impl<V> List<V> {
                 }
             }
             self.levels = BinaryHeap::from(kept);
+            // Room for the `n` looked at: what a burst's buffer gives back.
+            self.fit();
         }
         n
     }
@@ -160,6 +162,9 @@ impl<V> List<V> {
             }
             !done
         });
+        // The advance's `reach` fitted the heap before its checks finished
+        // anything: a burst it completed gives its buffer back here.
+        self.fit();
     }
 
     pub(super) fn is_empty(&self) -> bool {
