@@ -103,6 +103,30 @@ fn wakeups(p: &P) -> u64 {
     p.metrics().reaper_wakeups
 }
 
+/// Asserts that nothing is pending and the map is empty; the figures.
+fn emptied(p: &P) -> tokio_purgatory::PurgatoryMetrics {
+    let m = p.metrics();
+    assert_eq!(
+        (m.delayed, m.watched, m.tombstones, m.keys),
+        (0, 0, 0, 0),
+        "{m:?}"
+    );
+    m
+}
+
+/// After cancellations that left the reaper's alarm set for their timeouts
+/// (1,000 s; `w0` wake-ups before them): at most one wake-up more at it (the
+/// purge's turn may have cleared it), then none in an idle hour.
+async fn the_alarm_then_an_idle_hour(p: &P, w0: u64) {
+    advance(ms(1_000_001)).await;
+    settle().await;
+    let w1 = wakeups(p);
+    assert!(w1 - w0 <= 2, "{:?}", p.metrics());
+    advance(ms(3_600_000)).await;
+    settle().await;
+    assert_eq!(wakeups(p), w1, "an idle hour: {:?}", p.metrics());
+}
+
 fn register(p: &P, timeout: u64) -> Vec<tokio_purgatory::OperationHandle<u64, Op>> {
     (0..N)
         .map(|i| {
@@ -120,22 +144,9 @@ async fn wide_cancellation_by_handles_costs_one_purge_wakeup_and_the_alarms() {
     let w0 = wakeups(&p);
     drop(hs);
     settle().await;
-    let m = p.metrics();
-    assert_eq!(
-        (m.delayed, m.watched, m.tombstones, m.keys),
-        (0, 0, 0, 0),
-        "{m:?}"
-    );
+    let m = emptied(&p);
     assert_eq!(wakeups(&p) - w0, 1, "woken once for the purge: {m:?}");
-    // The alarm set for the cancelled timeouts: one wake-up at it, then none.
-    advance(ms(1_000_001)).await;
-    settle().await;
-    // (At most: the purge's turn may have cleared the alarm.)
-    let w1 = wakeups(&p);
-    assert!(w1 - w0 <= 2, "{:?}", p.metrics());
-    advance(ms(3_600_000)).await;
-    settle().await;
-    assert_eq!(wakeups(&p), w1, "an idle hour: {:?}", p.metrics());
+    the_alarm_then_an_idle_hour(&p, w0).await;
 }
 
 #[tokio::test(start_paused = true)]
@@ -146,31 +157,15 @@ async fn wide_cancellation_by_key_costs_one_purge_wakeup_and_the_alarms() {
     let w0 = wakeups(&p);
     assert_eq!(p.cancel_for_key(&0).len(), N as usize);
     settle().await;
-    let after_cancel = wakeups(&p) - w0;
     drop(hs);
     settle().await;
-    eprintln!(
-        "after cancel_for_key: {after_cancel}, after dropping the handles too: {}",
-        wakeups(&p) - w0
-    );
-    let m = p.metrics();
-    assert_eq!(
-        (m.delayed, m.watched, m.tombstones, m.keys),
-        (0, 0, 0, 0),
-        "{m:?}"
-    );
+    let m = emptied(&p);
     assert!(
         wakeups(&p) - w0 <= 1,
         "woken at most once for the purge: {} wake-ups from {w0}: {m:?}",
         wakeups(&p) - w0
     );
-    advance(ms(1_000_001)).await;
-    settle().await;
-    let w1 = wakeups(&p);
-    assert!(w1 - w0 <= 2, "{:?}", p.metrics());
-    advance(ms(3_600_000)).await;
-    settle().await;
-    assert_eq!(wakeups(&p), w1, "an idle hour: {:?}", p.metrics());
+    the_alarm_then_an_idle_hour(&p, w0).await;
 }
 
 #[tokio::test(start_paused = true)]
@@ -183,12 +178,7 @@ async fn wide_expiry_is_purged_by_the_reaper_with_no_wakeup_added() {
     let w0 = wakeups(&p);
     advance(ms(11)).await;
     settle().await;
-    let m = p.metrics();
-    assert_eq!(
-        (m.delayed, m.watched, m.tombstones, m.keys),
-        (0, 0, 0, 0),
-        "{m:?}"
-    );
+    let m = emptied(&p);
     assert_eq!(m.expired, N);
     assert_eq!(wakeups(&p) - w0, 1, "one due time, one wake-up: {m:?}");
     advance(ms(3_600_000)).await;
@@ -207,12 +197,7 @@ async fn wide_cancellation_by_key_then_handles_dropped_costs_one_purge_wakeup() 
     assert_eq!(p.cancel_for_key(&0).len(), N as usize);
     drop(hs);
     settle().await;
-    let m = p.metrics();
-    assert_eq!(
-        (m.delayed, m.watched, m.tombstones, m.keys),
-        (0, 0, 0, 0),
-        "{m:?}"
-    );
+    let m = emptied(&p);
     assert!(
         wakeups(&p) - w0 <= 1,
         "woken at most once for the purge, no time passing: {} wake-ups: {m:?}",

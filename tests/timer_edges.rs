@@ -503,8 +503,12 @@ fn a_slow_task_on_a_shared_reaper_delays_but_loses_nothing() {
             );
             std::thread::sleep(Duration::from_millis(2));
         }
-        std::thread::sleep(Duration::from_millis(20));
-        assert_eq!(ran.load(Ordering::SeqCst), n as usize, "ran twice?");
+        // The reaper counts a batch's runs after the batch.
+        while other.metrics().expired < n {
+            assert!(std::time::Instant::now() < deadline, "runs not counted");
+            std::thread::yield_now();
+        }
+        assert_eq!(ran.load(Ordering::SeqCst), n as usize);
         assert_eq!(early.load(Ordering::SeqCst), 0);
         assert_eq!(other.metrics().expired, n);
         assert_eq!(other.len(), 0);
@@ -702,15 +706,25 @@ fn shutdown_racing_cancel_and_take_hands_each_task_over_once() {
             let back = timer.shutdown();
             let a = a.join().unwrap();
             let b = b.join().unwrap();
-            // settle: tasks already taken out by the reaper finish
-            std::thread::sleep(Duration::from_millis(20));
             let mut seen = vec![0u32; n];
             for (i, _) in a.iter().chain(b.iter()) {
                 seen[*i] += 1;
             }
             let handed = back.len();
-            let by_timer: u32 = runs.iter().map(|r| r.load(Ordering::SeqCst)).sum();
             let taken = a.len() + b.len();
+            // Tasks the reaper took out before the shutdown finish their runs
+            // (bounded).
+            let by_timer = || -> u32 { runs.iter().map(|r| r.load(Ordering::SeqCst)).sum() };
+            let deadline = std::time::Instant::now() + Duration::from_secs(10);
+            while handed + taken + (by_timer() as usize) < n {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "round {round}: handed back {handed} + taken {taken} + run {}",
+                    by_timer()
+                );
+                std::thread::yield_now();
+            }
+            let by_timer = by_timer();
             assert_eq!(
                 handed + taken + by_timer as usize,
                 n,

@@ -1021,11 +1021,19 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
     /// until a pass that began after them ends. The flag is set before the
     /// purge is claimed, both `SeqCst`, and the reaper gives the purge up
     /// before it reads the flag (`give_purge_back`): either this call finds
-    /// the purge given up and notifies, or the reaper sees the flag.
+    /// the purge given up and notifies, or the reaper sees the flag. Called
+    /// by every expiry and cancellation while tombstones are as many as live
+    /// entries on a large map: one that finds the flag set and the purge
+    /// the reaper's (each read after the reaper's last write of it) writes
+    /// nothing.
     fn leave_purge_to_reaper(&self) {
         let purge = &self.purge.0;
-        purge.rest_again.store(true, Ordering::SeqCst);
-        if !purge.reaper_rest.swap(true, Ordering::SeqCst) {
+        if !purge.rest_again.load(Ordering::SeqCst) {
+            purge.rest_again.store(true, Ordering::SeqCst);
+        }
+        if !purge.reaper_rest.load(Ordering::SeqCst)
+            && !purge.reaper_rest.swap(true, Ordering::SeqCst)
+        {
             self.core.poke();
         }
     }

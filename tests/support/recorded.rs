@@ -24,6 +24,39 @@ pub fn collect(recorder: &DebuggingRecorder) -> BTreeMap<String, DebugValue> {
         .collect()
 }
 
+/// The `describe_*` methods of a `metrics::Recorder` that keeps no
+/// descriptions (the trait has no defaults for them), written inside the
+/// `impl`.
+#[cfg(feature = "metrics")]
+macro_rules! no_descriptions {
+    () => {
+        fn describe_counter(
+            &self,
+            _: metrics::KeyName,
+            _: Option<metrics::Unit>,
+            _: metrics::SharedString,
+        ) {
+        }
+        fn describe_gauge(
+            &self,
+            _: metrics::KeyName,
+            _: Option<metrics::Unit>,
+            _: metrics::SharedString,
+        ) {
+        }
+        fn describe_histogram(
+            &self,
+            _: metrics::KeyName,
+            _: Option<metrics::Unit>,
+            _: metrics::SharedString,
+        ) {
+        }
+    };
+}
+#[cfg(feature = "metrics")]
+#[allow(unused_imports)] // used by some of the test binaries only
+pub(crate) use no_descriptions;
+
 /// A recorder of the `metrics` facade whose counters and gauges record
 /// nothing and whose histograms `make` makes: the application's own code,
 /// hostile as a test wants it.
@@ -32,27 +65,7 @@ pub struct Histograms<F>(pub F);
 
 #[cfg(feature = "metrics")]
 impl<F: Fn() -> metrics::Histogram + Send + Sync + 'static> metrics::Recorder for Histograms<F> {
-    fn describe_counter(
-        &self,
-        _: metrics::KeyName,
-        _: Option<metrics::Unit>,
-        _: metrics::SharedString,
-    ) {
-    }
-    fn describe_gauge(
-        &self,
-        _: metrics::KeyName,
-        _: Option<metrics::Unit>,
-        _: metrics::SharedString,
-    ) {
-    }
-    fn describe_histogram(
-        &self,
-        _: metrics::KeyName,
-        _: Option<metrics::Unit>,
-        _: metrics::SharedString,
-    ) {
-    }
+    no_descriptions!();
     fn register_counter(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
         metrics::Counter::noop()
     }
