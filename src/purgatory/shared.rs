@@ -1063,11 +1063,12 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
     /// visited lists before their tombstones came: when it ends, one more
     /// begins, as long as tombstones are still as many as live entries).
     /// Returns whether more is left now (the reaper takes another turn at
-    /// once, after letting other tasks run). When another thread is on a
-    /// slice, the registrations and walks of a purgatory with operations
-    /// pending go on with it, and the reaper at its next turn (which their
-    /// timeouts bring); with nothing pending, the reaper's next turn comes at
-    /// once. A completion hands an idle purge over only when the reaper
+    /// once, after letting other tasks run); the reaper keeps the purge only
+    /// then. When another thread is on a slice, with nothing pending the
+    /// reaper's next turn comes at once; with operations pending it gives
+    /// the purge back to the registrations and walks that go on with it,
+    /// and to the next expiry or cancellation that finds tombstones as many
+    /// as live entries (which hands it over again). A completion hands an idle purge over only when the reaper
     /// sleeps with nothing scheduled (see `after_completion`); otherwise the
     /// first turn that finds the wheels emptied calls [`tidy`](Self::tidy)
     /// for it (see `Job::after_turn` and `Job::after_idle`).
@@ -1087,10 +1088,16 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
             }
             match self.purge_slice(false) {
                 Slice::Busy => {
-                    purge.rest_began.store(began, Ordering::Relaxed);
                     // Tombstones first, as in `tidy`.
                     let tombstones = self.books.tombstones();
-                    return tombstones >= self.watchers.len();
+                    if tombstones >= self.watchers.len() {
+                        // Nothing pending: no other call will go on with it.
+                        purge.rest_began.store(began, Ordering::Relaxed);
+                        return true;
+                    }
+                    // Never kept without a turn to come: a purge the reaper
+                    // has is not handed to it again (no notification).
+                    return self.give_purge_back();
                 }
                 Slice::Going { began: b } => began |= b,
                 Slice::Done { began: b } if began || b => return self.give_purge_back(),
