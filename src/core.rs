@@ -502,7 +502,13 @@ impl<J: Job<Ctx = C>, C: Send + Sync + 'static> Core<J, C> {
         // A lowered target notifies unless the reaper, shared with other
         // cores, already sleeps until no later than this entry is due.
         let earlier = self.wake.lower(tick) && self.hub.sleeps_past(self.clock.instant_of(tick));
-        if earlier || self.wake.overdue(self.clock.now_tick(now)) {
+        // Looked at even when the entry notifies as the earliest: one due
+        // now claims the turn, so that entries after it, until the reaper
+        // takes that turn, lower the target silently instead of notifying
+        // again (a second notification would stay behind as a permit and
+        // wake the reaper once more for nothing).
+        let overdue = self.wake.overdue(self.clock.now_tick(now));
+        if earlier || overdue {
             self.hub.wake();
         }
     }

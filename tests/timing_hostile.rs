@@ -974,3 +974,31 @@ fn far_deadlines_over_wheels_of_huge_span() {
         }
     });
 }
+
+/// "An entry due before everything else pending wakes a sleeping reaper
+/// once more": several entries already due, put in before the reaper has
+/// run, wake it once between them, not once each (the first claims the
+/// turn; the rest lower the target silently). A timer's tasks at a past
+/// instant, and a purgatory's operations with past deadlines.
+#[tokio::test(start_paused = true)]
+async fn entries_already_due_before_the_reaper_runs_cost_one_wakeup() {
+    let timer = Timer::new();
+    let p: Purgatory<u32, FlagOp> = Purgatory::new();
+    settle().await;
+    advance(ms(10)).await;
+    let (t0, p0) = (timer.metrics().reaper_wakeups, p.metrics().reaper_wakeups);
+    let past = Instant::now() - ms(5);
+    for _ in 0..3 {
+        timer.schedule_at(past, || {}).unwrap();
+    }
+    for k in 0..3 {
+        p.try_complete_else_watch_at(FlagOp(Arc::new(AtomicBool::new(false))), past, [k])
+            .unwrap()
+            .detach();
+    }
+    settle().await;
+    let (tm, pm) = (timer.metrics(), p.metrics());
+    assert_eq!((tm.expired, pm.expired), (3, 3));
+    assert_eq!(tm.reaper_wakeups - t0, 1, "{tm:?}");
+    assert_eq!(pm.reaper_wakeups - p0, 1, "{pm:?}");
+}
