@@ -854,6 +854,12 @@ impl<J: Job<Ctx = C>, C: Send + Sync + 'static> Served for Core<J, C> {
         if turn.more || target <= turn.now {
             // A batch was cut short, or a task run this turn (of this core or
             // another served by the same reaper) scheduled work already due.
+            // The next turn is claimed now: the reaper takes it after letting
+            // other tasks run, and an entry put in meanwhile lowers the
+            // target silently instead of claiming a turn of its own and
+            // notifying (a permit Tokio's `Notify` would keep, waking the
+            // reaper once more for nothing at its next sleep).
+            self.wake.begin_turn();
             Next::Again
         } else {
             quietly(|| {

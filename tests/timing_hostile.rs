@@ -1002,3 +1002,28 @@ async fn entries_already_due_before_the_reaper_runs_cost_one_wakeup() {
     assert_eq!(tm.reaper_wakeups - t0, 1, "{tm:?}");
     assert_eq!(pm.reaper_wakeups - p0, 1, "{pm:?}");
 }
+
+/// The same between the turns a reaper takes at once (a batch cut short):
+/// entries already due, put in while it lets other tasks run before its
+/// next turn, add no wake-up; that turn takes them.
+#[tokio::test(start_paused = true)]
+async fn entries_due_put_in_between_turns_taken_at_once_cost_no_wakeup() {
+    let timer = Timer::builder().batch_size(1).build().unwrap();
+    settle().await;
+    advance(ms(10)).await;
+    let w0 = timer.metrics().reaper_wakeups;
+    let past = Instant::now() - ms(5);
+    for _ in 0..4 {
+        timer.schedule_at(past, || {}).unwrap();
+    }
+    // The reaper takes one a turn, yielding between: each of these goes in
+    // between two of its turns.
+    for _ in 0..4 {
+        tokio::task::yield_now().await;
+        timer.schedule_at(past, || {}).unwrap();
+    }
+    settle().await;
+    let m = timer.metrics();
+    assert_eq!(m.expired, 8);
+    assert_eq!(m.reaper_wakeups - w0, 1, "{m:?}");
+}
