@@ -658,7 +658,8 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
 
     /// Whether a purge is left to the reaper's turns.
     fn purge_left_to_reaper(&self) -> bool {
-        self.purge.0.reaper_rest.load(Ordering::Acquire)
+        // `SeqCst`, as every access of it (see `leave_purge_to_reaper`).
+        self.purge.0.reaper_rest.load(Ordering::SeqCst)
     }
 
     /// `key`'s hash by the watcher map's hasher (for a registration's keys).
@@ -1074,13 +1075,14 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
     /// for it (see `Job::after_turn` and `Job::after_idle`).
     pub(crate) fn continue_purge(&self) -> bool {
         let purge = &self.purge.0;
-        if !purge.reaper_rest.load(Ordering::Acquire) {
+        if !purge.reaper_rest.load(Ordering::SeqCst) {
             return false;
         }
         // Only the reaper's turns write `rest_began` while it has the purge.
         let mut began = purge.rest_began.load(Ordering::Relaxed);
         if purge.rest_again.swap(false, Ordering::SeqCst) {
             began = false;
+            self.see_hand_overs();
         }
         for _ in 0..TIDY_SLICES {
             if self.watchers.len() == 0 {
@@ -1123,8 +1125,22 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         purge.rest_began.store(false, Ordering::Relaxed);
         purge.reaper_rest.store(false, Ordering::SeqCst);
         // A hand-over that found the purge still the reaper's did not notify.
-        purge.rest_again.swap(false, Ordering::SeqCst)
-            && !purge.reaper_rest.swap(true, Ordering::SeqCst)
+        let again = purge.rest_again.swap(false, Ordering::SeqCst)
+            && !purge.reaper_rest.swap(true, Ordering::SeqCst);
+        if again {
+            self.see_hand_overs();
+        }
+        again
+    }
+
+    /// After the reaper read the flag of hand-overs (`rest_again`), which may
+    /// have written nothing (see `leave_purge_to_reaper`): reads the
+    /// tombstone counts, `SeqCst` read-modify-writes each hand-over made
+    /// before, so that the pass that follows sees their operations finished
+    /// (a read of the flags alone orders them, but does not carry what the
+    /// finishing threads wrote before).
+    fn see_hand_overs(&self) {
+        std::hint::black_box(self.books.tombstones());
     }
 
     /// One slice of the purge, starting a pass if none is under way.
