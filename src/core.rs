@@ -712,6 +712,9 @@ impl<J: Job<Ctx = C>, C: Send + Sync + 'static> Core<J, C> {
     fn turn(&self, scratch: &mut Vec<(u64, J)>, span: &tracing::Span) -> Turn {
         // Entries of jobs that finished before the turn are not taken out as
         // due (one gathered meanwhile may be: its job finds nothing to do).
+        // The turn's length on the wall clock: Tokio's may be paused (in
+        // tests) or moved by hand, and the work a turn does is not.
+        let wall = std::time::Instant::now();
         self.remove_gathered();
         let started = Instant::now();
         let now = self.clock.now_tick(started);
@@ -783,7 +786,7 @@ impl<J: Job<Ctx = C>, C: Send + Sync + 'static> Core<J, C> {
         let emptied = !more && next == u64::MAX;
         let more = J::after_turn(&self.ctx, emptied) || more;
         let c = &self.counters;
-        let nanos = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        let nanos = u64::try_from(wall.elapsed().as_nanos()).unwrap_or(u64::MAX);
         c.turns.fetch_add(1, Ordering::Relaxed);
         c.turn_nanos.fetch_add(nanos, Ordering::Relaxed);
         c.longest_turn_nanos.fetch_max(nanos, Ordering::Relaxed);

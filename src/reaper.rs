@@ -98,7 +98,9 @@ impl<'a> Host<'a> {
 /// What a reaper did for one purgatory or timer: its turns (each takes out
 /// and runs what is due, up to the batch size per shard), the time they took,
 /// and the most entries one turn expired. A turn's time includes the
-/// expiries' own code (`on_expiration`, timer tasks).
+/// expiries' own code (`on_expiration`, timer tasks), and is measured on the
+/// wall clock (`std::time::Instant`), so it counts under Tokio's paused or
+/// advanced clock too.
 ///
 /// # Examples
 ///

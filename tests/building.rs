@@ -220,3 +220,47 @@ fn on_a_dead_runtime() {
         assert_eq!(drops.load(Ordering::SeqCst), 1, "dropped once, by us");
     });
 }
+
+/// "# Panics: Outside a Tokio runtime" (`Purgatory::new`, `with_hasher`,
+/// `Timer::new`, `Timer::default`), and `Reaper::start`'s error there: each
+/// panics (or errs) as documented, with a message that names the runtime.
+#[test]
+fn the_shortcuts_outside_a_runtime_panic_as_documented() {
+    fn message(r: std::thread::Result<()>) -> String {
+        let payload = r.expect_err("panics outside a runtime");
+        payload
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_default()
+    }
+    type Make = Box<dyn Fn()>;
+    let cases: Vec<(&str, Make)> = vec![
+        (
+            "Purgatory::new",
+            Box::new(|| drop(Purgatory::<u32, Op>::new())),
+        ),
+        (
+            "Purgatory::with_hasher",
+            Box::new(|| {
+                drop(Purgatory::<u32, Op, _>::with_hasher(
+                    std::collections::hash_map::RandomState::new(),
+                ))
+            }),
+        ),
+        (
+            "Timer::new",
+            Box::new(|| drop(tokio_purgatory::Timer::new())),
+        ),
+        (
+            "Timer::default",
+            Box::new(|| drop(tokio_purgatory::Timer::default())),
+        ),
+    ];
+    for (name, make) in cases {
+        let m = message(catch_unwind(AssertUnwindSafe(make)));
+        assert!(m.contains("runtime"), "{name}: {m:?}");
+    }
+    let e = Reaper::start().unwrap_err();
+    assert!(e.is_no_runtime() && !e.is_reaper_stopped(), "{e}");
+}

@@ -328,3 +328,38 @@ async fn a_task_cancelled_in_its_own_turn_is_no_expiry() {
     assert_eq!(m.expired, 1, "the cancelling task only");
     assert_eq!(timer.lateness().count(), m.expired);
 }
+
+/// A slow expiry, on Tokio's paused clock.
+struct Slow;
+impl tokio_purgatory::Operation for Slow {
+    type Output = ();
+    fn try_complete(&mut self) -> Option<()> {
+        None
+    }
+    fn on_expiration(self) {
+        // The wall clock is the point: the turn's time is measured on it.
+        std::thread::sleep(ms(5));
+    }
+}
+
+/// "A turn's time includes the expiries' own code": a timer task and an
+/// `on_expiration` that each take 5 ms of the wall clock count in `busy` and
+/// `longest_turn`, though Tokio's clock stands still while they run.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_turns_time_counts_the_expiries_own_code_under_a_paused_clock() {
+    let timer = Timer::new();
+    let _task = timer.schedule(ms(1), || std::thread::sleep(ms(5))).unwrap();
+    tokio::time::advance(ms(2)).await;
+    settle().await;
+    let r = timer.metrics().reaper;
+    assert_eq!(timer.metrics().expired, 1);
+    assert!(r.busy >= ms(5), "{r:?}");
+    assert!(r.longest_turn >= ms(5) && r.longest_turn <= r.busy, "{r:?}");
+
+    let p: Purgatory<u32, Slow> = Purgatory::new();
+    let h = p.try_complete_else_watch(Slow, ms(1), [1]).unwrap();
+    assert!(h.await.unwrap().is_expired());
+    let r = p.metrics().reaper;
+    assert!(r.busy >= ms(5), "{r:?}");
+    assert!(r.longest_turn >= ms(5) && r.longest_turn <= r.busy, "{r:?}");
+}

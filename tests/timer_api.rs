@@ -847,3 +847,31 @@ async fn an_async_task_cancelled_in_the_turn_that_starts_it_never_starts() {
     assert!(p.is_finished(), "a panic ends it");
     assert!(!p.cancel());
 }
+
+/// `TimeoutFuture::into_inner`: "The inner future, giving up the deadline".
+/// The deadline leaves the timer at once (its room under `max_pending` free
+/// for the next task), and never fires or counts as an expiry afterwards,
+/// though the inner future is still pending.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn into_inner_gives_the_deadline_and_its_room_back() {
+    let timer = Timer::builder().max_pending(1).build().unwrap();
+    let t = timer.timeout(ms(100), std::future::pending::<()>());
+    let inner = t.into_inner();
+    assert_eq!(timer.len(), 0, "the deadline left with into_inner");
+    let ran = Arc::new(AtomicUsize::new(0));
+    let r = ran.clone();
+    let task = timer
+        .schedule(ms(300), move || {
+            r.fetch_add(1, Ordering::SeqCst);
+        })
+        .map_err(|e| e.to_string())
+        .expect("room for one task after the deadline was given up");
+    step(ms(200)).await;
+    let m = timer.metrics();
+    assert_eq!((m.expired, m.pending), (0, 1), "{m:?}");
+    assert_eq!(timer.lateness().count(), 0);
+    step(ms(150)).await;
+    assert_eq!(ran.load(Ordering::SeqCst), 1);
+    assert_eq!(timer.metrics().expired, 1);
+    drop((inner, task));
+}

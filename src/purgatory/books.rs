@@ -297,16 +297,27 @@ impl Books {
         self.draining.load(Ordering::Acquire)
     }
 
-    /// An operation finished with `fate`: its room under the limit is free,
+    /// An operation's fate is decided (whatever user code its finish runs,
+    /// its `on_expiration` or the drop of the operation, has not run yet):
+    /// its room under the limit is free, so that code may register another
+    /// in its place. Called once per registered operation, by whoever
+    /// decides its fate ([`Op::decide`](super::cell::Op::decide), or a
+    /// registration completed by its first check).
+    #[inline]
+    pub(crate) fn free_room(&self) {
+        if self.max_pending.is_some() {
+            self.admitted.0.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+
+    /// An operation finished with `fate` (its room under the limit was given
+    /// back when its fate was decided, [`free_room`](Self::free_room)),
     /// and its `keys` list entries are tombstones now. Returns whether a
     /// drainer may be waiting for it: the caller then wakes the drainers
     /// ([`wake_drainers`](Self::wake_drainers)).
     #[inline]
     #[must_use]
     pub(crate) fn finished(&self, fate: Fate, keys: u32) -> bool {
-        if self.max_pending.is_some() {
-            self.admitted.0.fetch_sub(1, Ordering::AcqRel);
-        }
         let s = self.mine();
         let counter = match fate {
             Fate::Completed => &s.completed,
@@ -439,13 +450,16 @@ mod limit_tests {
     use super::{Books, Fate};
 
     #[test]
-    fn the_limit_admits_up_to_max_pending_and_frees_room_on_each_finish() {
+    fn the_limit_admits_up_to_max_pending_and_frees_room_once_a_fate_is_decided() {
         let b = Books::new(Some(2));
         assert!(b.admit());
         assert!(b.admit());
         assert!(!b.admit(), "at the limit");
+        b.free_room();
+        assert!(b.admit(), "a decided fate freed room");
+        assert!(!b.admit(), "at the limit");
         assert!(!b.finished(Fate::Completed, 1), "not draining");
-        assert!(b.admit(), "a finish freed room");
+        assert!(!b.admit(), "the finish itself frees nothing more");
         assert!(!b.unadmit(), "not draining");
         assert!(b.admit(), "turning back freed room");
         assert_eq!(b.totals().delayed, 2);

@@ -212,6 +212,14 @@ impl<K: WatchKey, O: Operation, S: BuildHasher + Send + Sync + 'static> Purgator
     /// [`build`](Self::build) fails). At the limit, registration hands the
     /// operation back in [`WatchError::AtCapacity`](super::WatchError::AtCapacity).
     ///
+    /// An operation's room is free from the moment its fate is decided,
+    /// before any code its finish runs: its
+    /// [`on_expiration`](super::Operation::on_expiration) and the drop of the
+    /// operation (after a completion or a cancellation) may register another
+    /// in its place, as a retry or a renewed session does, whichever way it
+    /// finished. ([`delayed`](super::Purgatory::delayed) and a
+    /// [`drain`](super::Purgatory::drain) count it until that code has run.)
+    ///
     /// # Examples
     ///
     /// ```

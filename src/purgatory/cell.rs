@@ -570,7 +570,7 @@ where
             AfterNotYet::Recheck => return None,
             AfterNotYet::Release => Checked::Pending,
             AfterNotYet::Cancel => {
-                cell.owner.record_fate(Fate::Cancelled.code());
+                self.decide(Fate::Cancelled);
                 // An expiry left meanwhile lost to the cancel, and a level
                 // left for a re-run that will not happen.
                 self.shared.late().take(&self.id);
@@ -578,7 +578,7 @@ where
                 Checked::Cancelled(self.take_op())
             }
             AfterNotYet::Expire => {
-                cell.owner.record_fate(Fate::Expired.code());
+                self.decide(Fate::Expired);
                 // A level left for a re-run that will not happen.
                 self.shared.handed().take(&self.id);
                 // The reaper left its lateness sample for this expiry with it.
@@ -605,7 +605,7 @@ where
         if expiry_lost {
             self.shared.late().take(&self.id);
         }
-        self.cell.owner.record_fate(Fate::Completed.code());
+        self.decide(Fate::Completed);
         self.shared.drop_contained("drop of an operation", op);
         self.finish(Ok(Completion::Completed(output)), Fate::Completed, true);
         Checked::Completed
@@ -710,11 +710,23 @@ where
         self.won(self.life.claim(self.generation(), request), fate)
     }
 
+    /// The operation's fate is decided, by the one call that set `FINISHED`,
+    /// before any user code its finish runs (its `on_expiration`, the drop of
+    /// the operation): the fate is recorded (`status` reads it from now on)
+    /// and its room under the pending limit is free, so that code may
+    /// register another operation in its place. What the books count as
+    /// finished (and a drain waits for) comes later, in [`finish`](Self::finish).
+    #[inline]
+    pub(crate) fn decide(&self, fate: Fate) {
+        self.cell.owner.record_fate(fate.code());
+        self.shared.free_room();
+    }
+
     /// The operation taken out for `fate` when `claim` won.
     fn won(&self, claim: Claim, fate: Fate) -> Option<O> {
         match claim {
             Claim::Won => {
-                self.cell.owner.record_fate(fate.code());
+                self.decide(fate);
                 Some(self.take_op())
             }
             Claim::Deferred | Claim::Finished => None,

@@ -533,7 +533,11 @@ impl<K: WatchKey, O: Operation> Drop for OperationHandle<K, O> {
 /// Holding one does not keep the purgatory open: after a shutdown its
 /// operation reads [`OperationStatus::HandedBack`] (handed back by
 /// `shutdown()`) or [`OperationStatus::Cancelled`] (dropped with the
-/// purgatory's last clone, or with a lost reaper).
+/// purgatory's last clone, or with a lost reaper). It does keep the memory
+/// the purgatory's operations share: the cells (as many as were ever in use
+/// at once) and the watcher map's own storage stay allocated until the last
+/// `OpRef` and [`OperationHandle`] of the purgatory are dropped, after its
+/// last clone; so keep an `OpRef` no longer than its operation matters.
 ///
 /// # Examples
 ///

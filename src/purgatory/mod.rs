@@ -806,8 +806,11 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
 
         // Check (Kafka's `tryComplete`): done at once, nothing is watched.
         if let Some(output) = shared.first_check(&mut op) {
-            shared.on_finished(Fate::Completed, 0);
+            // As a completion by a later check: the room first, the count
+            // once the operation's drop has run.
+            shared.free_room();
             shared.drop_contained("drop of an operation", op);
+            shared.on_finished(Fate::Completed, 0);
             shared.drop_keys(keys);
             return Ok(OperationHandle::ready(
                 Completion::Completed(output),
@@ -1108,6 +1111,10 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
     }
 
     /// Number of operations registered and not finished (Kafka's `numDelayed`). O(1).
+    /// An operation counts until its finish is done, the code that runs
+    /// (its `on_expiration`, the drop of the operation) included, though its
+    /// room under [`max_pending`](PurgatoryBuilder::max_pending) is
+    /// free from the moment its fate is decided.
     ///
     /// # Examples
     ///
@@ -1501,7 +1508,8 @@ pub struct PurgatoryMetrics {
     /// has finished and its handle and every `OpRef` to it are gone), rounded
     /// up to whole pages of its slab (1,024 cells each past the first 2,048).
     /// Each takes [`Purgatory::cell_bytes`]; free cells are kept for the
-    /// operations that follow and given back when the purgatory is dropped,
+    /// operations that follow and given back when the purgatory is dropped
+    /// (its last clone, and the last handle or `OpRef` of its operations),
     /// so this never goes down.
     pub cells: usize,
     /// Operations accepted by `try_complete_else_watch`.

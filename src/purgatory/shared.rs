@@ -625,6 +625,13 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         self.drop_keys(removed.keys.drain(..));
     }
 
+    /// An operation's fate is decided: its room under the pending limit is
+    /// free (see [`Op::decide`](super::cell::Op::decide)).
+    #[inline]
+    pub(crate) fn free_room(&self) {
+        self.books.free_room();
+    }
+
     /// Counts a finished operation; its `keys` list entries are now tombstones.
     pub(crate) fn on_finished(&self, fate: Fate, keys: u32) {
         if self.books.finished(fate, keys) {
