@@ -3,7 +3,8 @@
 //! what rskafka does not send (`acks` 0 and 1, a fetch abandoned mid-wait).
 //!
 //! Real sockets on 127.0.0.1 and real time: few tests, each bounded by a
-//! timeout.
+//! timeout (but for the accept loop's pause, driven with a stand-in listener
+//! in paused time).
 
 #[path = "../examples/kafka_broker/broker/mod.rs"]
 #[allow(dead_code)]
@@ -2784,6 +2785,205 @@ async fn creation_on_first_use_stops_at_max_partitions() {
         assert_eq!(codes, [(0, 4), (0, 4), (unknown, 0), (0, 4)]);
         assert_eq!(b.broker.topics.all_partitions().len(), 8);
         b.shutdown().await;
+    })
+    .await
+}
+
+/// Connections past `max_connections` wait for a place (as Kafka's acceptor
+/// waits for a slot at `max.connections`): with two allowed and two open, a
+/// third is not accepted, its request unanswered, until one of the two
+/// closes; then it is served. One client can no longer open connections
+/// until the process has no descriptor left (where accepting failed at once,
+/// and the accept loop spun: see `out_of_descriptors_the_accept_loop_pauses`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_past_the_limit_wait_for_a_place() {
+    use kafka_protocol::messages::ApiVersionsRequest;
+    bounded(async {
+        let b = start(Config {
+            max_connections: 2,
+            ..Config::default()
+        })
+        .await;
+        let versions = ApiVersionsRequest::default();
+        let mut one = Wire::connect(b.addr).await.unwrap();
+        let mut two = Wire::connect(b.addr).await.unwrap();
+        for w in [&mut one, &mut two] {
+            assert_eq!(w.call(&versions, 2).await.unwrap().error_code, 0);
+        }
+        assert_eq!(b.broker.open_connections(), 2);
+        // The kernel completes the third's handshake (the listen backlog);
+        // the broker does not take it.
+        let mut three = Wire::connect(b.addr).await.unwrap();
+        three.send(&versions, 2).await.unwrap();
+        let early = tokio::time::timeout(
+            Duration::from_millis(300),
+            three.receive::<ApiVersionsRequest>(2),
+        )
+        .await;
+        assert!(early.is_err(), "answered past the limit: {early:?}");
+        assert_eq!(b.broker.open_connections(), 2);
+        // The second still serves.
+        assert_eq!(two.call(&versions, 2).await.unwrap().error_code, 0);
+        drop(one);
+        let r = three.receive::<ApiVersionsRequest>(2).await.unwrap();
+        assert_eq!(r.error_code, 0, "served once a place is free");
+        assert_eq!(b.broker.open_connections(), 2);
+        b.shutdown().await;
+    })
+    .await
+}
+
+/// A listener whose every accept fails as when the process is out of file
+/// descriptors (`EMFILE`), counting the tries; past 1,000 it never answers
+/// again (a loop that retries at once stops there, and the count says so).
+struct OutOfDescriptors(std::sync::Arc<std::sync::atomic::AtomicUsize>);
+
+impl broker::server::Accept for OutOfDescriptors {
+    type Conn = ();
+    fn accept(&self) -> impl Future<Output = std::io::Result<()>> + Send + '_ {
+        let n = self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        async move {
+            if n >= 1000 {
+                std::future::pending::<()>().await;
+            }
+            Err(std::io::Error::from_raw_os_error(24))
+        }
+    }
+}
+
+/// Out of file descriptors, `accept` fails at once, again and again: the
+/// accept loop retried at once, spinning a worker and logging a warning per
+/// try for as long as the descriptors stayed taken (idle connections: ten
+/// minutes). It pauses now, 10 ms doubling to 1 s: over 10 s (paused time)
+/// a listener that always fails is tried some 16 times (7 in the first
+/// 1.27 s, then once a second), not until it stops answering; and the loop
+/// still stops when told, mid-pause.
+#[tokio::test(start_paused = true)]
+async fn out_of_descriptors_the_accept_loop_pauses() {
+    use broker::server::{accept_loop, ACCEPT_PAUSE_MAX, ACCEPT_PAUSE_MIN};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    assert_eq!(
+        (ACCEPT_PAUSE_MIN, ACCEPT_PAUSE_MAX),
+        (Duration::from_millis(10), Duration::from_secs(1))
+    );
+    let tries = Arc::new(AtomicUsize::new(0));
+    let stop = tokio_util::sync::CancellationToken::new();
+    let places = Arc::new(tokio::sync::Semaphore::new(4));
+    let task = tokio::spawn(accept_loop(
+        OutOfDescriptors(tries.clone()),
+        places.clone(),
+        stop.clone(),
+        |(), _place| async {},
+    ));
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let n = tries.load(Ordering::SeqCst);
+    assert!((14..=18).contains(&n), "{n} tries in 10 s");
+    assert_eq!(places.available_permits(), 3, "one place taken, to accept");
+    stop.cancel();
+    task.await.unwrap();
+    assert_eq!(places.available_permits(), 4, "given back");
+}
+
+/// A fetch that can never have `min_bytes` (every `partition_max_bytes` 0,
+/// or their sum short of it; or `min_bytes` past all the logs can hold,
+/// `max_log_bytes`: `i32::MAX` against 1 GiB) is answered at its `max_wait`,
+/// as Kafka answers it, and watches no partition meanwhile: such fetches
+/// naming thousands of partitions were each checked in full (every
+/// partition read) at every high watermark move of any, and made another
+/// client's produce 25 times slower. Watches and checks counted: two such
+/// fetches of 200 partitions watch one key each (no partition's); a produce
+/// checks neither (the fetch purgatory's count of checks does not move); a
+/// satisfiable fetch watches all 200 (live watch-list entries, tombstones
+/// not counted) and the next produce completes it; a short one answers at
+/// its `max_wait`, with what there is; shutdown answers the two at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fetches_that_can_never_complete_watch_no_partition() {
+    use kafka_protocol::messages::FetchRequest;
+    const PARTS: i32 = 200;
+    bounded(async {
+        let b = start(Config {
+            followers: 0,
+            partitions: PARTS,
+            topics: vec![TOPIC.into()],
+            ..Config::default()
+        })
+        .await;
+        let every: Vec<(i32, i64)> = (0..PARTS).map(|p| (p, 0)).collect();
+        let minute = Duration::from_secs(60);
+        let fetches = &b.broker.fetches;
+        // Watch-list entries of fetches that wait (those of finished ones
+        // go lazily).
+        let live = || {
+            let m = fetches.metrics();
+            m.watched - m.tombstones
+        };
+        let mut never = Vec::new();
+        for fetch in [
+            wire::fetch(TOPIC, &every, minute, 1, 0),
+            wire::fetch(TOPIC, &every, minute, i32::MAX, 1 << 20),
+        ] {
+            let mut w = Wire::connect(b.addr).await.unwrap();
+            w.send(&fetch, wire::FETCH_VERSION).await.unwrap();
+            never.push(w);
+        }
+        until("both wait", || fetches.delayed() == 2).await;
+        assert_eq!(live(), 2, "one watch each, on no partition");
+        // A produce moves a high watermark: nothing is checked.
+        let checked = || fetches.metrics().checks.level_advances.checked;
+        let before = checked();
+        let mut w = Wire::connect(b.addr).await.unwrap();
+        w.append(TOPIC, 7, &[b"x"]).await.unwrap();
+        let seven = b.broker.topics.partition(TOPIC, 7).unwrap();
+        until("the high watermark moved", || seven.high_watermark() == 1).await;
+        assert_eq!((checked() - before, fetches.delayed()), (0, 2));
+        let mut satisfiable = Wire::connect(b.addr).await.unwrap();
+        // From the log end of each partition.
+        let ends: Vec<(i32, i64)> = (0..PARTS).map(|p| (p, i64::from(p == 7))).collect();
+        let fetch = wire::fetch(TOPIC, &ends, minute, 1, 1 << 20);
+        satisfiable.send(&fetch, wire::FETCH_VERSION).await.unwrap();
+        until("the third waits", || fetches.delayed() == 3).await;
+        assert_eq!(live(), 2 + PARTS as usize);
+        w.append(TOPIC, 5, &[b"x"]).await.unwrap();
+        let r = satisfiable
+            .receive::<FetchRequest>(wire::FETCH_VERSION)
+            .await
+            .unwrap();
+        let got: Vec<_> = r.responses[0]
+            .partitions
+            .iter()
+            .filter(|p| p.records.as_ref().is_some_and(|r| !r.is_empty()))
+            .map(|p| p.partition_index)
+            .collect();
+        assert_eq!(got, [5]);
+        until("the satisfiable one answered", || fetches.delayed() == 2).await;
+        assert_eq!(live(), 2);
+        // A short one: answered at its max_wait, every partition empty but
+        // partitions 5 and 7 (their first batch, sent whole: Kafka's
+        // progress rule).
+        let wait = Duration::from_millis(300);
+        let t = Instant::now();
+        let r = w
+            .call(&wire::fetch(TOPIC, &every, wait, 1, 0), wire::FETCH_VERSION)
+            .await
+            .unwrap();
+        assert!(t.elapsed() >= wait, "answered after {:?}", t.elapsed());
+        let parts = &r.responses[0].partitions;
+        assert_eq!(parts.len(), PARTS as usize);
+        assert!(parts.iter().all(|p| p.error_code == 0
+            && ([5, 7].contains(&p.partition_index)
+                || p.records.as_ref().is_none_or(|r| r.is_empty()))));
+        // Shutdown answers what watches no partition, at once (the test's
+        // bound is half their wait).
+        assert_eq!(fetches.delayed(), 2);
+        b.shutdown().await;
+        for mut w in never {
+            let r = w
+                .receive::<FetchRequest>(wire::FETCH_VERSION)
+                .await
+                .unwrap();
+            assert_eq!(r.responses[0].partitions.len(), PARTS as usize);
+        }
     })
     .await
 }

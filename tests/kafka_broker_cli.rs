@@ -331,6 +331,12 @@ fn invalid_topic_names_at_start() {
     assert_refused(&["--topics", "a,b,c", "--max-topics", "2"]);
 }
 
+/// A connection limit of 0 would accept nothing: refused, naming the option.
+#[test]
+fn no_connections_allowed() {
+    assert_refused(&["--max-connections", "0"]);
+}
+
 /// Values the broker has long refused cleanly.
 #[test]
 fn clean_refusals() {

@@ -2,9 +2,11 @@
 //! whatever clients send: it keeps nothing of a request's frame beyond what
 //! it stores (a request that waits holds its own state, not its frame, and
 //! overlong strings are refused), answers a client does not read (records,
-//! metadata) stay within its memory budget, member ids handed out stay
-//! within their bound, retention does not move its whole order at each
-//! append, and the descriptor watched for a hang-up goes with its request.
+//! metadata, group answers) stay within its memory budget, member ids
+//! handed out stay within their bound, retention does not move its whole
+//! order at each append, compressed batches read for their timestamps
+//! decode no more than the lookup's read bound, and the descriptor watched
+//! for a hang-up goes with its request.
 //! The live heap and the descriptors are counted process-wide, so the tests
 //! here run one at a time; real sockets, each test bounded by a timeout.
 
@@ -223,7 +225,7 @@ async fn a_parked_fetch_holds_no_more_than_its_charge() {
         let req = FetchRequest::default()
             .with_replica_id(BrokerId(-1))
             .with_max_wait_ms(60_000)
-            .with_min_bytes(i32::MAX)
+            .with_min_bytes(1)
             .with_max_bytes(1 << 20)
             .with_session_epoch(-1)
             .with_topics(vec![FetchTopic::default()
@@ -1039,7 +1041,7 @@ async fn parked_fetches_and_produces_hold_what_they_are_charged() {
         let fetch = FetchRequest::default()
             .with_replica_id(BrokerId(-1))
             .with_max_wait_ms(500)
-            .with_min_bytes(i32::MAX)
+            .with_min_bytes(1)
             .with_max_bytes(1 << 20)
             .with_session_epoch(-1)
             .with_topics(vec![FetchTopic::default()
@@ -1142,7 +1144,7 @@ async fn a_wait_with_no_room_in_the_budget_is_answered_at_once() {
         let fetch = FetchRequest::default()
             .with_replica_id(BrokerId(-1))
             .with_max_wait_ms(60_000)
-            .with_min_bytes(i32::MAX)
+            .with_min_bytes(1)
             .with_max_bytes(1 << 20)
             .with_session_epoch(-1)
             .with_topics(vec![FetchTopic::default()
@@ -1300,4 +1302,522 @@ async fn a_zstd_bomb_is_never_decoded() {
     })
     .await
     .expect("bounded");
+}
+
+/// The first record's timestamp in the batches built below; record `i` is
+/// stamped `T0 + 5 * i`.
+const T0: i64 = 1_700_000_000_000;
+
+/// A v2 batch of `values`, record `i` stamped `T0 + 5 * i`, under `codec`,
+/// its records packed by `pack` (which may ignore them: a bomb).
+fn packed_batch(
+    values: &[Vec<u8>],
+    codec: kafka_protocol::records::Compression,
+    pack: impl Fn(&[u8]) -> Vec<u8>,
+) -> bytes::Bytes {
+    use bytes::BufMut;
+    use kafka_protocol::records::{Record, RecordBatchEncoder, RecordEncodeOptions, TimestampType};
+    let records: Vec<Record> = values
+        .iter()
+        .enumerate()
+        .map(|(i, v)| Record {
+            transactional: false,
+            control: false,
+            delete_horizon: false,
+            partition_leader_epoch: 0,
+            producer_id: -1,
+            producer_epoch: -1,
+            timestamp_type: TimestampType::Creation,
+            offset: i as i64,
+            sequence: i as i32 - 1,
+            timestamp: T0 + 5 * i as i64,
+            key: None,
+            value: Some(v.clone().into()),
+            headers: Default::default(),
+        })
+        .collect();
+    let mut out = bytes::BytesMut::new();
+    RecordBatchEncoder::encode_with_custom_compression(
+        &mut out,
+        &records,
+        &RecordEncodeOptions {
+            version: 2,
+            compression: codec,
+        },
+        Some(
+            |plain: &mut bytes::BytesMut, out: &mut bytes::BytesMut, _| {
+                out.put_slice(&pack(plain));
+                Ok(())
+            },
+        ),
+    )
+    .expect("the batch encodes");
+    out.freeze()
+}
+
+/// Snappy in xerial framing (as Kafka's Java clients write it), `blocks`
+/// each an int32 size then raw snappy.
+fn xerial(blocks: &[Vec<u8>]) -> Vec<u8> {
+    let mut v = vec![
+        0x82, b'S', b'N', b'A', b'P', b'P', b'Y', 0, 0, 0, 0, 1, 0, 0, 0, 1,
+    ];
+    for b in blocks {
+        v.extend((b.len() as u32).to_be_bytes());
+        v.extend(b);
+    }
+    v
+}
+
+/// A raw snappy block of 6 bytes claiming `claim` bytes: its length, then a
+/// 1-byte literal.
+fn snappy_claim(claim: usize) -> Vec<u8> {
+    let mut v = Vec::new();
+    let mut n = claim;
+    while n >= 0x80 {
+        v.push((n & 0x7f) as u8 | 0x80);
+        n >>= 7;
+    }
+    v.push(n as u8);
+    v.extend([0x00, b'x']);
+    v
+}
+
+fn snappy(plain: &[u8]) -> Vec<u8> {
+    snap::raw::Encoder::new().compress_vec(plain).unwrap()
+}
+
+/// An LZ4 frame of `plain` declaring 4 MiB blocks, independent or linked.
+fn lz4_4mib(plain: &[u8], linked: bool) -> Vec<u8> {
+    use lz4_flex::frame::{BlockMode, BlockSize, FrameEncoder, FrameInfo};
+    use std::io::Write;
+    let mode = if linked {
+        BlockMode::Linked
+    } else {
+        BlockMode::Independent
+    };
+    let info = FrameInfo::new()
+        .block_size(BlockSize::Max4MB)
+        .block_mode(mode);
+    let mut e = FrameEncoder::with_frame_info(info, Vec::new());
+    e.write_all(plain).unwrap();
+    e.finish().unwrap()
+}
+
+/// Reading a compressed batch's records for their timestamps takes what
+/// its codec makes before any of it is read from the lookup's read bound
+/// first, and decodes nothing past it: a snappy block (raw, or in xerial
+/// framing) claiming more than is left, or more than its bytes can make,
+/// is refused before its buffer is sized (a 6-byte block claiming 120 MiB
+/// once had each lookup zero 120 MiB, checked only against the free memory
+/// budget), and an LZ4 frame's buffers, as its header sizes them, are taken
+/// whole. `first_record` is called directly, its thread's heap measured.
+#[test]
+fn codec_claims_are_taken_from_the_read_bound_before_decoding() {
+    use broker::timestamps::{first_record, Limits, Scan};
+    use kafka_protocol::records::Compression;
+    const HEADER: usize = 61;
+    let _alone = ONE_AT_A_TIME.blocking_lock();
+    let budget = broker::Budget::new(256 << 20);
+    // The scan of `batch` with `read_left`: what it found, what is left of
+    // the bound, and how far this thread's heap grew meanwhile.
+    let scan = |batch: &bytes::Bytes, read_left: usize| {
+        let mut limits = Limits {
+            read_left,
+            budget: &budget,
+        };
+        let at = alloc::reset_peak_here();
+        let found = first_record(batch, 0, &mut limits, |ts| ts > T0);
+        let grew = alloc::peak_here() - at;
+        assert_eq!(budget.in_use(), 0, "the codec's charge given back");
+        (found, limits.read_left, grew)
+    };
+    let small = 64 << 10;
+    let values = || vec![vec![0u8; 2 << 20], b"z".to_vec()];
+    let found = Scan::Found(1, T0 + 5);
+
+    // Bombs: 6 bytes claiming 120 MiB, whatever the bound.
+    let bomb = snappy_claim(120 << 20);
+    for (what, batch) in [
+        (
+            "xerial",
+            packed_batch(&values(), Compression::Snappy, |_| {
+                xerial(std::slice::from_ref(&bomb))
+            }),
+        ),
+        (
+            "raw",
+            packed_batch(&values(), Compression::Snappy, |_| bomb.clone()),
+        ),
+    ] {
+        let (got, _, grew) = scan(&batch, usize::MAX);
+        assert_eq!(got, Scan::Unreadable, "{what} bomb");
+        assert!(grew < small, "{what} bomb: the heap grew by {grew}");
+    }
+
+    // Honest snappy blocks of 2 MiB: refused undecoded one byte short of
+    // their claim, read per record with it, the claim taken whole.
+    for xerial_framed in [true, false] {
+        let claim = std::cell::Cell::new(0);
+        let batch = packed_batch(&values(), Compression::Snappy, |plain| {
+            let block = snappy(plain);
+            claim.set(snap::raw::decompress_len(&block).unwrap());
+            if xerial_framed {
+                xerial(&[block])
+            } else {
+                block
+            }
+        });
+        let claim = claim.get();
+        assert!(batch.len() < claim / 16, "{} bytes", batch.len());
+        let (got, left, grew) = scan(&batch, HEADER + claim - 1);
+        assert_eq!(got, Scan::Unreadable, "xerial {xerial_framed}");
+        assert_eq!(left, claim - 1, "nothing taken but the header");
+        assert!(grew < small, "xerial {xerial_framed}: grew by {grew}");
+        let (got, left, _) = scan(&batch, 64 << 20);
+        assert_eq!(got, found, "xerial {xerial_framed}");
+        assert!(left <= (64 << 20) - HEADER - claim, "{left} left");
+    }
+
+    // LZ4 frames declaring 4 MiB blocks, of a few bytes: the decoder zeroes
+    // one block (independent) or two and the 64 KiB window (linked), and
+    // decodes a block at once.
+    let mib = 1usize << 20;
+    for (linked, ahead) in [(false, 8 * mib), (true, 12 * mib + (64 << 10))] {
+        let values = vec![b"y".to_vec(), b"z".to_vec()];
+        let batch = packed_batch(&values, Compression::Lz4, |plain| lz4_4mib(plain, linked));
+        assert!(batch.len() < 200, "{} bytes", batch.len());
+        let (got, left, grew) = scan(&batch, HEADER + ahead - 1);
+        assert_eq!(got, Scan::Unreadable, "linked {linked}");
+        assert_eq!(left, ahead - 1, "nothing taken but the header");
+        assert!(grew < small, "linked {linked}: grew by {grew}");
+        let (got, left, _) = scan(&batch, 64 << 20);
+        assert_eq!(got, found, "linked {linked}");
+        assert!(left <= (64 << 20) - HEADER - ahead, "{left} left");
+    }
+}
+
+/// ListOffsets by time over thirty partitions each holding a 91-byte snappy
+/// batch in xerial framing whose block claims 120 MiB (which once had every
+/// lookup zero 120 MiB on a runtime worker, seconds a request) answers each
+/// at batch granularity with no allocation of 1 MiB or more and nothing
+/// left charged; and over thirty partitions of honest batches of 4 MiB of
+/// records (196 KiB of snappy each), one request decompresses no more than
+/// its bound (64 times `max_message_bytes`) across them: the partitions
+/// whose claims fit in it are read per record, in order, the rest answered
+/// at batch granularity without being decompressed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn list_offsets_decompresses_within_one_bound_across_partitions() {
+    use kafka_protocol::messages::list_offsets_request::{ListOffsetsPartition, ListOffsetsTopic};
+    use kafka_protocol::messages::produce_request::{PartitionProduceData, TopicProduceData};
+    use kafka_protocol::messages::{BrokerId, ListOffsetsRequest, ProduceRequest};
+    use kafka_protocol::records::Compression;
+    const PARTS: i32 = 30;
+    const HEADER: usize = 61;
+    let _alone = ONE_AT_A_TIME.lock().await;
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let b = BrokerHandle::start(Config {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            followers: 0,
+            partitions: PARTS,
+            topics: vec!["bombs".into(), "honest".into()],
+            ..Config::default()
+        })
+        .await
+        .expect("the broker starts");
+        let values = vec![vec![0u8; 4 << 20], b"z".to_vec()];
+        let bomb = packed_batch(&values, Compression::Snappy, |_| {
+            xerial(&[snappy_claim(120 << 20)])
+        });
+        assert!(bomb.len() < 100, "{}", bomb.len());
+        let claim = std::cell::Cell::new(0);
+        let honest = packed_batch(&values, Compression::Snappy, |plain| {
+            let block = snappy(plain);
+            claim.set(snap::raw::decompress_len(&block).unwrap());
+            xerial(&[block])
+        });
+        let claim = claim.get();
+        let mut w = Wire::connect(b.addr).await.unwrap();
+        for (topic, batch) in [("bombs", &bomb), ("honest", &honest)] {
+            let produce = ProduceRequest::default()
+                .with_acks(1)
+                .with_timeout_ms(5000)
+                .with_topic_data(vec![TopicProduceData::default()
+                    .with_name(TopicName(s(topic)))
+                    .with_partition_data(
+                        (0..PARTS)
+                            .map(|p| {
+                                PartitionProduceData::default()
+                                    .with_index(p)
+                                    .with_records(Some(batch.clone()))
+                            })
+                            .collect(),
+                    )]);
+            let r = w.call(&produce, 7).await.unwrap();
+            assert_eq!(produce_errors(&r), 0, "{topic}: stored");
+        }
+        let ask = |topic: &str| {
+            ListOffsetsRequest::default()
+                .with_replica_id(BrokerId(-1))
+                .with_topics(vec![ListOffsetsTopic::default()
+                    .with_name(TopicName(s(topic)))
+                    .with_partitions(
+                        (0..PARTS)
+                            .map(|p| {
+                                ListOffsetsPartition::default()
+                                    .with_partition_index(p)
+                                    .with_timestamp(T0 + 1)
+                            })
+                            .collect(),
+                    )])
+        };
+        let answers = |r: &kafka_protocol::messages::ListOffsetsResponse| -> Vec<(i16, i64, i64)> {
+            r.topics[0]
+                .partitions
+                .iter()
+                .map(|p| (p.error_code, p.offset, p.timestamp))
+                .collect()
+        };
+        // Per record: offset 1, its own timestamp. At batch granularity:
+        // the batch's first offset and its newest timestamp.
+        let per_record = (0, 1, T0 + 5);
+        let per_batch = (0, 0, T0 + 5);
+        let before = BIG_ONES.load(Ordering::Relaxed);
+        let r = w.call(&ask("bombs"), 7).await.unwrap();
+        let big = BIG_ONES.load(Ordering::Relaxed) - before;
+        assert_eq!(answers(&r), vec![per_batch; PARTS as usize]);
+        assert_eq!(big, 0, "{big} allocations of 1 MiB or more");
+        until(10, "nothing is left charged", || {
+            b.broker.budget.in_use() == 0
+        })
+        .await;
+        let bound = 64 * b.broker.config.max_message_bytes;
+        let fit = bound / (HEADER + claim);
+        assert!((1..PARTS as usize).contains(&fit), "{fit}");
+        let r = w.call(&ask("honest"), 7).await.unwrap();
+        let mut want = vec![per_record; fit];
+        want.resize(PARTS as usize, per_batch);
+        assert_eq!(
+            answers(&r),
+            want,
+            "{fit} claims of {claim} bytes fit in the request's {bound}"
+        );
+        until(10, "nothing is left charged", || {
+            b.broker.budget.in_use() == 0
+        })
+        .await;
+        b.shutdown().await;
+    })
+    .await
+    .expect("bounded");
+}
+
+/// The budget of the group answer tests: a 7 MiB answer fits, two do not.
+const ANSWERS_BUDGET: usize = 10 << 20;
+
+fn group_answers_config() -> Config {
+    Config {
+        max_request_bytes: 8 << 20,
+        max_decoded_bytes: 1 << 20,
+        memory_budget: ANSWERS_BUDGET,
+        groups: broker::groups::GroupLimits {
+            min_session: Duration::from_millis(50),
+            ..Default::default()
+        },
+        ..Config::default()
+    }
+}
+
+fn join_with(id: &str, metadata: bytes::Bytes) -> JoinGroupRequest {
+    join_req("g", id, 30_000, 30_000).with_protocols(vec![JoinGroupRequestProtocol::default()
+        .with_name(s("range"))
+        .with_metadata(metadata)])
+}
+
+/// Sends `request` on eight connections that do not read their answers,
+/// waits until the broker has answered all eight and its heap holds still,
+/// and checks that the heap grew by less than the budget; then reads each
+/// answer (each, its `answer` or `refused`), checks that each is one of the
+/// two and that both were given, and returns the answers given whole.
+async fn eight_unread<R>(
+    b: &BrokerHandle,
+    request: &R,
+    version: i16,
+    error: impl Fn(&R::Response) -> i16,
+    refused: ResponseError,
+) -> Vec<R::Response>
+where
+    R: kafka_protocol::protocol::Request,
+{
+    use std::sync::atomic::Ordering::Relaxed;
+    answered_and_settled(b).await;
+    let before = alloc::live_bytes();
+    let asked = b.broker.stats.requests.load(Relaxed);
+    let mut conns = Vec::new();
+    for _ in 0..8 {
+        let mut c = Wire::connect(b.addr).await.unwrap();
+        c.send(request, version).await.unwrap();
+        conns.push(c);
+    }
+    until(10, "all eight are answered", || {
+        b.broker.stats.requests.load(Relaxed) >= asked + 8
+    })
+    .await;
+    heap_settled().await;
+    let grown = alloc::live_bytes() - before;
+    let in_use = b.broker.budget.in_use();
+    assert!(
+        grown < ANSWERS_BUDGET as isize,
+        "eight unread answers hold {} MiB of heap ({} KiB charged) on a {} MiB budget",
+        grown >> 20,
+        in_use >> 10,
+        ANSWERS_BUDGET >> 20
+    );
+    let mut whole = Vec::new();
+    let mut codes = Vec::new();
+    for c in &mut conns {
+        let r = c.receive::<R>(version).await.unwrap();
+        codes.push(error(&r));
+        if error(&r) == 0 {
+            whole.push(r);
+        }
+    }
+    assert!(
+        codes.iter().all(|&c| c == 0 || c == refused.code()),
+        "{codes:?}"
+    );
+    assert!(codes.contains(&0), "one had room: {codes:?}");
+    assert!(codes.contains(&refused.code()), "not all had: {codes:?}");
+    answered_and_settled(b).await;
+    whole
+}
+
+/// A member's SyncGroup in a stable group is answered with its stored
+/// assignment, whatever the request's size: eight 60-byte syncs on
+/// connections that never read once held eight copies of a 7 MiB
+/// assignment (+49 MiB of heap on a 10 MiB budget), uncharged, each up to
+/// `frame_timeout`. The answer is charged first now: the leader's own sync
+/// of a 7 MiB frame is answered whole (its frame's charge goes back before
+/// its answer is charged); with the budget taken, a sync is answered
+/// COORDINATOR_NOT_AVAILABLE (which clients retry); unread answers hold
+/// less heap than the budget, and those without room were refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unread_sync_answers_are_charged_to_the_budget() {
+    alone_with(group_answers_config(), |b| async move {
+        let mut a = Wire::connect(b.addr).await.unwrap();
+        // v3: no two-step join; alone, answered at once as leader.
+        let j = a
+            .call(&join_with("", bytes::Bytes::from_static(b"m")), 3)
+            .await
+            .unwrap();
+        assert_eq!(j.error_code, 0);
+        let id = j.member_id.to_string();
+        let sync = |assign: Option<bytes::Bytes>| {
+            SyncGroupRequest::default()
+                .with_group_id(GroupId(s("g")))
+                .with_generation_id(j.generation_id)
+                .with_member_id(s(&id))
+                .with_assignments(
+                    assign
+                        .map(|x| {
+                            vec![SyncGroupRequestAssignment::default()
+                                .with_member_id(s(&id))
+                                .with_assignment(x)]
+                        })
+                        .unwrap_or_default(),
+                )
+        };
+        let r = a
+            .call(&sync(Some(bytes::Bytes::from(vec![7u8; 7 << 20]))), 3)
+            .await
+            .unwrap();
+        assert_eq!((r.error_code, r.assignment.len()), (0, 7 << 20));
+        answered_and_settled(&b).await;
+        // The budget taken but for 1 MiB: no room for the answer.
+        let hog = broker::frame::Held::default();
+        assert!(b.broker.budget.try_charge(ANSWERS_BUDGET - (1 << 20), &hog));
+        let r = a.call(&sync(None), 3).await.unwrap();
+        assert_eq!(
+            (r.error_code, r.assignment.len()),
+            (ResponseError::CoordinatorNotAvailable.code(), 0)
+        );
+        drop(hog);
+        let r = a.call(&sync(None), 3).await.unwrap();
+        assert_eq!((r.error_code, r.assignment.len()), (0, 7 << 20));
+        let whole = eight_unread(
+            &b,
+            &sync(None),
+            3,
+            |r| r.error_code,
+            ResponseError::CoordinatorNotAvailable,
+        )
+        .await;
+        assert!(whole.iter().all(|r| r.assignment.len() == 7 << 20));
+        b.shutdown().await;
+    })
+    .await
+}
+
+/// The leader of a group completing a rebalance that joins again with the
+/// same metadata gets every member's metadata back each time (as Kafka
+/// answers it): eight such joins unread once held eight copies of seven
+/// members' 1 MiB, uncharged. Charged first now, as sync answers are; with
+/// no room, answered COORDINATOR_LOAD_IN_PROGRESS (which clients retry,
+/// and a member of the completed round gets its generation back).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unread_leader_join_answers_are_charged_to_the_budget() {
+    alone_with(group_answers_config(), |b| async move {
+        let small = bytes::Bytes::from_static(b"m");
+        let mut a = Wire::connect(b.addr).await.unwrap();
+        let j = a.call(&join_with("", small.clone()), 3).await.unwrap();
+        assert_eq!(j.error_code, 0);
+        let leader = j.member_id.to_string();
+        // Seven followers with 1 MiB of metadata each join; their joins
+        // wait for the round, which the leader's rejoin completes.
+        let mut followers = Vec::new();
+        for _ in 0..7 {
+            let mut w = Wire::connect(b.addr).await.unwrap();
+            w.send(&join_with("", bytes::Bytes::from(vec![1u8; 1 << 20])), 3)
+                .await
+                .unwrap();
+            followers.push(w);
+        }
+        until(10, "the followers' joins wait", || {
+            b.broker.groups.joins.delayed() == 7
+        })
+        .await;
+        let rejoin = join_with(&leader, small.clone());
+        let r = a.call(&rejoin, 3).await.unwrap();
+        assert_eq!((r.error_code, r.members.len()), (0, 8));
+        for w in &mut followers {
+            let r = w.receive::<JoinGroupRequest>(3).await.unwrap();
+            assert_eq!((r.error_code, r.generation_id), (0, j.generation_id + 1));
+        }
+        answered_and_settled(&b).await;
+        let hog = broker::frame::Held::default();
+        assert!(b.broker.budget.try_charge(ANSWERS_BUDGET - (1 << 20), &hog));
+        let r = a.call(&rejoin, 3).await.unwrap();
+        assert_eq!(
+            (r.error_code, r.members.len()),
+            (ResponseError::CoordinatorLoadInProgress.code(), 0)
+        );
+        drop(hog);
+        let r = a.call(&rejoin, 3).await.unwrap();
+        assert_eq!(
+            (r.error_code, r.generation_id, r.members.len()),
+            (0, j.generation_id + 1, 8),
+            "the same generation back"
+        );
+        let whole = eight_unread(
+            &b,
+            &rejoin,
+            3,
+            |r| r.error_code,
+            ResponseError::CoordinatorLoadInProgress,
+        )
+        .await;
+        assert!(whole.iter().all(|r| r.members.len() == 8));
+        drop(followers);
+        b.shutdown().await;
+    })
+    .await
 }

@@ -111,6 +111,10 @@ pub struct ServeArgs {
     /// Idle connections are closed after this long, in ms.
     #[arg(long, default_value_t = 600_000)]
     idle_ms: u64,
+    /// The most connections open at once: when every one is taken, no
+    /// connection is accepted until one closes (Kafka's `max.connections`).
+    #[arg(long, default_value_t = 1000)]
+    max_connections: usize,
     /// The most topics the broker creates.
     #[arg(long, default_value_t = 10_000)]
     max_topics: usize,
@@ -169,6 +173,7 @@ impl ServeArgs {
             memory_budget: self.memory_budget,
             frame_timeout: Duration::from_millis(self.frame_timeout_ms),
             idle_timeout: Duration::from_millis(self.idle_ms),
+            max_connections: self.max_connections,
             max_topics: self.max_topics,
             max_partitions: self.max_partitions,
             fetch_max_bytes: self.fetch_max_bytes,

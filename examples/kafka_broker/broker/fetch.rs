@@ -17,7 +17,7 @@ use tokio_purgatory::{Operation, Watch};
 
 use super::frame::{Budget, Held};
 use super::log::Topic;
-use super::{Broker, FetchWait, Gone, Partition};
+use super::{Broker, FetchWait, Gone, Partition, CLOSING_KEY};
 
 /// One partition of a fetch.
 struct Want {
@@ -60,6 +60,22 @@ impl Fetch {
             sum += part.available(w.offset, w.max_bytes as u64);
         }
         sum
+    }
+
+    /// `min_bytes` can never be readable: each partition counts at most its
+    /// `partition_max_bytes` (all 0, or too few of them), or more than the
+    /// logs of all partitions hold together at most (`log_bound`:
+    /// `max_log_bytes`; `min_bytes` `i32::MAX` is past the default 1 GiB).
+    /// Such a fetch is answered at its `max_wait`, as Kafka answers it; it
+    /// watches no partition meanwhile, so high watermark moves never check
+    /// it (each check reads every partition it names: a few fetches naming
+    /// thousands made every other client's produce pay for reading them).
+    fn never_enough(&self, log_bound: usize) -> bool {
+        let most = self
+            .wants()
+            .try_fold(0u64, |sum, (_, w)| sum.checked_add(w.max_bytes as u64));
+        self.min_bytes > 0
+            && (most.is_some_and(|most| most < self.min_bytes) || self.min_bytes > log_bound as u64)
     }
 
     /// Answerable now: `min_bytes` are readable, or a partition's position
@@ -270,10 +286,11 @@ pub async fn handle(
         return Ok(fetch.answer(held));
     }
     broker.stats.fetches_parked.fetch_add(1, Ordering::Relaxed);
+    let never = fetch.never_enough(broker.config.max_log_bytes);
     match broker.config.fetch_wait {
-        FetchWait::Purgatory => in_purgatory(broker, fetch, max_wait, held).await,
-        FetchWait::SleepPoll(every) => Ok(sleep_poll(fetch, max_wait, every, held).await),
-        FetchWait::Notify => Ok(notified(fetch, max_wait, held).await),
+        FetchWait::Purgatory => in_purgatory(broker, fetch, never, max_wait, held).await,
+        FetchWait::SleepPoll(every) => Ok(sleep_poll(fetch, never, max_wait, every, held).await),
+        FetchWait::Notify => Ok(notified(fetch, never, max_wait, held).await),
     }
 }
 
@@ -286,17 +303,24 @@ pub const WATCH: usize = 256;
 /// Waits in the fetch purgatory, watching each partition at the offset after
 /// its position: the first high watermark move that makes a byte readable
 /// checks it; a check that finds too few bytes leaves it watching one level
-/// higher.
+/// higher. A fetch that can `never` have enough watches only
+/// [`CLOSING_KEY`], which no partition has and only shutdown completes: it
+/// waits for its `max_wait`.
 async fn in_purgatory(
     broker: &Broker,
     fetch: Fetch,
+    never: bool,
     max_wait: Duration,
     held: &Held,
 ) -> Result<FetchResponse, Gone> {
-    let watches: Vec<_> = fetch
-        .wants()
-        .map(|(part, w)| Watch::above(part.key, w.offset))
-        .collect();
+    let watches: Vec<_> = if never {
+        vec![Watch::above(CLOSING_KEY, 0)]
+    } else {
+        fetch
+            .wants()
+            .map(|(part, w)| Watch::above(part.key, w.offset))
+            .collect()
+    };
     match broker
         .fetches
         .try_complete_else_watch_levels(DelayedFetch(fetch), max_wait, watches)
@@ -311,9 +335,12 @@ async fn in_purgatory(
     }
 }
 
-/// Re-reads every `every` until enough bytes or the deadline.
+/// Re-reads every `every` until enough bytes or the deadline (a fetch that
+/// can `never` have enough reads nothing: it waits for the deadline, or
+/// shutdown).
 async fn sleep_poll(
     fetch: Fetch,
+    never: bool,
     max_wait: Duration,
     every: Duration,
     held: &Held,
@@ -322,7 +349,7 @@ async fn sleep_poll(
     loop {
         let next = (Instant::now() + every).min(deadline);
         tokio::time::sleep_until(next).await;
-        if next >= deadline || fetch.enough() || fetch.closing.load(Ordering::SeqCst) {
+        if next >= deadline || (!never && fetch.enough()) || fetch.closing.load(Ordering::SeqCst) {
             return fetch.answer(held);
         }
     }
@@ -331,11 +358,16 @@ async fn sleep_poll(
 /// Awaits any of its partitions' `Notify` under `tokio::time::timeout`,
 /// re-reading after each wake-up. Each waiter is armed (`enable`) before the
 /// read that decides to wait, so a move between the read and the wait is not
-/// lost.
-async fn notified(fetch: Fetch, max_wait: Duration, held: &Held) -> FetchResponse {
+/// lost. A fetch that can `never` have enough awaits its first partition's
+/// only (shutdown wakes every partition's) and reads nothing.
+async fn notified(fetch: Fetch, never: bool, max_wait: Duration, held: &Held) -> FetchResponse {
     let deadline = Instant::now() + max_wait;
     loop {
-        let parts: Vec<Arc<Partition>> = fetch.wants().map(|(p, _)| p.clone()).collect();
+        let parts: Vec<Arc<Partition>> = fetch
+            .wants()
+            .map(|(p, _)| p.clone())
+            .take(if never { 1 } else { usize::MAX })
+            .collect();
         let mut waits: Vec<_> = parts
             .iter()
             .map(|p| Box::pin(p.notify.notified()))
@@ -343,7 +375,7 @@ async fn notified(fetch: Fetch, max_wait: Duration, held: &Held) -> FetchRespons
         for w in &mut waits {
             w.as_mut().enable();
         }
-        if fetch.enough() || fetch.closing.load(Ordering::SeqCst) {
+        if (!never && fetch.enough()) || fetch.closing.load(Ordering::SeqCst) {
             return fetch.answer(held);
         }
         let any = futures::future::select_all(waits);

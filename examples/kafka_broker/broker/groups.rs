@@ -395,7 +395,10 @@ impl Group {
         }
     }
 
-    /// The answer to `member`'s join of the round that has completed.
+    /// The answer to `member`'s join of the round that has completed. It
+    /// shares the group's bytes (a leader's, every member's metadata); the
+    /// server charges its encoding to the memory budget before making it
+    /// (`server::charged`), as it is sent again to each join that asks.
     fn join_answer(&self, member: &StrBytes) -> JoinGroupResponse {
         if !self.members.contains_key(member) {
             return JoinGroupResponse::default()
@@ -597,6 +600,8 @@ fn error_sync(e: ResponseError) -> SyncGroupResponse {
     SyncGroupResponse::default().with_error_code(e.code())
 }
 
+/// The member's assignment, shared with the group; its encoding is charged
+/// by the server before it is made (see [`Group::join_answer`]).
 fn sync_answer(g: &Group, member: &StrBytes) -> SyncGroupResponse {
     SyncGroupResponse::default()
         .with_protocol_type(g.protocol_type.clone())

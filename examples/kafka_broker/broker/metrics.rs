@@ -224,6 +224,13 @@ pub fn render(broker: &Broker) -> String {
         "What the logs hold now (at most --max-log-bytes), each batch with what keeping it costs.",
     );
     let _ = writeln!(out, "broker_log_bytes {}", broker.topics.log_bytes());
+    family(
+        &mut out,
+        "broker_connections",
+        "gauge",
+        "Connections open now (at most --max-connections).",
+    );
+    let _ = writeln!(out, "broker_connections {}", broker.open_connections());
     out
 }
 
@@ -254,18 +261,24 @@ fn histogram(out: &mut String, name: &str, label: &str, h: &Histogram) {
     let _ = writeln!(out, "{name}_count{{name=\"{label}\"}} {}", h.count());
 }
 
-/// Serves the metrics page to any HTTP request until `stop`.
+/// The most metrics connections open at once: each is answered within
+/// seconds, so a scraper never waits long for a place.
+pub const METRICS_CONNECTIONS: usize = 16;
+
+/// Serves the metrics page to any HTTP request until `stop`, at most
+/// [`METRICS_CONNECTIONS`] at once (more wait in the listen backlog), and
+/// pausing after an accept that fails as the broker's listener does
+/// ([`super::server::accept_loop`]).
 pub async fn serve(listener: TcpListener, broker: Arc<Broker>, stop: CancellationToken) {
-    loop {
-        tokio::select! {
-            _ = stop.cancelled() => return,
-            accepted = listener.accept() => {
-                if let Ok((conn, _)) = accepted {
-                    tokio::spawn(answer(conn, broker.clone()));
-                }
-            }
+    let places = Arc::new(tokio::sync::Semaphore::new(METRICS_CONNECTIONS));
+    super::server::accept_loop(listener, places, stop, move |conn, place| {
+        let broker = broker.clone();
+        async move {
+            answer(conn, broker).await;
+            drop(place);
         }
-    }
+    })
+    .await
 }
 
 /// Reads a request's head (at most 8 KiB, within 5 s) and answers with the

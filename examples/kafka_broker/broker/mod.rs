@@ -6,7 +6,8 @@
 //!   partition **at** the offset that covers them (a watermark key).
 //! - `Fetch` waits in the fetch purgatory until `min_bytes` are readable below
 //!   the high watermark or `max_wait_ms` passes, watching each partition at the
-//!   offset after its fetch position.
+//!   offset after its fetch position (one that can never have `min_bytes`
+//!   waits for `max_wait_ms` alone, watching no partition).
 //! - Simulated followers (tasks) copy each append after a lag and move the
 //!   high watermark; each move calls `try_complete_reached` on both
 //!   purgatories, which checks only the requests the new watermark can
@@ -17,7 +18,7 @@
 //! `tokio::time::timeout` ([`FetchWait`]).
 
 mod fetch;
-mod frame;
+pub mod frame;
 pub mod groups;
 mod log;
 pub mod metrics;
@@ -25,7 +26,7 @@ mod produce;
 mod replication;
 pub mod server;
 pub mod shape;
-mod timestamps;
+pub mod timestamps;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -33,6 +34,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
 use tokio::task::JoinHandle;
 use tokio_purgatory::{Purgatory, Reaper};
 use tokio_util::sync::CancellationToken;
@@ -104,6 +106,13 @@ pub struct Config {
     /// A connection with no request for this long is closed (Kafka's
     /// `connections.max.idle.ms`).
     pub idle_timeout: Duration,
+    /// The most connections open at once (Kafka's `max.connections`). When
+    /// every one is taken, no connection is accepted until one closes: they
+    /// wait in the listen backlog, as Kafka's acceptor waits for a slot.
+    /// Each takes a descriptor (two while a request waits with bytes
+    /// pipelined behind it): below the process's descriptor limit, accepting
+    /// never fails for want of one because of clients. At least 1.
+    pub max_connections: usize,
     /// The most topics the broker holds; creation on first use stops there.
     pub max_topics: usize,
     /// The most partitions the broker holds, across topics; creation on
@@ -152,6 +161,7 @@ impl Default for Config {
             memory_budget: 256 << 20,
             frame_timeout: Duration::from_secs(30),
             idle_timeout: Duration::from_secs(600),
+            max_connections: 1000,
             max_topics: 10_000,
             max_partitions: 1_000_000,
             fetch_max_bytes: 55 << 20,
@@ -165,6 +175,14 @@ impl Default for Config {
 
 /// The most partitions a topic may have (`--partitions`).
 pub const MAX_PARTITIONS: i32 = 10_000;
+/// A watch key no partition has (a partition's is its topic's number and
+/// its index, below 2^31): fetches that can never have enough bytes watch it
+/// alone, and only shutdown completes what watches it.
+pub const CLOSING_KEY: PartitionKey = u64::MAX;
+
+/// The most connections `--max-connections` may allow (a semaphore's
+/// permits).
+pub const MAX_CONNECTIONS: usize = 1 << 24;
 /// The most simulated followers (`--followers`): each is a task, and each
 /// partition keeps a copy position and an ISR place for each.
 pub const MAX_FOLLOWERS: usize = 16;
@@ -214,6 +232,12 @@ impl Config {
         if let Some(bad) = self.topics.iter().find(|t| !log::valid_topic_name(t)) {
             return Err(format!(
                 "--topics {bad:?}: a topic name is 1 to 249 ASCII letters, digits, '.', '_' or '-' (not \".\" or \"..\")"
+            ));
+        }
+        if !(1..=MAX_CONNECTIONS).contains(&self.max_connections) {
+            return Err(format!(
+                "--max-connections {}: 1 to {MAX_CONNECTIONS}",
+                self.max_connections
             ));
         }
         if self.groups.min_session > self.groups.max_session {
@@ -272,6 +296,8 @@ pub struct Broker {
     pub stats: Stats,
     /// The memory requests in flight share.
     pub budget: Budget,
+    /// A place per open connection, `max_connections` of them.
+    pub connections: Arc<Semaphore>,
     /// Set at shutdown: every waiting request's check answers at once.
     closing: Arc<AtomicBool>,
     followers: Followers,
@@ -286,6 +312,11 @@ impl Broker {
         self.produces.try_complete_reached(&part.key, hw);
         self.fetches.try_complete_reached(&part.key, hw);
         part.notify.notify_waiters();
+    }
+
+    /// Connections open now (each holds one of `max_connections` places).
+    pub fn open_connections(&self) -> usize {
+        self.config.max_connections - self.connections.available_permits()
     }
 
     /// Makes follower `f` stop copying (`true`) or copy again and catch up.
@@ -385,6 +416,7 @@ impl BrokerHandle {
         let broker = Arc::new_cyclic(|weak| Broker {
             followers: Followers::start(weak.clone(), &config),
             budget: Budget::new(config.memory_budget),
+            connections: Arc::new(Semaphore::new(config.max_connections)),
             config,
             topics,
             produces,
@@ -430,6 +462,8 @@ impl BrokerHandle {
             broker.fetches.try_complete_reached(&part.key, u64::MAX);
             part.notify.notify_waiters();
         }
+        // And the fetches that watch no partition.
+        broker.fetches.try_complete_reached(&CLOSING_KEY, u64::MAX);
         // Waiting joins and syncs answer NOT_COORDINATOR.
         broker.groups.wake_all();
         self.stop.cancel();

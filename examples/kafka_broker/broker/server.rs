@@ -4,9 +4,11 @@
 //! `ListOffsets`).
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::{BufMut, Bytes, BytesMut};
 use kafka_protocol::error::ResponseError;
@@ -23,6 +25,7 @@ use kafka_protocol::protocol::{Decodable, Encodable, HeaderVersion, StrBytes};
 use tokio::io::AsyncWriteExt;
 use tokio::net::tcp::OwnedReadHalf;
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -66,20 +69,113 @@ pub fn supported(key: ApiKey, version: i16) -> bool {
 }
 
 /// Accepts connections until `stop`, then waits for every connection to end.
+///
+/// At most `max_connections` are open at once: when every place is taken,
+/// none is accepted until one ends (they wait in the listen backlog, as
+/// Kafka's acceptor waits for a connection slot at `max.connections`), so
+/// connections cannot take every descriptor the process has. When accepting
+/// fails for want of something the process lacks (descriptors, memory), the
+/// loop pauses before trying again: see [`accept_loop`].
 pub async fn accept(listener: TcpListener, broker: Arc<Broker>, stop: CancellationToken) {
+    let places = broker.connections.clone();
+    let serving = stop.clone();
+    accept_loop(listener, places, stop, move |stream: TcpStream, place| {
+        let _ = stream.set_nodelay(true);
+        let (broker, stop) = (broker.clone(), serving.clone());
+        async move {
+            serve(stream, broker, stop).await;
+            drop(place);
+        }
+    })
+    .await
+}
+
+/// What an accept loop takes connections from: a listener (or a stand-in).
+pub trait Accept {
+    type Conn;
+    fn accept(&self) -> impl Future<Output = std::io::Result<Self::Conn>> + Send + '_;
+}
+
+impl Accept for TcpListener {
+    type Conn = TcpStream;
+    async fn accept(&self) -> std::io::Result<TcpStream> {
+        TcpListener::accept(self).await.map(|(stream, _)| stream)
+    }
+}
+
+/// The first pause after an accept fails, doubled at each failure in a row.
+pub const ACCEPT_PAUSE_MIN: Duration = Duration::from_millis(10);
+/// The longest pause after an accept fails (hyper and axum pause 1 s).
+pub const ACCEPT_PAUSE_MAX: Duration = Duration::from_secs(1);
+
+/// Accepts from `listener` until `stop`, each connection served by
+/// `serve` (with its place among `places`, to drop when it ends) in a task
+/// of its own; then drops the listener and waits for every connection to
+/// end.
+///
+/// A place is taken before accepting: with none free, nothing is accepted
+/// until a connection ends. An accept that fails for the connection's sake
+/// (it was reset or aborted before it was taken) is retried at once; any
+/// other failure (`EMFILE`, `ENFILE`, `ENOBUFS`, `ENOMEM`: the process is
+/// out of something, and accepting fails at once until something is given
+/// back) pauses the loop, [`ACCEPT_PAUSE_MIN`] doubling to
+/// [`ACCEPT_PAUSE_MAX`] while it keeps failing, instead of spinning a worker
+/// and a log line per try.
+pub async fn accept_loop<L, S>(
+    listener: L,
+    places: Arc<Semaphore>,
+    stop: CancellationToken,
+    mut serve: impl FnMut(L::Conn, OwnedSemaphorePermit) -> S,
+) where
+    L: Accept,
+    S: Future<Output = ()> + Send + 'static,
+{
+    use std::io::ErrorKind;
     let mut connections = JoinSet::new();
-    loop {
-        tokio::select! {
+    let mut pause = ACCEPT_PAUSE_MIN;
+    'accepting: loop {
+        let place = tokio::select! {
             _ = stop.cancelled() => break,
-            accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => {
-                    let _ = stream.set_nodelay(true);
-                    connections.spawn(serve(stream, broker.clone(), stop.clone()));
-                }
-                Err(e) => tracing::warn!(error = %e, "accept failed"),
+            place = places.clone().acquire_owned() => match place {
+                Ok(place) => place,
+                Err(_) => break, // closed: no connection is taken again
             },
             // Reap finished connections as they end.
-            Some(_) = connections.join_next(), if !connections.is_empty() => {}
+            Some(_) = connections.join_next(), if !connections.is_empty() => continue,
+        };
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => break 'accepting,
+                accepted = listener.accept() => match accepted {
+                    Ok(conn) => {
+                        pause = ACCEPT_PAUSE_MIN;
+                        connections.spawn(serve(conn, place));
+                        break;
+                    }
+                    Err(e) if matches!(
+                        e.kind(),
+                        ErrorKind::ConnectionAborted
+                            | ErrorKind::ConnectionReset
+                            | ErrorKind::ConnectionRefused
+                            | ErrorKind::Interrupted
+                    ) => {
+                        tracing::debug!(error = %e, "a connection went before it was accepted");
+                    }
+                    Err(e) => {
+                        tracing::warn!(
+                            error = %e,
+                            pause_ms = pause.as_millis() as u64,
+                            "accept failed; pausing before trying again"
+                        );
+                        tokio::select! {
+                            _ = stop.cancelled() => break 'accepting,
+                            _ = tokio::time::sleep(pause) => {}
+                        }
+                        pause = (pause * 2).min(ACCEPT_PAUSE_MAX);
+                    }
+                },
+                Some(_) = connections.join_next(), if !connections.is_empty() => {}
+            }
         }
     }
     drop(listener);
@@ -357,14 +453,49 @@ async fn answer(
                     charge.keep(kept)
                 })
                 .await?;
-            encode(id, version, &r).map(Some)
+            // The request is gone (what the group keeps of it is copied), and
+            // its frame with it but for the member id an error answer may
+            // share, dropped with that answer once encoded, before anything
+            // waits: its charge goes back first, so that an answer as large
+            // as the request (a leader's own assignment) has room.
+            charge.keep(0);
+            // A leader's answer carries every member's metadata: charged
+            // first (see `charged`), or answered COORDINATOR_LOAD_IN_PROGRESS,
+            // which clients retry (a member of a round that completed gets
+            // the same generation back when it joins again).
+            match charged(broker, held, &r, version) {
+                Some(size) => encode_sized(id, version, &r, size).map(Some),
+                None => {
+                    let r = JoinGroupResponse::default()
+                        .with_error_code(ResponseError::CoordinatorLoadInProgress.code())
+                        .with_generation_id(-1)
+                        .with_member_id(r.member_id);
+                    encode(id, version, &r).map(Some)
+                }
+            }
         }
         ApiKey::SyncGroup => {
             let r = broker
                 .groups
                 .sync(decode(frame, version)?, |kept| charge.keep(kept))
                 .await?;
-            encode(id, version, &r).map(Some)
+            // The request is gone, its frame with it (as for a join).
+            charge.keep(0);
+            // The answer carries the member's assignment: charged first, or
+            // answered COORDINATOR_NOT_AVAILABLE, the coordinator's answer to
+            // a sync with no room (Java's consumer takes any error it does
+            // not expect from a sync, COORDINATOR_LOAD_IN_PROGRESS among
+            // them, as fatal; on this one it looks the coordinator up and
+            // joins again, and a follower in a stable group gets its
+            // generation back).
+            match charged(broker, held, &r, version) {
+                Some(size) => encode_sized(id, version, &r, size).map(Some),
+                None => {
+                    let r = SyncGroupResponse::default()
+                        .with_error_code(ResponseError::CoordinatorNotAvailable.code());
+                    encode(id, version, &r).map(Some)
+                }
+            }
         }
         ApiKey::Heartbeat => {
             let r = broker.groups.heartbeat(&decode(frame, version)?);
@@ -403,13 +534,45 @@ fn decode<T: Decodable>(mut frame: Bytes, version: i16) -> Result<T, Gone> {
     })
 }
 
+/// What a group answer's frame takes, charged to the budget in `held` (its
+/// size), or `None` when the budget has no room for it now. Join and sync
+/// answers are built from what the group keeps (a leader's join answer from
+/// every member's metadata, a sync answer from the member's assignment),
+/// not from the request: a request of a few dozen bytes may be answered
+/// with megabytes, sent again for every such request, and held until it is
+/// written (up to `frame_timeout` for a client that does not read). What is
+/// built shares the group's bytes; its encoding copies them, and is what is
+/// charged, before it is made.
+fn charged<T: Encodable>(broker: &Broker, held: &Held, body: &T, version: i16) -> Option<usize> {
+    // The frame's size and the response header, with room to spare.
+    const HEAD: usize = 16;
+    let size = body.compute_size(version).ok()?.checked_add(HEAD)?;
+    if broker.budget.try_charge(size, held) {
+        Some(size)
+    } else {
+        tracing::debug!(size, "a group answer has no room in the memory budget");
+        None
+    }
+}
+
 /// A response frame: size, header, body.
 fn encode<T: Encodable + HeaderVersion>(
     correlation_id: i32,
     version: i16,
     body: &T,
 ) -> Result<BytesMut, Gone> {
-    let mut out = BytesMut::new();
+    encode_sized(correlation_id, version, body, 0)
+}
+
+/// A response frame in a buffer made `capacity` bytes at once (the frame's
+/// size, charged: see [`charged`]), so it does not grow past it by doubling.
+fn encode_sized<T: Encodable + HeaderVersion>(
+    correlation_id: i32,
+    version: i16,
+    body: &T,
+    capacity: usize,
+) -> Result<BytesMut, Gone> {
+    let mut out = BytesMut::with_capacity(capacity);
     out.put_i32(0); // the size, written below
     ResponseHeader::default()
         .with_correlation_id(correlation_id)
@@ -658,9 +821,11 @@ fn isr_nodes(p: &super::Partition) -> Vec<BrokerId> {
 /// as Kafka does. Both read records inside their batch, decompressing it if
 /// need be: what a batch's codec keeps is charged to the memory budget while
 /// that batch is read, and one request reads at most [`READ_PER_LOOKUP`]
-/// times `max_message_bytes` of records, decompressed or not; a batch past
-/// either, and any zstd batch, is answered at batch granularity (its first
-/// offset). A partition named
+/// times `max_message_bytes` of records, decompressed or not, across all the
+/// partitions it names (what a codec makes before it can be read, a snappy
+/// block or an LZ4 frame's buffers, counted whole before it is made); a
+/// batch past either, and any zstd batch, is answered at batch granularity
+/// (its first offset). A partition named
 /// twice is answered INVALID_REQUEST at each mention, as Kafka answers it.
 fn list_offsets(broker: &Broker, request: &ListOffsetsRequest) -> ListOffsetsResponse {
     let mut limits = Limits {

@@ -11,10 +11,16 @@
 //! answer is written): a gzip stream's window, tables, buffer and header
 //! fields, the largest snappy block, an LZ4 frame's blocks as its header
 //! declares their size. And the bytes one lookup reads, decompressed or
-//! not, batch headers included, are bounded ([`Limits::read_left`]). A
-//! batch whose records cannot be read within them, or are not what their
-//! codec makes, is [`Scan::Unreadable`]: the caller answers for it at batch
-//! granularity.
+//! not, batch headers included, are bounded ([`Limits::read_left`]): what a
+//! codec makes before any of it is read is taken from that bound first,
+//! before it is decompressed (a snappy block's whole claimed length, an LZ4
+//! frame's buffers as its header sizes them), so a few bytes claiming a
+//! large block cost the lookup what decoding them costs the broker, and a
+//! claim past what is left is never decompressed. A snappy block claiming
+//! more than its bytes can make (snappy makes at most 64 bytes of 3) is
+//! corrupt, refused before its output is allocated. A batch whose records
+//! cannot be read within them, or are not what their codec makes, is
+//! [`Scan::Unreadable`]: the caller answers for it at batch granularity.
 //!
 //! So is every zstd batch: the pure-Rust decoder at hand (ruzstd 0.8)
 //! decodes a whole block before its first byte can be read and never checks
@@ -45,6 +51,20 @@ const LZ4_WINDOW: usize = 64 << 10;
 /// then blocks, each an int32 size and raw snappy. librdkafka writes raw
 /// snappy, one block.
 const XERIAL: [u8; 8] = [0x82, b'S', b'N', b'A', b'P', b'P', b'Y', 0];
+
+/// An LZ4 frame's magic number (little-endian). The legacy frame format
+/// (whose blocks are 8 MiB whatever the data) is not what Kafka writes, and
+/// is refused.
+const LZ4_MAGIC: [u8; 4] = [0x04, 0x22, 0x4d, 0x18];
+/// An LZ4 frame descriptor's flag: blocks compressed independently (the
+/// decoder keeps one block, not two and a window).
+const LZ4_INDEPENDENT: u8 = 0x20;
+
+/// The most a snappy block of `compressed` bytes (its length header
+/// included) can make: its largest element, a 3-byte copy, makes 64 bytes.
+fn snappy_most(compressed: usize) -> usize {
+    compressed.saturating_mul(64) / 3
+}
 
 /// What reading a lookup's batches may take.
 pub struct Limits<'a> {
@@ -122,41 +142,50 @@ pub fn first_record(
                 let Some(blocks) = framed.get(8..) else {
                     return Scan::Unreadable;
                 };
+                // Each block's claimed length is taken from `left` before
+                // it is decompressed (see `Xerial`): not wrapped in `Capped`.
                 let xerial = Xerial {
                     rest: blocks,
                     block: Vec::new(),
                     at: 0,
                     charged: 0,
                     charge,
+                    left,
                 };
-                head.walk(Capped(xerial, left), pick)
+                head.walk(xerial, pick)
             } else {
                 let Ok(n) = snap::raw::decompress_len(records) else {
                     return Scan::Unreadable;
                 };
-                if n > *left || !charge(n) {
+                // The whole block is made (and its buffer zeroed) before
+                // any of it is read: its claimed length is taken from the
+                // lookup's bound first.
+                if n > *left || n > snappy_most(records.len()) || !charge(n) {
                     return Scan::Unreadable;
                 }
+                *left -= n;
                 let Ok(out) = snap::raw::Decoder::new().decompress_vec(records) else {
                     return Scan::Unreadable;
                 };
-                head.walk(Capped(&out[..], left), pick)
+                head.walk(&out[..], pick)
             }
         }
         3 => {
+            let Some(ahead) = lz4_ahead(records) else {
+                return Scan::Unreadable;
+            };
             // The frame descriptor's block size: lz4_flex keeps a block and
             // its output (twice a block and the 64 KiB window linked blocks
-            // keep).
-            let block = match records.get(5).map(|bd| (bd >> 4) & 0x07) {
-                Some(4) => 64 << 10,
-                Some(5) => 256 << 10,
-                Some(6) => 1 << 20,
-                Some(7) => 4 << 20,
-                _ => return Scan::Unreadable,
+            // keep), charged to the budget; and it zeroes its output buffer
+            // and makes a whole block before any of it is read, taken from
+            // the lookup's bound first (what is then read is counted too).
+            let Some(block) = lz4_block(records) else {
+                return Scan::Unreadable;
             };
-            if !charge(3 * block + LZ4_WINDOW + BUFFER) {
+            if ahead > *left || !charge(3 * block + LZ4_WINDOW + BUFFER) {
                 return Scan::Unreadable;
             }
+            *left -= ahead;
             let lz4 = lz4_flex::frame::FrameDecoder::new(records);
             head.walk(io::BufReader::new(Capped(lz4, left)), pick)
         }
@@ -165,6 +194,35 @@ pub fn first_record(
         _ => return Scan::Unreadable,
     };
     found.unwrap_or(Scan::Unreadable)
+}
+
+/// The block size an LZ4 frame's descriptor declares (`None` for anything
+/// but a standard frame with a block size Kafka's clients use).
+fn lz4_block(records: &[u8]) -> Option<usize> {
+    if records.get(..4)? != LZ4_MAGIC {
+        return None;
+    }
+    match (records.get(5)? >> 4) & 0x07 {
+        4 => Some(64 << 10),
+        5 => Some(256 << 10),
+        6 => Some(1 << 20),
+        7 => Some(4 << 20),
+        _ => None,
+    }
+}
+
+/// What lz4_flex makes of an LZ4 frame before any of it can be read: its
+/// output buffer, zeroed as the frame's header sizes it (a block, or two
+/// and the window for linked blocks), and the block it decodes at once,
+/// which may go unread when the records end mid-block.
+fn lz4_ahead(records: &[u8]) -> Option<usize> {
+    let block = lz4_block(records)?;
+    let buffer = if records[4] & LZ4_INDEPENDENT != 0 {
+        block
+    } else {
+        2 * block + LZ4_WINDOW
+    };
+    Some(buffer + block)
 }
 
 /// What the batch header says of its records.
@@ -242,16 +300,20 @@ impl<R: Read> Read for Capped<'_, R> {
 }
 
 /// Snappy in xerial framing, a block at a time, each block's output
-/// charged (the largest one's, as the same buffer is reused).
-struct Xerial<'a, 'c> {
+/// charged to the budget (the largest one's, as the same buffer is reused)
+/// and taken whole from the lookup's read bound `left` before it is
+/// decompressed: a block claiming more than is left, or more than its bytes
+/// can make, is refused before its buffer is sized.
+struct Xerial<'a, 'c, 'l> {
     rest: &'a [u8],
     block: Vec<u8>,
     at: usize,
     charged: usize,
     charge: &'c mut dyn FnMut(usize) -> bool,
+    left: &'l mut usize,
 }
 
-impl Read for Xerial<'_, '_> {
+impl Read for Xerial<'_, '_, '_> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         while self.at == self.block.len() {
             if self.rest.is_empty() {
@@ -262,6 +324,13 @@ impl Read for Xerial<'_, '_> {
             let compressed = self.rest.get(4..4 + size).ok_or_else(corrupt)?;
             self.rest = &self.rest[4 + size..];
             let n = snap::raw::decompress_len(compressed).map_err(|_| corrupt())?;
+            if n > snappy_most(compressed.len()) {
+                return Err(corrupt());
+            }
+            if n > *self.left {
+                return Err(io::Error::other("the lookup's read limit"));
+            }
+            *self.left -= n;
             if n > self.charged {
                 if !(self.charge)(n - self.charged) {
                     return Err(io::Error::other("no room for a snappy block"));
