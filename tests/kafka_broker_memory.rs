@@ -1821,3 +1821,50 @@ async fn unread_leader_join_answers_are_charged_to_the_budget() {
     })
     .await
 }
+
+/// A group answer takes its request's own charge before it asks the budget
+/// for more (`Held::pass_to`): Tokio's semaphore gives permits handed back to
+/// the connections already waiting, so a request that let go of its charge
+/// and then asked again found nothing while anyone waited, and a 100-byte
+/// answer was refused behind others' large frames. Passed over, the charge
+/// never goes through the semaphore: the waiter stays waiting, the answer
+/// holds what it needs, and the request's surplus goes back.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_group_answer_takes_its_requests_charge_before_the_budget() {
+    use broker::frame::{Budget, Held};
+    let budget = Budget::new(1000);
+    let (request, answer) = (Held::default(), Held::default());
+    assert!(budget.try_charge(600, &request));
+    let hog = Held::default();
+    assert!(budget.try_charge(400, &hog));
+    // Another connection waits for 300 (more than is free: nothing is).
+    let waiting = {
+        let budget = budget.clone();
+        tokio::spawn(async move {
+            let held = Held::default();
+            while !budget.try_charge(300, &held) {
+                tokio::task::yield_now().await;
+            }
+            held
+        })
+    };
+    tokio::task::yield_now().await;
+    assert_eq!(request.pass_to(&answer, 100), 100);
+    assert_eq!(budget.in_use(), 1000, "moved, not given back and taken");
+    assert!(
+        !budget.try_charge(1, &answer),
+        "nothing free while it waits"
+    );
+    request.keep(0);
+    assert_eq!(budget.in_use(), 500, "the request's surplus went back");
+    let held = tokio::time::timeout(Duration::from_secs(1), waiting)
+        .await
+        .expect("the waiter got the surplus")
+        .unwrap();
+    assert_eq!(budget.in_use(), 800);
+    // Passing more than is held moves what there is; from nothing, nothing.
+    assert_eq!(answer.pass_to(&request, 500), 100);
+    assert_eq!(answer.pass_to(&request, 1), 0);
+    drop((held, hog, request));
+    assert_eq!(budget.in_use(), 0);
+}

@@ -70,6 +70,12 @@ impl Fetch {
     /// watches no partition meanwhile, so high watermark moves never check
     /// it (each check reads every partition it names: a few fetches naming
     /// thousands made every other client's produce pay for reading them).
+    /// One difference follows: a watched fetch whose position retention
+    /// passes is answered OFFSET_OUT_OF_RANGE at once; such a fetch learns
+    /// it at its `max_wait`. (Kafka also answers at once, without waiting,
+    /// a fetch whose first batch alone reaches `min_bytes`, even past its
+    /// `partition_max_bytes` (KIP-74); this broker counts each partition up
+    /// to its `partition_max_bytes`, before and after this rule.)
     fn never_enough(&self, log_bound: usize) -> bool {
         let most = self
             .wants()

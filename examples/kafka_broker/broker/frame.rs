@@ -138,6 +138,30 @@ impl Held {
         }
     }
 
+    /// Moves up to `bytes` of what is held to `to`; returns how much moved.
+    /// For an answer built from what a request was charged (a group answer
+    /// takes its request's charge before it asks the budget for more, so
+    /// that an answer no larger than its request never waits behind other
+    /// connections for memory it just had).
+    pub fn pass_to(&self, to: &Held, bytes: usize) -> usize {
+        let mut mine = self.0.lock().unwrap();
+        let Some(permit) = mine.as_mut() else {
+            return 0;
+        };
+        let n = permit.num_permits().min(bytes);
+        if n == 0 {
+            return 0;
+        }
+        let moved = if n == permit.num_permits() {
+            mine.take().expect("held")
+        } else {
+            permit.split(n).expect("no more than it holds")
+        };
+        drop(mine);
+        add(&mut to.0.lock().unwrap(), moved);
+        n
+    }
+
     /// Gives back all but `bytes` of what is held: a request about to wait
     /// has let go of its frame and keeps only its own state, which for a join
     /// or a sync is never more than its frame and decoding were charged (each

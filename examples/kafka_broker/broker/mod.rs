@@ -296,8 +296,11 @@ pub struct Broker {
     pub stats: Stats,
     /// The memory requests in flight share.
     pub budget: Budget,
-    /// A place per open connection, `max_connections` of them.
+    /// A place per open connection, `max_connections` of them (the accept
+    /// loop holds one while it waits for a connection).
     pub connections: Arc<Semaphore>,
+    /// Connections open now.
+    pub open: std::sync::atomic::AtomicUsize,
     /// Set at shutdown: every waiting request's check answers at once.
     closing: Arc<AtomicBool>,
     followers: Followers,
@@ -316,7 +319,7 @@ impl Broker {
 
     /// Connections open now (each holds one of `max_connections` places).
     pub fn open_connections(&self) -> usize {
-        self.config.max_connections - self.connections.available_permits()
+        self.open.load(Ordering::Relaxed)
     }
 
     /// Makes follower `f` stop copying (`true`) or copy again and catch up.
@@ -417,6 +420,7 @@ impl BrokerHandle {
             followers: Followers::start(weak.clone(), &config),
             budget: Budget::new(config.memory_budget),
             connections: Arc::new(Semaphore::new(config.max_connections)),
+            open: std::sync::atomic::AtomicUsize::new(0),
             config,
             topics,
             produces,

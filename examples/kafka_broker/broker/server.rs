@@ -82,12 +82,30 @@ pub async fn accept(listener: TcpListener, broker: Arc<Broker>, stop: Cancellati
     accept_loop(listener, places, stop, move |stream: TcpStream, place| {
         let _ = stream.set_nodelay(true);
         let (broker, stop) = (broker.clone(), serving.clone());
+        let open = Open::new(broker.clone());
         async move {
             serve(stream, broker, stop).await;
-            drop(place);
+            drop((open, place));
         }
     })
     .await
+}
+
+/// Counts a connection open from its accept until its task ends, however it
+/// ends (`Broker::open_connections`).
+struct Open(Arc<Broker>);
+
+impl Open {
+    fn new(broker: Arc<Broker>) -> Open {
+        broker.open.fetch_add(1, Ordering::Relaxed);
+        Open(broker)
+    }
+}
+
+impl Drop for Open {
+    fn drop(&mut self) {
+        self.0.open.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// What an accept loop takes connections from: a listener (or a stand-in).
@@ -455,15 +473,13 @@ async fn answer(
                 .await?;
             // The request is gone (what the group keeps of it is copied), and
             // its frame with it but for the member id an error answer may
-            // share, dropped with that answer once encoded, before anything
-            // waits: its charge goes back first, so that an answer as large
-            // as the request (a leader's own assignment) has room.
-            charge.keep(0);
-            // A leader's answer carries every member's metadata: charged
-            // first (see `charged`), or answered COORDINATOR_LOAD_IN_PROGRESS,
-            // which clients retry (a member of a round that completed gets
-            // the same generation back when it joins again).
-            match charged(broker, held, &r, version) {
+            // share, dropped with that answer once encoded. A leader's answer
+            // carries every member's metadata: charged first, from the
+            // request's own charge and then the budget (see `charged`), or
+            // answered COORDINATOR_LOAD_IN_PROGRESS, which clients retry (a
+            // member of a round that completed gets the same generation back
+            // when it joins again).
+            match charged(broker, charge, held, &r, version)? {
                 Some(size) => encode_sized(id, version, &r, size).map(Some),
                 None => {
                     let r = JoinGroupResponse::default()
@@ -480,7 +496,6 @@ async fn answer(
                 .sync(decode(frame, version)?, |kept| charge.keep(kept))
                 .await?;
             // The request is gone, its frame with it (as for a join).
-            charge.keep(0);
             // The answer carries the member's assignment: charged first, or
             // answered COORDINATOR_NOT_AVAILABLE, the coordinator's answer to
             // a sync with no room (Java's consumer takes any error it does
@@ -488,7 +503,7 @@ async fn answer(
             // them, as fatal; on this one it looks the coordinator up and
             // joins again, and a follower in a stable group gets its
             // generation back).
-            match charged(broker, held, &r, version) {
+            match charged(broker, charge, held, &r, version)? {
                 Some(size) => encode_sized(id, version, &r, size).map(Some),
                 None => {
                     let r = SyncGroupResponse::default()
@@ -542,16 +557,32 @@ fn decode<T: Decodable>(mut frame: Bytes, version: i16) -> Result<T, Gone> {
 /// with megabytes, sent again for every such request, and held until it is
 /// written (up to `frame_timeout` for a client that does not read). What is
 /// built shares the group's bytes; its encoding copies them, and is what is
-/// charged, before it is made.
-fn charged<T: Encodable>(broker: &Broker, held: &Held, body: &T, version: i16) -> Option<usize> {
+/// charged, before it is made: first from what the request itself was
+/// charged (`charge`, let go of whole here: the request is gone), so that an
+/// answer no larger than its request is never refused, then from the
+/// budget, without waiting. An answer that cannot be encoded closes the
+/// connection, as any other would.
+fn charged<T: Encodable>(
+    broker: &Broker,
+    charge: &Held,
+    held: &Held,
+    body: &T,
+    version: i16,
+) -> Result<Option<usize>, Gone> {
     // The frame's size and the response header, with room to spare.
     const HEAD: usize = 16;
-    let size = body.compute_size(version).ok()?.checked_add(HEAD)?;
-    if broker.budget.try_charge(size, held) {
-        Some(size)
+    let size = body
+        .compute_size(version)
+        .ok()
+        .and_then(|n| n.checked_add(HEAD))
+        .ok_or(Gone)?;
+    let passed = charge.pass_to(held, size);
+    charge.keep(0);
+    if passed == size || broker.budget.try_charge(size - passed, held) {
+        Ok(Some(size))
     } else {
         tracing::debug!(size, "a group answer has no room in the memory budget");
-        None
+        Ok(None)
     }
 }
 
