@@ -9,9 +9,10 @@
 //! `on_expiration` and the drop of the operation (after a completion or a
 //! cancellation) may register another in its place, as a retry or a renewed
 //! session does, whichever way it finished"; to `Purgatory::delayed`: "An
-//! operation counts until its finish is done, the code that runs (its
-//! `on_expiration`, the drop of the operation) included, though its room
-//! under `max_pending` is free from the moment its fate is decided"; and to
+//! expired or completed operation counts until its finish is done, the code
+//! that finish runs included (its `on_expiration`; the drop of a completed
+//! operation); a cancelled one is counted out as it is cancelled, and may be
+//! dropped ... after"; and to
 //! "Nothing is lost on rejection": a registration refused at the limit hands
 //! its operation back, is counted once in `refused`, and the counts balance.
 

@@ -101,9 +101,10 @@ impl Stripe {
 #[derive(Debug)]
 pub(crate) struct Books {
     stripes: Striped<Stripe>,
-    /// Registered and not finished, kept only under a limit (it is the one
-    /// count every registration must agree on); the stripes keep the same
-    /// figure.
+    /// Admitted and not yet decided (completed, expired, cancelled or handed
+    /// back: see [`free_room`](Self::free_room)), kept only under a limit (it
+    /// is the one count every registration must agree on). The stripes count
+    /// operations out later, once their finish is done (`delayed`).
     admitted: Padded<AtomicUsize>,
     max_pending: Option<usize>,
     /// Set by `drain`: registrations are refused, and each finish wakes the

@@ -217,8 +217,8 @@ impl<K: WatchKey, O: Operation, S: BuildHasher + Send + Sync + 'static> Purgator
     /// [`on_expiration`](super::Operation::on_expiration) and the drop of the
     /// operation (after a completion or a cancellation) may register another
     /// in its place, as a retry or a renewed session does, whichever way it
-    /// finished. ([`delayed`](super::Purgatory::delayed) and a
-    /// [`drain`](super::Purgatory::drain) count it until that code has run.)
+    /// finished. (What [`delayed`](super::Purgatory::delayed) and a
+    /// [`drain`](super::Purgatory::drain) count is said on `delayed`.)
     ///
     /// # Examples
     ///

@@ -1111,10 +1111,12 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
     }
 
     /// Number of operations registered and not finished (Kafka's `numDelayed`). O(1).
-    /// An operation counts until its finish is done, the code that runs
-    /// (its `on_expiration`, the drop of the operation) included, though its
-    /// room under [`max_pending`](PurgatoryBuilder::max_pending) is
-    /// free from the moment its fate is decided.
+    /// An expired or completed operation counts until its finish is done,
+    /// the code that finish runs included (its `on_expiration`; the drop of
+    /// a completed operation); a cancelled one is counted out as it is
+    /// cancelled, and may be dropped (or handed back to whoever cancelled
+    /// it) after. Its room under [`max_pending`](PurgatoryBuilder::max_pending)
+    /// is free from the moment its fate is decided, whichever way it ends.
     ///
     /// # Examples
     ///
