@@ -2833,21 +2833,66 @@ async fn connections_past_the_limit_wait_for_a_place() {
     .await
 }
 
-/// A listener whose every accept fails as when the process is out of file
-/// descriptors (`EMFILE`), counting the tries; past 1,000 it never answers
-/// again (a loop that retries at once stops there, and the count says so).
-struct OutOfDescriptors(std::sync::Arc<std::sync::atomic::AtomicUsize>);
+/// A listener whose every accept fails with the OS error `errno` (24,
+/// `EMFILE`: the process is out of file descriptors), counting the tries;
+/// past `limit` it never answers again (a loop that retries at once stops
+/// there, and the count says so).
+struct Failing {
+    tries: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    errno: i32,
+    limit: usize,
+}
 
-impl broker::server::Accept for OutOfDescriptors {
+impl broker::server::Accept for Failing {
     type Conn = ();
     fn accept(&self) -> impl Future<Output = std::io::Result<()>> + Send + '_ {
-        let n = self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let n = self.tries.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         async move {
-            if n >= 1000 {
+            if n >= self.limit {
                 std::future::pending::<()>().await;
             }
-            Err(std::io::Error::from_raw_os_error(24))
+            Err(std::io::Error::from_raw_os_error(self.errno))
         }
+    }
+}
+
+/// Failures that are the network's (`ENETDOWN`, `ENETUNREACH`,
+/// `EHOSTUNREACH`) or the connection's (`ECONNABORTED`), which Linux's
+/// accept(2) asks to retry as `EAGAIN` is, are retried at once: no pause
+/// (paused time does not move while 50 of each are tried).
+#[cfg(target_os = "linux")]
+#[tokio::test(start_paused = true)]
+async fn network_failures_of_accept_are_retried_at_once() {
+    use broker::server::accept_loop;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    for errno in [100, 101, 113, 103] {
+        let tries = Arc::new(AtomicUsize::new(0));
+        let stop = tokio_util::sync::CancellationToken::new();
+        let start = tokio::time::Instant::now();
+        let task = tokio::spawn(accept_loop(
+            Failing {
+                tries: tries.clone(),
+                errno,
+                limit: 50,
+            },
+            Arc::new(tokio::sync::Semaphore::new(4)),
+            stop.clone(),
+            |(), _place| async {},
+        ));
+        // Yielding keeps the runtime busy, so paused time never moves: a
+        // loop that pauses stays short of the 51 tries.
+        for _ in 0..10_000 {
+            if tries.load(Ordering::SeqCst) > 50 {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+        let n = tries.load(Ordering::SeqCst);
+        assert!(n > 50, "errno {errno}: {n} tries, then a pause");
+        assert_eq!(start.elapsed(), Duration::ZERO, "errno {errno}");
+        stop.cancel();
+        task.await.unwrap();
     }
 }
 
@@ -2871,7 +2916,11 @@ async fn out_of_descriptors_the_accept_loop_pauses() {
     let stop = tokio_util::sync::CancellationToken::new();
     let places = Arc::new(tokio::sync::Semaphore::new(4));
     let task = tokio::spawn(accept_loop(
-        OutOfDescriptors(tries.clone()),
+        Failing {
+            tries: tries.clone(),
+            errno: 24,
+            limit: 1000,
+        },
         places.clone(),
         stop.clone(),
         |(), _place| async {},

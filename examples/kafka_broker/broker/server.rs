@@ -133,8 +133,9 @@ pub const ACCEPT_PAUSE_MAX: Duration = Duration::from_secs(1);
 ///
 /// A place is taken before accepting: with none free, nothing is accepted
 /// until a connection ends. An accept that fails for the connection's sake
-/// (it was reset or aborted before it was taken) is retried at once; any
-/// other failure (`EMFILE`, `ENFILE`, `ENOBUFS`, `ENOMEM`: the process is
+/// (it was reset or aborted before it was taken) or the network's (down or
+/// unreachable, which Linux's accept(2) asks to retry) is retried at once;
+/// any other failure (`EMFILE`, `ENFILE`, `ENOBUFS`, `ENOMEM`: the process is
 /// out of something, and accepting fails at once until something is given
 /// back) pauses the loop, [`ACCEPT_PAUSE_MIN`] doubling to
 /// [`ACCEPT_PAUSE_MAX`] while it keeps failing, instead of spinning a worker
@@ -176,7 +177,14 @@ pub async fn accept_loop<L, S>(
                             | ErrorKind::ConnectionReset
                             | ErrorKind::ConnectionRefused
                             | ErrorKind::Interrupted
+                            | ErrorKind::WouldBlock
+                            | ErrorKind::NetworkDown
+                            | ErrorKind::NetworkUnreachable
+                            | ErrorKind::HostUnreachable
                     ) => {
+                        // The connection's own trouble, or the network's
+                        // (Linux's accept(2) asks that these be retried as
+                        // EAGAIN is): nothing the process lacks.
                         tracing::debug!(error = %e, "a connection went before it was accepted");
                     }
                     Err(e) => {
