@@ -2976,7 +2976,11 @@ async fn fetches_that_can_never_complete_watch_no_partition() {
             w.send(&fetch, wire::FETCH_VERSION).await.unwrap();
             never.push(w);
         }
-        until("both wait", || fetches.delayed() == 2).await;
+        // A registration counts as pending before its watches are in.
+        until("both wait, watching", || {
+            fetches.delayed() == 2 && live() >= 2
+        })
+        .await;
         assert_eq!(live(), 2, "one watch each, on no partition");
         // A produce moves a high watermark: nothing is checked.
         let checked = || fetches.metrics().checks.level_advances.checked;
@@ -2991,7 +2995,10 @@ async fn fetches_that_can_never_complete_watch_no_partition() {
         let ends: Vec<(i32, i64)> = (0..PARTS).map(|p| (p, i64::from(p == 7))).collect();
         let fetch = wire::fetch(TOPIC, &ends, minute, 1, 1 << 20);
         satisfiable.send(&fetch, wire::FETCH_VERSION).await.unwrap();
-        until("the third waits", || fetches.delayed() == 3).await;
+        until("the third waits, watching", || {
+            fetches.delayed() == 3 && live() >= 2 + PARTS as usize
+        })
+        .await;
         assert_eq!(live(), 2 + PARTS as usize);
         w.append(TOPIC, 5, &[b"x"]).await.unwrap();
         let r = satisfiable
