@@ -1356,30 +1356,14 @@ fn stamped_batch(
     xerial: bool,
 ) -> bytes::Bytes {
     use bytes::BufMut;
-    use kafka_protocol::records::{
-        Compression, Record, RecordBatchEncoder, RecordEncodeOptions, TimestampType,
-    };
+    use kafka_protocol::records::{Compression, Record, RecordBatchEncoder, RecordEncodeOptions};
     use std::io::Write;
     let records: Vec<Record> = timestamps
         .iter()
         .enumerate()
-        .map(|(i, &timestamp)| Record {
-            transactional: false,
-            control: false,
-            delete_horizon: false,
-            partition_leader_epoch: 0,
-            producer_id: -1,
-            producer_epoch: -1,
-            timestamp_type: TimestampType::Creation,
-            offset: i as i64,
-            // Offset minus sequence the same for each record (-1 for the
-            // first: no sequence), or the encoder starts a new batch.
-            sequence: i as i32 - 1,
-            timestamp,
-            key: None,
-            value: Some(values(i).into()),
-            headers: Default::default(),
-        })
+        // Offset minus sequence the same for each record (-1 for the
+        // first: no sequence), or the encoder starts a new batch.
+        .map(|(i, &timestamp)| wire::record(i, i as i32 - 1, timestamp, values(i).into()))
         .collect();
     let compress = |plain: &mut bytes::BytesMut, out: &mut bytes::BytesMut, c: Compression| {
         let packed: Vec<u8> = match c {
@@ -1636,27 +1620,18 @@ async fn list_offsets_by_time_answers_per_record_compressed_or_not() {
 /// blocks (what the broker charges for reading it: some 12 MiB).
 fn lz4_4mib_batch(timestamps: &[i64]) -> bytes::Bytes {
     use bytes::BufMut;
-    use kafka_protocol::records::{
-        Compression, Record, RecordBatchEncoder, RecordEncodeOptions, TimestampType,
-    };
+    use kafka_protocol::records::{Compression, Record, RecordBatchEncoder, RecordEncodeOptions};
     use std::io::Write;
     let records: Vec<Record> = timestamps
         .iter()
         .enumerate()
-        .map(|(i, &timestamp)| Record {
-            transactional: false,
-            control: false,
-            delete_horizon: false,
-            partition_leader_epoch: 0,
-            producer_id: -1,
-            producer_epoch: -1,
-            timestamp_type: TimestampType::Creation,
-            offset: i as i64,
-            sequence: i as i32 - 1,
-            timestamp,
-            key: None,
-            value: Some(format!("record {i}").into_bytes().into()),
-            headers: Default::default(),
+        .map(|(i, &timestamp)| {
+            wire::record(
+                i,
+                i as i32 - 1,
+                timestamp,
+                format!("record {i}").into_bytes().into(),
+            )
         })
         .collect();
     let compress = |plain: &mut bytes::BytesMut, out: &mut bytes::BytesMut, _: Compression| {

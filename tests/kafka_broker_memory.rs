@@ -1226,9 +1226,7 @@ async fn a_zstd_bomb_is_never_decoded() {
     use bytes::BufMut;
     use kafka_protocol::messages::list_offsets_request::{ListOffsetsPartition, ListOffsetsTopic};
     use kafka_protocol::messages::{BrokerId, ListOffsetsRequest};
-    use kafka_protocol::records::{
-        Compression, Record, RecordBatchEncoder, RecordEncodeOptions, TimestampType,
-    };
+    use kafka_protocol::records::{Compression, Record, RecordBatchEncoder, RecordEncodeOptions};
     let _alone = ONE_AT_A_TIME.lock().await;
     tokio::time::timeout(Duration::from_secs(60), async {
         let b = BrokerHandle::start(Config {
@@ -1243,21 +1241,7 @@ async fn a_zstd_bomb_is_never_decoded() {
         let records: Vec<Record> = [t0, t0 + 10]
             .iter()
             .enumerate()
-            .map(|(i, &timestamp)| Record {
-                transactional: false,
-                control: false,
-                delete_horizon: false,
-                partition_leader_epoch: 0,
-                producer_id: -1,
-                producer_epoch: -1,
-                timestamp_type: TimestampType::Creation,
-                offset: i as i64,
-                sequence: i as i32 - 1,
-                timestamp,
-                key: None,
-                value: Some(b"v".to_vec().into()),
-                headers: Default::default(),
-            })
+            .map(|(i, &timestamp)| wire::record(i, i as i32 - 1, timestamp, b"v".to_vec().into()))
             .collect();
         let bomb = zstd_bomb(1024);
         assert!(bomb.len() < 2_400, "{}", bomb.len());
@@ -1325,25 +1309,11 @@ fn packed_batch(
     pack: impl Fn(&[u8]) -> Vec<u8>,
 ) -> bytes::Bytes {
     use bytes::BufMut;
-    use kafka_protocol::records::{Record, RecordBatchEncoder, RecordEncodeOptions, TimestampType};
+    use kafka_protocol::records::{Record, RecordBatchEncoder, RecordEncodeOptions};
     let records: Vec<Record> = values
         .iter()
         .enumerate()
-        .map(|(i, v)| Record {
-            transactional: false,
-            control: false,
-            delete_horizon: false,
-            partition_leader_epoch: 0,
-            producer_id: -1,
-            producer_epoch: -1,
-            timestamp_type: TimestampType::Creation,
-            offset: i as i64,
-            sequence: i as i32 - 1,
-            timestamp: T0 + 5 * i as i64,
-            key: None,
-            value: Some(v.clone().into()),
-            headers: Default::default(),
-        })
+        .map(|(i, v)| wire::record(i, i as i32 - 1, T0 + 5 * i as i64, v.clone().into()))
         .collect();
     let mut out = bytes::BytesMut::new();
     RecordBatchEncoder::encode_with_custom_compression(

@@ -93,26 +93,32 @@ pub fn batch(values: &[&[u8]]) -> Bytes {
     batch_at(now_ms(), values)
 }
 
+/// A plain record (no key, no headers, no producer) at `offset` of its
+/// batch, with `sequence`, stamped `timestamp` (ms).
+pub fn record(offset: usize, sequence: i32, timestamp: i64, value: Bytes) -> Record {
+    Record {
+        transactional: false,
+        control: false,
+        delete_horizon: false,
+        partition_leader_epoch: 0,
+        producer_id: -1,
+        producer_epoch: -1,
+        timestamp_type: TimestampType::Creation,
+        offset: offset as i64,
+        sequence,
+        timestamp,
+        key: None,
+        value: Some(value),
+        headers: Default::default(),
+    }
+}
+
 /// One record batch of `values`, every record stamped `timestamp` (ms).
 pub fn batch_at(timestamp: i64, values: &[&[u8]]) -> Bytes {
     let records: Vec<Record> = values
         .iter()
         .enumerate()
-        .map(|(i, v)| Record {
-            transactional: false,
-            control: false,
-            delete_horizon: false,
-            partition_leader_epoch: 0,
-            producer_id: -1,
-            producer_epoch: -1,
-            timestamp_type: TimestampType::Creation,
-            offset: i as i64,
-            sequence: -1,
-            timestamp,
-            key: None,
-            value: Some(Bytes::copy_from_slice(v)),
-            headers: Default::default(),
-        })
+        .map(|(i, v)| record(i, -1, timestamp, Bytes::copy_from_slice(v)))
         .collect();
     let mut out = BytesMut::new();
     RecordBatchEncoder::encode(
