@@ -378,6 +378,74 @@ fn valid_frame(
                 .with_unknown_tagged_fields(tags(rng, flex));
             r.encode(&mut out, version).unwrap();
         }
+        ApiKey::CreateTopics => {
+            use kafka_protocol::messages::create_topics_request::{
+                CreatableReplicaAssignment, CreatableTopic, CreatableTopicConfig,
+            };
+            let flex = version >= 5;
+            let r = CreateTopicsRequest::default()
+                .with_topics(
+                    (0..n(rng))
+                        .map(|_| {
+                            CreatableTopic::default()
+                                .with_name(TopicName(name(rng, topics)))
+                                .with_num_partitions(rng.below(4) as i32 - 1)
+                                .with_replication_factor(rng.below(4) as i16 - 1)
+                                .with_assignments(
+                                    (0..n(rng) / 2)
+                                        .map(|p| {
+                                            CreatableReplicaAssignment::default()
+                                                .with_partition_index(p as i32)
+                                                .with_broker_ids(
+                                                    (0..n(rng))
+                                                        .map(|b| BrokerId(b as i32))
+                                                        .collect(),
+                                                )
+                                                .with_unknown_tagged_fields(tags(rng, flex))
+                                        })
+                                        .collect(),
+                                )
+                                .with_configs(
+                                    (0..n(rng) / 2)
+                                        .map(|_| {
+                                            CreatableTopicConfig::default()
+                                                .with_name(name(rng, topics))
+                                                .with_value(
+                                                    (rng.below(2) == 0).then(|| name(rng, topics)),
+                                                )
+                                                .with_unknown_tagged_fields(tags(rng, flex))
+                                        })
+                                        .collect(),
+                                )
+                                .with_unknown_tagged_fields(tags(rng, flex))
+                        })
+                        .collect(),
+                )
+                .with_timeout_ms(rng.below(1000) as i32)
+                .with_validate_only(rng.below(2) == 0)
+                .with_unknown_tagged_fields(tags(rng, flex));
+            r.encode(&mut out, version).unwrap();
+        }
+        ApiKey::ListGroups => {
+            let mut r = ListGroupsRequest::default();
+            if version >= 4 {
+                r = r.with_states_filter((0..n(rng)).map(|_| name(rng, topics)).collect());
+            }
+            if version >= 5 {
+                r = r.with_types_filter((0..n(rng)).map(|_| name(rng, topics)).collect());
+            }
+            r = r.with_unknown_tagged_fields(tags(rng, version >= 3));
+            r.encode(&mut out, version).unwrap();
+        }
+        ApiKey::DescribeGroups => {
+            let mut r = DescribeGroupsRequest::default()
+                .with_groups((0..n(rng)).map(|_| GroupId(name(rng, topics))).collect());
+            if version >= 3 {
+                r = r.with_include_authorized_operations(rng.below(2) == 0);
+            }
+            r = r.with_unknown_tagged_fields(tags(rng, version >= 5));
+            r.encode(&mut out, version).unwrap();
+        }
         _ => unreachable!(),
     }
     out.to_vec()
@@ -490,6 +558,9 @@ fn decode_like_the_broker(frame: &[u8], s: &shape::Shape) {
         ApiKey::LeaveGroup => LeaveGroupRequest::decode(&mut buf, v).map(drop),
         ApiKey::OffsetCommit => OffsetCommitRequest::decode(&mut buf, v).map(drop),
         ApiKey::OffsetFetch => OffsetFetchRequest::decode(&mut buf, v).map(drop),
+        ApiKey::CreateTopics => CreateTopicsRequest::decode(&mut buf, v).map(drop),
+        ApiKey::ListGroups => ListGroupsRequest::decode(&mut buf, v).map(drop),
+        ApiKey::DescribeGroups => DescribeGroupsRequest::decode(&mut buf, v).map(drop),
         _ => Ok(()),
     };
 }

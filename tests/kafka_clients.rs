@@ -81,11 +81,13 @@ async fn kafka_python_consumer_groups_split_rebalance_and_keep_commits() {
 /// Metadata v12 carries 3 bytes after its fields: the broker closed the
 /// connection, and `list_topics`, `kcat -L` and regex subscriptions never
 /// worked), 50 records produced with `acks=all` (LZ4, stamped t0, t0+2, ...)
-/// read back, and the first record at t0+10 looked up by time.
+/// read back, the first record at t0+10 looked up by time, a topic created
+/// by the admin client (and one it cannot create), and a consumer group
+/// listed and described by it.
 const LIBRDKAFKA_SCENARIO: &str = r#"
 import json, sys, time
 from confluent_kafka import Consumer, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient
+from confluent_kafka.admin import AdminClient, NewTopic
 addr, out, errors = sys.argv[1], {}, []
 started = time.time()
 out["admin_topics"] = sorted(AdminClient({"bootstrap.servers": addr}).list_topics(timeout=5).topics)
@@ -109,6 +111,29 @@ out["consumed"] = got
 found = c.offsets_for_times([TopicPartition("rt", 0, t0 + 10)], timeout=5)[0]
 out["by_time"] = [found.offset, found.error is None]
 c.close()
+admin = AdminClient({"bootstrap.servers": addr})
+made = {}
+for name, f in admin.create_topics([NewTopic("made", 3, replication_factor=1), NewTopic("rt", 1)],
+                                   request_timeout=5).items():
+    try:
+        f.result(); made[name] = "created"
+    except Exception as e:
+        made[name] = e.args[0].name()
+out["created"] = made
+out["made_partitions"] = len(admin.list_topics(timeout=5).topics["made"].partitions)
+g = Consumer({"bootstrap.servers": addr, "group.id": "described", "client.id": "describer",
+              "session.timeout.ms": 6000})
+g.subscribe(["made"])
+deadline = time.time() + 10
+while not g.assignment() and time.time() < deadline:
+    g.poll(0.1)
+groups = admin.list_consumer_groups(request_timeout=5).result()
+out["listed"] = sorted(x.group_id for x in groups.valid)
+d = admin.describe_consumer_groups(["described"], request_timeout=5)["described"].result()
+out["described"] = [str(d.state).split(".")[-1], d.partition_assignor,
+                    [[m.client_id, m.host, sorted(tp.partition for tp in m.assignment.topic_partitions)]
+                     for m in d.members]]
+g.close()
 out["errors"], out["seconds"] = errors, round(time.time() - started, 2)
 for name, value in out.items():
     print(name, json.dumps(value))
@@ -157,6 +182,18 @@ async fn librdkafka_lists_topics_and_round_trips_acks_all() {
     assert_eq!(field("consumed"), format!("[{}]", want.join(", ")));
     // The record stamped t0+10 is the sixth: offset 5, as Kafka answers.
     assert_eq!(field("by_time"), "[5, true]");
+    assert_eq!(
+        field("created"),
+        r#"{"made": "created", "rt": "TOPIC_ALREADY_EXISTS"}"#
+    );
+    assert_eq!(field("made_partitions"), "3");
+    // The group with its one member (librdkafka commits nothing here, so the
+    // other consumer, assigned by hand, made no group).
+    assert_eq!(field("listed"), r#"["described"]"#);
+    assert_eq!(
+        field("described"),
+        r#"["STABLE", "range", [["describer", "/127.0.0.1", [0, 1, 2]]]]"#
+    );
     assert_eq!(field("errors"), "[]");
     assert_eq!(
         b.broker

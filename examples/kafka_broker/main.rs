@@ -5,7 +5,7 @@
 //! # The demonstration: starts the broker on an ephemeral port, drives it with
 //! # rskafka, prints what happened, exits.
 //! cargo run --release --example kafka_broker
-//! # A broker for any Kafka client (kcat, librdkafka, Java) to talk to:
+//! # A broker for any Kafka client (kcat, librdkafka, kafkajs, ...) to talk to:
 //! cargo run --release --example kafka_broker -- serve --listen 127.0.0.1:9092
 //! # Parked fetches woken by produces: this broker against the same broker
 //! # answering fetches by sleep-polling and by Notify + timeout.

@@ -114,6 +114,9 @@ enum Phase {
 }
 
 struct Member {
+    /// The client id and address of its last join, shown by DescribeGroups.
+    client_id: StrBytes,
+    client_host: StrBytes,
     session: Duration,
     rebalance: Duration,
     protocol_type: StrBytes,
@@ -150,7 +153,10 @@ impl Member {
 
     /// The bytes its protocols keep.
     fn kept(&self) -> usize {
-        protocols_bytes(&self.protocols) + self.protocol_type.len()
+        protocols_bytes(&self.protocols)
+            + self.protocol_type.len()
+            + self.client_id.len()
+            + self.client_host.len()
     }
 }
 
@@ -289,6 +295,16 @@ impl Group {
             if std::mem::take(&mut m.syncing) {
                 m.restart(now);
             }
+        }
+    }
+
+    /// The group's state as Kafka names it.
+    fn state(&self) -> &'static str {
+        match self.phase {
+            Phase::Empty => "Empty",
+            Phase::Preparing => "PreparingRebalance",
+            Phase::Completing => "CompletingRebalance",
+            Phase::Stable => "Stable",
         }
     }
 
@@ -609,6 +625,19 @@ fn sync_answer(g: &Group, member: &StrBytes) -> SyncGroupResponse {
         .with_assignment(g.assignments.get(member).cloned().unwrap_or_default())
 }
 
+/// Who sent a join. Kafka keeps a member's client id and address, and
+/// DescribeGroups shows them.
+pub struct Caller {
+    /// The member id's prefix, as in Kafka: the client id, cut short and
+    /// kept to plain characters.
+    pub prefix: String,
+    /// The client id of the request's header, whole (copied out of the
+    /// frame).
+    pub client_id: StrBytes,
+    /// The client's address as Kafka shows it (`/127.0.0.1`).
+    pub host: StrBytes,
+}
+
 /// The least a waiting member's session timer is moved on when it fires.
 const REARM_AFTER: Duration = Duration::from_millis(100);
 
@@ -809,8 +838,7 @@ impl Coordinator {
         tidy(&mut groups, group);
     }
 
-    /// Handles a join from client `client` (its member id's prefix, as in
-    /// Kafka).
+    /// Handles a join from `caller`.
     ///
     /// A join that waits lets go of its request (and so of its frame) first,
     /// and tells `keep` what it holds meanwhile.
@@ -818,7 +846,7 @@ impl Coordinator {
         &self,
         r: JoinGroupRequest,
         version: i16,
-        client: &str,
+        caller: &Caller,
         keep: impl FnOnce(usize),
     ) -> Result<JoinGroupResponse, Gone> {
         let session = Duration::from_millis(r.session_timeout_ms.max(0) as u64);
@@ -915,7 +943,8 @@ impl Coordinator {
                         )));
                     }
                     let id = StrBytes::from_string(format!(
-                        "{client}-{}",
+                        "{}-{}",
+                        caller.prefix,
                         self.next_id.fetch_add(1, Ordering::Relaxed)
                     ));
                     if version >= 4 {
@@ -955,7 +984,10 @@ impl Coordinator {
                 }
                 // What its protocols would keep, within the bound across
                 // groups (a member joining again gives its old ones back).
-                let adds = protocols_bytes(&protocols) + r.protocol_type.len();
+                let adds = protocols_bytes(&protocols)
+                    + r.protocol_type.len()
+                    + caller.client_id.len()
+                    + caller.host.len();
                 let frees = g.members.get(&member).map_or(0, Member::kept);
                 if self.kept.load(Ordering::Relaxed) + adds > self.limits.max_kept_bytes + frees {
                     return Err(Box::new(error_join(
@@ -989,6 +1021,9 @@ impl Coordinator {
                     }
                 }
                 let mut m = g.members.remove(&member).unwrap_or(Member {
+                    // Counted in below, with the protocols.
+                    client_id: StrBytes::default(),
+                    client_host: StrBytes::default(),
                     session,
                     rebalance,
                     // Counted in below, with the protocols.
@@ -1006,6 +1041,8 @@ impl Coordinator {
                 m.rebalance = rebalance;
                 m.protocol_type = own(&r.protocol_type);
                 m.protocols = protocols;
+                m.client_id = caller.client_id.clone();
+                m.client_host = caller.host.clone();
                 g.count(&m, true);
                 g.members.insert(member.clone(), m);
                 // This join begins a round (the other members learn it from
@@ -1492,6 +1529,157 @@ impl Coordinator {
             }
         };
         Ok(OffsetFetchResponse::default().with_topics(topics))
+    }
+
+    /// The groups held, as Kafka's ListGroups lists them: every group with
+    /// members, member ids handed out or committed offsets, with its
+    /// protocol type (empty for a group with offsets only), its state (from
+    /// version 4) and its type, `classic` (from version 5). A states or
+    /// types filter keeps the groups whose state or type it names, compared
+    /// without regard to case as Kafka compares them; an empty filter keeps
+    /// every group.
+    ///
+    /// The answer grows with the groups held, not with the request, and is
+    /// charged first by `charge` (ids of up to 32 KiB, a few thousand
+    /// groups); with no room for it, it is `COORDINATOR_LOAD_IN_PROGRESS`,
+    /// which clients retry.
+    pub fn list_groups(
+        &self,
+        r: &ListGroupsRequest,
+        charge: impl FnOnce(usize) -> bool,
+    ) -> ListGroupsResponse {
+        use kafka_protocol::messages::list_groups_response::ListedGroup;
+        const GROUP: usize = std::mem::size_of::<ListedGroup>() + 64;
+        let named = |filter: &[StrBytes], value: &str| {
+            filter.is_empty() || filter.iter().any(|f| f.eq_ignore_ascii_case(value))
+        };
+        let groups = self.groups.lock().unwrap();
+        let listed: Vec<(&StrBytes, &Group)> = groups
+            .iter()
+            .filter(|(_, g)| {
+                named(&r.states_filter, g.state()) && named(&r.types_filter, "classic")
+            })
+            .collect();
+        let bytes: usize = listed
+            .iter()
+            .map(|(id, g)| GROUP + 2 * (id.len() + g.protocol_type.as_ref().map_or(0, |t| t.len())))
+            .sum();
+        if !charge(bytes) {
+            tracing::debug!(bytes, "a group list has no room in the memory budget");
+            return ListGroupsResponse::default()
+                .with_error_code(ResponseError::CoordinatorLoadInProgress.code());
+        }
+        ListGroupsResponse::default().with_groups(
+            listed
+                .into_iter()
+                .map(|(id, g)| {
+                    ListedGroup::default()
+                        .with_group_id(GroupId(id.clone()))
+                        .with_protocol_type(g.protocol_type.clone().unwrap_or_default())
+                        .with_group_state(StrBytes::from_static_str(g.state()))
+                        .with_group_type(StrBytes::from_static_str("classic"))
+                })
+                .collect(),
+        )
+    }
+
+    /// Each group asked for, as Kafka's DescribeGroups describes it: its
+    /// state, protocol type, and members with their client ids and
+    /// addresses; in `Stable`, also the protocol chosen and each member's
+    /// metadata for it and assignment. A group this coordinator does not
+    /// hold is `Dead`, with no error, as Kafka answers before version 6.
+    /// Each mention of a group is answered, as in Kafka.
+    ///
+    /// The answer carries what members sent (their metadata and
+    /// assignments, up to the coordinator's bound on what it keeps) once per
+    /// mention, so it is charged first by `charge`; with no room for it,
+    /// each group is answered `COORDINATOR_LOAD_IN_PROGRESS`, which clients
+    /// retry.
+    pub fn describe_groups(
+        &self,
+        r: &DescribeGroupsRequest,
+        charge: impl FnOnce(usize) -> bool,
+    ) -> DescribeGroupsResponse {
+        use kafka_protocol::messages::describe_groups_response::{
+            DescribedGroup, DescribedGroupMember,
+        };
+        const GROUP: usize = std::mem::size_of::<DescribedGroup>() + 64;
+        const MEMBER: usize = std::mem::size_of::<DescribedGroupMember>() + 64;
+        let groups = self.groups.lock().unwrap();
+        // What one member shows: its metadata for the group's protocol and
+        // its assignment, in Stable only (Kafka's `summary`).
+        let shown = |g: &Group, id: &StrBytes, m: &Member| -> (Bytes, Bytes) {
+            if g.phase != Phase::Stable {
+                return (Bytes::new(), Bytes::new());
+            }
+            let metadata = (m.protocols.iter())
+                .find(|(name, _)| Some(name) == g.protocol.as_ref())
+                .map(|(_, md)| md.clone())
+                .unwrap_or_default();
+            let assignment = g.assignments.get(id).cloned().unwrap_or_default();
+            (metadata, assignment)
+        };
+        let bytes: usize = (r.groups.iter())
+            .map(|id| {
+                GROUP
+                    + 2 * id.len()
+                    + groups.get(&id.0).map_or(0, |g| {
+                        2 * (g.protocol_type.as_ref().map_or(0, |t| t.len())
+                            + g.protocol.as_ref().map_or(0, |p| p.len()))
+                            + (g.members.iter())
+                                .map(|(mid, m)| {
+                                    let (md, a) = shown(g, mid, m);
+                                    MEMBER
+                                        + 2 * (mid.len()
+                                            + m.client_id.len()
+                                            + m.client_host.len()
+                                            + md.len()
+                                            + a.len())
+                                })
+                                .sum::<usize>()
+                    })
+            })
+            .sum();
+        let room = charge(bytes);
+        if !room {
+            tracing::debug!(
+                bytes,
+                "a group description has no room in the memory budget"
+            );
+        }
+        let described = (r.groups.iter())
+            .map(|id| {
+                let answer = DescribedGroup::default().with_group_id(id.clone());
+                if !room {
+                    return answer.with_error_code(ResponseError::CoordinatorLoadInProgress.code());
+                }
+                let Some(g) = groups.get(&id.0) else {
+                    return answer.with_group_state(StrBytes::from_static_str("Dead"));
+                };
+                let protocol = match g.phase {
+                    Phase::Stable => g.protocol.clone().unwrap_or_default(),
+                    _ => StrBytes::default(),
+                };
+                answer
+                    .with_group_state(StrBytes::from_static_str(g.state()))
+                    .with_protocol_type(g.protocol_type.clone().unwrap_or_default())
+                    .with_protocol_data(protocol)
+                    .with_members(
+                        (g.members.iter())
+                            .map(|(mid, m)| {
+                                let (metadata, assignment) = shown(g, mid, m);
+                                DescribedGroupMember::default()
+                                    .with_member_id(mid.clone())
+                                    .with_client_id(m.client_id.clone())
+                                    .with_client_host(m.client_host.clone())
+                                    .with_member_metadata(metadata)
+                                    .with_member_assignment(assignment)
+                            })
+                            .collect(),
+                    )
+            })
+            .collect();
+        DescribeGroupsResponse::default().with_groups(described)
     }
 
     /// Members and generation of a group, for the demonstration and tests.

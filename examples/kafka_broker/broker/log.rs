@@ -825,46 +825,69 @@ impl Topics {
     /// exists; `None` if it is new and the broker holds its most topics or
     /// would hold more than its most partitions.
     pub fn create(&self, name: &str, partitions: i32) -> Option<Arc<Topic>> {
-        let mut map = self.by_name.write().unwrap();
-        let number = map.len() as u64;
-        if !map.contains_key(name) {
-            if number as usize >= self.max_topics {
-                tracing::warn!(
-                    topic = name,
-                    max = self.max_topics,
-                    "topic not created: too many topics"
-                );
-                return None;
+        match self.create_new(name, partitions, false) {
+            Ok(topic) => topic,
+            Err(CreateError::Exists(topic)) => Some(topic),
+            Err(e) => {
+                tracing::warn!(topic = name, reason = %e, "topic not created");
+                None
             }
-            let held = self.held.load(Ordering::Relaxed);
-            let more = usize::try_from(partitions).unwrap_or(0);
-            if held.saturating_add(more) > self.max_partitions {
-                tracing::warn!(
-                    topic = name,
-                    held,
-                    max = self.max_partitions,
-                    "topic not created: too many partitions"
-                );
-                return None;
-            }
-            self.held.store(held + more, Ordering::Relaxed);
         }
-        let topic = map
-            .entry(Arc::from(name))
-            .or_insert_with(|| {
-                let name: Arc<str> = Arc::from(name);
-                Arc::new(Topic {
-                    partitions: (0..partitions)
-                        .map(|p| {
-                            let key = number << 32 | p as u32 as u64;
-                            Arc::new(Partition::new(key, p, self.followers))
-                        })
-                        .collect(),
-                    name,
+    }
+
+    /// Creates `name` with `partitions` partitions (at least one), unless
+    /// it exists or the broker would then hold more than its most topics or
+    /// partitions: decided under one hold of the map's lock, so of two
+    /// creations of one name, one is told it exists. With `dry_run`, only
+    /// says whether it would create it (`Ok(None)`); else `Ok(Some(topic))`.
+    pub fn create_new(
+        &self,
+        name: &str,
+        partitions: i32,
+        dry_run: bool,
+    ) -> Result<Option<Arc<Topic>>, CreateError> {
+        let mut map = self.by_name.write().unwrap();
+        if let Some(topic) = map.get(name) {
+            return Err(CreateError::Exists(topic.clone()));
+        }
+        let number = map.len() as u64;
+        if number as usize >= self.max_topics {
+            return Err(CreateError::TooManyTopics(self.max_topics));
+        }
+        let held = self.held.load(Ordering::Relaxed);
+        let more = usize::try_from(partitions).unwrap_or(0);
+        if held.saturating_add(more) > self.max_partitions {
+            return Err(CreateError::TooManyPartitions {
+                held,
+                max: self.max_partitions,
+            });
+        }
+        if dry_run {
+            return Ok(None);
+        }
+        self.held.store(held + more, Ordering::Relaxed);
+        let name: Arc<str> = Arc::from(name);
+        let topic = Arc::new(Topic {
+            partitions: (0..partitions)
+                .map(|p| {
+                    let key = number << 32 | p as u32 as u64;
+                    Arc::new(Partition::new(key, p, self.followers))
                 })
-            })
-            .clone();
-        Some(topic)
+                .collect(),
+            name: name.clone(),
+        });
+        map.insert(name, topic.clone());
+        Ok(Some(topic))
+    }
+
+    /// Replicas of each partition: the leader and every simulated follower.
+    pub fn replicas(&self) -> usize {
+        1 + self.followers
+    }
+
+    /// Partitions a topic gets when its creator does not say.
+    pub fn default_partitions(&self) -> i32 {
+        self.partitions
     }
 
     pub fn all(&self) -> Vec<Arc<Topic>> {
@@ -878,6 +901,31 @@ impl Topics {
             .iter()
             .flat_map(|t| t.partitions.iter().cloned())
             .collect()
+    }
+}
+
+/// Why a topic was not created.
+pub enum CreateError {
+    /// A topic of that name exists: this one.
+    Exists(Arc<Topic>),
+    /// The broker holds its most topics already.
+    TooManyTopics(usize),
+    /// The topic's partitions would take the broker past its most.
+    TooManyPartitions { held: usize, max: usize },
+}
+
+impl std::fmt::Display for CreateError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CreateError::Exists(_) => f.write_str("the topic exists"),
+            CreateError::TooManyTopics(max) => {
+                write!(f, "the broker holds its most topics ({max}, --max-topics)")
+            }
+            CreateError::TooManyPartitions { held, max } => write!(
+                f,
+                "the broker holds {held} partitions and at most {max} (--max-partitions)"
+            ),
+        }
     }
 }
 

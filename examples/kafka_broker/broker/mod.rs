@@ -17,6 +17,7 @@
 //! for comparison: a sleep-poll loop, and a per-partition `Notify` with
 //! `tokio::time::timeout` ([`FetchWait`]).
 
+mod admin;
 mod fetch;
 pub mod frame;
 pub mod groups;

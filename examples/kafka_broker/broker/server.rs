@@ -31,10 +31,11 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::frame::{admit, Admitted, Close, Frame, Held, Reader};
+use super::groups::Caller;
 use super::log::valid_topic_name;
 use super::shape::{Refused, Shape};
 use super::timestamps::Limits;
-use super::{fetch, produce, Broker, Gone};
+use super::{admin, fetch, produce, Broker, Gone};
 
 /// The APIs and versions served: those without topic IDs.
 pub const SUPPORTED: &[(ApiKey, i16, i16)] = &[
@@ -50,6 +51,9 @@ pub const SUPPORTED: &[(ApiKey, i16, i16)] = &[
     (ApiKey::LeaveGroup, 0, 5),
     (ApiKey::OffsetCommit, 2, 8),
     (ApiKey::OffsetFetch, 1, 7),
+    (ApiKey::DescribeGroups, 0, 5),
+    (ApiKey::ListGroups, 0, 5),
+    (ApiKey::CreateTopics, 2, 7),
 ];
 
 /// How many times `max_message_bytes` of records (decompressed, or as stored
@@ -253,7 +257,7 @@ async fn serve(stream: TcpStream, broker: Arc<Broker>, stop: CancellationToken) 
             charge,
             answer: held,
         } = admitted;
-        let work = answer(&broker, bytes, shape, &charge, &held);
+        let work = answer(&broker, peer, bytes, shape, &charge, &held);
         tokio::pin!(work);
         let reply = tokio::select! {
             // The request first: one answered at once never watches.
@@ -396,6 +400,7 @@ fn closed(broker: &Broker, peer: Option<SocketAddr>, close: Close) {
 /// the answer is charged.
 async fn answer(
     broker: &Broker,
+    peer: Option<SocketAddr>,
     mut frame: Bytes,
     shape: Shape,
     charge: &Held,
@@ -409,19 +414,17 @@ async fn answer(
         RequestHeader::decode(&mut frame, key.request_header_version(version)).map_err(|_| Gone)?;
     let id = header.correlation_id;
     // A join's member id begins with the client id, as Kafka's do (cut
-    // short and kept to plain characters). Taken now: the header is a slice
-    // of the frame.
-    let client: String = match key {
-        ApiKey::JoinGroup => header
-            .client_id
-            .as_deref()
-            .unwrap_or("member")
-            .chars()
+    // short and kept to plain characters); the group keeps the client id
+    // and address, for DescribeGroups. Taken now: the header is a slice of
+    // the frame, and what the group keeps must not hold the frame.
+    let caller = (key == ApiKey::JoinGroup).then(|| Caller {
+        prefix: (header.client_id.as_deref().unwrap_or("member").chars())
             .filter(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
             .take(64)
             .collect(),
-        _ => String::new(),
-    };
+        client_id: StrBytes::from_string(header.client_id.as_deref().unwrap_or("").to_string()),
+        host: StrBytes::from_string(peer.map_or_else(String::new, |p| format!("/{}", p.ip()))),
+    });
     drop(header);
     if !supported(key, version) {
         if key == ApiKey::ApiVersions {
@@ -475,9 +478,12 @@ async fn answer(
         ApiKey::JoinGroup => {
             let r = broker
                 .groups
-                .join(decode(frame, version)?, version, &client, |kept| {
-                    charge.keep(kept)
-                })
+                .join(
+                    decode(frame, version)?,
+                    version,
+                    caller.as_ref().ok_or(Gone)?,
+                    |kept| charge.keep(kept),
+                )
                 .await?;
             // The request is gone (what the group keeps of it is copied), and
             // its frame with it but for the member id an error answer may
@@ -542,6 +548,26 @@ async fn answer(
                 .fetch_offsets(&decode(frame, version)?, version, |bytes| {
                     broker.budget.try_charge(bytes, held)
                 })?;
+            encode(id, version, &r).map(Some)
+        }
+        ApiKey::CreateTopics => {
+            let r = admin::create_topics(broker, &decode(frame, version)?, version, held)?;
+            encode(id, version, &r).map(Some)
+        }
+        ApiKey::ListGroups => {
+            let r = broker
+                .groups
+                .list_groups(&decode(frame, version)?, |bytes| {
+                    broker.budget.try_charge(bytes, held)
+                });
+            encode(id, version, &r).map(Some)
+        }
+        ApiKey::DescribeGroups => {
+            let r = broker
+                .groups
+                .describe_groups(&decode(frame, version)?, |bytes| {
+                    broker.budget.try_charge(bytes, held)
+                });
             encode(id, version, &r).map(Some)
         }
         _ => Err(Gone),

@@ -31,6 +31,9 @@
 
 use std::mem::size_of;
 
+use kafka_protocol::messages::create_topics_request::{
+    CreatableReplicaAssignment, CreatableTopic, CreatableTopicConfig,
+};
 use kafka_protocol::messages::fetch_request::{FetchPartition, FetchTopic, ForgottenTopic};
 use kafka_protocol::messages::join_group_request::JoinGroupRequestProtocol;
 use kafka_protocol::messages::leave_group_request::MemberIdentity;
@@ -121,6 +124,9 @@ pub fn check(frame: &[u8], max_decoded: usize) -> Result<Shape, Refused> {
             ApiKey::LeaveGroup => leave_group(&mut w, version)?,
             ApiKey::OffsetCommit => offset_commit(&mut w, version)?,
             ApiKey::OffsetFetch => offset_fetch(&mut w, version)?,
+            ApiKey::CreateTopics => create_topics(&mut w, version)?,
+            ApiKey::ListGroups => list_groups(&mut w, version)?,
+            ApiKey::DescribeGroups => describe_groups(&mut w, version)?,
             _ => {}
         }
         // Bytes after the request's fields are ignored, as Kafka and the
@@ -546,6 +552,47 @@ fn offset_fetch(w: &mut Walk, v: i16) -> Step {
     })?;
     if v >= 7 {
         w.skip(1, "require stable")?;
+    }
+    w.no_known_tags(flex)
+}
+
+fn create_topics(w: &mut Walk, v: i16) -> Step {
+    let flex = v >= 5;
+    w.array::<CreatableTopic>(flex, "create topics", |w| {
+        w.string(flex, "topic name")?;
+        w.skip(4 + 2, "partitions and replication factor")?;
+        w.array::<CreatableReplicaAssignment>(flex, "assignments", |w| {
+            w.skip(4, "partition")?;
+            w.array::<i32>(flex, "broker ids", |w| w.skip(4, "broker id"))?;
+            w.no_known_tags(flex)
+        })?;
+        w.array::<CreatableTopicConfig>(flex, "configs", |w| {
+            w.string(flex, "config name")?;
+            w.string(flex, "config value")?;
+            w.no_known_tags(flex)
+        })?;
+        w.no_known_tags(flex)
+    })?;
+    w.skip(4 + 1, "timeout and validate only")?;
+    w.no_known_tags(flex)
+}
+
+fn list_groups(w: &mut Walk, v: i16) -> Step {
+    let flex = v >= 3;
+    if v >= 4 {
+        w.array::<StrBytes>(true, "states filter", |w| w.string(true, "state"))?;
+    }
+    if v >= 5 {
+        w.array::<StrBytes>(true, "types filter", |w| w.string(true, "type"))?;
+    }
+    w.no_known_tags(flex)
+}
+
+fn describe_groups(w: &mut Walk, v: i16) -> Step {
+    let flex = v >= 5;
+    w.array::<StrBytes>(flex, "groups", |w| w.string(flex, "group id"))?;
+    if v >= 3 {
+        w.skip(1, "include authorized operations")?;
     }
     w.no_known_tags(flex)
 }

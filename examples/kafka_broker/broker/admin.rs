@@ -1,0 +1,188 @@
+//! The administration request that changes what the broker holds:
+//! `CreateTopics`, as Kafka's controller answers it, within the broker's
+//! bounds on topics and partitions. (`ListGroups` and `DescribeGroups` read
+//! the coordinator's groups: see `groups.rs`.)
+
+use std::collections::HashMap;
+
+use kafka_protocol::error::ResponseError;
+use kafka_protocol::messages::create_topics_request::CreatableTopic;
+use kafka_protocol::messages::create_topics_response::CreatableTopicResult;
+use kafka_protocol::messages::*;
+use kafka_protocol::protocol::StrBytes;
+
+use super::frame::Held;
+use super::log::{valid_topic_name, CreateError};
+use super::{Broker, Gone, MAX_PARTITIONS};
+
+/// Creates the topics asked for, each with the partitions it names (or the
+/// broker's `--partitions` for -1) and every simulated follower as a
+/// replica, and answers each mention of a topic as Kafka does:
+///
+/// - a name given twice: `INVALID_REQUEST` at each mention;
+/// - a name Kafka refuses: `INVALID_TOPIC_EXCEPTION`;
+/// - a topic that exists: `TOPIC_ALREADY_EXISTS` (of two requests creating
+///   one name at once, one is told so);
+/// - partitions 0 or below -1, or above the most a topic has here
+///   (10,000): `INVALID_PARTITIONS`;
+/// - a replication factor 0 or below -1, or above the replicas there are
+///   (the leader and `--followers`): `INVALID_REPLICATION_FACTOR`. A factor
+///   below that is accepted, and the topic still has every follower as a
+///   replica (the followers are simulated, one set for every partition): the
+///   answer (from version 5) and Metadata say how many it has;
+/// - replicas assigned by hand: `INVALID_REPLICA_ASSIGNMENT` (this broker
+///   places them itself), or `INVALID_REQUEST` when partitions or a
+///   replication factor are given with them, as Kafka answers;
+/// - topic configs: `INVALID_CONFIG` (every topic uses the broker's
+///   settings; a config set and ignored would be a silent surprise);
+/// - beyond `--max-topics` or `--max-partitions`: `POLICY_VIOLATION`, which
+///   clients do not retry, with a message naming the bound.
+///
+/// With `validate_only`, each topic is checked as above and nothing is
+/// created. Creation takes effect at once, so the request's timeout is not
+/// waited on. Topics are created whether or not the broker creates them on
+/// first use (`--no-auto-create` is Kafka's `auto.create.topics.enable`).
+///
+/// The answer names each topic once per mention, with a message for each
+/// error: what it takes is charged to the memory budget first, in `held`,
+/// before anything is created; with no room for it the connection is
+/// closed (a refusal would take as much), nothing created, and the client
+/// connects again and retries.
+pub fn create_topics(
+    broker: &Broker,
+    r: &CreateTopicsRequest,
+    version: i16,
+    held: &Held,
+) -> Result<CreateTopicsResponse, Gone> {
+    const RESULT: usize = std::mem::size_of::<CreatableTopicResult>() + 64;
+    /// The longest message an answer carries besides the topic's name.
+    const MESSAGE: usize = 160;
+    let bytes: usize = (r.topics.iter())
+        .map(|t| RESULT + MESSAGE + 3 * t.name.len())
+        .sum();
+    if !broker.budget.try_charge(bytes, held) {
+        tracing::debug!(
+            bytes,
+            "a topic creation's answer has no room in the memory budget"
+        );
+        return Err(Gone);
+    }
+    let mut mentions: HashMap<&str, usize> = HashMap::new();
+    for t in &r.topics {
+        *mentions.entry(&**t.name).or_default() += 1;
+    }
+    let replicas = broker.topics.replicas();
+    let topics = (r.topics.iter())
+        .map(|t| {
+            let answer = CreatableTopicResult::default().with_name(t.name.clone());
+            let (partitions, error) = if mentions[&**t.name] > 1 {
+                (
+                    0,
+                    Some((
+                        ResponseError::InvalidRequest,
+                        "Found multiple entries for this topic.".to_string(),
+                    )),
+                )
+            } else {
+                match create(broker, t, replicas, r.validate_only) {
+                    Ok(partitions) => (partitions, None),
+                    Err(e) => (0, Some(e)),
+                }
+            };
+            match error {
+                Some((code, message)) => answer
+                    .with_error_code(code.code())
+                    .with_error_message(Some(StrBytes::from_string(message)))
+                    .with_num_partitions(-1)
+                    .with_replication_factor(-1)
+                    .with_configs(None),
+                None if version >= 5 => answer
+                    .with_error_message(None)
+                    .with_num_partitions(partitions)
+                    .with_replication_factor(replicas as i16)
+                    .with_configs(Some(Vec::new())),
+                None => answer.with_error_message(None),
+            }
+        })
+        .collect();
+    Ok(CreateTopicsResponse::default().with_topics(topics))
+}
+
+/// Checks one topic and, unless `dry_run`, creates it: its partitions, or
+/// the error and message to answer.
+fn create(
+    broker: &Broker,
+    t: &CreatableTopic,
+    replicas: usize,
+    dry_run: bool,
+) -> Result<i32, (ResponseError, String)> {
+    if !valid_topic_name(&t.name) {
+        return Err((
+            ResponseError::InvalidTopicException,
+            "Topic names are 1 to 249 characters: ASCII letters, digits, '.', '_' and '-' \
+             ('.' and '..' alone are refused)."
+                .to_string(),
+        ));
+    }
+    if !t.assignments.is_empty() {
+        return Err(if t.num_partitions != -1 || t.replication_factor != -1 {
+            (
+                ResponseError::InvalidRequest,
+                "Both partitions or a replication factor and replica assignments were set; \
+                 give one or the other."
+                    .to_string(),
+            )
+        } else {
+            (
+                ResponseError::InvalidReplicaAssignment,
+                "Replica assignments are not served: this broker places replicas itself."
+                    .to_string(),
+            )
+        });
+    }
+    let partitions = match t.num_partitions {
+        -1 => broker.topics.default_partitions(),
+        n if (1..=MAX_PARTITIONS).contains(&n) => n,
+        n => {
+            return Err((
+                ResponseError::InvalidPartitions,
+                format!("A topic has 1 to {MAX_PARTITIONS} partitions here (asked: {n})."),
+            ))
+        }
+    };
+    match t.replication_factor {
+        -1 => {}
+        n if n >= 1 && n as usize <= replicas => {}
+        n => {
+            return Err((
+                ResponseError::InvalidReplicationFactor,
+                format!(
+                    "Replication factor {n}: each partition here has {replicas} replicas \
+                     (the leader and --followers); ask for 1 to {replicas}, or -1."
+                ),
+            ))
+        }
+    }
+    if !t.configs.is_empty() {
+        return Err((
+            ResponseError::InvalidConfig,
+            "Topic configs are not served: every topic uses the broker's settings.".to_string(),
+        ));
+    }
+    match broker.topics.create_new(&t.name, partitions, dry_run) {
+        Ok(_) => {
+            if !dry_run {
+                tracing::info!(topic = &**t.name, partitions, "topic created");
+            }
+            Ok(partitions)
+        }
+        Err(CreateError::Exists(_)) => Err((
+            ResponseError::TopicAlreadyExists,
+            format!("Topic '{}' already exists.", &**t.name),
+        )),
+        Err(e) => Err((
+            ResponseError::PolicyViolation,
+            format!("Topic not created: {e}."),
+        )),
+    }
+}
