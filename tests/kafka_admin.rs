@@ -733,3 +733,150 @@ async fn answers_are_charged_before_they_are_built() {
     })
     .await;
 }
+
+fn commit(group: &str, partition: i32) -> OffsetCommitRequest {
+    OffsetCommitRequest::default()
+        .with_group_id(GroupId(s(group)))
+        .with_generation_id_or_member_epoch(-1)
+        .with_topics(vec![
+            offset_commit_request::OffsetCommitRequestTopic::default()
+                .with_name(TopicName(s("t")))
+                .with_partitions(vec![
+                    offset_commit_request::OffsetCommitRequestPartition::default()
+                        .with_partition_index(partition)
+                        .with_committed_offset(5),
+                ]),
+        ])
+}
+
+fn delete(groups: &[&str]) -> DeleteGroupsRequest {
+    DeleteGroupsRequest::default().with_groups_names(groups.iter().map(|g| GroupId(s(g))).collect())
+}
+
+fn deleted(r: &DeleteGroupsResponse) -> Vec<(String, i16)> {
+    r.results
+        .iter()
+        .map(|g| (g.group_id.to_string(), g.error_code))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delete_groups_as_kafka_does_and_gives_their_room_back() {
+    bounded(async {
+        let b = start(Config {
+            topics: vec!["t".into()],
+            groups: broker::groups::GroupLimits {
+                max_offsets: 2,
+                ..Default::default()
+            },
+            ..Config::default()
+        })
+        .await;
+        let mut w = Wire::connect(b.addr).await.unwrap();
+        let commit_code = |r: OffsetCommitResponse| r.topics[0].partitions[0].error_code;
+        // Two offsets fill the store: a third, elsewhere, is refused.
+        for p in 0..2 {
+            assert_eq!(commit_code(w.call(&commit("old", p), 2).await.unwrap()), 0);
+        }
+        assert_eq!(
+            commit_code(w.call(&commit("new", 0), 2).await.unwrap()),
+            ResponseError::InvalidCommitOffsetSize.code()
+        );
+        let (leader, follower) = stable_pair(&b, "busy").await;
+        // A member id handed out and not joined yet (the two-step join).
+        let pending = w
+            .call(
+                &JoinGroupRequest::default()
+                    .with_group_id(GroupId(s("pending")))
+                    .with_session_timeout_ms(10_000)
+                    .with_rebalance_timeout_ms(1000)
+                    .with_protocol_type(s("consumer"))
+                    .with_protocols(vec![join_group_request::JoinGroupRequestProtocol::default(
+                    )
+                    .with_name(s("range"))
+                    .with_metadata(bytes::Bytes::from_static(b"m"))]),
+                5,
+            )
+            .await
+            .unwrap();
+        assert_eq!(pending.error_code, ResponseError::MemberIdRequired.code());
+        for version in 0..=2i16 {
+            let r = w
+                .call(
+                    &delete(&["old", "busy", "nobody", "", "old", "pending"]),
+                    version,
+                )
+                .await
+                .unwrap();
+            let (gone, again) = if version == 0 {
+                (0, 0)
+            } else {
+                let nf = ResponseError::GroupIdNotFound.code();
+                (nf, nf)
+            };
+            assert_eq!(
+                deleted(&r),
+                vec![
+                    ("old".to_string(), gone),
+                    ("busy".into(), ResponseError::NonEmptyGroup.code()),
+                    ("nobody".into(), ResponseError::GroupIdNotFound.code()),
+                    ("".into(), ResponseError::InvalidGroupId.code()),
+                    ("pending".into(), again),
+                ],
+                "version {version}"
+            );
+        }
+        // The offsets went with the group, and their room with them.
+        let fetched = w
+            .call(
+                &OffsetFetchRequest::default()
+                    .with_group_id(GroupId(s("old")))
+                    .with_topics(Some(vec![
+                        offset_fetch_request::OffsetFetchRequestTopic::default()
+                            .with_name(TopicName(s("t")))
+                            .with_partition_indexes(vec![0, 1]),
+                    ])),
+                2,
+            )
+            .await
+            .unwrap();
+        assert!(
+            fetched.topics[0]
+                .partitions
+                .iter()
+                .all(|p| p.committed_offset == -1),
+            "{fetched:?}"
+        );
+        assert_eq!(commit_code(w.call(&commit("new", 0), 2).await.unwrap()), 0);
+        // The member id handed out went too.
+        let late = w
+            .call(
+                &JoinGroupRequest::default()
+                    .with_group_id(GroupId(s("pending")))
+                    .with_session_timeout_ms(10_000)
+                    .with_rebalance_timeout_ms(1000)
+                    .with_member_id(pending.member_id.clone())
+                    .with_protocol_type(s("consumer"))
+                    .with_protocols(vec![join_group_request::JoinGroupRequestProtocol::default(
+                    )
+                    .with_name(s("range"))
+                    .with_metadata(bytes::Bytes::from_static(b"m"))]),
+                5,
+            )
+            .await
+            .unwrap();
+        assert_eq!(late.error_code, ResponseError::UnknownMemberId.code());
+        let listed = w.call(&ListGroupsRequest::default(), 3).await.unwrap();
+        let ids: Vec<_> = listed
+            .groups
+            .iter()
+            .map(|g| g.group_id.to_string())
+            .collect();
+        let mut ids = ids;
+        ids.sort();
+        assert_eq!(ids, ["busy", "new"]);
+        drop((leader, follower));
+        b.shutdown().await;
+    })
+    .await;
+}

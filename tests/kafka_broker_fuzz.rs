@@ -446,6 +446,12 @@ fn valid_frame(
             r = r.with_unknown_tagged_fields(tags(rng, version >= 5));
             r.encode(&mut out, version).unwrap();
         }
+        ApiKey::DeleteGroups => {
+            let r = DeleteGroupsRequest::default()
+                .with_groups_names((0..n(rng)).map(|_| GroupId(name(rng, topics))).collect())
+                .with_unknown_tagged_fields(tags(rng, version >= 2));
+            r.encode(&mut out, version).unwrap();
+        }
         _ => unreachable!(),
     }
     out.to_vec()
@@ -561,6 +567,7 @@ fn decode_like_the_broker(frame: &[u8], s: &shape::Shape) {
         ApiKey::CreateTopics => CreateTopicsRequest::decode(&mut buf, v).map(drop),
         ApiKey::ListGroups => ListGroupsRequest::decode(&mut buf, v).map(drop),
         ApiKey::DescribeGroups => DescribeGroupsRequest::decode(&mut buf, v).map(drop),
+        ApiKey::DeleteGroups => DeleteGroupsRequest::decode(&mut buf, v).map(drop),
         _ => Ok(()),
     };
 }

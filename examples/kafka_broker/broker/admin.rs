@@ -1,7 +1,7 @@
 //! The administration request that changes what the broker holds:
 //! `CreateTopics`, as Kafka's controller answers it, within the broker's
-//! bounds on topics and partitions. (`ListGroups` and `DescribeGroups` read
-//! the coordinator's groups: see `groups.rs`.)
+//! bounds on topics and partitions. (`ListGroups`, `DescribeGroups` and
+//! `DeleteGroups` are the coordinator's: see `groups.rs`.)
 
 use std::collections::HashMap;
 

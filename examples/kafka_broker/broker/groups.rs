@@ -472,9 +472,6 @@ impl Drop for Group {
 
 type Groups = Mutex<HashMap<StrBytes, Group>>;
 
-/// Forgets `id` if nothing is left of it (no member, no id handed out, no
-/// committed offset): a group exists only while it holds something, so
-/// requests for made-up groups leave nothing behind.
 /// A copy of a string from a request, for keeping: the decoder hands out
 /// slices of the request's frame, and one kept slice would keep the whole
 /// frame (up to the largest request taken) alive for as long as it is kept.
@@ -487,6 +484,9 @@ fn own_bytes(b: &Bytes) -> Bytes {
     Bytes::copy_from_slice(b)
 }
 
+/// Forgets `id` if nothing is left of it (no member, no id handed out, no
+/// committed offset): a group exists only while it holds something, so
+/// requests for made-up groups leave nothing behind.
 fn tidy(groups: &mut HashMap<StrBytes, Group>, id: &StrBytes) {
     if groups.get(id).is_some_and(|g| {
         g.phase == Phase::Empty
@@ -1680,6 +1680,48 @@ impl Coordinator {
             })
             .collect();
         DescribeGroupsResponse::default().with_groups(described)
+    }
+
+    /// Deletes each group named, as Kafka's DeleteGroups does (each name
+    /// answered once, however often it is named): a group with no members
+    /// goes with its committed offsets and the member ids handed out and not
+    /// joined (their expiry cancelled; a join with one of them is then
+    /// `UNKNOWN_MEMBER_ID`), what they kept given back to the coordinator's
+    /// bounds; a group with members is `NON_EMPTY_GROUP`, one not held
+    /// `GROUP_ID_NOT_FOUND`, an empty id `INVALID_GROUP_ID`.
+    pub fn delete_groups(&self, r: &DeleteGroupsRequest) -> DeleteGroupsResponse {
+        use kafka_protocol::messages::delete_groups_response::DeletableGroupResult;
+        let mut groups = self.groups.lock().unwrap();
+        let mut named = std::collections::HashSet::new();
+        let results = (r.groups_names.iter())
+            .filter(|id| named.insert(&id.0))
+            .map(|id| {
+                let error = match groups.get_mut(&id.0) {
+                    _ if id.is_empty() => Some(ResponseError::InvalidGroupId),
+                    None => Some(ResponseError::GroupIdNotFound),
+                    Some(g) if !g.members.is_empty() || g.phase != Phase::Empty => {
+                        Some(ResponseError::NonEmptyGroup)
+                    }
+                    Some(g) => {
+                        let pending: Vec<StrBytes> = g.pending.keys().cloned().collect();
+                        for p in &pending {
+                            g.forget_pending(p);
+                        }
+                        for ((topic, _), (_, md)) in g.offsets.drain() {
+                            let cost = OFFSET_COST + topic.len() + md.map_or(0, |m| m.len());
+                            self.offsets.fetch_sub(1, Ordering::Relaxed);
+                            self.offset_bytes.fetch_sub(cost, Ordering::Relaxed);
+                        }
+                        tidy(&mut groups, &id.0);
+                        None
+                    }
+                };
+                DeletableGroupResult::default()
+                    .with_group_id(id.clone())
+                    .with_error_code(error.map_or(0, |e| e.code()))
+            })
+            .collect();
+        DeleteGroupsResponse::default().with_results(results)
     }
 
     /// Members and generation of a group, for the demonstration and tests.

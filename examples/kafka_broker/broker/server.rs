@@ -54,6 +54,7 @@ pub const SUPPORTED: &[(ApiKey, i16, i16)] = &[
     (ApiKey::DescribeGroups, 0, 5),
     (ApiKey::ListGroups, 0, 5),
     (ApiKey::CreateTopics, 2, 7),
+    (ApiKey::DeleteGroups, 0, 2),
 ];
 
 /// How many times `max_message_bytes` of records (decompressed, or as stored
@@ -568,6 +569,10 @@ async fn answer(
                 .describe_groups(&decode(frame, version)?, |bytes| {
                     broker.budget.try_charge(bytes, held)
                 });
+            encode(id, version, &r).map(Some)
+        }
+        ApiKey::DeleteGroups => {
+            let r = broker.groups.delete_groups(&decode(frame, version)?);
             encode(id, version, &r).map(Some)
         }
         _ => Err(Gone),

@@ -127,6 +127,7 @@ pub fn check(frame: &[u8], max_decoded: usize) -> Result<Shape, Refused> {
             ApiKey::CreateTopics => create_topics(&mut w, version)?,
             ApiKey::ListGroups => list_groups(&mut w, version)?,
             ApiKey::DescribeGroups => describe_groups(&mut w, version)?,
+            ApiKey::DeleteGroups => delete_groups(&mut w, version)?,
             _ => {}
         }
         // Bytes after the request's fields are ignored, as Kafka and the
@@ -594,5 +595,11 @@ fn describe_groups(w: &mut Walk, v: i16) -> Step {
     if v >= 3 {
         w.skip(1, "include authorized operations")?;
     }
+    w.no_known_tags(flex)
+}
+
+fn delete_groups(w: &mut Walk, v: i16) -> Step {
+    let flex = v >= 2;
+    w.array::<StrBytes>(flex, "groups", |w| w.string(flex, "group id"))?;
     w.no_known_tags(flex)
 }
