@@ -3,8 +3,9 @@
 //! gives, the broker's bounds on topics and partitions, a validation that
 //! creates nothing, two creations of one name racing), `ListGroups` and
 //! `DescribeGroups` (states, filters, members with their client ids and
-//! addresses, metadata shown only in `Stable`), and the answers charged to
-//! the memory budget before they are built.
+//! addresses, metadata shown only in `Stable`), `DeleteGroups` (what a
+//! deleted group held given back), and the answers charged to the memory
+//! budget before they are built.
 
 #[path = "../examples/kafka_broker/broker/mod.rs"]
 #[allow(dead_code)]
