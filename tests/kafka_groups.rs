@@ -1717,6 +1717,51 @@ async fn simple_commit_naming_a_member_id_is_stored() {
     .await
 }
 
+/// The leader epoch a commit gives (OffsetCommit v6 on) is kept and
+/// fetched back (OffsetFetch v5 on), as Kafka keeps it; a commit without
+/// one (before v6) is fetched back as -1. It was answered -1 always.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_committed_leader_epoch_is_kept() {
+    let _one = ONE.lock().await;
+    bounded(async {
+        let b = start(quick()).await;
+        let mut w = Wire::connect(b.addr).await.unwrap();
+        let mut with_epoch = commit_req("epochs", -1, "", T, &[(0, 5), (1, 6)]);
+        with_epoch.topics[0].partitions[0].committed_leader_epoch = 7;
+        let r = w.call(&with_epoch, 6).await.unwrap();
+        assert!(r.topics[0].partitions.iter().all(|p| p.error_code == 0));
+        // Version 5 does not carry the epoch: it is not sent, and reads -1.
+        let mut old = commit_req("epochs", -1, "", T, &[(2, 8)]);
+        old.topics[0].partitions[0].committed_leader_epoch = 9;
+        let r = w.call(&old, 5).await.unwrap();
+        assert_eq!(r.topics[0].partitions[0].error_code, 0);
+        for version in 5..=7 {
+            let r = w
+                .call(&offsets_req("epochs", &[0, 1, 2]), version)
+                .await
+                .unwrap();
+            let got: Vec<_> = r.topics[0]
+                .partitions
+                .iter()
+                .map(|p| {
+                    (
+                        p.partition_index,
+                        p.committed_offset,
+                        p.committed_leader_epoch,
+                    )
+                })
+                .collect();
+            assert_eq!(
+                got,
+                [(0, 5, 7), (1, 6, -1), (2, 8, -1)],
+                "version {version}"
+            );
+        }
+        b.shutdown().await;
+    })
+    .await
+}
+
 /// Kafka checks `offset.metadata.max.bytes` (4096) against the Java
 /// string's length (`metadata.length()`, UTF-16 units): 3000 'é' (6000
 /// UTF-8 bytes) fit, and were refused OFFSET_METADATA_TOO_LARGE. At the

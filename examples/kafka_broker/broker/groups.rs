@@ -180,7 +180,9 @@ struct Group {
     /// expiry in the timer.
     pending: HashMap<StrBytes, TaskHandle>,
     assignments: HashMap<StrBytes, Bytes>,
-    offsets: HashMap<(StrBytes, i32), (i64, Option<StrBytes>)>,
+    /// Committed: offset, leader epoch (-1 when the commit gave none) and
+    /// metadata, by topic and partition.
+    offsets: HashMap<(StrBytes, i32), (i64, i32, Option<StrBytes>)>,
     /// How many members speak each protocol: those every member speaks are
     /// the candidates, found without comparing every member's list with
     /// every other's (a join naming thousands of protocols stays linear).
@@ -1385,7 +1387,7 @@ impl Coordinator {
                         let cost = |md: Option<&StrBytes>| {
                             OFFSET_COST + t.name.0.len() + md.map_or(0, |m| m.len())
                         };
-                        let old = g.offsets.get(&key).map(|(_, md)| cost(md.as_ref()));
+                        let old = g.offsets.get(&key).map(|(_, _, md)| cost(md.as_ref()));
                         let is_new = old.is_none();
                         let new = cost(p.committed_metadata.as_ref());
                         if !metadata_ok {
@@ -1410,7 +1412,11 @@ impl Coordinator {
                                 .fetch_sub(old.unwrap_or(0), Ordering::Relaxed);
                             g.offsets.insert(
                                 key,
-                                (p.committed_offset, p.committed_metadata.as_ref().map(own)),
+                                (
+                                    p.committed_offset,
+                                    p.committed_leader_epoch,
+                                    p.committed_metadata.as_ref().map(own),
+                                ),
                             );
                             0
                         }
@@ -1448,7 +1454,7 @@ impl Coordinator {
         let g = groups.get(&r.group_id.0);
         let metadata = |topic: &StrBytes, p: i32| {
             g.and_then(|g| g.offsets.get(&(topic.clone(), p)))
-                .and_then(|(_, md)| md.as_ref())
+                .and_then(|(_, _, md)| md.as_ref())
                 .map_or(0, |md| md.len())
         };
         let bytes: usize = match &r.topics {
@@ -1466,7 +1472,7 @@ impl Coordinator {
             None => g.map_or(0, |g| {
                 g.offsets
                     .iter()
-                    .map(|((t, _), (_, md))| {
+                    .map(|((t, _), (_, _, md))| {
                         TOPIC + 2 * t.len() + PARTITION + 2 * md.as_ref().map_or(0, |m| m.len())
                     })
                     .sum()
@@ -1487,14 +1493,14 @@ impl Coordinator {
         let offset = |topic: &StrBytes, p: i32| {
             g.and_then(|g| g.offsets.get(&(topic.clone(), p)))
                 .cloned()
-                .unwrap_or((-1, Some(StrBytes::default())))
+                .unwrap_or((-1, -1, Some(StrBytes::default())))
         };
         let partition = |topic: &StrBytes, p: i32| {
-            let (o, md) = offset(topic, p);
+            let (o, epoch, md) = offset(topic, p);
             OffsetFetchResponsePartition::default()
                 .with_partition_index(p)
                 .with_committed_offset(o)
-                .with_committed_leader_epoch(-1)
+                .with_committed_leader_epoch(epoch)
                 .with_metadata(md.or(Some(StrBytes::default())))
         };
         let topics = match &r.topics {
@@ -1707,7 +1713,7 @@ impl Coordinator {
                         for p in &pending {
                             g.forget_pending(p);
                         }
-                        for ((topic, _), (_, md)) in g.offsets.drain() {
+                        for ((topic, _), (_, _, md)) in g.offsets.drain() {
                             let cost = OFFSET_COST + topic.len() + md.map_or(0, |m| m.len());
                             self.offsets.fetch_sub(1, Ordering::Relaxed);
                             self.offset_bytes.fetch_sub(cost, Ordering::Relaxed);

@@ -103,7 +103,12 @@ async fn copy(
     lag: Duration,
 ) {
     while let Some((part, log_end, appended)) = rx.recv().await {
-        tokio::time::sleep_until(appended + lag).await;
+        // Tokio's timer rounds a deadline up to its next millisecond, so a
+        // sleep until a deadline already reached (a lag of 0, or copies
+        // queued behind a slow one) would still wait up to a millisecond.
+        if Instant::now() < appended + lag {
+            tokio::time::sleep_until(appended + lag).await;
+        }
         if me.stuck.load(Ordering::SeqCst) {
             continue;
         }
