@@ -17,12 +17,19 @@ use super::{Broker, Gone, MAX_PARTITIONS};
 
 /// Creates the topics asked for, each with the partitions it names (or the
 /// broker's `--partitions` for -1) and every simulated follower as a
-/// replica, and answers each mention of a topic as Kafka does:
+/// replica, and answers each topic as Kafka's controller does, checking in
+/// Kafka's order:
 ///
-/// - a name given twice: `INVALID_REQUEST` at each mention;
+/// - a name given more than once: one answer for it, `INVALID_REQUEST`
+///   ("Duplicate topic name.");
 /// - a name Kafka refuses: `INVALID_TOPIC_EXCEPTION`;
-/// - a topic that exists: `TOPIC_ALREADY_EXISTS` (of two requests creating
-///   one name at once, one is told so);
+/// - a topic that exists: `TOPIC_ALREADY_EXISTS`, whatever else the request
+///   asks of it (so a client that creates a topic if it is absent, with
+///   configs, is told it exists); of two requests creating one name at
+///   once, one is told so;
+/// - replicas assigned by hand: `INVALID_REPLICA_ASSIGNMENT` (this broker
+///   places them itself), or `INVALID_REQUEST` when partitions or a
+///   replication factor are given with them, as Kafka answers;
 /// - partitions 0 or below -1, or above the most a topic has here
 ///   (10,000): `INVALID_PARTITIONS`;
 /// - a replication factor 0 or below -1, or above the replicas there are
@@ -30,9 +37,6 @@ use super::{Broker, Gone, MAX_PARTITIONS};
 ///   below that is accepted, and the topic still has every follower as a
 ///   replica (the followers are simulated, one set for every partition): the
 ///   answer (from version 5) and Metadata say how many it has;
-/// - replicas assigned by hand: `INVALID_REPLICA_ASSIGNMENT` (this broker
-///   places them itself), or `INVALID_REQUEST` when partitions or a
-///   replication factor are given with them, as Kafka answers;
 /// - topic configs: `INVALID_CONFIG` (every topic uses the broker's
 ///   settings; a config set and ignored would be a silent surprise);
 /// - beyond `--max-topics` or `--max-partitions`: `POLICY_VIOLATION`, which
@@ -43,11 +47,11 @@ use super::{Broker, Gone, MAX_PARTITIONS};
 /// waited on. Topics are created whether or not the broker creates them on
 /// first use (`--no-auto-create` is Kafka's `auto.create.topics.enable`).
 ///
-/// The answer names each topic once per mention, with a message for each
-/// error: what it takes is charged to the memory budget first, in `held`,
-/// before anything is created; with no room for it the connection is
-/// closed (a refusal would take as much), nothing created, and the client
-/// connects again and retries.
+/// The answer, with a message for each error, is charged to the memory
+/// budget first, in `held`, before anything is created (what building it
+/// and encoding it take); with no room for it the connection is closed (a
+/// refusal would take as much), nothing created, and the client connects
+/// again and retries.
 pub fn create_topics(
     broker: &Broker,
     r: &CreateTopicsRequest,
@@ -57,8 +61,19 @@ pub fn create_topics(
     const RESULT: usize = std::mem::size_of::<CreatableTopicResult>() + 64;
     /// The longest message an answer carries besides the topic's name.
     const MESSAGE: usize = 160;
-    let bytes: usize = (r.topics.iter())
-        .map(|t| RESULT + MESSAGE + 3 * t.name.len())
+    let mut mentions: HashMap<&str, usize> = HashMap::new();
+    let mut order = Vec::new();
+    for t in &r.topics {
+        let n = mentions.entry(&**t.name).or_default();
+        if *n == 0 {
+            order.push(t);
+        }
+        *n += 1;
+    }
+    // Each topic answered once: its name (a copy, and encoded) and message
+    // (built, and encoded).
+    let bytes: usize = (order.iter())
+        .map(|t| RESULT + 2 * MESSAGE + 3 * t.name.len())
         .sum();
     if !broker.budget.try_charge(bytes, held) {
         tracing::debug!(
@@ -67,41 +82,31 @@ pub fn create_topics(
         );
         return Err(Gone);
     }
-    let mut mentions: HashMap<&str, usize> = HashMap::new();
-    for t in &r.topics {
-        *mentions.entry(&**t.name).or_default() += 1;
-    }
     let replicas = broker.topics.replicas();
-    let topics = (r.topics.iter())
+    let topics = (order.into_iter())
         .map(|t| {
             let answer = CreatableTopicResult::default().with_name(t.name.clone());
-            let (partitions, error) = if mentions[&**t.name] > 1 {
-                (
-                    0,
-                    Some((
-                        ResponseError::InvalidRequest,
-                        "Found multiple entries for this topic.".to_string(),
-                    )),
-                )
+            let outcome = if mentions[&**t.name] > 1 {
+                Err((
+                    ResponseError::InvalidRequest,
+                    "Duplicate topic name.".to_string(),
+                ))
             } else {
-                match create(broker, t, replicas, r.validate_only) {
-                    Ok(partitions) => (partitions, None),
-                    Err(e) => (0, Some(e)),
-                }
+                create(broker, t, replicas, r.validate_only)
             };
-            match error {
-                Some((code, message)) => answer
+            match outcome {
+                Err((code, message)) => answer
                     .with_error_code(code.code())
                     .with_error_message(Some(StrBytes::from_string(message)))
                     .with_num_partitions(-1)
                     .with_replication_factor(-1)
                     .with_configs(None),
-                None if version >= 5 => answer
+                Ok(partitions) if version >= 5 => answer
                     .with_error_message(None)
                     .with_num_partitions(partitions)
                     .with_replication_factor(replicas as i16)
                     .with_configs(Some(Vec::new())),
-                None => answer.with_error_message(None),
+                Ok(_) => answer.with_error_message(None),
             }
         })
         .collect();
@@ -123,6 +128,15 @@ fn create(
              ('.' and '..' alone are refused)."
                 .to_string(),
         ));
+    }
+    let exists = || {
+        (
+            ResponseError::TopicAlreadyExists,
+            format!("Topic '{}' already exists.", &**t.name),
+        )
+    };
+    if broker.topics.get(&t.name).is_some() {
+        return Err(exists());
     }
     if !t.assignments.is_empty() {
         return Err(if t.num_partitions != -1 || t.replication_factor != -1 {
@@ -176,10 +190,8 @@ fn create(
             }
             Ok(partitions)
         }
-        Err(CreateError::Exists(_)) => Err((
-            ResponseError::TopicAlreadyExists,
-            format!("Topic '{}' already exists.", &**t.name),
-        )),
+        // Made by another request since it was looked up.
+        Err(CreateError::Exists(_)) => Err(exists()),
         Err(e) => Err((
             ResponseError::PolicyViolation,
             format!("Topic not created: {e}."),

@@ -402,6 +402,10 @@ impl Group {
             self.phase = Phase::Empty;
             self.leader = None;
             self.protocol = None;
+            // As when a round ends with no member: the type is a member's
+            // (up to 32 KiB), not counted in what groups keep once no
+            // member holds it.
+            self.protocol_type = None;
             self.clear_assignments();
             self.end_round_timer();
         } else if self.phase == Phase::Preparing {
@@ -506,6 +510,9 @@ pub struct DelayedJoin {
     groups: Arc<Groups>,
     closing: Arc<AtomicBool>,
     group: StrBytes,
+    /// Which group of this id it joined (one deleted or forgotten and made
+    /// again is another: its rounds count from 0 again).
+    incarnation: u64,
     member: StrBytes,
     /// The rounds completed when it joined.
     round: u64,
@@ -519,7 +526,8 @@ impl Operation for DelayedJoin {
             return Some(error_join(ResponseError::NotCoordinator, &self.member));
         }
         let groups = self.groups.lock().unwrap();
-        let Some(g) = groups.get(&self.group) else {
+        let Some(g) = (groups.get(&self.group)).filter(|g| g.incarnation == self.incarnation)
+        else {
             return Some(error_join(ResponseError::UnknownMemberId, &self.member));
         };
         (g.rounds > self.round).then(|| g.join_answer(&self.member))
@@ -529,7 +537,8 @@ impl Operation for DelayedJoin {
         // The round's deadline: it ends with the members that joined (the
         // first of its joins to expire ends it; the others find it ended).
         let mut groups = self.groups.lock().unwrap();
-        let Some(g) = groups.get_mut(&self.group) else {
+        let Some(g) = (groups.get_mut(&self.group)).filter(|g| g.incarnation == self.incarnation)
+        else {
             return error_join(ResponseError::UnknownMemberId, &self.member);
         };
         if g.rounds == self.round && g.phase == Phase::Preparing {
@@ -553,6 +562,8 @@ pub struct DelayedSync {
     groups: Arc<Groups>,
     closing: Arc<AtomicBool>,
     group: StrBytes,
+    /// Which group of this id it synced with (see [`DelayedJoin`]).
+    incarnation: u64,
     member: StrBytes,
     generation: i32,
     /// Its member's `sync` while it is the member's waiting sync.
@@ -567,7 +578,8 @@ impl Operation for DelayedSync {
             return Some(error_sync(ResponseError::NotCoordinator));
         }
         let groups = self.groups.lock().unwrap();
-        let Some(g) = groups.get(&self.group) else {
+        let Some(g) = (groups.get(&self.group)).filter(|g| g.incarnation == self.incarnation)
+        else {
             return Some(error_sync(ResponseError::UnknownMemberId));
         };
         if g.generation != self.generation || g.phase == Phase::Preparing {
@@ -598,7 +610,8 @@ impl Drop for DelayedSync {
         let Ok(mut groups) = self.groups.lock() else {
             return;
         };
-        let Some(g) = groups.get_mut(&self.group) else {
+        let Some(g) = (groups.get_mut(&self.group)).filter(|g| g.incarnation == self.incarnation)
+        else {
             return;
         };
         if g.generation != self.generation || g.phase != Phase::Completing {
@@ -1061,13 +1074,20 @@ impl Coordinator {
                 } else {
                     self.arm_round(&group, g);
                 }
-                Ok((group, member, round, g.deadline, started || completed))
+                Ok((
+                    group,
+                    g.incarnation,
+                    member,
+                    round,
+                    g.deadline,
+                    started || completed,
+                ))
             })();
             // A refused join leaves no group behind.
             tidy(&mut groups, &r.group_id.0);
             joined
         };
-        let (group, member, round, deadline, changed) = match joined {
+        let (group, incarnation, member, round, deadline, changed) = match joined {
             Ok(j) => j,
             Err(answer) => return Ok(*answer),
         };
@@ -1082,6 +1102,7 @@ impl Coordinator {
             groups: self.groups.clone(),
             closing: self.closing.clone(),
             group: group.clone(),
+            incarnation,
             member,
             round,
         };
@@ -1108,7 +1129,7 @@ impl Coordinator {
         if r.group_id.is_empty() {
             return Ok(error_sync(ResponseError::InvalidGroupId));
         }
-        let (group, member, wait, led, token) = {
+        let (group, incarnation, member, wait, led, token) = {
             let mut groups = self.groups.lock().unwrap();
             // The group's own id, shared with a sync that waits.
             let Some(group) = groups
@@ -1193,7 +1214,7 @@ impl Coordinator {
                 m.syncing = true;
                 m.sync = token;
             }
-            (group, member, rebalance, led, token)
+            (group, g.incarnation, member, rebalance, led, token)
         };
         debug_assert!(!led);
         // A member's id: a few dozen bytes (it names a member).
@@ -1204,6 +1225,7 @@ impl Coordinator {
             groups: self.groups.clone(),
             closing: self.closing.clone(),
             group: group.clone(),
+            incarnation,
             member,
             generation,
             token,
@@ -1598,14 +1620,17 @@ impl Coordinator {
     ///
     /// The answer carries what members sent (their metadata and
     /// assignments, up to the coordinator's bound on what it keeps) once per
-    /// mention, so it is charged first by `charge`; with no room for it,
-    /// each group is answered `COORDINATOR_LOAD_IN_PROGRESS`, which clients
-    /// retry.
+    /// mention, so it is charged first by `charge`, costed once per group
+    /// named (under the groups' lock, so the work before the charge grows
+    /// with the request and the groups held, not with their product). With
+    /// no room for it, each mention is answered `COORDINATOR_LOAD_IN_PROGRESS`,
+    /// which clients retry, if there is room for that answer; else `Err`
+    /// (the connection is closed; the client connects again and retries).
     pub fn describe_groups(
         &self,
         r: &DescribeGroupsRequest,
-        charge: impl FnOnce(usize) -> bool,
-    ) -> DescribeGroupsResponse {
+        mut charge: impl FnMut(usize) -> bool,
+    ) -> Result<DescribeGroupsResponse, Gone> {
         use kafka_protocol::messages::describe_groups_response::{
             DescribedGroup, DescribedGroupMember,
         };
@@ -1625,33 +1650,49 @@ impl Coordinator {
             let assignment = g.assignments.get(id).cloned().unwrap_or_default();
             (metadata, assignment)
         };
-        let bytes: usize = (r.groups.iter())
-            .map(|id| {
-                GROUP
-                    + 2 * id.len()
-                    + groups.get(&id.0).map_or(0, |g| {
-                        2 * (g.protocol_type.as_ref().map_or(0, |t| t.len())
-                            + g.protocol.as_ref().map_or(0, |p| p.len()))
-                            + (g.members.iter())
-                                .map(|(mid, m)| {
-                                    let (md, a) = shown(g, mid, m);
-                                    MEMBER
-                                        + 2 * (mid.len()
-                                            + m.client_id.len()
-                                            + m.client_host.len()
-                                            + md.len()
-                                            + a.len())
-                                })
-                                .sum::<usize>()
-                    })
-            })
-            .sum();
-        let room = charge(bytes);
+        // Each mention's own entry, built and encoded (refused or not).
+        let base: usize = (r.groups.iter()).map(|id| GROUP + 2 * id.len()).sum();
+        // What each group held adds to every mention of it, costed once.
+        let mut costs: HashMap<&str, usize> = HashMap::new();
+        let mut details = 0usize;
+        for id in &r.groups {
+            let cost = *costs.entry(&**id).or_insert_with(|| {
+                groups.get(&id.0).map_or(0, |g| {
+                    2 * (g.protocol_type.as_ref().map_or(0, |t| t.len())
+                        + g.protocol.as_ref().map_or(0, |p| p.len()))
+                        + (g.members.iter())
+                            .map(|(mid, m)| {
+                                let md = match g.phase {
+                                    Phase::Stable => (m.protocols.iter())
+                                        .find(|(name, _)| Some(name) == g.protocol.as_ref())
+                                        .map_or(0, |(_, md)| md.len()),
+                                    _ => 0,
+                                };
+                                let a = match g.phase {
+                                    Phase::Stable => g.assignments.get(mid).map_or(0, |a| a.len()),
+                                    _ => 0,
+                                };
+                                MEMBER
+                                    + 2 * (mid.len()
+                                        + m.client_id.len()
+                                        + m.client_host.len()
+                                        + md
+                                        + a)
+                            })
+                            .sum::<usize>()
+                })
+            });
+            details = details.saturating_add(cost);
+        }
+        let room = charge(base.saturating_add(details));
         if !room {
             tracing::debug!(
-                bytes,
+                bytes = base.saturating_add(details),
                 "a group description has no room in the memory budget"
             );
+            if !charge(base) {
+                return Err(Gone);
+            }
         }
         let described = (r.groups.iter())
             .map(|id| {
@@ -1685,7 +1726,7 @@ impl Coordinator {
                     )
             })
             .collect();
-        DescribeGroupsResponse::default().with_groups(described)
+        Ok(DescribeGroupsResponse::default().with_groups(described))
     }
 
     /// Deletes each group named, as Kafka's DeleteGroups does (each name
@@ -1694,16 +1735,34 @@ impl Coordinator {
     /// joined (their expiry cancelled; a join with one of them is then
     /// `UNKNOWN_MEMBER_ID`), what they kept given back to the coordinator's
     /// bounds; a group with members is `NON_EMPTY_GROUP`, one not held
-    /// `GROUP_ID_NOT_FOUND`, an empty id `INVALID_GROUP_ID`.
-    pub fn delete_groups(&self, r: &DeleteGroupsRequest) -> DeleteGroupsResponse {
+    /// `GROUP_ID_NOT_FOUND`. The empty id is a group id like any other here,
+    /// as Kafka keeps it for DeleteGroups (commits to it are stored).
+    ///
+    /// The answer (an entry per name) is charged first by `charge`; with no
+    /// room for it nothing is deleted and `Err` closes the connection.
+    pub fn delete_groups(
+        &self,
+        r: &DeleteGroupsRequest,
+        charge: impl FnOnce(usize) -> bool,
+    ) -> Result<DeleteGroupsResponse, Gone> {
         use kafka_protocol::messages::delete_groups_response::DeletableGroupResult;
-        let mut groups = self.groups.lock().unwrap();
+        const RESULT: usize = std::mem::size_of::<DeletableGroupResult>() + 64;
         let mut named = std::collections::HashSet::new();
-        let results = (r.groups_names.iter())
+        let distinct: Vec<&GroupId> = (r.groups_names.iter())
             .filter(|id| named.insert(&id.0))
+            .collect();
+        let bytes: usize = distinct.iter().map(|id| RESULT + 2 * id.len()).sum();
+        if !charge(bytes) {
+            tracing::debug!(
+                bytes,
+                "a group deletion's answer has no room in the memory budget"
+            );
+            return Err(Gone);
+        }
+        let mut groups = self.groups.lock().unwrap();
+        let results = (distinct.into_iter())
             .map(|id| {
                 let error = match groups.get_mut(&id.0) {
-                    _ if id.is_empty() => Some(ResponseError::InvalidGroupId),
                     None => Some(ResponseError::GroupIdNotFound),
                     Some(g) if !g.members.is_empty() || g.phase != Phase::Empty => {
                         Some(ResponseError::NonEmptyGroup)
@@ -1727,7 +1786,7 @@ impl Coordinator {
                     .with_error_code(error.map_or(0, |e| e.code()))
             })
             .collect();
-        DeleteGroupsResponse::default().with_results(results)
+        Ok(DeleteGroupsResponse::default().with_results(results))
     }
 
     /// Members and generation of a group, for the demonstration and tests.

@@ -53,7 +53,7 @@ pub const SUPPORTED: &[(ApiKey, i16, i16)] = &[
     (ApiKey::OffsetFetch, 1, 7),
     (ApiKey::DescribeGroups, 0, 5),
     (ApiKey::ListGroups, 0, 5),
-    (ApiKey::CreateTopics, 2, 7),
+    (ApiKey::CreateTopics, 2, 6),
     (ApiKey::DeleteGroups, 0, 2),
 ];
 
@@ -553,7 +553,9 @@ async fn answer(
         }
         ApiKey::CreateTopics => {
             let r = admin::create_topics(broker, &decode(frame, version)?, version, held)?;
-            encode(id, version, &r).map(Some)
+            // Made at its size: the charge counted it once.
+            let size = r.compute_size(version).map_err(|_| Gone)?;
+            encode_sized(id, version, &r, size + 16).map(Some)
         }
         ApiKey::ListGroups => {
             let r = broker
@@ -568,11 +570,15 @@ async fn answer(
                 .groups
                 .describe_groups(&decode(frame, version)?, |bytes| {
                     broker.budget.try_charge(bytes, held)
-                });
+                })?;
             encode(id, version, &r).map(Some)
         }
         ApiKey::DeleteGroups => {
-            let r = broker.groups.delete_groups(&decode(frame, version)?);
+            let r = broker
+                .groups
+                .delete_groups(&decode(frame, version)?, |bytes| {
+                    broker.budget.try_charge(bytes, held)
+                })?;
             encode(id, version, &r).map(Some)
         }
         _ => Err(Gone),
