@@ -336,6 +336,21 @@ async fn racing_creations_of_one_name_create_it_once() {
     .await;
 }
 
+/// A join (v5) of `group` as `member` (empty for a first join), speaking
+/// `range` with `metadata`.
+fn join(group: &str, member: &str, metadata: bytes::Bytes) -> JoinGroupRequest {
+    JoinGroupRequest::default()
+        .with_group_id(GroupId(s(group)))
+        .with_session_timeout_ms(SESSION)
+        .with_rebalance_timeout_ms(1000)
+        .with_member_id(s(member))
+        .with_protocol_type(s("consumer"))
+        .with_protocols(vec![join_group_request::JoinGroupRequestProtocol::default(
+        )
+        .with_name(s("range"))
+        .with_metadata(metadata)])
+}
+
 /// The members' sessions: long enough that members which do not heartbeat
 /// stay in their group for a test, however slow the machine.
 const SESSION: i32 = 60_000;
@@ -385,24 +400,7 @@ async fn list_and_describe_groups_as_kafka_does() {
         let (leader, follower) = stable_pair(&b, "g").await;
         // A group with committed offsets only (no members): Empty, and no
         // protocol type.
-        let r = w
-            .call(
-                &OffsetCommitRequest::default()
-                    .with_group_id(GroupId(s("offsets-only")))
-                    .with_generation_id_or_member_epoch(-1)
-                    .with_topics(vec![
-                        offset_commit_request::OffsetCommitRequestTopic::default()
-                            .with_name(TopicName(s("t")))
-                            .with_partitions(vec![
-                                offset_commit_request::OffsetCommitRequestPartition::default()
-                                    .with_partition_index(0)
-                                    .with_committed_offset(1),
-                            ]),
-                    ]),
-                2,
-            )
-            .await
-            .unwrap();
+        let r = w.call(&commit("offsets-only", 0), 2).await.unwrap();
         assert_eq!(r.topics[0].partitions[0].error_code, 0);
 
         for version in 0..=5i16 {
@@ -616,23 +614,7 @@ async fn answers_are_charged_before_they_are_built() {
         let mut joined = None;
         let mut member = StrBytes::default();
         for _ in 0..2 {
-            let r = w
-                .call(
-                    &JoinGroupRequest::default()
-                        .with_group_id(GroupId(s("big")))
-                        .with_session_timeout_ms(SESSION)
-                        .with_rebalance_timeout_ms(1000)
-                        .with_member_id(member.clone())
-                        .with_protocol_type(s("consumer"))
-                        .with_protocols(vec![
-                            join_group_request::JoinGroupRequestProtocol::default()
-                                .with_name(s("range"))
-                                .with_metadata(big.clone()),
-                        ]),
-                    5,
-                )
-                .await
-                .unwrap();
+            let r = w.call(&join("big", &member, big.clone()), 5).await.unwrap();
             member = r.member_id.clone();
             joined = Some(r);
         }
@@ -684,24 +666,7 @@ async fn answers_are_charged_before_they_are_built() {
         // KB ids ask for about 18 MB.
         for i in 0..300 {
             let id = format!("{i:0>30000}");
-            let r = w
-                .call(
-                    &OffsetCommitRequest::default()
-                        .with_group_id(GroupId(s(&id)))
-                        .with_generation_id_or_member_epoch(-1)
-                        .with_topics(vec![
-                            offset_commit_request::OffsetCommitRequestTopic::default()
-                                .with_name(TopicName(s("t")))
-                                .with_partitions(vec![
-                                    offset_commit_request::OffsetCommitRequestPartition::default()
-                                        .with_partition_index(0)
-                                        .with_committed_offset(1),
-                                ]),
-                        ]),
-                    2,
-                )
-                .await
-                .unwrap();
+            let r = w.call(&commit(&id, 0), 2).await.unwrap();
             assert_eq!(r.topics[0].partitions[0].error_code, 0);
         }
         let r = w.call(&ListGroupsRequest::default(), 3).await.unwrap();
@@ -815,18 +780,7 @@ async fn delete_groups_as_kafka_does_and_gives_their_room_back() {
         let (leader, follower) = stable_pair(&b, "busy").await;
         // A member id handed out and not joined yet (the two-step join).
         let pending = w
-            .call(
-                &JoinGroupRequest::default()
-                    .with_group_id(GroupId(s("pending")))
-                    .with_session_timeout_ms(SESSION)
-                    .with_rebalance_timeout_ms(1000)
-                    .with_protocol_type(s("consumer"))
-                    .with_protocols(vec![join_group_request::JoinGroupRequestProtocol::default(
-                    )
-                    .with_name(s("range"))
-                    .with_metadata(bytes::Bytes::from_static(b"m"))]),
-                5,
-            )
+            .call(&join("pending", "", bytes::Bytes::from_static(b"m")), 5)
             .await
             .unwrap();
         assert_eq!(pending.error_code, ResponseError::MemberIdRequired.code());
@@ -881,16 +835,11 @@ async fn delete_groups_as_kafka_does_and_gives_their_room_back() {
         // The member id handed out went too.
         let late = w
             .call(
-                &JoinGroupRequest::default()
-                    .with_group_id(GroupId(s("pending")))
-                    .with_session_timeout_ms(SESSION)
-                    .with_rebalance_timeout_ms(1000)
-                    .with_member_id(pending.member_id.clone())
-                    .with_protocol_type(s("consumer"))
-                    .with_protocols(vec![join_group_request::JoinGroupRequestProtocol::default(
-                    )
-                    .with_name(s("range"))
-                    .with_metadata(bytes::Bytes::from_static(b"m"))]),
+                &join(
+                    "pending",
+                    &pending.member_id,
+                    bytes::Bytes::from_static(b"m"),
+                ),
                 5,
             )
             .await
