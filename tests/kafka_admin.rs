@@ -106,6 +106,7 @@ async fn create_topics_answers_each_topic_as_kafka_does() {
                             topic(&name("dup"), 1, -1),
                             topic(&name("dup"), 2, -1),
                             topic("bad name", 1, -1),
+                            topic("__consumer_offsets", 1, -1),
                             topic(&name("zero"), 0, -1),
                             topic(&name("minus2"), -2, -1),
                             topic(&name("huge"), 10_001, -1),
@@ -143,6 +144,11 @@ async fn create_topics_answers_each_topic_as_kafka_does() {
                     (name("dup"), code(ResponseError::InvalidRequest)),
                     (
                         "bad name".into(),
+                        code(ResponseError::InvalidTopicException)
+                    ),
+                    // Kafka's internal topics are not served here.
+                    (
+                        "__consumer_offsets".into(),
                         code(ResponseError::InvalidTopicException)
                     ),
                     (name("zero"), code(ResponseError::InvalidPartitions)),
@@ -260,6 +266,34 @@ async fn the_broker_bounds_refuse_with_policy_violation() {
             let m = r.topics[0].error_message.as_deref().unwrap();
             assert!(m.contains("--max-partitions"), "{m}");
         }
+        // Nor are internal topics made on first use, or written to.
+        let r = w
+            .call(
+                &MetadataRequest::default()
+                    .with_topics(Some(vec![metadata_request::MetadataRequestTopic::default(
+                    )
+                    .with_name(Some(TopicName(s("__consumer_offsets"))))]))
+                    .with_allow_auto_topic_creation(true),
+                9,
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            r.topics[0].error_code,
+            ResponseError::UnknownTopicOrPartition.code()
+        );
+        let r = w.append("__consumer_offsets", 0, &[b"x"]).await.unwrap();
+        assert_eq!(
+            wire::produce_error(&r),
+            ResponseError::UnknownTopicOrPartition.code()
+        );
+        assert!(BrokerHandle::start(Config {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            topics: vec!["__transaction_state".into()],
+            ..Config::default()
+        })
+        .await
+        .is_err());
         let r = w
             .call(&create(vec![topic("eight", 8, -1)], false), 5)
             .await

@@ -12,7 +12,7 @@ use kafka_protocol::messages::*;
 use kafka_protocol::protocol::StrBytes;
 
 use super::frame::Held;
-use super::log::{valid_topic_name, CreateError};
+use super::log::{internal_topic, valid_topic_name, CreateError};
 use super::{Broker, Gone, MAX_PARTITIONS};
 
 /// Creates the topics asked for, each with the partitions it names (or the
@@ -22,7 +22,9 @@ use super::{Broker, Gone, MAX_PARTITIONS};
 ///
 /// - a name given more than once: one answer for it, `INVALID_REQUEST`
 ///   ("Duplicate topic name.");
-/// - a name Kafka refuses: `INVALID_TOPIC_EXCEPTION`;
+/// - a name Kafka refuses, or one of its internal topics' names
+///   (`__consumer_offsets`, ...: no internal topic is served here):
+///   `INVALID_TOPIC_EXCEPTION`;
 /// - a topic that exists: `TOPIC_ALREADY_EXISTS`, whatever else the request
 ///   asks of it (so a client that creates a topic if it is absent, with
 ///   configs, is told it exists); of two requests creating one name at
@@ -127,6 +129,16 @@ fn create(
             "Topic names are 1 to 249 characters: ASCII letters, digits, '.', '_' and '-' \
              ('.' and '..' alone are refused)."
                 .to_string(),
+        ));
+    }
+    if internal_topic(&t.name) {
+        return Err((
+            ResponseError::InvalidTopicException,
+            format!(
+                "'{}' is one of Kafka's internal topics: this broker keeps group offsets \
+                 itself and serves no internal topic.",
+                &**t.name
+            ),
         ));
     }
     let exists = || {

@@ -815,7 +815,7 @@ impl Topics {
         if let Some(t) = self.get(name) {
             return Some(t);
         }
-        if !(create && self.auto_create && valid_topic_name(name)) {
+        if !(create && self.auto_create && valid_topic_name(name) && !internal_topic(name)) {
             return None;
         }
         self.create(name, self.partitions)
@@ -927,6 +927,18 @@ impl std::fmt::Display for CreateError {
             ),
         }
     }
+}
+
+/// Whether `name` is one of Kafka's internal topics (`Topic.isInternal`):
+/// Kafka keeps group offsets, transactions' state and share groups' state in
+/// them, and refuses clients' writes to them. This broker keeps offsets in
+/// memory and serves no internal topic, so none of them is made (a client
+/// writing to one is told the topic is unknown).
+pub fn internal_topic(name: &str) -> bool {
+    matches!(
+        name,
+        "__consumer_offsets" | "__transaction_state" | "__share_group_state"
+    )
 }
 
 /// Kafka's rule: 1 to 249 characters of ASCII letters, digits, '.', '_', '-'.

@@ -235,6 +235,11 @@ impl Config {
                 "--topics {bad:?}: a topic name is 1 to 249 ASCII letters, digits, '.', '_' or '-' (not \".\" or \"..\")"
             ));
         }
+        if let Some(internal) = self.topics.iter().find(|t| log::internal_topic(t)) {
+            return Err(format!(
+                "--topics {internal:?}: one of Kafka's internal topics, which this broker does not serve"
+            ));
+        }
         if !(1..=MAX_CONNECTIONS).contains(&self.max_connections) {
             return Err(format!(
                 "--max-connections {}: 1 to {MAX_CONNECTIONS}",
