@@ -118,9 +118,11 @@ pub struct ServeArgs {
     /// The most topics the broker creates.
     #[arg(long, default_value_t = 10_000)]
     max_topics: usize,
-    /// The most partitions the broker holds, across topics: creation on
-    /// first use stops there too (each takes a few hundred bytes).
-    #[arg(long, default_value_t = 1_000_000)]
+    /// The most partitions the broker holds, across topics, whether clients
+    /// create them on first use or by CreateTopics (each takes a few hundred
+    /// bytes, and an all-topics Metadata answer about 250 bytes for each: at
+    /// 100,000, about 25 MB of the default memory budget).
+    #[arg(long, default_value_t = 100_000)]
     max_partitions: usize,
     /// The most bytes one fetch answer carries (its first batch is sent whole
     /// even if larger, as Kafka does).

@@ -117,9 +117,13 @@ pub struct Config {
     /// The most topics the broker holds; creation on first use stops there.
     pub max_topics: usize,
     /// The most partitions the broker holds, across topics; creation on
-    /// first use stops there too. Clients create topics: this bounds the
-    /// partition state they can make the broker keep (a few hundred bytes
-    /// each, with a few dozen more per follower).
+    /// first use and by CreateTopics stops there. Clients create topics, and
+    /// choose their partition counts: this bounds the partition state they
+    /// can make the broker keep (a few hundred bytes each, with a few dozen
+    /// more per follower), and the all-topics Metadata answer (about 250
+    /// bytes a partition, charged to the memory budget: 100,000 by default
+    /// keeps it near 25 MB of the 256 MiB budget; a million would take
+    /// most of it).
     pub max_partitions: usize,
     /// The most bytes one fetch answer carries, whatever the request asks
     /// (Kafka's broker `fetch.max.bytes`), except that the first batch it
@@ -164,7 +168,7 @@ impl Default for Config {
             idle_timeout: Duration::from_secs(600),
             max_connections: 1000,
             max_topics: 10_000,
-            max_partitions: 1_000_000,
+            max_partitions: 100_000,
             fetch_max_bytes: 55 << 20,
             max_message_bytes: 1_048_588,
             max_log_bytes: 1 << 30,
