@@ -114,7 +114,8 @@ pub struct Config {
     /// pipelined behind it): below the process's descriptor limit, accepting
     /// never fails for want of one because of clients. At least 1.
     pub max_connections: usize,
-    /// The most topics the broker holds; creation on first use stops there.
+    /// The most topics the broker holds; creation on first use and by
+    /// CreateTopics stops there.
     pub max_topics: usize,
     /// The most partitions the broker holds, across topics; creation on
     /// first use and by CreateTopics stops there. Clients create topics, and
