@@ -893,3 +893,131 @@ async fn delete_groups_as_kafka_does_and_gives_their_room_back() {
     })
     .await;
 }
+
+/// Kafka keeps a member's client id and address from its first join
+/// (`MemberMetadata`'s are not changed after): the member joining again
+/// from another client is still shown as the first. And the address is
+/// printed as Java prints it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_is_shown_with_its_first_client_id() {
+    bounded(async {
+        let b = start(Config {
+            topics: vec!["t".into()],
+            ..Config::default()
+        })
+        .await;
+        let mut first = Wire::connect_as(b.addr, "first").await.unwrap();
+        let mut r = first
+            .call(&join("g", "", bytes::Bytes::from_static(b"m")), 5)
+            .await
+            .unwrap();
+        if r.error_code == ResponseError::MemberIdRequired.code() {
+            let id = r.member_id.to_string();
+            r = first
+                .call(&join("g", &id, bytes::Bytes::from_static(b"m")), 5)
+                .await
+                .unwrap();
+        }
+        assert_eq!(r.error_code, 0);
+        let id = r.member_id.to_string();
+        // Again, from another client, with other metadata (a new round).
+        let mut second = Wire::connect_as(b.addr, "second").await.unwrap();
+        let again = second
+            .call(&join("g", &id, bytes::Bytes::from_static(b"other")), 5)
+            .await
+            .unwrap();
+        assert_eq!(again.error_code, 0);
+        let d = second
+            .call(
+                &DescribeGroupsRequest::default().with_groups(vec![GroupId(s("g"))]),
+                5,
+            )
+            .await
+            .unwrap();
+        assert_eq!(d.groups[0].members.len(), 1);
+        assert_eq!(d.groups[0].members[0].client_id.as_str(), "first");
+        assert_eq!(d.groups[0].members[0].client_host.as_str(), "/127.0.0.1");
+        b.shutdown().await;
+    })
+    .await;
+}
+
+#[test]
+fn client_addresses_are_printed_as_java_prints_them() {
+    use broker::server::java_host;
+    let ip = |s: &str| s.parse::<std::net::IpAddr>().unwrap();
+    assert_eq!(java_host(ip("127.0.0.1")), "/127.0.0.1");
+    // An IPv4 client of a socket listening on IPv6.
+    assert_eq!(java_host(ip("::ffff:10.1.2.3")), "/10.1.2.3");
+    assert_eq!(java_host(ip("::1")), "/0:0:0:0:0:0:0:1");
+    assert_eq!(java_host(ip("fe80::1:abcd")), "/fe80:0:0:0:0:0:1:abcd");
+}
+
+/// Kafka refuses a topic whose name differs from an existing one's only in
+/// '.' against '_' (`Topic.hasCollision`: their metrics' names would be
+/// the same), by request and on first use; the existing name is still told
+/// it exists.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn names_that_collide_are_refused() {
+    bounded(async {
+        let b = start(Config::default()).await;
+        let mut w = Wire::connect(b.addr).await.unwrap();
+        let r = w
+            .call(&create(vec![topic("a.b_c", 1, -1)], false), 5)
+            .await
+            .unwrap();
+        assert_eq!(codes(&r), vec![("a.b_c".to_string(), 0)]);
+        for other in ["a_b_c", "a.b.c", "a_b.c"] {
+            let r = w
+                .call(&create(vec![topic(other, 1, -1)], false), 5)
+                .await
+                .unwrap();
+            assert_eq!(
+                codes(&r),
+                vec![(
+                    other.to_string(),
+                    ResponseError::InvalidTopicException.code()
+                )]
+            );
+            let m = r.topics[0].error_message.as_deref().unwrap();
+            assert!(m.contains("collides with existing topic: a.b_c"), "{m}");
+        }
+        let r = w
+            .call(
+                &create(vec![topic("a.b_c", 1, -1), topic("ab_c", 1, -1)], false),
+                5,
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            codes(&r),
+            vec![
+                (
+                    "a.b_c".to_string(),
+                    ResponseError::TopicAlreadyExists.code()
+                ),
+                ("ab_c".to_string(), 0)
+            ]
+        );
+        // Not made on first use either.
+        let r = w
+            .call(
+                &MetadataRequest::default()
+                    .with_topics(Some(vec![metadata_request::MetadataRequestTopic::default(
+                    )
+                    .with_name(Some(TopicName(s("a_b_c"))))]))
+                    .with_allow_auto_topic_creation(true),
+                9,
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            r.topics[0].error_code,
+            ResponseError::UnknownTopicOrPartition.code()
+        );
+        let all = listed(&mut w).await;
+        assert_eq!(all, vec![("a.b_c".to_string(), 1), ("ab_c".to_string(), 1)]);
+        b.shutdown().await;
+    })
+    .await;
+}

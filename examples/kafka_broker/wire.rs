@@ -23,13 +23,24 @@ pub const FETCH_VERSION: i16 = 11;
 pub struct Wire {
     stream: TcpStream,
     next_id: i32,
+    /// The client id its requests carry.
+    client: String,
 }
 
 impl Wire {
     pub async fn connect(addr: std::net::SocketAddr) -> std::io::Result<Wire> {
+        Wire::connect_as(addr, "wire").await
+    }
+
+    /// A connection whose requests carry `client` as their client id.
+    pub async fn connect_as(addr: std::net::SocketAddr, client: &str) -> std::io::Result<Wire> {
         let stream = TcpStream::connect(addr).await?;
         stream.set_nodelay(true)?;
-        Ok(Wire { stream, next_id: 0 })
+        Ok(Wire {
+            stream,
+            next_id: 0,
+            client: client.to_string(),
+        })
     }
 
     /// Sends a request without waiting for its answer; returns its
@@ -40,7 +51,7 @@ impl Wire {
             .with_request_api_key(R::KEY)
             .with_request_api_version(version)
             .with_correlation_id(self.next_id)
-            .with_client_id(Some(StrBytes::from_static_str("wire")));
+            .with_client_id(Some(StrBytes::from_string(self.client.clone())));
         let mut out = BytesMut::new();
         out.put_i32(0);
         header

@@ -18,7 +18,7 @@ use super::{Broker, Gone, MAX_PARTITIONS};
 /// Creates the topics asked for, each with the partitions it names (or the
 /// broker's `--partitions` for -1) and every simulated follower as a
 /// replica, and answers each topic as Kafka's controller does, checking in
-/// Kafka's order:
+/// this order:
 ///
 /// - a name given more than once: one answer for it, `INVALID_REQUEST`
 ///   ("Duplicate topic name.");
@@ -41,6 +41,10 @@ use super::{Broker, Gone, MAX_PARTITIONS};
 ///   answer (from version 5) and Metadata say how many it has;
 /// - topic configs: `INVALID_CONFIG` (every topic uses the broker's
 ///   settings; a config set and ignored would be a silent surprise);
+/// - a name that differs from an existing topic's only in '.' against '_'
+///   (Kafka's collision: their metrics' names would be the same):
+///   `INVALID_TOPIC_EXCEPTION`, checked when it would be created, so also on
+///   first use (Metadata then answers the topic unknown);
 /// - beyond `--max-topics` or `--max-partitions`: `POLICY_VIOLATION`, which
 ///   clients do not retry, with a message naming the bound.
 ///
@@ -61,8 +65,9 @@ pub fn create_topics(
     held: &Held,
 ) -> Result<CreateTopicsResponse, Gone> {
     const RESULT: usize = std::mem::size_of::<CreatableTopicResult>() + 64;
-    /// The longest message an answer carries besides the topic's name.
-    const MESSAGE: usize = 160;
+    /// The longest message an answer carries besides the topic's name (a
+    /// collision names another topic, of up to 249 bytes).
+    const MESSAGE: usize = 420;
     let mut mentions: HashMap<&str, usize> = HashMap::new();
     let mut order = Vec::new();
     for t in &r.topics {
@@ -204,6 +209,14 @@ fn create(
         }
         // Made by another request since it was looked up.
         Err(CreateError::Exists(_)) => Err(exists()),
+        // Kafka's words: the names differ only in '.' against '_'.
+        Err(CreateError::Collides(other)) => Err((
+            ResponseError::InvalidTopicException,
+            format!(
+                "Topic '{}' collides with existing topic: {other}",
+                &**t.name
+            ),
+        )),
         Err(e) => Err((
             ResponseError::PolicyViolation,
             format!("Topic not created: {e}."),

@@ -114,7 +114,8 @@ enum Phase {
 }
 
 struct Member {
-    /// The client id and address of its last join, shown by DescribeGroups.
+    /// The client id and address of its first join (Kafka does not change
+    /// them after), shown by DescribeGroups.
     client_id: StrBytes,
     client_host: StrBytes,
     session: Duration,
@@ -302,12 +303,7 @@ impl Group {
 
     /// The group's state as Kafka names it.
     fn state(&self) -> &'static str {
-        match self.phase {
-            Phase::Empty => "Empty",
-            Phase::Preparing => "PreparingRebalance",
-            Phase::Completing => "CompletingRebalance",
-            Phase::Stable => "Stable",
-        }
+        state_name(self.phase)
     }
 
     fn all_joined(&self) -> bool {
@@ -501,6 +497,16 @@ fn tidy(groups: &mut HashMap<StrBytes, Group>, id: &StrBytes) {
             && g.offsets.is_empty()
     }) {
         groups.remove(id);
+    }
+}
+
+/// A phase as Kafka names the group's state.
+fn state_name(phase: Phase) -> &'static str {
+    match phase {
+        Phase::Empty => "Empty",
+        Phase::Preparing => "PreparingRebalance",
+        Phase::Completing => "CompletingRebalance",
+        Phase::Stable => "Stable",
     }
 }
 
@@ -999,10 +1005,13 @@ impl Coordinator {
                 }
                 // What its protocols would keep, within the bound across
                 // groups (a member joining again gives its old ones back).
-                let adds = protocols_bytes(&protocols)
-                    + r.protocol_type.len()
-                    + caller.client_id.len()
-                    + caller.host.len();
+                // A member keeps the client id and address of its first join,
+                // as Kafka's does (they are not changed after).
+                let client = match g.members.get(&member) {
+                    Some(m) => m.client_id.len() + m.client_host.len(),
+                    None => caller.client_id.len() + caller.host.len(),
+                };
+                let adds = protocols_bytes(&protocols) + r.protocol_type.len() + client;
                 let frees = g.members.get(&member).map_or(0, Member::kept);
                 if self.kept.load(Ordering::Relaxed) + adds > self.limits.max_kept_bytes + frees {
                     return Err(Box::new(error_join(
@@ -1035,6 +1044,7 @@ impl Coordinator {
                         return Err(Box::new(answer));
                     }
                 }
+                let fresh = !g.members.contains_key(&member);
                 let mut m = g.members.remove(&member).unwrap_or(Member {
                     // Counted in below, with the protocols.
                     client_id: StrBytes::default(),
@@ -1056,8 +1066,10 @@ impl Coordinator {
                 m.rebalance = rebalance;
                 m.protocol_type = own(&r.protocol_type);
                 m.protocols = protocols;
-                m.client_id = caller.client_id.clone();
-                m.client_host = caller.host.clone();
+                if fresh {
+                    m.client_id = caller.client_id.clone();
+                    m.client_host = caller.host.clone();
+                }
                 g.count(&m, true);
                 g.members.insert(member.clone(), m);
                 // This join begins a round (the other members learn it from
@@ -1578,15 +1590,24 @@ impl Coordinator {
     ) -> ListGroupsResponse {
         use kafka_protocol::messages::list_groups_response::ListedGroup;
         const GROUP: usize = std::mem::size_of::<ListedGroup>() + 64;
+        // The filters read once, before the lock: each group is then a test
+        // of its state against four answers (a filter of any length is not
+        // scanned once per group held).
         let named = |filter: &[StrBytes], value: &str| {
             filter.is_empty() || filter.iter().any(|f| f.eq_ignore_ascii_case(value))
         };
+        let phases = [
+            Phase::Empty,
+            Phase::Preparing,
+            Phase::Completing,
+            Phase::Stable,
+        ];
+        let states = phases.map(|p| named(&r.states_filter, state_name(p)));
+        let classic = named(&r.types_filter, "classic");
         let groups = self.groups.lock().unwrap();
         let listed: Vec<(&StrBytes, &Group)> = groups
             .iter()
-            .filter(|(_, g)| {
-                named(&r.states_filter, g.state()) && named(&r.types_filter, "classic")
-            })
+            .filter(|(_, g)| classic && states[phases.iter().position(|&p| p == g.phase).unwrap()])
             .collect();
         let bytes: usize = listed
             .iter()

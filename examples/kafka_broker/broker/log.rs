@@ -850,6 +850,19 @@ impl Topics {
         if let Some(topic) = map.get(name) {
             return Err(CreateError::Exists(topic.clone()));
         }
+        // Kafka's `Topic.hasCollision`: names equal once '.' and '_' are
+        // taken as one character collide (their metrics' names would). Two
+        // such names differ in a '.' or a '_', so a name with neither
+        // collides with none.
+        if name.contains(['.', '_']) {
+            let same =
+                |a: u8, b: u8| a == b || (matches!(a, b'.' | b'_') && matches!(b, b'.' | b'_'));
+            if let Some(other) = map.keys().find(|k| {
+                k.len() == name.len() && k.bytes().zip(name.bytes()).all(|(a, b)| same(a, b))
+            }) {
+                return Err(CreateError::Collides(other.clone()));
+            }
+        }
         let number = map.len() as u64;
         if number as usize >= self.max_topics {
             return Err(CreateError::TooManyTopics(self.max_topics));
@@ -908,6 +921,8 @@ impl Topics {
 pub enum CreateError {
     /// A topic of that name exists: this one.
     Exists(Arc<Topic>),
+    /// A topic whose name differs only in '.' against '_' exists: this one.
+    Collides(Arc<str>),
     /// The broker holds its most topics already.
     TooManyTopics(usize),
     /// The topic's partitions would take the broker past its most.
@@ -918,6 +933,9 @@ impl std::fmt::Display for CreateError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             CreateError::Exists(_) => f.write_str("the topic exists"),
+            CreateError::Collides(other) => {
+                write!(f, "the name collides with the existing topic {other}")
+            }
             CreateError::TooManyTopics(max) => {
                 write!(f, "the broker holds its most topics ({max}, --max-topics)")
             }

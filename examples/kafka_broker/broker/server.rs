@@ -424,7 +424,7 @@ async fn answer(
             .take(64)
             .collect(),
         client_id: StrBytes::from_string(header.client_id.as_deref().unwrap_or("").to_string()),
-        host: StrBytes::from_string(peer.map_or_else(String::new, |p| format!("/{}", p.ip()))),
+        host: StrBytes::from_string(peer.map_or_else(String::new, |p| java_host(p.ip()))),
     });
     drop(header);
     if !supported(key, version) {
@@ -661,6 +661,20 @@ fn encode_sized<T: Encodable + HeaderVersion>(
     let size = (out.len() - 4) as i32;
     out[..4].copy_from_slice(&size.to_be_bytes());
     Ok(out)
+}
+
+/// A client's address as Kafka shows it (Java's `InetAddress.toString` with
+/// no host name): `/127.0.0.1`, and an IPv6 address as eight groups in hex,
+/// none left out (`/0:0:0:0:0:0:0:1`). An IPv4 client of a socket listening
+/// on IPv6 (`::ffff:127.0.0.1`) is shown as IPv4, as Java shows it.
+pub(crate) fn java_host(ip: std::net::IpAddr) -> String {
+    match ip.to_canonical() {
+        std::net::IpAddr::V4(v4) => format!("/{v4}"),
+        std::net::IpAddr::V6(v6) => {
+            let groups: Vec<String> = v6.segments().iter().map(|g| format!("{g:x}")).collect();
+            format!("/{}", groups.join(":"))
+        }
+    }
 }
 
 /// A client software name or version as Kafka accepts it: letters, digits,
