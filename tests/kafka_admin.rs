@@ -880,12 +880,11 @@ async fn delete_groups_as_kafka_does_and_gives_their_room_back() {
             .unwrap();
         assert_eq!(late.error_code, ResponseError::UnknownMemberId.code());
         let listed = w.call(&ListGroupsRequest::default(), 3).await.unwrap();
-        let ids: Vec<_> = listed
+        let mut ids: Vec<_> = listed
             .groups
             .iter()
             .map(|g| g.group_id.to_string())
             .collect();
-        let mut ids = ids;
         ids.sort();
         assert_eq!(ids, ["busy", "new"]);
         drop((leader, follower));
