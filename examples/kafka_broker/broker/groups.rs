@@ -1683,22 +1683,13 @@ impl Coordinator {
                         + g.protocol.as_ref().map_or(0, |p| p.len()))
                         + (g.members.iter())
                             .map(|(mid, m)| {
-                                let md = match g.phase {
-                                    Phase::Stable => (m.protocols.iter())
-                                        .find(|(name, _)| Some(name) == g.protocol.as_ref())
-                                        .map_or(0, |(_, md)| md.len()),
-                                    _ => 0,
-                                };
-                                let a = match g.phase {
-                                    Phase::Stable => g.assignments.get(mid).map_or(0, |a| a.len()),
-                                    _ => 0,
-                                };
+                                let (md, a) = shown(g, mid, m);
                                 MEMBER
                                     + 2 * (mid.len()
                                         + m.client_id.len()
                                         + m.client_host.len()
-                                        + md
-                                        + a)
+                                        + md.len()
+                                        + a.len())
                             })
                             .sum::<usize>()
                 })

@@ -437,6 +437,9 @@ async fn answer(
         tracing::debug!(?key, version, "unsupported request version");
         return Err(Gone);
     }
+    // An answer the coordinator builds from what it holds is charged to the
+    // budget, in `held`, by this, before it is built.
+    let charge_answer = |bytes: usize| broker.budget.try_charge(bytes, held);
     match key {
         ApiKey::ApiVersions => {
             let request: ApiVersionsRequest = decode(frame, version)?;
@@ -544,11 +547,10 @@ async fn answer(
             encode(id, version, &r).map(Some)
         }
         ApiKey::OffsetFetch => {
-            let r = broker
-                .groups
-                .fetch_offsets(&decode(frame, version)?, version, |bytes| {
-                    broker.budget.try_charge(bytes, held)
-                })?;
+            let r =
+                broker
+                    .groups
+                    .fetch_offsets(&decode(frame, version)?, version, charge_answer)?;
             encode(id, version, &r).map(Some)
         }
         ApiKey::CreateTopics => {
@@ -560,25 +562,19 @@ async fn answer(
         ApiKey::ListGroups => {
             let r = broker
                 .groups
-                .list_groups(&decode(frame, version)?, |bytes| {
-                    broker.budget.try_charge(bytes, held)
-                });
+                .list_groups(&decode(frame, version)?, charge_answer);
             encode(id, version, &r).map(Some)
         }
         ApiKey::DescribeGroups => {
             let r = broker
                 .groups
-                .describe_groups(&decode(frame, version)?, |bytes| {
-                    broker.budget.try_charge(bytes, held)
-                })?;
+                .describe_groups(&decode(frame, version)?, charge_answer)?;
             encode(id, version, &r).map(Some)
         }
         ApiKey::DeleteGroups => {
             let r = broker
                 .groups
-                .delete_groups(&decode(frame, version)?, |bytes| {
-                    broker.budget.try_charge(bytes, held)
-                })?;
+                .delete_groups(&decode(frame, version)?, charge_answer)?;
             encode(id, version, &r).map(Some)
         }
         _ => Err(Gone),
