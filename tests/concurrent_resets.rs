@@ -427,3 +427,129 @@ fn purgatory_concurrent_resets_real_time() {
         });
     }
 }
+
+/// A reset into the past racing the expiry it causes (`OpRef::reset`:
+/// "either the reset wins and the operation expires at the new deadline
+/// only, or the expiry wins and the reset returns `false`"): every operation
+/// has an hour left and nothing else finishes it, so one that expires did so
+/// at the deadline a reset set, and that reset must have returned `true`.
+/// Two real threads reset 30,000 operations each round, into the past, with
+/// a 10 µs tick and one timer shard so that the reaper fires them while the
+/// resets still run.
+mod reset_into_the_past {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use tokio::time::Instant;
+    use tokio_purgatory::{Operation, OperationStatus, Purgatory};
+
+    struct Never;
+    impl Operation for Never {
+        type Output = ();
+        fn try_complete(&mut self) -> Option<()> {
+            None
+        }
+        fn on_expiration(self) {}
+    }
+
+    fn within<T: Send + 'static>(secs: u64, f: impl FnOnce() -> T + Send + 'static) -> T {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)));
+        });
+        match rx.recv_timeout(Duration::from_secs(secs)) {
+            Ok(Ok(v)) => v,
+            Ok(Err(p)) => std::panic::resume_unwind(p),
+            Err(_) => panic!("hang: no answer within {secs} s"),
+        }
+    }
+
+    fn round(n: usize) -> (usize, usize) {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let _g = rt.enter();
+        let p: Purgatory<u32, Never> = Purgatory::builder()
+            .name("reset")
+            .tick(Duration::from_micros(10))
+            .timer_shards(1)
+            .build()
+            .unwrap();
+        let mut refs = Vec::with_capacity(n);
+        for i in 0..n {
+            let h = p
+                .try_complete_else_watch(Never, Duration::from_secs(3600), [i as u32])
+                .unwrap();
+            refs.push(h.into_op_ref().unwrap());
+        }
+        let refs = Arc::new(refs);
+        let false_then_expired = Arc::new(AtomicUsize::new(0));
+        let trues = Arc::new(AtomicUsize::new(0));
+        let threads: Vec<_> = (0..2)
+            .map(|t| {
+                let (refs, fte, trues) = (refs.clone(), false_then_expired.clone(), trues.clone());
+                let h = rt.handle().clone();
+                std::thread::spawn(move || {
+                    let _g = h.enter();
+                    for (i, r) in refs.iter().enumerate() {
+                        if i % 2 != t {
+                            continue;
+                        }
+                        assert_eq!(r.status(), OperationStatus::Pending);
+                        let moved = r.reset_at(Instant::now() - Duration::from_millis(1));
+                        if moved {
+                            trues.fetch_add(1, Ordering::SeqCst);
+                        } else {
+                            // Bounded wait for the finish.
+                            let t0 = std::time::Instant::now();
+                            while r.status() == OperationStatus::Pending {
+                                assert!(t0.elapsed() < Duration::from_secs(5));
+                                std::thread::yield_now();
+                            }
+                            if r.status() == OperationStatus::Expired {
+                                fte.fetch_add(1, Ordering::SeqCst);
+                            }
+                        }
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        // Everything was reset into the past: all expire, bounded.
+        let t0 = std::time::Instant::now();
+        while p.delayed() > 0 {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "stuck: {:?}",
+                p.metrics()
+            );
+            std::thread::yield_now();
+        }
+        let m = p.metrics();
+        assert_eq!(m.expired as usize, n);
+        drop(p);
+        rt.shutdown_timeout(Duration::from_secs(5));
+        (
+            false_then_expired.load(Ordering::SeqCst),
+            trues.load(Ordering::SeqCst),
+        )
+    }
+
+    #[test]
+    fn a_reset_into_the_past_that_returns_false_yet_moved_the_deadline() {
+        let rounds = within(240, || (0..6).map(|_| round(30_000)).collect::<Vec<_>>());
+        let bad = rounds.iter().filter(|r| r.0 > 0).count();
+        assert_eq!(
+            bad,
+            0,
+            "{bad} of {} rounds: resets returned false though nothing but the reset could \
+             expire the operation: {rounds:?}",
+            rounds.len()
+        );
+    }
+}

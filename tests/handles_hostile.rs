@@ -1213,3 +1213,249 @@ fn handle_paths_racing_finish_each_once() {
         });
     });
 }
+
+/// Promises about a cancel left to a running check (the operation cancels
+/// itself from its `try_complete`: through its `OpRef`, by its key, or by
+/// dropping its own handle), and about an operation completed by its
+/// registration's second check. `delayed`: "a cancelled one is counted out
+/// as it is cancelled, and may be dropped (or handed back to whoever
+/// cancelled it) after"; `op_ref` and `into_op_ref`: "`None` when the
+/// operation completed during registration".
+mod left_to_a_check {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::{Arc, Mutex};
+    use std::time::Duration;
+
+    use tokio_purgatory::{
+        Completion, OpRef, Operation, OperationError, OperationStatus, Purgatory, WeakPurgatory,
+    };
+
+    type P = Purgatory<u32, Op>;
+    type RefSlot = Arc<Mutex<Option<OpRef<u32, Op>>>>;
+
+    /// What the op's Drop saw.
+    #[derive(Debug, Default, Clone, PartialEq)]
+    struct AtDrop {
+        delayed: usize,
+        cancelled_counted: u64,
+        status: Option<OperationStatus>,
+    }
+
+    #[derive(Clone, Copy, PartialEq, Debug)]
+    enum SelfAct {
+        None,
+        /// try_complete cancels itself through its OpRef.
+        CancelRef,
+        /// try_complete cancels its own key.
+        CancelKey,
+        /// try_complete drops its own handle.
+        DropHandle,
+    }
+
+    struct Op {
+        key: u32,
+        act: SelfAct,
+        armed: Arc<AtomicBool>,
+        me: RefSlot,
+        handle: Arc<Mutex<Option<tokio_purgatory::OperationHandle<u32, Op>>>>,
+        p: Arc<Mutex<Option<WeakPurgatory<u32, Op>>>>,
+        at_drop: Arc<Mutex<Option<AtDrop>>>,
+        /// How many times try_complete ran; completes on call number `complete_on`.
+        calls: Arc<AtomicUsize>,
+        complete_on: usize,
+    }
+
+    impl Op {
+        fn new(key: u32, act: SelfAct) -> Op {
+            Op {
+                key,
+                act,
+                armed: Arc::default(),
+                me: Arc::default(),
+                handle: Arc::default(),
+                p: Arc::default(),
+                at_drop: Arc::default(),
+                calls: Arc::default(),
+                complete_on: usize::MAX,
+            }
+        }
+    }
+
+    impl Operation for Op {
+        type Output = u32;
+        fn try_complete(&mut self) -> Option<u32> {
+            let n = self.calls.fetch_add(1, Ordering::SeqCst) + 1;
+            if n == self.complete_on {
+                return Some(7);
+            }
+            if self.armed.swap(false, Ordering::SeqCst) {
+                match self.act {
+                    SelfAct::None => {}
+                    SelfAct::CancelRef => {
+                        let r = self.me.lock().unwrap().clone().unwrap();
+                        assert!(r.cancel().is_none(), "left to this very check");
+                    }
+                    SelfAct::CancelKey => {
+                        let p = self.p.lock().unwrap().clone().unwrap().upgrade().unwrap();
+                        assert!(p.cancel_for_key(&self.key).is_empty());
+                    }
+                    SelfAct::DropHandle => {
+                        drop(self.handle.lock().unwrap().take());
+                    }
+                }
+            }
+            None
+        }
+        fn on_expiration(self) -> u32 {
+            9
+        }
+    }
+
+    impl Drop for Op {
+        fn drop(&mut self) {
+            let p = self.p.lock().unwrap().clone().and_then(|w| w.upgrade());
+            let status = self.me.lock().unwrap().as_ref().map(|r| r.status());
+            if let Some(p) = p {
+                let m = p.metrics();
+                *self.at_drop.lock().unwrap() = Some(AtDrop {
+                    delayed: p.delayed(),
+                    cancelled_counted: m.cancelled,
+                    status,
+                });
+            }
+        }
+    }
+
+    fn purg() -> P {
+        Purgatory::builder().name("scratch").build().unwrap()
+    }
+
+    /// Baseline: a cancel by reference from outside any check. The docs of
+    /// `delayed` (src/purgatory/mod.rs): "a cancelled one is counted out as it
+    /// is cancelled, and may be dropped (or handed back to whoever cancelled it)
+    /// after". Its drop sees 0 pending and the cancel counted.
+    #[tokio::test(start_paused = true)]
+    async fn direct_cancel_is_counted_out_before_the_drop() {
+        let p = purg();
+        let op = Op::new(1, SelfAct::None);
+        let (at_drop, me, pw) = (op.at_drop.clone(), op.me.clone(), op.p.clone());
+        *pw.lock().unwrap() = Some(p.downgrade());
+        let h = p
+            .try_complete_else_watch(op, Duration::from_secs(10), [1])
+            .unwrap();
+        *me.lock().unwrap() = h.op_ref();
+        let back = h.op_ref().unwrap().cancel().expect("taken");
+        drop(back);
+        let seen = at_drop.lock().unwrap().clone().unwrap();
+        assert_eq!(seen.delayed, 0, "{seen:?}");
+        assert_eq!(seen.cancelled_counted, 1, "{seen:?}");
+        assert_eq!(h.await, Err(OperationError::Cancelled));
+    }
+
+    /// A cancel left to the running check (the op cancels itself through its
+    /// OpRef, by its key, or by dropping its own handle, from its try_complete):
+    /// the check carries it out. Per the docs of `delayed`, the cancelled
+    /// operation is counted out as it is cancelled and dropped after; what does
+    /// its drop see?
+    async fn deferred(act: SelfAct) -> AtDrop {
+        let p = purg();
+        let op = Op::new(1, act);
+        let (at_drop, me, pw, armed, hslot) = (
+            op.at_drop.clone(),
+            op.me.clone(),
+            op.p.clone(),
+            op.armed.clone(),
+            op.handle.clone(),
+        );
+        *pw.lock().unwrap() = Some(p.downgrade());
+        let h = p
+            .try_complete_else_watch(op, Duration::from_secs(10), [1])
+            .unwrap();
+        *me.lock().unwrap() = h.op_ref();
+        let keep = h.op_ref().unwrap();
+        let awaited = if act == SelfAct::DropHandle {
+            *hslot.lock().unwrap() = Some(h);
+            None
+        } else {
+            Some(h)
+        };
+        armed.store(true, Ordering::SeqCst);
+        assert_eq!(p.try_complete_watched(&1), 0);
+        assert_eq!(keep.status(), OperationStatus::Cancelled);
+        if let Some(h) = awaited {
+            assert_eq!(h.await, Err(OperationError::Cancelled));
+        }
+        let m = p.metrics();
+        assert_eq!((m.cancelled, m.delayed), (1, 0));
+        let seen = at_drop.lock().unwrap().clone().unwrap();
+        seen
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn deferred_cancel_by_ref_is_counted_out_before_the_drop() {
+        let seen = deferred(SelfAct::CancelRef).await;
+        assert_eq!(
+            (seen.delayed, seen.cancelled_counted),
+            (0, 1),
+            "the op's Drop after a cancel left to its check: {seen:?}"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn deferred_cancel_by_key_is_counted_out_before_the_drop() {
+        let seen = deferred(SelfAct::CancelKey).await;
+        assert_eq!(
+            (seen.delayed, seen.cancelled_counted),
+            (0, 1),
+            "the op's Drop after a cancel by key left to its check: {seen:?}"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn deferred_cancel_by_handle_drop_is_counted_out_before_the_drop() {
+        let seen = deferred(SelfAct::DropHandle).await;
+        assert_eq!(
+            (seen.delayed, seen.cancelled_counted),
+            (0, 1),
+            "the op's Drop after its handle was dropped from its check: {seen:?}"
+        );
+    }
+
+    /// `OperationHandle::op_ref` (handle.rs): "`None` when the operation
+    /// completed during registration (there is nothing left to check)".
+    /// Registration "checks `op` once; if it cannot complete, watches it ...,
+    /// checks it again" (mod.rs). An op completed by the second check of its
+    /// registration: what do `op_ref` and `into_op_ref` say?
+    #[tokio::test(start_paused = true)]
+    async fn op_ref_of_an_operation_completed_by_its_registrations_second_check() {
+        let p = purg();
+        let mut op = Op::new(1, SelfAct::None);
+        op.complete_on = 2; // the first check says not yet, the second completes
+        let calls = op.calls.clone();
+        let h = p
+            .try_complete_else_watch(op, Duration::from_secs(10), [1])
+            .unwrap();
+        assert_eq!(
+            calls.load(Ordering::SeqCst),
+            2,
+            "both registration checks ran"
+        );
+        assert_eq!(p.metrics().completed, 1, "completed during registration");
+        assert!(h.is_finished());
+        let r = h.op_ref();
+        let status = r.as_ref().map(|r| r.status());
+        drop(r);
+        let mut op2 = Op::new(2, SelfAct::None);
+        op2.complete_on = 2;
+        let h2 = p
+            .try_complete_else_watch(op2, Duration::from_secs(10), [2])
+            .unwrap();
+        let into = h2.into_op_ref().map(|r| r.status());
+        assert_eq!(h.await, Ok(Completion::Completed(7)));
+        assert!(
+            status.is_none() && into.is_none(),
+            "completed during registration, yet op_ref() gave a reference reading {status:?} \
+             and into_op_ref() one reading {into:?}"
+        );
+    }
+}

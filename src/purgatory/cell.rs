@@ -266,8 +266,10 @@ impl<'a> TimerSlot<'a> {
     /// the key out of the word meanwhile; the caller keeps other moves off
     /// ([`Delivery::serialise`]). A finish that comes meanwhile finds no key,
     /// so the new entry is removed here, with `remove`. Returns whether the
-    /// entry was moved and is still recorded: `false` once the finish took the
-    /// key, or the entry left the timer (its expiry is under way).
+    /// entry was moved: `false` when the finish took the key first, or the
+    /// entry had left the timer (its expiry is under way). A finish after the
+    /// move (the moved entry's own expiry, when its deadline has passed, or a
+    /// completion or cancel) does not undo it: `true`.
     pub(crate) fn move_with(
         &self,
         move_entry: impl FnOnce(TimerKey) -> Option<TimerKey>,
@@ -287,13 +289,14 @@ impl<'a> TimerSlot<'a> {
         let Some(moved) = move_entry(key) else {
             return false;
         };
-        match self.set(moved) {
-            Ok(()) => true,
-            Err(moved) => {
-                remove(moved); // the finish came meanwhile and found no key
-                false
-            }
+        if let Err(moved) = self.set(moved) {
+            // The finish came meanwhile and found no key: the moved entry
+            // goes (if it is still there; a deadline already past may have
+            // fired it, which is what finished the operation). The move took
+            // effect all the same.
+            remove(moved);
         }
+        true
     }
 }
 
@@ -525,8 +528,10 @@ where
                     .shared
                     .closed()
                     .map_or(OperationError::Cancelled, OperationError::from);
-                self.shared.drop_contained("drop of an operation", op);
+                // Counted out (and its handle told) before its drop runs, as
+                // a cancel that is not left to a check does.
                 self.finish(Err(why), Fate::Cancelled, true);
+                self.shared.drop_contained("drop of an operation", op);
                 // As the cancel would have, had it not been left to this check.
                 self.shared.tidy();
                 false
@@ -831,7 +836,7 @@ where
     /// Moves the operation's timeout to `deadline` (`now` is the caller's
     /// reading of the clock); see [`OpRef::reset_at`](super::OpRef::reset_at).
     pub(crate) fn reset(&self, now: tokio::time::Instant, deadline: tokio::time::Instant) -> bool {
-        if self.is_finished() {
+        if self.is_finished() || self.shared.is_closed() {
             return false;
         }
         let shared = self.shared;
@@ -1143,6 +1148,45 @@ mod loom_timer_slot {
             assert!(moved != fired, "the entry either moved or fired");
             if !fired {
                 kept.finish(); // the moved entry's job, cancelled instead
+            }
+            assert!(lock(&kept.timer).is_empty(), "an entry left behind");
+        });
+    }
+
+    #[test]
+    fn loom_a_reset_whose_moved_entry_fires_at_once_took_effect() {
+        loom::model(|| {
+            let kept = Kept::armed();
+            let t = {
+                let kept = kept.clone();
+                // The expiry of the moved entry (its deadline already past):
+                // the reaper takes it out of the timer, then the finish takes
+                // the key (the entry has left: nothing to remove).
+                thread::spawn(move || {
+                    let fired = kept.take(8);
+                    if fired {
+                        kept.slot().take_final();
+                    }
+                    fired
+                })
+            };
+            let moved = {
+                let _resets = lock(&kept.resets);
+                kept.slot().move_with(
+                    |old| {
+                        kept.remove(old);
+                        Some(kept.insert(8))
+                    },
+                    // As the timer's own removal: nothing when it has fired.
+                    |moved| {
+                        kept.take(moved.to_bits().0);
+                    },
+                )
+            };
+            let fired = t.join().unwrap();
+            assert!(moved, "the move took effect, whether or not it fired first");
+            if !fired {
+                kept.finish();
             }
             assert!(lock(&kept.timer).is_empty(), "an entry left behind");
         });

@@ -138,8 +138,9 @@ pub struct OperationHandle<K: WatchKey, O: Operation> {
 }
 
 enum Inner<K: WatchKey, O: Operation> {
-    /// Completed by the first check, before anything was registered. The
-    /// purgatory is kept to drop an unread output contained.
+    /// Completed during registration (by its first check, before anything
+    /// was watched, or by its second). The purgatory is kept to drop an
+    /// unread output contained.
     Ready(Completion<O::Output>, Arc<Shared<K, O>>),
     Waiting(CellRef<K, O>),
     Taken,
@@ -634,7 +635,9 @@ where
     /// it to check once more and returns `false` at once: the event is not lost
     /// (unless a cancel or the timeout arrives during that check too: they
     /// win over the re-run), and checks never overlap. After the operation has finished, returns `false`
-    /// and runs nothing.
+    /// and runs nothing; so it does once a [`shutdown`](crate::Purgatory::shutdown)
+    /// of its purgatory has begun (the shutdown hands back what is still
+    /// pending).
     ///
     /// # Examples
     ///
@@ -656,6 +659,10 @@ where
     /// # }
     /// ```
     pub fn try_complete(&self) -> bool {
+        if self.cell.shared.is_closed() {
+            // The shutdown hands back whatever is still pending.
+            return false;
+        }
         let completed = self.cell.op().check();
         self.cell
             .shared
@@ -805,7 +812,8 @@ where
     /// reset returns `false`. A completion or cancellation racing a reset that
     /// returned `true` still finishes the operation (and removes the moved
     /// timeout). Concurrent resets each move it; the last one to take effect
-    /// sets the deadline. After [`shutdown`](crate::Purgatory::shutdown), `false`.
+    /// sets the deadline. Once a [`shutdown`](crate::Purgatory::shutdown) has
+    /// begun, `false`.
     ///
     /// # Examples
     ///

@@ -843,7 +843,7 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
         let settled = shared.settle(id, op, me, now, deadline);
         shared.drop_keys(keys);
         match settled {
-            Ok(()) => {
+            Ok(completed) => {
                 if shared.is_closed() {
                     // Finished (completed or expired) though a shutdown
                     // emptied the lists during the watch: its entries go as
@@ -851,6 +851,17 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
                     shared.tidy();
                 } else {
                     shared.maybe_purge();
+                }
+                if completed {
+                    // Completed by the second check, so during registration
+                    // as by the first: a ready handle, with no reference to
+                    // hand out (nothing is left to check). The output is in
+                    // the cell already, delivered by that check.
+                    match cell.op().poll_outcome(std::task::Waker::noop()) {
+                        Some(Ok(c)) => return Ok(OperationHandle::ready(c, shared.clone())),
+                        Some(Err(_)) => unreachable!("a completion delivers its output"),
+                        None => {}
+                    }
                 }
                 Ok(OperationHandle::waiting(cell))
             }
@@ -927,8 +938,11 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
     /// with it released, and an operation already being checked elsewhere is
     /// asked to check again, handed this call's level (see
     /// [`Operation::try_complete_reached`]). Advances of the same or other
-    /// keys may run at once on any number of threads. After a
-    /// [`shutdown`](Purgatory::shutdown) nothing is watched, and this returns 0.
+    /// keys may run at once on any number of threads. Once a
+    /// [`shutdown`](Purgatory::shutdown) has begun (from the moment
+    /// [`is_shutdown`](Purgatory::is_shutdown) reads `true`) this finds
+    /// nothing and returns 0: what is still watched is the shutdown's to hand
+    /// back.
     ///
     /// # Examples
     ///
@@ -989,8 +1003,11 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
     /// The key's list is copied under its lock and the checks run after the lock
     /// is released. An operation already being checked elsewhere is asked to check
     /// again instead (it is then not counted here). Calls for the same or other
-    /// keys may run at once on any number of threads. After a
-    /// [`shutdown`](Purgatory::shutdown) nothing is watched, and this returns 0.
+    /// keys may run at once on any number of threads. Once a
+    /// [`shutdown`](Purgatory::shutdown) has begun (from the moment
+    /// [`is_shutdown`](Purgatory::is_shutdown) reads `true`) this finds
+    /// nothing and returns 0: what is still watched is the shutdown's to hand
+    /// back.
     ///
     /// # Examples
     ///
@@ -1050,8 +1067,9 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
     /// after (its handle resolves to `Cancelled`, and the operation is dropped).
     /// An operation still registering is cancelled the same way by its
     /// registration, once it watches `key` (a cancel that comes before finds
-    /// nothing of it). After a [`shutdown`](Purgatory::shutdown) nothing is
-    /// watched, and this returns an empty list.
+    /// nothing of it). Once a [`shutdown`](Purgatory::shutdown) has begun
+    /// (from the moment [`is_shutdown`](Purgatory::is_shutdown) reads `true`)
+    /// this finds nothing and returns an empty list.
     ///
     /// # Examples
     ///
@@ -1323,6 +1341,18 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
     /// complete it, is dropped there (counted as cancelled) and its handle
     /// resolves to [`OperationError::Shutdown`]. Calling `shutdown` from inside an operation's code
     /// works.
+    ///
+    /// From the moment a shutdown begins ([`is_shutdown`](Self::is_shutdown)
+    /// reads `true` from then on, on every thread), walks, advances and
+    /// cancellations by key find nothing, and [`OpRef::try_complete`] and
+    /// the resets of a handle or an `OpRef` return `false`, whatever thread
+    /// calls them, code the shutdown itself runs included (a waker it wakes).
+    /// Such a call already under way when the shutdown began may still
+    /// complete, cancel or move an operation it had reached; a completed or
+    /// cancelled one is then not in the list. A cancel by reference
+    /// ([`OpRef::cancel`], [`OperationHandle::cancel`], a dropped handle)
+    /// racing the shutdown finishes the operation if it comes first, as
+    /// [`OpRef::cancel`] says.
     ///
     /// # Examples
     ///

@@ -526,8 +526,9 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
 
     /// The end of a registration of `op`, its cell watched and its check
     /// owned by `me`: checks again, and arms the timeout of an operation
-    /// still pending. Hands the operation back when a shutdown took it
-    /// meanwhile.
+    /// still pending. Returns whether that check completed it (its outcome
+    /// is delivered to its cell). Hands the operation back when a shutdown
+    /// took it meanwhile.
     pub(crate) fn settle(
         &self,
         id: Id,
@@ -535,10 +536,11 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         me: u64,
         now: Instant,
         deadline: Instant,
-    ) -> Result<(), (O, Closed)> {
+    ) -> Result<bool, (O, Closed)> {
         let cell = self.op(id);
         match cell.first_watched_check(me, op) {
-            Checked::Completed | Checked::Expired => Ok(()),
+            Checked::Completed => Ok(true),
+            Checked::Expired => Ok(false),
             Checked::Cancelled(op) => match self.core.closed() {
                 // A shutdown took the entries meanwhile: hand the operation back.
                 Some(why) => {
@@ -547,24 +549,25 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
                 }
                 None => {
                     // Cancelled by key meanwhile (its call could not tidy
-                    // while this registration held the operation).
-                    self.drop_contained("drop of an operation", op);
+                    // while this registration held the operation). Counted
+                    // out before its drop runs, as any cancel is.
                     cell.finish(Err(OperationError::Cancelled), Fate::Cancelled, true);
+                    self.drop_contained("drop of an operation", op);
                     self.tidy();
-                    Ok(())
+                    Ok(false)
                 }
             },
             Checked::Pending => match self.core.insert(now, deadline, Expiry::new(id)) {
                 Ok(key) => {
                     cell.set_timer(key);
-                    Ok(())
+                    Ok(false)
                 }
                 Err(Refused::Closed(_, why)) => {
                     // A shutdown ran during registration. If it did not take the
                     // operation, hand it back here.
                     match cell.cancel(why.into(), Fate::HandedBack) {
                         Some(op) => Err((op, why)),
-                        None => Ok(()),
+                        None => Ok(false),
                     }
                 }
                 Err(Refused::AtCapacity(_)) => unreachable!("the purgatory's timer has no limit"),
@@ -832,6 +835,11 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         K: Borrow<Q>,
         Q: Hash + Eq + ?Sized,
     {
+        if self.is_closed() {
+            // Shut down, or being shut down: what is still watched is the
+            // shutdown's to hand back (a walk from a waker it wakes included).
+            return 0;
+        }
         // The key's `Hash` and `Eq` are not the check of an operation this
         // thread may be checking (see `Innermost`).
         let marked = Innermost::mark(self);
@@ -915,6 +923,10 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         K: Borrow<Q>,
         Q: Hash + Eq + ?Sized,
     {
+        if self.is_closed() {
+            // As for a walk: the shutdown hands back what is still watched.
+            return Vec::new();
+        }
         let mut removed = Removed::default();
         {
             // The key's `Hash` and `Eq` (see `walk`).

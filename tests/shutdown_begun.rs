@@ -1,0 +1,338 @@
+//! What a shutdown promises the calls made once it has begun
+//! (`Purgatory::shutdown`, "Concurrent calls": from the moment
+//! `is_shutdown` reads `true`, walks, advances and cancellations by key find
+//! nothing, and `OpRef::try_complete` and resets return `false`, on every
+//! thread, code the shutdown itself runs included). Each operation the
+//! shutdown had not reached when such a call came is handed back by it.
+//!
+//! The first test runs on one thread, in Tokio's paused time: the handles'
+//! wakers, woken by the shutdown as it hands their operations back, walk the
+//! other keys and check the other operations by reference. The others race a
+//! shutdown of 20,000 ready operations from a second thread that acts once
+//! it has seen `is_shutdown` read `true`; each is bounded by a wall-clock
+//! timeout.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Wake, Waker};
+use std::time::Duration;
+
+use tokio_purgatory::{Completion, Operation, OperationError, Purgatory};
+
+/// Runs its closure when woken.
+struct FnWaker(Box<dyn Fn() + Send + Sync>);
+impl Wake for FnWaker {
+    fn wake(self: Arc<Self>) {
+        (self.0)()
+    }
+}
+
+/// A plain op: completes once its flag is set.
+struct Flag(Arc<AtomicBool>);
+impl Operation for Flag {
+    type Output = &'static str;
+    fn try_complete(&mut self) -> Option<&'static str> {
+        self.0.load(Ordering::SeqCst).then_some("done")
+    }
+    fn on_expiration(self) -> &'static str {
+        "expired"
+    }
+}
+
+/// A handle's waker, woken by the shutdown itself as it hands an operation
+/// back, walks the keys of the others (all ready to complete) and checks
+/// them by reference: none completes, and the shutdown hands back all 16.
+#[tokio::test(start_paused = true)]
+async fn a_waker_woken_by_shutdown_completes_another_pending_operation() {
+    let p: Purgatory<u32, Flag> = Purgatory::builder().name("s").build().unwrap();
+    let n = 16u32;
+    let flags: Vec<Arc<AtomicBool>> = (0..n).map(|_| Arc::default()).collect();
+    let mut handles = Vec::new();
+    for i in 0..n {
+        let h = p
+            .try_complete_else_watch(
+                Flag(flags[i as usize].clone()),
+                Duration::from_secs(10 + u64::from(i)),
+                [i],
+            )
+            .unwrap();
+        handles.push(h);
+    }
+    // Every op ready now (no event yet): any walk of its key completes it.
+    for f in &flags {
+        f.store(true, Ordering::SeqCst);
+    }
+    let walked = Arc::new(AtomicUsize::new(0));
+    let by_ref = Arc::new(AtomicUsize::new(0));
+    let refs: Arc<Vec<_>> = Arc::new(handles.iter().map(|h| h.op_ref().unwrap()).collect());
+    let weak = p.downgrade();
+    let mut cxs = Vec::new();
+    for (i, h) in handles.iter_mut().enumerate() {
+        let (w, walked, by_ref, refs) =
+            (weak.clone(), walked.clone(), by_ref.clone(), refs.clone());
+        let waker = Waker::from(Arc::new(FnWaker(Box::new(move || {
+            let Some(p) = w.upgrade() else { return };
+            assert!(p.is_shutdown());
+            for k in 0..n {
+                if k as usize != i {
+                    walked.fetch_add(p.try_complete_watched(&k), Ordering::SeqCst);
+                }
+            }
+            for (j, r) in refs.iter().enumerate() {
+                if j != i && r.try_complete() {
+                    by_ref.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+        }))));
+        let mut cx = Context::from_waker(&waker);
+        assert!(Pin::new(&mut *h).poll(&mut cx).is_pending());
+        cxs.push(waker);
+    }
+    let back = p.shutdown();
+    let back_n = back.len();
+    drop(back);
+    let mut outcomes = Vec::new();
+    for h in handles {
+        outcomes.push(h.await);
+    }
+    let completed = outcomes
+        .iter()
+        .filter(|o| matches!(o, Ok(Completion::Completed(_))))
+        .count();
+    let m = p.metrics();
+    assert_eq!(
+        m.registered,
+        m.completed + m.expired + m.cancelled + m.handed_back
+    );
+    assert!(
+        walked.load(Ordering::SeqCst) == 0
+            && by_ref.load(Ordering::SeqCst) == 0
+            && back_n == n as usize,
+        "shutdown() handed back {back_n} of {n} pending; walks run inside it completed {}, \
+         checks by reference {}; handles completed: {completed}; metrics {m:?}",
+        walked.load(Ordering::SeqCst),
+        by_ref.load(Ordering::SeqCst)
+    );
+}
+
+fn within<T: Send + 'static>(secs: u64, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)));
+    });
+    match rx.recv_timeout(Duration::from_secs(secs)) {
+        Ok(Ok(v)) => v,
+        Ok(Err(p)) => std::panic::resume_unwind(p),
+        Err(_) => panic!("hang: no answer within {secs} s"),
+    }
+}
+
+#[derive(Debug, Default)]
+struct Round {
+    n: usize,
+    handed_back: usize,
+    completed_after_seen: usize,
+    cancelled_after_seen: usize,
+    completed_outcomes: usize,
+    cancelled_outcomes: usize,
+    shutdown_outcomes: usize,
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Act {
+    Walk,
+    CancelKey,
+    ByRef,
+    Reset,
+}
+
+fn round(n: usize, act: Act) -> Round {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let _g = rt.enter();
+    let p: Purgatory<u32, Flag> = Purgatory::builder().name("after").build().unwrap();
+    let ready = Arc::new(AtomicBool::new(false));
+    let mut handles = Vec::with_capacity(n);
+    for i in 0..n {
+        handles.push(
+            p.try_complete_else_watch(Flag(ready.clone()), Duration::from_secs(3600), [i as u32])
+                .unwrap(),
+        );
+    }
+    ready.store(true, Ordering::SeqCst);
+    let refs: Vec<_> = handles.iter().map(|h| h.op_ref().unwrap()).collect();
+    let go = Arc::new(AtomicBool::new(false));
+    let after_completed = Arc::new(AtomicUsize::new(0));
+    let after_cancelled = Arc::new(AtomicUsize::new(0));
+    let other = {
+        let rt_h = rt.handle().clone();
+        let (p, go, c, x) = (
+            p.clone(),
+            go.clone(),
+            after_completed.clone(),
+            after_cancelled.clone(),
+        );
+        std::thread::spawn(move || {
+            let _g = rt_h.enter();
+            go.store(true, Ordering::SeqCst);
+            while !p.is_shutdown() {
+                std::hint::spin_loop();
+            }
+            // From here on, the shutdown has happened as far as this thread
+            // can tell.
+            for k in (0..n as u32).rev() {
+                match act {
+                    Act::Walk => {
+                        c.fetch_add(p.try_complete_watched(&k), Ordering::SeqCst);
+                    }
+                    Act::CancelKey => {
+                        x.fetch_add(p.cancel_for_key(&k).len(), Ordering::SeqCst);
+                    }
+                    Act::ByRef => {
+                        c.fetch_add(
+                            usize::from(refs[k as usize].try_complete()),
+                            Ordering::SeqCst,
+                        );
+                    }
+                    Act::Reset => {
+                        x.fetch_add(
+                            usize::from(refs[k as usize].reset(Duration::from_secs(7200))),
+                            Ordering::SeqCst,
+                        );
+                    }
+                }
+            }
+        })
+    };
+    while !go.load(Ordering::SeqCst) {
+        std::hint::spin_loop();
+    }
+    let back = p.shutdown();
+    let handed_back = back.len();
+    drop(back);
+    other.join().unwrap();
+    let mut r = Round {
+        n,
+        handed_back,
+        completed_after_seen: after_completed.load(Ordering::SeqCst),
+        cancelled_after_seen: after_cancelled.load(Ordering::SeqCst),
+        ..Round::default()
+    };
+    let outs: Vec<_> = rt.block_on(async {
+        let mut v = Vec::new();
+        for h in handles {
+            v.push(
+                tokio::time::timeout(Duration::from_secs(10), h)
+                    .await
+                    .expect("resolves"),
+            );
+        }
+        v
+    });
+    for o in outs {
+        match o {
+            Ok(Completion::Completed(_)) => r.completed_outcomes += 1,
+            Err(OperationError::Cancelled) => r.cancelled_outcomes += 1,
+            Err(OperationError::Shutdown) => r.shutdown_outcomes += 1,
+            other => panic!("{other:?}"),
+        }
+    }
+    let m = p.metrics();
+    assert_eq!(
+        m.registered,
+        m.completed + m.expired + m.cancelled + m.handed_back,
+        "{m:?}"
+    );
+    drop(p);
+    rt.shutdown_timeout(Duration::from_secs(5));
+    r
+}
+
+/// Walks made after `is_shutdown()` read `true` on the walking thread
+/// complete nothing: the shutdown hands back what they would have.
+#[test]
+fn walks_after_is_shutdown_reads_true_complete_pending_operations() {
+    let rounds = within(120, || {
+        (0..5).map(|_| round(20_000, Act::Walk)).collect::<Vec<_>>()
+    });
+    let bad: Vec<_> = rounds
+        .iter()
+        .filter(|r| r.completed_after_seen > 0 || r.handed_back != r.n)
+        .collect();
+    assert!(
+        bad.is_empty(),
+        "{} of {} rounds: walks after is_shutdown() completed operations: {:?}",
+        bad.len(),
+        rounds.len(),
+        bad
+    );
+}
+
+/// `cancel_for_key` after `is_shutdown()` read `true` takes nothing.
+#[test]
+fn cancels_by_key_after_is_shutdown_reads_true_take_pending_operations() {
+    let rounds = within(120, || {
+        (0..5)
+            .map(|_| round(20_000, Act::CancelKey))
+            .collect::<Vec<_>>()
+    });
+    let bad: Vec<_> = rounds
+        .iter()
+        .filter(|r| r.cancelled_after_seen > 0 || r.handed_back != r.n)
+        .collect();
+    assert!(
+        bad.is_empty(),
+        "{} of {} rounds: cancel_for_key after is_shutdown() took operations: {:?}",
+        bad.len(),
+        rounds.len(),
+        bad
+    );
+}
+
+/// `OpRef::try_complete` after `is_shutdown()` read `true` completes nothing.
+#[test]
+fn checks_by_reference_after_is_shutdown_reads_true_complete() {
+    let rounds = within(120, || {
+        (0..5)
+            .map(|_| round(20_000, Act::ByRef))
+            .collect::<Vec<_>>()
+    });
+    let bad: Vec<_> = rounds
+        .iter()
+        .filter(|r| r.completed_after_seen > 0 || r.handed_back != r.n)
+        .collect();
+    assert!(
+        bad.is_empty(),
+        "{} of {} rounds: OpRef::try_complete after is_shutdown() completed: {:?}",
+        bad.len(),
+        rounds.len(),
+        bad
+    );
+}
+
+/// `OpRef::reset` after `is_shutdown()` read `true` returns `false`.
+#[test]
+fn resets_after_is_shutdown_reads_true_return_false() {
+    let rounds = within(120, || {
+        (0..5)
+            .map(|_| round(20_000, Act::Reset))
+            .collect::<Vec<_>>()
+    });
+    // `cancelled_after_seen` counts resets that returned true here.
+    let bad: Vec<_> = rounds
+        .iter()
+        .filter(|r| r.cancelled_after_seen > 0 || r.handed_back != r.n)
+        .collect();
+    assert!(
+        bad.is_empty(),
+        "{} of {} rounds: OpRef::reset after is_shutdown() returned true: {:?}",
+        bad.len(),
+        rounds.len(),
+        bad
+    );
+}
