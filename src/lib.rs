@@ -333,7 +333,9 @@
 //!   plus the time the reaper waits to be scheduled (Tokio's own timer rounds its
 //!   sleep up to its millisecond grid and then parks for whole milliseconds
 //!   from wherever its clock stands, which adds up to 2 ms more). A deadline already
-//!   reached (a zero timeout, a past instant) runs on the reaper's next turn.
+//!   reached (a zero timeout, a past instant) runs on the reaper, never inline:
+//!   at its next turn, or later in the turn under way when that turn still has
+//!   due entries to take.
 //! - **No FIFO among equal deadlines.** Entries due in the same tick run in no
 //!   promised order.
 //! - **Far deadlines saturate.** `Duration::MAX` and deadlines past the wheel's top
@@ -389,7 +391,10 @@
 //!   a waker (one built from a raw vtable) whose `wake` or `Drop` panics when the
 //!   crate wakes or drops it, is caught, counted and reported through `tracing`;
 //!   the call that ran it finishes its work, every handle resolves, other
-//!   operations still complete and expire.
+//!   operations still complete and expire. The one case Rust leaves no way to
+//!   contain: a one-shot timer task that panics while a value it captured
+//!   panics in its `Drop` (the captures drop while the first panic unwinds,
+//!   and that double panic aborts, as anywhere); see [`Timer`].
 //!   A panic in a key's `Hash`, `Eq` or `Clone` propagates to the caller, with the
 //!   purgatory left as it was before the call. A panic in the application's
 //!   `tracing` subscriber, on any span or event the crate emits, is swallowed

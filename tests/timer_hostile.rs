@@ -1401,3 +1401,225 @@ fn a_runtime_dropped_before_the_deadline_of_tasks_scheduled_from_outside_it() {
         );
     });
 }
+
+/// A repeating task cancelled while a shutdown is under way
+/// (`TaskHandle::cancel`: "`true` when this call stopped it, and no run starts
+/// afterwards"; `Timer::shutdown`: the handles of the tasks handed back read
+/// `Done`): the cancel and the shutdown's hand-back never both win.
+mod cancelled_during_shutdown {
+    use std::future::Future;
+    use std::pin::Pin;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::{Arc, Mutex};
+    use std::task::{Context, Wake, Waker};
+    use std::time::Duration;
+
+    use tokio_purgatory::timer::{TaskHandle, TaskStatus};
+    use tokio_purgatory::Timer;
+
+    /// A waker whose `wake` runs a callback (user code the timer calls back).
+    struct OnWake(Mutex<Option<Box<dyn FnOnce() + Send>>>);
+    impl Wake for OnWake {
+        fn wake(self: Arc<Self>) {
+            self.wake_by_ref()
+        }
+        fn wake_by_ref(self: &Arc<Self>) {
+            if let Some(f) = self.0.lock().unwrap().take() {
+                f()
+            }
+        }
+    }
+
+    /// A sleep's waker, woken by `shutdown` (after the wheels were drained,
+    /// before or after the repeating task is handed back, by the order of their
+    /// entries), cancels a repeating task: either the cancel wins (`true`, and
+    /// the task is not handed back, nor does it run) or the shutdown does.
+    #[tokio::test(start_paused = true)]
+    async fn a_repeating_task_cancelled_during_shutdown_is_both_cancelled_and_handed_back() {
+        let mut report = Vec::new();
+        for sleep_first in [true, false] {
+            let timer = Timer::builder().shards(1).build().unwrap();
+            let runs = Arc::new(AtomicUsize::new(0));
+            let r = runs.clone();
+            let mut sleep = None;
+            if sleep_first {
+                sleep = Some(timer.sleep(Duration::from_secs(60)));
+            }
+            let handle: Arc<TaskHandle> = Arc::new(
+                timer
+                    .schedule_repeating(Duration::from_secs(30), move || {
+                        r.fetch_add(1, Ordering::SeqCst);
+                        Some(Duration::from_secs(30))
+                    })
+                    .unwrap(),
+            );
+            if !sleep_first {
+                sleep = Some(timer.sleep(Duration::from_secs(60)));
+            }
+            let mut sleep = sleep.unwrap();
+            let cancelled: Arc<Mutex<Option<bool>>> = Arc::new(Mutex::new(None));
+            let (h, c) = (handle.clone(), cancelled.clone());
+            let waker = Waker::from(Arc::new(OnWake(Mutex::new(Some(Box::new(move || {
+                *c.lock().unwrap() = Some(h.cancel());
+            }))))));
+            assert!(Pin::new(&mut sleep)
+                .poll(&mut Context::from_waker(&waker))
+                .is_pending());
+
+            let unrun = timer.shutdown();
+            let said = cancelled
+                .lock()
+                .unwrap()
+                .expect("the waker ran inside shutdown");
+            let status = handle.status();
+            let handed_back = unrun.len();
+            for task in unrun {
+                task.run();
+            }
+            let ran = runs.load(Ordering::SeqCst);
+            report.push((sleep_first, said, status, handed_back, ran));
+        }
+        // Either the cancel won (true, and nothing of the chain is handed back or
+        // runs) or the shutdown did (cancel says false, the task is handed back).
+        for &(sleep_first, said, status, handed_back, ran) in &report {
+            assert!(
+                !(said && (handed_back > 0 || ran > 0)),
+                "sleep first: {sleep_first}: cancel() returned {said} (status {status:?}), yet \
+                 shutdown handed back {handed_back} task(s) and running them ran the cancelled \
+                 repeating closure {ran} time(s). All: {report:?}"
+            );
+            assert!(said || status != TaskStatus::Cancelled);
+        }
+    }
+
+    /// The same on real threads, with no re-entry: a thread cancels the
+    /// repeating task as soon as `is_shutdown()` reads `true`, while another
+    /// thread's `shutdown` is still handing back the 50,000 tasks before it.
+    #[test]
+    fn a_repeating_task_cancelled_on_another_thread_during_shutdown() {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let mut outcomes = Vec::new();
+        for _ in 0..3 {
+            let (timer, handle, runs) = {
+                let _g = rt.enter();
+                let timer = Timer::builder().shards(1).build().unwrap();
+                for _ in 0..50_000 {
+                    let _ = timer.schedule(Duration::from_secs(60), || {}).unwrap();
+                }
+                let runs = Arc::new(AtomicUsize::new(0));
+                let r = runs.clone();
+                let handle = Arc::new(
+                    timer
+                        .schedule_repeating(Duration::from_secs(30), move || {
+                            r.fetch_add(1, Ordering::SeqCst);
+                            Some(Duration::from_secs(30))
+                        })
+                        .unwrap(),
+                );
+                (timer, handle, runs)
+            };
+            let canceller = {
+                let (timer, handle) = (timer.clone(), handle.clone());
+                std::thread::spawn(move || {
+                    let wall = std::time::Instant::now();
+                    while !timer.is_shutdown() {
+                        assert!(wall.elapsed() < Duration::from_secs(10), "bounded");
+                        std::hint::spin_loop();
+                    }
+                    handle.cancel()
+                })
+            };
+            let unrun = timer.shutdown();
+            let said = canceller.join().unwrap();
+            let n = unrun.len();
+            for t in unrun {
+                t.run();
+            }
+            outcomes.push((said, n, runs.load(Ordering::SeqCst), handle.status()));
+        }
+        assert!(
+            outcomes
+                .iter()
+                .all(|&(said, n, ran, _)| !(said && (n == 50_001 || ran > 0))),
+            "(cancel() said, tasks handed back, repeating closure runs, status) per try: {outcomes:?}"
+        );
+    }
+}
+
+/// `TaskStatus` read while a cancel runs ("`Cancelled` is final, and so is
+/// `Done` for a one-shot task").
+mod status_racing_cancel {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::sync::{Arc, Barrier};
+    use std::time::Duration;
+
+    use tokio_purgatory::timer::TaskStatus;
+    use tokio_purgatory::Timer;
+
+    /// A reader racing `cancel` never sees a one-shot task that never ran read
+    /// `Done` and then `Cancelled`. Up to 3,000 tries of a cancel at a varying
+    /// moment against a thread reading `status` in a loop, bounded to 3 s.
+    #[test]
+    fn a_one_shot_reads_done_then_cancelled_while_cancel_races_status() {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let timer = {
+            let _g = rt.enter();
+            Timer::new()
+        };
+        let wall = std::time::Instant::now();
+        let mut seen = 0u64;
+        let mut tries = 0u64;
+        while tries < 3_000 && wall.elapsed() < Duration::from_secs(3) && seen == 0 {
+            tries += 1;
+            let h = {
+                let _g = rt.enter();
+                Arc::new(timer.schedule(Duration::from_secs(600), || {}).unwrap())
+            };
+            let go = Arc::new(Barrier::new(2));
+            let stop = Arc::new(AtomicBool::new(false));
+            let bad = Arc::new(AtomicU64::new(0));
+            let reader = {
+                let (h, go, stop, bad) = (h.clone(), go.clone(), stop.clone(), bad.clone());
+                std::thread::spawn(move || {
+                    go.wait();
+                    let mut saw_done = false;
+                    loop {
+                        match h.status() {
+                            TaskStatus::Done => saw_done = true,
+                            TaskStatus::Cancelled => {
+                                if saw_done {
+                                    bad.fetch_add(1, Ordering::SeqCst);
+                                }
+                                break;
+                            }
+                            TaskStatus::Pending => {}
+                        }
+                        if stop.load(Ordering::Relaxed) {
+                            break;
+                        }
+                    }
+                })
+            };
+            go.wait();
+            for _ in 0..(tries % 50) {
+                std::hint::spin_loop();
+            }
+            assert!(h.cancel());
+            stop.store(true, Ordering::Relaxed);
+            reader.join().unwrap();
+            seen += bad.load(Ordering::SeqCst);
+        }
+        assert_eq!(
+            seen, 0,
+            "after {tries} tries: a one-shot task that never ran read Done, then Cancelled"
+        );
+    }
+}

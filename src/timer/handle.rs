@@ -230,9 +230,16 @@ impl TaskHandle {
     /// Takes the task's entry out of the timer (stopping a repeating chain):
     /// whether this call cancelled it, and the entry it removed.
     fn stop(&self) -> (bool, Option<TimerJob>) {
-        let (cancelled, removed) = match &self.entry {
+        // `cancelled` is set under the lock of the slot, which `status` reads
+        // under: a task never reads as done (its entry gone) and then as
+        // cancelled.
+        match &self.entry {
             Entry::Once(key) => {
-                let removed = lock(key).and_then(|key| self.core.remove(key));
+                let key = lock(key);
+                let removed = key.and_then(|key| self.core.remove(key));
+                if removed.is_some() {
+                    self.cancelled.store(true, Ordering::Release);
+                }
                 (removed.is_some(), removed)
             }
             Entry::Repeating(chain) => {
@@ -241,15 +248,12 @@ impl TaskHandle {
                     if chain.stopped.swap(true, Ordering::AcqRel) {
                         return (false, None);
                     }
+                    self.cancelled.store(true, Ordering::Release);
                     key.take()
                 };
                 (true, key.and_then(|key| self.core.remove(key)))
             }
-        };
-        if cancelled {
-            self.cancelled.store(true, Ordering::Release);
         }
-        (cancelled, removed)
     }
 
     /// Where the task's current entry is recorded.
@@ -385,9 +389,12 @@ impl TaskHandle {
     /// # }
     /// ```
     pub fn status(&self) -> TaskStatus {
+        // Read under the slot's lock, under which a cancel both removes the
+        // entry and marks the task cancelled (see `stop`).
+        let key = lock(self.slot());
         if self.cancelled.load(Ordering::Acquire) {
             TaskStatus::Cancelled
-        } else if self.is_pending() {
+        } else if key.is_some_and(|k| self.core.contains(k)) {
             TaskStatus::Pending
         } else {
             TaskStatus::Done

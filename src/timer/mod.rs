@@ -120,7 +120,12 @@ impl Drop for Owner {
 /// Tasks run **on the reaper task**, one after another, with no lock held: keep
 /// them short, and spawn anything long or blocking. A panicking task is caught,
 /// counted in [`TimerMetrics::panicked`] and reported through `tracing`; later
-/// tasks still run.
+/// tasks still run. One case no library can contain: a one-shot task panics
+/// while a value it captured also panics in its `Drop`. Calling the task
+/// consumes it, so Rust drops its captures while the first panic unwinds,
+/// and a second panic then aborts the process, as it would anywhere. A
+/// repeating task's captures are dropped after the panic is caught, and
+/// such a `Drop` panic there is contained and counted.
 ///
 /// # Concurrency
 ///
@@ -331,8 +336,11 @@ impl Timer {
 
     /// Runs `task` on the reaper task once `delay` has passed (O(1)).
     ///
-    /// A zero delay runs the task on the reaper's next turn, never inline. A delay
-    /// too large for `Instant` saturates to a deadline about 30 years out.
+    /// A zero delay runs the task on the reaper, never inline: at its next
+    /// turn, or later in the turn under way when called from a task of a
+    /// turn that still has due entries to take (it takes them in batches,
+    /// and looks again after each). A delay too large for `Instant`
+    /// saturates to a deadline about 30 years out.
     ///
     /// # Errors
     ///

@@ -325,7 +325,18 @@ impl<F: FnMut() -> Option<Duration> + Send + 'static> TaskFn for Repeating<F> {
     }
 
     fn stopped(mut self: Box<Self>, _: Closed) -> Option<Box<dyn TaskFn>> {
-        self.chain.stopped.store(true, Ordering::Release);
+        // Under the key's lock, as a cancel through the handle sets it: a
+        // cancel that came after the shutdown took the entry out, and
+        // before this, stopped the chain (it returned `true`), so the task
+        // is not handed back to run: it is dropped here, where the caller
+        // contains a panic in its `Drop` as it does for the tasks it drops.
+        let cancelled = {
+            let _key = lock(&self.chain.key);
+            self.chain.stopped.swap(true, Ordering::AcqRel)
+        };
+        if cancelled {
+            return None;
+        }
         self.handed_back = true;
         Some(self)
     }
