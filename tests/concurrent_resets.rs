@@ -541,7 +541,7 @@ mod reset_into_the_past {
     }
 
     #[test]
-    fn a_reset_into_the_past_that_returns_false_yet_moved_the_deadline() {
+    fn a_reset_into_the_past_whose_operation_expired_returned_true() {
         let rounds = within(240, || (0..6).map(|_| round(30_000)).collect::<Vec<_>>());
         let bad = rounds.iter().filter(|r| r.0 > 0).count();
         assert_eq!(

@@ -1427,7 +1427,7 @@ mod left_to_a_check {
     /// checks it again" (mod.rs). An op completed by the second check of its
     /// registration: what do `op_ref` and `into_op_ref` say?
     #[tokio::test(start_paused = true)]
-    async fn op_ref_of_an_operation_completed_by_its_registrations_second_check() {
+    async fn a_completion_by_the_second_check_gives_a_ready_handle() {
         let p = purg();
         let mut op = Op::new(1, SelfAct::None);
         op.complete_on = 2; // the first check says not yet, the second completes

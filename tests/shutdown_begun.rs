@@ -45,7 +45,7 @@ impl Operation for Flag {
 /// back, walks the keys of the others (all ready to complete) and checks
 /// them by reference: none completes, and the shutdown hands back all 16.
 #[tokio::test(start_paused = true)]
-async fn a_waker_woken_by_shutdown_completes_another_pending_operation() {
+async fn code_the_shutdown_runs_completes_nothing_it_hands_back() {
     let p: Purgatory<u32, Flag> = Purgatory::builder().name("s").build().unwrap();
     let n = 16u32;
     let flags: Vec<Arc<AtomicBool>> = (0..n).map(|_| Arc::default()).collect();
@@ -68,13 +68,23 @@ async fn a_waker_woken_by_shutdown_completes_another_pending_operation() {
     let by_ref = Arc::new(AtomicUsize::new(0));
     let refs: Arc<Vec<_>> = Arc::new(handles.iter().map(|h| h.op_ref().unwrap()).collect());
     let weak = p.downgrade();
+    // Wakes that found the purgatory shut down (a panic in a waker would be
+    // contained, so this is counted and checked after).
+    let woken_shut = Arc::new(AtomicUsize::new(0));
     let mut cxs = Vec::new();
     for (i, h) in handles.iter_mut().enumerate() {
-        let (w, walked, by_ref, refs) =
-            (weak.clone(), walked.clone(), by_ref.clone(), refs.clone());
+        let (w, walked, by_ref, refs, woken_shut) = (
+            weak.clone(),
+            walked.clone(),
+            by_ref.clone(),
+            refs.clone(),
+            woken_shut.clone(),
+        );
         let waker = Waker::from(Arc::new(FnWaker(Box::new(move || {
             let Some(p) = w.upgrade() else { return };
-            assert!(p.is_shutdown());
+            if p.is_shutdown() {
+                woken_shut.fetch_add(1, Ordering::SeqCst);
+            }
             for k in 0..n {
                 if k as usize != i {
                     walked.fetch_add(p.try_complete_watched(&k), Ordering::SeqCst);
@@ -106,6 +116,12 @@ async fn a_waker_woken_by_shutdown_completes_another_pending_operation() {
         m.registered,
         m.completed + m.expired + m.cancelled + m.handed_back
     );
+    assert_eq!(
+        woken_shut.load(Ordering::SeqCst),
+        n as usize,
+        "every waker ran, shut down"
+    );
+    assert_eq!(m.panicked, 0, "no waker panicked");
     assert!(
         walked.load(Ordering::SeqCst) == 0
             && by_ref.load(Ordering::SeqCst) == 0
@@ -256,7 +272,7 @@ fn round(n: usize, act: Act) -> Round {
 /// Walks made after `is_shutdown()` read `true` on the walking thread
 /// complete nothing: the shutdown hands back what they would have.
 #[test]
-fn walks_after_is_shutdown_reads_true_complete_pending_operations() {
+fn walks_once_is_shutdown_reads_true_complete_nothing() {
     let rounds = within(120, || {
         (0..5).map(|_| round(20_000, Act::Walk)).collect::<Vec<_>>()
     });
@@ -275,7 +291,7 @@ fn walks_after_is_shutdown_reads_true_complete_pending_operations() {
 
 /// `cancel_for_key` after `is_shutdown()` read `true` takes nothing.
 #[test]
-fn cancels_by_key_after_is_shutdown_reads_true_take_pending_operations() {
+fn cancels_by_key_once_is_shutdown_reads_true_take_nothing() {
     let rounds = within(120, || {
         (0..5)
             .map(|_| round(20_000, Act::CancelKey))
@@ -296,7 +312,7 @@ fn cancels_by_key_after_is_shutdown_reads_true_take_pending_operations() {
 
 /// `OpRef::try_complete` after `is_shutdown()` read `true` completes nothing.
 #[test]
-fn checks_by_reference_after_is_shutdown_reads_true_complete() {
+fn checks_by_reference_once_is_shutdown_reads_true_complete_nothing() {
     let rounds = within(120, || {
         (0..5)
             .map(|_| round(20_000, Act::ByRef))
@@ -317,7 +333,7 @@ fn checks_by_reference_after_is_shutdown_reads_true_complete() {
 
 /// `OpRef::reset` after `is_shutdown()` read `true` returns `false`.
 #[test]
-fn resets_after_is_shutdown_reads_true_return_false() {
+fn resets_once_is_shutdown_reads_true_return_false() {
     let rounds = within(120, || {
         (0..5)
             .map(|_| round(20_000, Act::Reset))

@@ -660,7 +660,10 @@ where
     /// ```
     pub fn try_complete(&self) -> bool {
         if self.cell.shared.is_closed() {
-            // The shutdown hands back whatever is still pending.
+            // The shutdown finishes whatever is still pending. Counted as a
+            // check by reference that completed nothing, as one of a
+            // finished operation is.
+            self.cell.shared.count_walk(WalkKind::Reference, 1, 0);
             return false;
         }
         let completed = self.cell.op().check();
@@ -813,7 +816,8 @@ where
     /// returned `true` still finishes the operation (and removes the moved
     /// timeout). Concurrent resets each move it; the last one to take effect
     /// sets the deadline. Once a [`shutdown`](crate::Purgatory::shutdown) has
-    /// begun, `false`.
+    /// begun, `false` (a reset already under way then may still take effect:
+    /// see the shutdown's docs).
     ///
     /// # Examples
     ///

@@ -940,9 +940,9 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
     /// [`Operation::try_complete_reached`]). Advances of the same or other
     /// keys may run at once on any number of threads. Once a
     /// [`shutdown`](Purgatory::shutdown) has begun (from the moment
-    /// [`is_shutdown`](Purgatory::is_shutdown) reads `true`) this finds
-    /// nothing and returns 0: what is still watched is the shutdown's to hand
-    /// back.
+    /// [`is_shutdown`](Purgatory::is_shutdown) reads `true`; a lost reaper
+    /// shuts it down too) this finds nothing and returns 0: the shutdown
+    /// finishes what is still watched.
     ///
     /// # Examples
     ///
@@ -1005,9 +1005,9 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
     /// again instead (it is then not counted here). Calls for the same or other
     /// keys may run at once on any number of threads. Once a
     /// [`shutdown`](Purgatory::shutdown) has begun (from the moment
-    /// [`is_shutdown`](Purgatory::is_shutdown) reads `true`) this finds
-    /// nothing and returns 0: what is still watched is the shutdown's to hand
-    /// back.
+    /// [`is_shutdown`](Purgatory::is_shutdown) reads `true`; a lost reaper
+    /// shuts it down too) this finds nothing and returns 0: the shutdown
+    /// finishes what is still watched.
     ///
     /// # Examples
     ///
@@ -1068,8 +1068,9 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
     /// An operation still registering is cancelled the same way by its
     /// registration, once it watches `key` (a cancel that comes before finds
     /// nothing of it). Once a [`shutdown`](Purgatory::shutdown) has begun
-    /// (from the moment [`is_shutdown`](Purgatory::is_shutdown) reads `true`)
-    /// this finds nothing and returns an empty list.
+    /// (from the moment [`is_shutdown`](Purgatory::is_shutdown) reads `true`;
+    /// a lost reaper shuts it down too) this finds nothing and returns an
+    /// empty list.
     ///
     /// # Examples
     ///

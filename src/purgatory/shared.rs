@@ -837,7 +837,14 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
     {
         if self.is_closed() {
             // Shut down, or being shut down: what is still watched is the
-            // shutdown's to hand back (a walk from a waker it wakes included).
+            // shutdown's to finish (a walk from a waker it wakes included).
+            // Still a walk, of nothing.
+            let kind = if reached.is_some() {
+                WalkKind::Level
+            } else {
+                WalkKind::Key
+            };
+            self.count_walk(kind, 0, 0);
             return 0;
         }
         // The key's `Hash` and `Eq` are not the check of an operation this
@@ -924,7 +931,7 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         Q: Hash + Eq + ?Sized,
     {
         if self.is_closed() {
-            // As for a walk: the shutdown hands back what is still watched.
+            // As for a walk: the shutdown finishes what is still watched.
             return Vec::new();
         }
         let mut removed = Removed::default();

@@ -57,8 +57,11 @@ pub enum TaskStatus {
 /// future may run, use [`Timer::timeout`](super::Timer::timeout), which
 /// returns a [`TimeoutFuture`](super::TimeoutFuture).
 ///
-/// The handle holds a generation-tagged key, so a handle whose task is gone can
-/// never touch a newer task that reuses the slot. It holds a reference to the
+/// The handle holds a generation-tagged key, so a handle whose task is gone
+/// does not touch a newer task that reuses the slot. The generation is 32
+/// bits: only a handle kept while its slot is reused 2^32 times (each reset
+/// takes the slot anew: about 50 days of 1,000 resets a second of one task)
+/// could name a newer task again. It holds a reference to the
 /// timer's wheels but does not keep the timer open: dropping the last
 /// [`Timer`](super::Timer) clone shuts the timer down while handles exist.
 /// Dropping the handle does **not** cancel the task.
@@ -166,7 +169,11 @@ impl TaskHandle {
     /// Racing the reaper, exactly one wins: either the task runs and `cancel`
     /// returns `false`, or it returns `true` and the task never runs. A
     /// repeating task running at that moment finishes that run and is then
-    /// dropped (on the reaper) instead of rescheduled.
+    /// dropped (on the reaper) instead of rescheduled. Racing a shutdown,
+    /// likewise: from the moment the timer reads shut down
+    /// ([`Timer::is_shutdown`](super::Timer::is_shutdown)), `false`, and the
+    /// shutdown hands the task back; a cancel that came first returns `true`,
+    /// and the task is not handed back.
     ///
     /// # Examples
     ///
@@ -236,6 +243,10 @@ impl TaskHandle {
         match &self.entry {
             Entry::Once(key) => {
                 let key = lock(key);
+                if self.core.closed().is_some() {
+                    // Shut down: the shutdown hands the task back (or has).
+                    return (false, None);
+                }
                 let removed = key.and_then(|key| self.core.remove(key));
                 if removed.is_some() {
                     self.cancelled.store(true, Ordering::Release);
@@ -245,7 +256,8 @@ impl TaskHandle {
             Entry::Repeating(chain) => {
                 let key = {
                     let mut key = lock(&chain.key);
-                    if chain.stopped.swap(true, Ordering::AcqRel) {
+                    // Shut down: the shutdown hands the task back (or has).
+                    if self.core.closed().is_some() || chain.stopped.swap(true, Ordering::AcqRel) {
                         return (false, None);
                     }
                     self.cancelled.store(true, Ordering::Release);
