@@ -537,6 +537,10 @@ async fn run_reaper(guard: ReaperGuard) {
             }
             None => hub.notify.notified().await,
         }
+        // Every core served now counts the wake-up: one attached while the
+        // task slept (whose first insert may be what woke it) too.
+        serving.drain(..).for_each(let_go);
+        serving.extend(lock(&hub.inner).cores.iter().cloned());
         for core in serving.drain(..) {
             // A core closed meanwhile (its close is what woke the task) keeps
             // its counts as they were at the close.

@@ -363,3 +363,33 @@ async fn a_turns_time_counts_the_expiries_own_code_under_a_paused_clock() {
     assert!(r.busy >= ms(5), "{r:?}");
     assert!(r.longest_turn >= ms(5) && r.longest_turn <= r.busy, "{r:?}");
 }
+
+/// `TimerMetrics`: a shutdown called from one of the timer's own tasks
+/// comes in the middle of a reaper turn, which is counted as it ends (the
+/// task and the rest of its batch, which still run); from then on the
+/// counters keep their values.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_shutdown_from_a_task_counts_its_turn_then_keeps_the_counters() {
+    use std::sync::atomic::AtomicUsize;
+    let timer = Timer::builder().shards(1).build().unwrap();
+    let t = timer.clone();
+    timer.schedule(ms(10), move || drop(t.shutdown())).unwrap();
+    let ran = Arc::new(AtomicUsize::new(0));
+    for _ in 0..3 {
+        let r = ran.clone();
+        timer
+            .schedule(ms(10), move || {
+                r.fetch_add(1, Ordering::SeqCst);
+            })
+            .unwrap();
+    }
+    tokio::time::advance(ms(10)).await;
+    settle().await;
+    assert_eq!(ran.load(Ordering::SeqCst), 3, "the rest of the batch ran");
+    let after_turn = timer.metrics();
+    assert_eq!(after_turn.expired, 4, "the turn counted as it ended");
+    assert_eq!(after_turn.pending, 0);
+    tokio::time::advance(ms(100)).await;
+    settle().await;
+    assert_eq!(timer.metrics(), after_turn, "then kept");
+}

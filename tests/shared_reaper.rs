@@ -350,3 +350,26 @@ async fn a_task_run_by_the_reaper_can_build_on_it_and_drop_its_handle() {
     settle().await;
     assert_eq!(alive_tasks(), base, "gone with the last timer");
 }
+
+/// `reaper_wakeups`: "a `Reaper` shared with others counts its wake-ups in
+/// each it serves". A timer attached while the reaper sleeps (for its
+/// neighbour's deadline an hour out), whose own insert wakes it, counts that
+/// wake-up as its neighbour does: over the same period both count the same.
+#[tokio::test(start_paused = true)]
+async fn a_timer_attached_while_the_reaper_sleeps_counts_the_wake_up_it_caused() {
+    let reaper = Reaper::start().unwrap();
+    let a = Timer::builder().name("a").reaper(&reaper).build().unwrap();
+    let _far = a.sleep(Duration::from_secs(3600));
+    settle().await; // the reaper sleeps until A's deadline
+    let b = Timer::builder().name("b").reaper(&reaper).build().unwrap();
+    settle().await;
+    let (a1, b1) = (a.metrics().reaper_wakeups, b.metrics().reaper_wakeups);
+    let nap = b.sleep(ms(10)); // wakes the reaper
+    settle().await;
+    advance(ms(10)).await;
+    nap.await.unwrap();
+    settle().await;
+    let (a2, b2) = (a.metrics().reaper_wakeups, b.metrics().reaper_wakeups);
+    assert!(b2 > b1, "b counted the wake-ups its sleep caused");
+    assert_eq!(a2 - a1, b2 - b1, "one reaper, the same wake-ups in each");
+}

@@ -986,8 +986,10 @@ impl<K: WatchKey, O: Operation, S> Purgatory<K, O, S> {
     /// `checkAndComplete`). Returns how many this call completed. `key` may be any
     /// borrowed form of the key type (`&str` for `String` keys), as for
     /// `HashMap::get`. Also removes the
-    /// tombstones it finds in the key's list, and the key itself when its list
-    /// empties. Operations this call completes are removed at once when they are at
+    /// tombstones it finds among the key's plain watchers, and the key itself
+    /// when nothing is left under it (tombstones of watches at a level stay
+    /// until an advance reaches their level, or the purge takes them).
+    /// Operations this call completes are removed at once when they are at
     /// least a quarter of the list; otherwise they stay as tombstones until the
     /// key's next walk (or the amortised purge).
     ///

@@ -909,7 +909,11 @@ impl Timer {
 ///
 /// A snapshot: the fields are read one after another while the timer runs, so
 /// under concurrent use they may disagree slightly with each other. The counters
-/// keep their values after a shutdown; `pending` is then zero.
+/// keep their values after a shutdown; `pending` is then zero. A shutdown
+/// called from one of the timer's own tasks comes in the middle of a reaper
+/// turn: that turn (the task, and the rest of its batch, which still run) is
+/// counted as it ends, in `expired` and the reaper's figures, so read the
+/// final values once the task has returned.
 ///
 /// # Examples
 ///
