@@ -636,8 +636,8 @@ where
     /// (unless a cancel or the timeout arrives during that check too: they
     /// win over the re-run), and checks never overlap. After the operation has finished, returns `false`
     /// and runs nothing; so it does once a [`shutdown`](crate::Purgatory::shutdown)
-    /// of its purgatory has begun (the shutdown hands back what is still
-    /// pending).
+    /// of its purgatory has begun (the shutdown finishes what is still
+    /// pending: hands it back, or cancels it when the reaper was lost).
     ///
     /// # Examples
     ///
