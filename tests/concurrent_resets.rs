@@ -444,6 +444,8 @@ mod reset_into_the_past {
     use tokio::time::Instant;
     use tokio_purgatory::{Operation, OperationStatus, Purgatory};
 
+    use super::support::within;
+
     struct Never;
     impl Operation for Never {
         type Output = ();
@@ -451,18 +453,6 @@ mod reset_into_the_past {
             None
         }
         fn on_expiration(self) {}
-    }
-
-    fn within<T: Send + 'static>(secs: u64, f: impl FnOnce() -> T + Send + 'static) -> T {
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let _ = tx.send(std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)));
-        });
-        match rx.recv_timeout(Duration::from_secs(secs)) {
-            Ok(Ok(v)) => v,
-            Ok(Err(p)) => std::panic::resume_unwind(p),
-            Err(_) => panic!("hang: no answer within {secs} s"),
-        }
     }
 
     fn round(n: usize) -> (usize, usize) {

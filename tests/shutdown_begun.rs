@@ -19,7 +19,10 @@ use std::sync::Arc;
 use std::task::{Context, Wake, Waker};
 use std::time::Duration;
 
-use tokio_purgatory::{Completion, Operation, OperationError, Purgatory};
+use tokio_purgatory::{Completion, OperationError, Purgatory};
+
+mod support;
+use support::{within, FlagOp as Op};
 
 /// Runs its closure when woken.
 struct FnWaker(Box<dyn Fn() + Send + Sync>);
@@ -29,31 +32,19 @@ impl Wake for FnWaker {
     }
 }
 
-/// A plain op: completes once its flag is set.
-struct Flag(Arc<AtomicBool>);
-impl Operation for Flag {
-    type Output = &'static str;
-    fn try_complete(&mut self) -> Option<&'static str> {
-        self.0.load(Ordering::SeqCst).then_some("done")
-    }
-    fn on_expiration(self) -> &'static str {
-        "expired"
-    }
-}
-
 /// A handle's waker, woken by the shutdown itself as it hands an operation
 /// back, walks the keys of the others (all ready to complete) and checks
 /// them by reference: none completes, and the shutdown hands back all 16.
 #[tokio::test(start_paused = true)]
 async fn code_the_shutdown_runs_completes_nothing_it_hands_back() {
-    let p: Purgatory<u32, Flag> = Purgatory::builder().name("s").build().unwrap();
+    let p: Purgatory<u32, Op> = Purgatory::builder().name("s").build().unwrap();
     let n = 16u32;
     let flags: Vec<Arc<AtomicBool>> = (0..n).map(|_| Arc::default()).collect();
     let mut handles = Vec::new();
     for i in 0..n {
         let h = p
             .try_complete_else_watch(
-                Flag(flags[i as usize].clone()),
+                Op(flags[i as usize].clone()),
                 Duration::from_secs(10 + u64::from(i)),
                 [i],
             )
@@ -133,24 +124,13 @@ async fn code_the_shutdown_runs_completes_nothing_it_hands_back() {
     );
 }
 
-fn within<T: Send + 'static>(secs: u64, f: impl FnOnce() -> T + Send + 'static) -> T {
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)));
-    });
-    match rx.recv_timeout(Duration::from_secs(secs)) {
-        Ok(Ok(v)) => v,
-        Ok(Err(p)) => std::panic::resume_unwind(p),
-        Err(_) => panic!("hang: no answer within {secs} s"),
-    }
-}
-
 #[derive(Debug, Default)]
 struct Round {
     n: usize,
     handed_back: usize,
-    completed_after_seen: usize,
-    cancelled_after_seen: usize,
+    /// What the calls made once `is_shutdown()` read `true` did: operations
+    /// completed or cancelled, resets that returned `true`.
+    took_effect: usize,
     completed_outcomes: usize,
     cancelled_outcomes: usize,
     shutdown_outcomes: usize,
@@ -171,28 +151,22 @@ fn round(n: usize, act: Act) -> Round {
         .build()
         .unwrap();
     let _g = rt.enter();
-    let p: Purgatory<u32, Flag> = Purgatory::builder().name("after").build().unwrap();
+    let p: Purgatory<u32, Op> = Purgatory::builder().name("after").build().unwrap();
     let ready = Arc::new(AtomicBool::new(false));
     let mut handles = Vec::with_capacity(n);
     for i in 0..n {
         handles.push(
-            p.try_complete_else_watch(Flag(ready.clone()), Duration::from_secs(3600), [i as u32])
+            p.try_complete_else_watch(Op(ready.clone()), Duration::from_secs(3600), [i as u32])
                 .unwrap(),
         );
     }
     ready.store(true, Ordering::SeqCst);
     let refs: Vec<_> = handles.iter().map(|h| h.op_ref().unwrap()).collect();
     let go = Arc::new(AtomicBool::new(false));
-    let after_completed = Arc::new(AtomicUsize::new(0));
-    let after_cancelled = Arc::new(AtomicUsize::new(0));
+    let took_effect = Arc::new(AtomicUsize::new(0));
     let other = {
         let rt_h = rt.handle().clone();
-        let (p, go, c, x) = (
-            p.clone(),
-            go.clone(),
-            after_completed.clone(),
-            after_cancelled.clone(),
-        );
+        let (p, go, took) = (p.clone(), go.clone(), took_effect.clone());
         std::thread::spawn(move || {
             let _g = rt_h.enter();
             go.store(true, Ordering::SeqCst);
@@ -202,26 +176,13 @@ fn round(n: usize, act: Act) -> Round {
             // From here on, the shutdown has happened as far as this thread
             // can tell.
             for k in (0..n as u32).rev() {
-                match act {
-                    Act::Walk => {
-                        c.fetch_add(p.try_complete_watched(&k), Ordering::SeqCst);
-                    }
-                    Act::CancelKey => {
-                        x.fetch_add(p.cancel_for_key(&k).len(), Ordering::SeqCst);
-                    }
-                    Act::ByRef => {
-                        c.fetch_add(
-                            usize::from(refs[k as usize].try_complete()),
-                            Ordering::SeqCst,
-                        );
-                    }
-                    Act::Reset => {
-                        x.fetch_add(
-                            usize::from(refs[k as usize].reset(Duration::from_secs(7200))),
-                            Ordering::SeqCst,
-                        );
-                    }
-                }
+                let did = match act {
+                    Act::Walk => p.try_complete_watched(&k),
+                    Act::CancelKey => p.cancel_for_key(&k).len(),
+                    Act::ByRef => usize::from(refs[k as usize].try_complete()),
+                    Act::Reset => usize::from(refs[k as usize].reset(Duration::from_secs(7200))),
+                };
+                took.fetch_add(did, Ordering::SeqCst);
             }
         })
     };
@@ -235,8 +196,7 @@ fn round(n: usize, act: Act) -> Round {
     let mut r = Round {
         n,
         handed_back,
-        completed_after_seen: after_completed.load(Ordering::SeqCst),
-        cancelled_after_seen: after_cancelled.load(Ordering::SeqCst),
+        took_effect: took_effect.load(Ordering::SeqCst),
         ..Round::default()
     };
     let outs: Vec<_> = rt.block_on(async {
@@ -269,86 +229,46 @@ fn round(n: usize, act: Act) -> Round {
     r
 }
 
-/// Walks made after `is_shutdown()` read `true` on the walking thread
-/// complete nothing: the shutdown hands back what they would have.
+/// Five rounds of 20,000 ready operations: a call of `act` on every key or
+/// operation, made once `is_shutdown()` read `true`, does nothing, and the
+/// shutdown hands back all of them.
+fn late_calls_do_nothing(act: Act, what: &str) {
+    let rounds = within(120, move || {
+        (0..5).map(|_| round(20_000, act)).collect::<Vec<_>>()
+    });
+    let bad: Vec<_> = rounds
+        .iter()
+        .filter(|r| r.took_effect > 0 || r.handed_back != r.n)
+        .collect();
+    assert!(
+        bad.is_empty(),
+        "{} of {} rounds: {what} after is_shutdown() took effect: {:?}",
+        bad.len(),
+        rounds.len(),
+        bad
+    );
+}
+
+/// Walks complete nothing: the shutdown hands back what they would have.
 #[test]
 fn walks_once_is_shutdown_reads_true_complete_nothing() {
-    let rounds = within(120, || {
-        (0..5).map(|_| round(20_000, Act::Walk)).collect::<Vec<_>>()
-    });
-    let bad: Vec<_> = rounds
-        .iter()
-        .filter(|r| r.completed_after_seen > 0 || r.handed_back != r.n)
-        .collect();
-    assert!(
-        bad.is_empty(),
-        "{} of {} rounds: walks after is_shutdown() completed operations: {:?}",
-        bad.len(),
-        rounds.len(),
-        bad
-    );
+    late_calls_do_nothing(Act::Walk, "walks");
 }
 
-/// `cancel_for_key` after `is_shutdown()` read `true` takes nothing.
+/// `cancel_for_key` takes nothing.
 #[test]
 fn cancels_by_key_once_is_shutdown_reads_true_take_nothing() {
-    let rounds = within(120, || {
-        (0..5)
-            .map(|_| round(20_000, Act::CancelKey))
-            .collect::<Vec<_>>()
-    });
-    let bad: Vec<_> = rounds
-        .iter()
-        .filter(|r| r.cancelled_after_seen > 0 || r.handed_back != r.n)
-        .collect();
-    assert!(
-        bad.is_empty(),
-        "{} of {} rounds: cancel_for_key after is_shutdown() took operations: {:?}",
-        bad.len(),
-        rounds.len(),
-        bad
-    );
+    late_calls_do_nothing(Act::CancelKey, "cancel_for_key");
 }
 
-/// `OpRef::try_complete` after `is_shutdown()` read `true` completes nothing.
+/// `OpRef::try_complete` completes nothing.
 #[test]
 fn checks_by_reference_once_is_shutdown_reads_true_complete_nothing() {
-    let rounds = within(120, || {
-        (0..5)
-            .map(|_| round(20_000, Act::ByRef))
-            .collect::<Vec<_>>()
-    });
-    let bad: Vec<_> = rounds
-        .iter()
-        .filter(|r| r.completed_after_seen > 0 || r.handed_back != r.n)
-        .collect();
-    assert!(
-        bad.is_empty(),
-        "{} of {} rounds: OpRef::try_complete after is_shutdown() completed: {:?}",
-        bad.len(),
-        rounds.len(),
-        bad
-    );
+    late_calls_do_nothing(Act::ByRef, "OpRef::try_complete");
 }
 
-/// `OpRef::reset` after `is_shutdown()` read `true` returns `false`.
+/// `OpRef::reset` returns `false`.
 #[test]
 fn resets_once_is_shutdown_reads_true_return_false() {
-    let rounds = within(120, || {
-        (0..5)
-            .map(|_| round(20_000, Act::Reset))
-            .collect::<Vec<_>>()
-    });
-    // `cancelled_after_seen` counts resets that returned true here.
-    let bad: Vec<_> = rounds
-        .iter()
-        .filter(|r| r.cancelled_after_seen > 0 || r.handed_back != r.n)
-        .collect();
-    assert!(
-        bad.is_empty(),
-        "{} of {} rounds: OpRef::reset after is_shutdown() returned true: {:?}",
-        bad.len(),
-        rounds.len(),
-        bad
-    );
+    late_calls_do_nothing(Act::Reset, "OpRef::reset");
 }

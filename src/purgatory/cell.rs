@@ -1042,6 +1042,21 @@ mod loom_timer_slot {
             thread::spawn(move || kept.reset(bits))
         }
 
+        /// The expiry of the entry with `bits`, on a thread of its own: the
+        /// reaper takes the entry out of the timer (if it is still there),
+        /// then the finish takes the key and removes nothing (the entry has
+        /// left). Whether it fired.
+        fn spawn_expiry(self: &Arc<Kept>, bits: u64) -> thread::JoinHandle<bool> {
+            let kept = self.clone();
+            thread::spawn(move || {
+                let fired = kept.take(bits);
+                if fired {
+                    kept.slot().take_final();
+                }
+                fired
+            })
+        }
+
         fn slot(&self) -> TimerSlot<'_> {
             TimerSlot::new(&self.word, &self.shard)
         }
@@ -1123,19 +1138,8 @@ mod loom_timer_slot {
     fn loom_timer_key_moved_racing_an_expiry_is_removed_once() {
         loom::model(|| {
             let kept = Kept::armed();
-            let t = {
-                let kept = kept.clone();
-                // The expiry: the reaper takes the entry out of the timer
-                // (if it is still the one it fires), then the finish takes
-                // the key and removes nothing (the entry has left).
-                thread::spawn(move || {
-                    let fired = kept.take(7);
-                    if fired {
-                        kept.slot().take_final();
-                    }
-                    fired
-                })
-            };
+            // The expiry of the entry the registration recorded.
+            let t = kept.spawn_expiry(7);
             // A reset that finds the entry gone leaves it to the expiry.
             let moved = {
                 let _resets = lock(&kept.resets);
@@ -1157,19 +1161,8 @@ mod loom_timer_slot {
     fn loom_a_reset_whose_moved_entry_fires_at_once_took_effect() {
         loom::model(|| {
             let kept = Kept::armed();
-            let t = {
-                let kept = kept.clone();
-                // The expiry of the moved entry (its deadline already past):
-                // the reaper takes it out of the timer, then the finish takes
-                // the key (the entry has left: nothing to remove).
-                thread::spawn(move || {
-                    let fired = kept.take(8);
-                    if fired {
-                        kept.slot().take_final();
-                    }
-                    fired
-                })
-            };
+            // The expiry of the moved entry (its deadline already past).
+            let t = kept.spawn_expiry(8);
             let moved = {
                 let _resets = lock(&kept.resets);
                 kept.slot().move_with(

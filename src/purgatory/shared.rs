@@ -835,15 +835,15 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
         K: Borrow<Q>,
         Q: Hash + Eq + ?Sized,
     {
+        let kind = if reached.is_some() {
+            WalkKind::Level
+        } else {
+            WalkKind::Key
+        };
         if self.is_closed() {
             // Shut down, or being shut down: what is still watched is the
             // shutdown's to finish (a walk from a waker it wakes included).
             // Still a walk, of nothing.
-            let kind = if reached.is_some() {
-                WalkKind::Level
-            } else {
-                WalkKind::Key
-            };
             self.count_walk(kind, 0, 0);
             return 0;
         }
@@ -885,11 +885,6 @@ impl<K: WatchKey, O: Operation> Shared<K, O> {
                 .filter(|op| op.check_reached(me, reached))
                 .count();
         }
-        let kind = if reached.is_some() {
-            WalkKind::Level
-        } else {
-            WalkKind::Key
-        };
         self.count_walk(kind, checked, completed);
         buffers.live.clear();
         // An advance's completions sit among the level entries it put back one
